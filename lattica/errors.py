@@ -1,0 +1,58 @@
+"""One error taxonomy for the whole runtime.
+
+- ``ConfigError``: the user gave bad input (flag, env var, file). The CLI prints one line.
+- ``LocalProtocolError``: *we* tried to do something the protocol forbids (a bug or misuse).
+- ``RemoteProtocolError``: a peer sent something malformed, oversized or hostile. It carries
+  the peer id; the caller logs it, drops or penalizes the peer, and carries on.
+- ``ClosedError`` vs ``BrokenError``: "you closed it" vs "the other side (or the network)
+  broke it", as trio distinguishes ``ClosedResourceError`` and ``BrokenResourceError``.
+- ``PeerUnavailableError``: a peer could not be reached or vanished mid-operation.
+"""
+
+from __future__ import annotations
+
+
+class LatticaError(Exception):
+    """Base of every error Lattica raises on purpose."""
+
+
+class ConfigError(LatticaError):
+    """Invalid user input: flags, environment, config or key files."""
+
+
+class LocalProtocolError(LatticaError):
+    """This node attempted something the protocol does not allow."""
+
+
+class RemoteError(LatticaError):
+    """Base for failures attributed to a specific remote peer."""
+
+    def __init__(self, message: str, *, peer_id: str | None = None) -> None:
+        super().__init__(message)
+        self.peer_id = peer_id
+
+    def __str__(self) -> str:
+        base = super().__str__()
+        if self.peer_id:
+            return f"{base} (peer {self.peer_id})"
+        return base
+
+
+class RemoteProtocolError(RemoteError):
+    """A peer sent malformed, oversized or otherwise invalid data."""
+
+
+class PeerUnavailableError(RemoteError):
+    """A peer could not be reached, or disconnected during an operation."""
+
+
+class ClosedError(LatticaError):
+    """The resource was closed locally."""
+
+
+class BrokenError(RemoteError):
+    """The resource was broken by the remote side or the network."""
+
+
+class DaemonNotRunningError(LatticaError):
+    """No daemon answers on the control socket of the given data dir."""

@@ -1,0 +1,74 @@
+"""Node identity: one Ed25519 key per data dir, created on first start.
+
+The key file holds the libp2p protobuf serialization of the private key. It must be readable
+by its owner only (mode 0600); a key that others can read is refused rather than used, since
+anyone holding it can impersonate the node and sign its replicated-state updates.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.crypto.keys import KeyPair, KeyType
+from libp2p.crypto.serialization import deserialize_private_key
+from libp2p.peer.id import ID
+
+from lattica.errors import ConfigError
+
+KEY_FILE_NAME = "identity.key"
+_MAX_KEY_FILE_BYTES = 4096
+
+
+def load_or_create_identity(data_dir: Path) -> KeyPair:
+    """Return the node's key pair, creating ``data_dir/identity.key`` (0600) if absent."""
+    path = data_dir / KEY_FILE_NAME
+    if not path.exists():
+        return _create_identity(path)
+    return load_identity(path)
+
+
+def load_identity(path: Path) -> KeyPair:
+    try:
+        mode = path.stat().st_mode
+    except OSError as exc:
+        raise ConfigError(f"cannot read key file {path}: {exc.strerror}") from None
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ConfigError(
+            f"key file {path} has mode {stat.S_IMODE(mode):04o}; it must be 0600 "
+            f"(run: chmod 600 {path})"
+        )
+    try:
+        with path.open("rb") as f:
+            raw = f.read(_MAX_KEY_FILE_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"cannot read key file {path}: {exc.strerror}") from None
+    if len(raw) > _MAX_KEY_FILE_BYTES:
+        raise ConfigError(f"key file {path} is too large to be a key")
+    try:
+        private_key = deserialize_private_key(raw)
+    except Exception:
+        raise ConfigError(f"key file {path} is not a valid libp2p private key") from None
+    if private_key.get_type() != KeyType.Ed25519:
+        raise ConfigError(f"key file {path} holds a {private_key.get_type().name} key; Ed25519 required")
+    return KeyPair(private_key, private_key.get_public_key())
+
+
+def _create_identity(path: Path) -> KeyPair:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    key_pair = create_new_key_pair()
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, key_pair.private_key.serialize())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    return key_pair
+
+
+def peer_id_of(key_pair: KeyPair) -> ID:
+    return ID.from_pubkey(key_pair.public_key)

@@ -1,0 +1,75 @@
+"""Length-prefixed msgpack messages on a libp2p stream — the framing of every control protocol.
+
+Frame: 4-byte big-endian body length, then a msgpack body. The length is checked against the
+caller's cap *before* anything is allocated, and msgpack is decoded with its own size limits,
+so a lying or hostile peer costs at most ``max_size`` bytes of memory. Anything malformed is a
+``RemoteProtocolError`` carrying the peer id.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import msgpack
+from libp2p.abc import INetStream
+
+from lattica.errors import BrokenError, RemoteProtocolError
+
+_HEADER = struct.Struct(">I")
+DEFAULT_MAX_MESSAGE = 1 << 20
+
+
+def encode_message(obj: Any) -> bytes:
+    body = msgpack.packb(obj, use_bin_type=True)
+    return _HEADER.pack(len(body)) + body
+
+
+def decode_body(body: bytes, *, peer_id: str | None = None) -> Any:
+    try:
+        return msgpack.unpackb(
+            body,
+            raw=False,
+            strict_map_key=False,
+            max_buffer_size=len(body),
+        )
+    except Exception as exc:
+        raise RemoteProtocolError(f"malformed message: {exc}", peer_id=peer_id) from None
+
+
+async def read_exactly(stream: INetStream, n: int, *, peer_id: str | None = None) -> bytes:
+    chunks: list[bytes] = []
+    remaining = n
+    while remaining:
+        try:
+            chunk = await stream.read(remaining)
+        except EOFError:  # StreamEOF / MuxedStreamEOF
+            chunk = b""
+        except Exception as exc:
+            raise BrokenError(f"stream broken: {exc!r}", peer_id=peer_id) from None
+        if not chunk:
+            raise BrokenError(
+                f"stream ended after {n - remaining} of {n} bytes", peer_id=peer_id
+            )
+        chunks.append(chunk)
+        remaining -= len(chunk)
+    return b"".join(chunks)
+
+
+async def read_message(
+    stream: INetStream, *, max_size: int = DEFAULT_MAX_MESSAGE, peer_id: str | None = None
+) -> Any:
+    """Read one framed message; raises ``RemoteProtocolError`` or ``BrokenError``."""
+    (length,) = _HEADER.unpack(await read_exactly(stream, _HEADER.size, peer_id=peer_id))
+    if length > max_size:
+        raise RemoteProtocolError(
+            f"message of {length} bytes exceeds the {max_size}-byte limit", peer_id=peer_id
+        )
+    return decode_body(await read_exactly(stream, length, peer_id=peer_id), peer_id=peer_id)
+
+
+async def write_message(stream: INetStream, obj: Any, *, peer_id: str | None = None) -> None:
+    try:
+        await stream.write(encode_message(obj))
+    except Exception as exc:
+        raise BrokenError(f"cannot write to stream: {exc!r}", peer_id=peer_id) from None
