@@ -1,0 +1,96 @@
+"""What every outer strategy looks like to the trainer.
+
+The trainer owns the model and the inner optimizer and runs inner steps in a worker thread.
+Between two inner steps, on the trio thread, it calls ``strategy.after_inner_step(step)``.
+A strategy decides from the step number whether it syncs now:
+
+- blocking DiLoCo: every H steps it awaits an all-reduce and applies the outer step;
+- eager / streaming: it starts communication in ``self.nursery`` and applies the result some
+  steps later, so inner steps keep running while tensors are on the wire.
+
+Strategies see the network only through a ``Collective`` and learn who takes part in a sync from
+a ``GroupProvider`` (the daemon answers from the replicated state; tests answer with a fixed
+list). All tensor math lives in pure functions next to each strategy, tested without any I/O.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import trio
+
+from lattica.train.collective import Collective
+
+
+class GroupProvider(Protocol):
+    async def group_for(self, key: str) -> Sequence[str]:
+        """The agreed, identically ordered member list (including this node) for sync ``key``.
+
+        ``key`` names one sync uniquely in the run, e.g. ``"round/12"`` or
+        ``"round/12/fragment/1"``. Peers that miss the deadline are left out.
+        """
+        ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class OuterStepReport:
+    """What happened at one sync, for logs, metrics and the replicated progress record."""
+
+    round: int
+    key: str
+    group: tuple[str, ...]
+    bytes_sent: int
+    seconds: float
+    skipped: bool = False
+    detail: str = ""
+
+
+class OuterStrategy(ABC):
+    """Base of DiLoCo, eager/streaming DiLoCo, NoLoCo and SPES."""
+
+    name: str = "base"
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        collective: Collective,
+        groups: GroupProvider,
+    ) -> None:
+        self.model = model
+        self.collective = collective
+        self.groups = groups
+        self.nursery: trio.Nursery | None = None
+
+    def bind_nursery(self, nursery: trio.Nursery) -> None:
+        """Give the strategy a nursery for communication that overlaps inner steps."""
+        self.nursery = nursery
+
+    @abstractmethod
+    async def after_inner_step(self, step: int) -> list[OuterStepReport]:
+        """Called after inner step ``step`` (1-based); returns the syncs completed now."""
+
+    async def finish(self) -> list[OuterStepReport]:
+        """Complete in-flight syncs at the end of training (default: nothing in flight)."""
+        return []
+
+    @property
+    @abstractmethod
+    def completed_rounds(self) -> int:
+        """Number of outer rounds fully applied on this node."""
+
+    @abstractmethod
+    def outer_state_dict(self) -> dict[str, Any]:
+        """Outer weights and outer optimizer state, for checkpoints and joiners."""
+
+    @abstractmethod
+    def load_outer_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what ``outer_state_dict`` returned (a joiner or a restarted peer)."""
+
+    def evaluation_parameters(self) -> Sequence[torch.Tensor] | None:
+        """Parameters to evaluate on, when they differ from the model's (Streaming: θ̃)."""
+        return None
