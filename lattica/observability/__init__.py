@@ -1,0 +1,5 @@
+"""Observability: the node's Prometheus metrics and their HTTP exporter."""
+
+from lattica.observability.metrics import NodeMetrics
+
+__all__ = ["NodeMetrics"]

@@ -1,0 +1,180 @@
+"""Every Prometheus metric a Lattica node exports, defined in one place.
+
+Each daemon owns one ``NodeMetrics``; it holds a private ``CollectorRegistry`` so that several
+daemons in one process (tests, demos) never collide on the global default registry. Subsystems
+receive the ``NodeMetrics`` object (or just the metric they update) and call the ordinary
+prometheus_client methods on it: ``metrics.outer_round.set(7)``,
+``metrics.bytes_sent.labels(protocol="/lattica/allreduce/1").inc(n)``,
+``with metrics.collective_seconds.labels(op="allreduce").time(): ...``.
+
+Naming follows the Prometheus conventions: counters end in ``_total``, durations are histograms
+in ``_seconds``, sizes are in ``_bytes``; every name starts with ``lattica_``. Label sets that
+dashboards query (connection paths, rejection reasons) are created up front with value 0, so a
+panel shows a flat zero line rather than "no data" before the first event.
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+from importlib import metadata
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client.process_collector import ProcessCollector
+
+NAMESPACE = "lattica"
+
+# How a peer connection reached us; values of the ``path`` label of ``peers_by_path``.
+CONNECTION_PATHS = ("direct", "hole-punched", "relayed")
+
+# Reasons a replicated-state update may be refused; values of ``rejected_updates{reason}``.
+# Subsystems may use other reasons too; these are pre-created so the dashboard always has series.
+REJECT_REASONS = ("malformed", "bad-signature", "unknown-author", "oversized", "stale")
+
+# Collective operations timed by ``collective_seconds{op}``.
+COLLECTIVE_OPS = ("allreduce", "exchange")
+
+# Wide-area rounds last seconds to many minutes; collectives milliseconds to minutes.
+ROUND_BUCKETS = (0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600)
+COLLECTIVE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+CHECKPOINT_BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+
+
+def _version(distribution: str) -> str:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+class NodeMetrics:
+    """The metrics of one node, registered in their own registry (``self.registry``)."""
+
+    def __init__(self, *, peer_id: str = "", run_id: str = "", process: bool = True) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        if process:
+            # process_cpu_seconds_total, process_resident_memory_bytes, ... (Linux /proc only).
+            ProcessCollector(registry=self.registry)
+        self._define_identity(peer_id=peer_id, run_id=run_id)
+        self._define_network()
+        self._define_training()
+        self._define_state()
+
+    def _gauge(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> Gauge:
+        return Gauge(name, doc, labels, namespace=NAMESPACE, registry=self.registry)
+
+    def _counter(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+        return Counter(name, doc, labels, namespace=NAMESPACE, registry=self.registry)
+
+    def _histogram(
+        self, name: str, doc: str, buckets: tuple[float, ...], labels: tuple[str, ...] = ()
+    ) -> Histogram:
+        return Histogram(
+            name, doc, labels, namespace=NAMESPACE, registry=self.registry, buckets=buckets
+        )
+
+    def _define_identity(self, *, peer_id: str, run_id: str) -> None:
+        self.build_info = Info(
+            "build", "Lattica build: package versions.", namespace=NAMESPACE, registry=self.registry
+        )
+        """``lattica_build_info{version,python,libp2p} 1``."""
+        self.build_info.info(
+            {
+                "version": _version("lattica"),
+                "python": platform.python_version(),
+                "libp2p": _version("libp2p"),
+            }
+        )
+        self.node_info = Info(
+            "node", "Identity of this node.", namespace=NAMESPACE, registry=self.registry
+        )
+        """``lattica_node_info{peer_id,run_id} 1``: joins an instance to its libp2p identity."""
+        self.node_info.info({"peer_id": peer_id, "run_id": run_id})
+
+    def _define_network(self) -> None:
+        self.peers_connected = self._gauge("peers_connected", "Peers currently connected.")
+        """``lattica_peers_connected``: set from the host's connection table."""
+        self.peers_by_path = self._gauge(
+            "peers_by_path", "Connected peers by connection path.", ("path",)
+        )
+        """``lattica_peers_by_path{path=direct|hole-punched|relayed}``."""
+        for path in CONNECTION_PATHS:
+            self.peers_by_path.labels(path=path)
+        self.bytes_sent = self._counter(
+            "bytes_sent", "Payload bytes sent, by libp2p protocol id.", ("protocol",)
+        )
+        """``lattica_bytes_sent_total{protocol}``: ``.labels(protocol=pid).inc(n)``."""
+        self.bytes_received = self._counter(
+            "bytes_received", "Payload bytes received, by libp2p protocol id.", ("protocol",)
+        )
+        """``lattica_bytes_received_total{protocol}``."""
+        self.relay_reservations = self._gauge(
+            "relay_reservations", "Active circuit-relay v2 reservations held by this node."
+        )
+        """``lattica_relay_reservations``."""
+        self.dht_routing_table_peers = self._gauge(
+            "dht_routing_table_peers", "Peers in the Kademlia routing table."
+        )
+        """``lattica_dht_routing_table_peers``."""
+
+    def _define_training(self) -> None:
+        self.outer_round = self._gauge("outer_round", "Current outer (DiLoCo) round of this node.")
+        """``lattica_outer_round``."""
+        self.rounds_completed = self._counter(
+            "rounds_completed", "Outer rounds this node completed (outer step applied)."
+        )
+        """``lattica_rounds_completed_total``."""
+        self.round_seconds = self._histogram(
+            "round_duration_seconds", "Wall time of one outer round.", ROUND_BUCKETS
+        )
+        """``lattica_round_duration_seconds``: ``.observe(seconds)`` once per round."""
+        self.collective_seconds = self._histogram(
+            "collective_duration_seconds",
+            "Wall time of one collective operation (all-reduce, pairwise exchange).",
+            COLLECTIVE_BUCKETS,
+            ("op",),
+        )
+        """``lattica_collective_duration_seconds{op=allreduce|exchange}``."""
+        for op in COLLECTIVE_OPS:
+            self.collective_seconds.labels(op=op)
+        self.inner_steps_per_second = self._gauge(
+            "inner_steps_per_second", "Inner optimizer steps per second (recent average)."
+        )
+        """``lattica_inner_steps_per_second``."""
+        self.tokens_per_second = self._gauge(
+            "tokens_per_second", "Training tokens per second (recent average)."
+        )
+        """``lattica_tokens_per_second``."""
+        self.train_loss = self._gauge("train_loss", "Most recent training loss.")
+        """``lattica_train_loss``."""
+        self.validation_loss = self._gauge("validation_loss", "Most recent validation loss.")
+        """``lattica_validation_loss``."""
+        # NaN until the first measurement: a loss of 0 would be a lie on the dashboard.
+        self.train_loss.set(math.nan)
+        self.validation_loss.set(math.nan)
+        self.staleness_rounds = self._gauge(
+            "staleness_rounds", "Outer rounds this node is behind the highest round seen in the swarm."
+        )
+        """``lattica_staleness_rounds``: ``max_seen_round - outer_round``, never negative."""
+        self.checkpoint_fetch_seconds = self._histogram(
+            "checkpoint_fetch_duration_seconds",
+            "Wall time to fetch and load a checkpoint from peers.",
+            CHECKPOINT_BUCKETS,
+        )
+        """``lattica_checkpoint_fetch_duration_seconds``."""
+
+    def _define_state(self) -> None:
+        self.replicated_state_bytes = self._gauge(
+            "replicated_state_bytes", "Encoded size of the replicated (CRDT) state document."
+        )
+        """``lattica_replicated_state_bytes``."""
+        self.rejected_updates = self._counter(
+            "rejected_updates", "Replicated-state updates refused, by reason.", ("reason",)
+        )
+        """``lattica_rejected_updates_total{reason}``: ``.labels(reason=r).inc()``."""
+        for reason in REJECT_REASONS:
+            self.rejected_updates.labels(reason=reason)
+
+    def set_staleness(self, *, own_round: int, max_seen_round: int) -> None:
+        """Record how far behind the swarm this node is (0 when it leads)."""
+        self.staleness_rounds.set(max(0, max_seen_round - own_round))
