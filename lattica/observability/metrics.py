@@ -153,7 +153,8 @@ class NodeMetrics:
         self.train_loss.set(math.nan)
         self.validation_loss.set(math.nan)
         self.staleness_rounds = self._gauge(
-            "staleness_rounds", "Outer rounds this node is behind the highest round seen in the swarm."
+            "staleness_rounds",
+            "Outer rounds this node is behind the highest round seen in the swarm.",
         )
         """``lattica_staleness_rounds``: ``max_seen_round - outer_round``, never negative."""
         self.checkpoint_fetch_seconds = self._histogram(

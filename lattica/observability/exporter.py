@@ -1,0 +1,119 @@
+"""``MetricsServer``: serves a node's registry at ``GET /metrics`` on trio sockets.
+
+prometheus_client ships its own HTTP server, but it runs in a background thread; a Lattica node
+keeps every task in its trio nursery, so this exporter is a small trio TCP server instead.
+
+Robustness: each connection gets ``HEAD_TIMEOUT`` seconds to send its request head (at most
+``MAX_HEAD_BYTES``) and ``WRITE_TIMEOUT`` seconds to read the answer; after that it is simply
+closed. At most ``max_connections`` are served at once; the rest get a 503 immediately. A broken
+or hostile client only ever costs its own connection.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from http import HTTPStatus
+
+import trio
+from prometheus_client.exposition import choose_encoder
+
+from lattica.observability.http_request import (
+    BadRequest,
+    head_length,
+    parse_request_head,
+    render_error,
+    render_response,
+)
+from lattica.observability.metrics import NodeMetrics
+
+log = logging.getLogger(__name__)
+
+HEAD_TIMEOUT = 5.0
+WRITE_TIMEOUT = 10.0
+METRICS_PATH = "/metrics"
+
+
+class MetricsServer:
+    """HTTP exporter for one ``NodeMetrics``; ``port=0`` picks a free port."""
+
+    def __init__(
+        self, metrics: NodeMetrics, host: str, port: int, *, max_connections: int = 16
+    ) -> None:
+        if not 0 <= port <= 65535:
+            raise ValueError(f"metrics port must be in 0..65535, got {port}")
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {max_connections}")
+        self._metrics = metrics
+        self._host = host
+        self._port = port
+        self._limiter = trio.CapacityLimiter(max_connections)
+        self.address: tuple[str, int] | None = None
+        """The bound (host, port), set once ``run`` has started."""
+
+    async def run(
+        self, *, task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Listen and serve until cancelled; ``task_status.started((host, port))`` once bound."""
+        listeners = await trio.open_tcp_listeners(self._port, host=self._host)
+        sock = listeners[0].socket
+        host, port = sock.getsockname()[:2]
+        self.address = (host, port)
+        log.info("metrics exporter listening on http://%s:%d%s", host, port, METRICS_PATH)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(trio.serve_listeners, self._handle, listeners)
+            task_status.started(self.address)
+
+    async def _handle(self, stream: trio.SocketStream) -> None:
+        async with stream:
+            try:
+                self._limiter.acquire_nowait()
+            except trio.WouldBlock:
+                await self._send(stream, render_error(HTTPStatus.SERVICE_UNAVAILABLE, "busy"))
+                return
+            try:
+                await self._serve_one(stream)
+            finally:
+                self._limiter.release()
+
+    async def _serve_one(self, stream: trio.SocketStream) -> None:
+        head = b""
+        try:
+            with trio.move_on_after(HEAD_TIMEOUT):
+                head = await self._read_head(stream)
+            if not head:
+                return  # timed out or the client hung up before a full request
+            response = self._respond(head)
+        except BadRequest as exc:
+            response = render_error(exc.status, str(exc))
+        except (trio.BrokenResourceError, OSError):
+            return
+        await self._send(stream, response)
+
+    async def _read_head(self, stream: trio.SocketStream) -> bytes:
+        buffer = bytearray()
+        while (length := head_length(bytes(buffer))) is None:
+            chunk = await stream.receive_some(4096)
+            if not chunk:
+                return b""
+            buffer += chunk
+        return bytes(buffer[:length])
+
+    def _respond(self, head: bytes) -> bytes:
+        request = parse_request_head(head)
+        if request.path != METRICS_PATH:
+            return render_error(HTTPStatus.NOT_FOUND, f"try {METRICS_PATH}")
+        encoder, content_type = choose_encoder(request.headers.get("accept", ""))
+        body = encoder(self._metrics.registry)
+        return render_response(
+            HTTPStatus.OK, body, content_type=content_type, include_body=request.method == "GET"
+        )
+
+    async def _send(self, stream: trio.SocketStream, response: bytes) -> None:
+        with trio.move_on_after(WRITE_TIMEOUT):
+            try:
+                await stream.send_all(response)
+                # Half-close so the client sees EOF after the body even if it ignores the headers.
+                stream.socket.shutdown(socket.SHUT_WR)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                pass
