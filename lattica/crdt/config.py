@@ -1,0 +1,32 @@
+"""Settings of the replicated state service."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lattica.crdt.liveness import LeasePolicy
+from lattica.crdt.replica import ReplicaLimits
+
+
+@dataclass(frozen=True, kw_only=True)
+class StateConfig:
+    """``admins``: peer ids allowed to write the run config; empty means this node alone
+    (the run's creator). Nodes joining a run must be given the creator's peer id."""
+
+    admins: tuple[str, ...] = ()
+    lease: LeasePolicy = field(default_factory=LeasePolicy)
+    limits: ReplicaLimits = field(default_factory=ReplicaLimits)
+    sync_interval: float = 1.0
+    peer_poll_interval: float = 0.5
+    sync_timeout: float = 10.0
+    max_backoff: float = 30.0
+    compact_min_records: int = 1024
+
+    def __post_init__(self) -> None:
+        if isinstance(self.admins, str) or not all(isinstance(a, str) and a for a in self.admins):
+            raise ValueError("admins must be a tuple of peer id strings")
+        for name in ("sync_interval", "peer_poll_interval", "sync_timeout", "max_backoff"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+        if self.compact_min_records < 1:
+            raise ValueError("compact_min_records must be >= 1")

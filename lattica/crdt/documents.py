@@ -1,0 +1,254 @@
+"""Document layout and typed views of the replicated run state.
+
+Every writer (peer id) owns one pycrdt document named after its peer id; admins also write
+the shared ``config`` document. A writer's document holds these root maps:
+
+- ``member``      its membership record: addrs, device, throughput, reachability, lease,
+                  heartbeat count, left flag;
+- ``progress``    its current outer round and weights hash;
+- ``completed``   round -> weights hash of its last completed rounds;
+- ``checkpoints`` ``"<round>|<hash>|<holder>"`` -> True (a flat set, merge-friendly);
+- ``experts``     expert id -> True for the experts it owns (SPES).
+
+The ``config`` document has one root map ``config``: key -> JSON text of the value.
+
+pycrdt stores numbers as float64, so integers that must stay exact (rounds, byte counts,
+times in ms) are stored as decimal strings and parsed back by the readers below. Readers
+treat document content as untrusted (a writer may put anything into its own document):
+fields of the wrong type are ignored, never raised on.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from pycrdt import Doc, Map
+
+CONFIG_DOC = "config"
+MEMBER_FIELDS = ("addrs", "device", "throughput", "reachability")
+KEEP_COMPLETED_ROUNDS = 16
+_MAX_TEXT = 512
+_MAX_ADDRS = 32
+_SEP = "|"
+
+
+# -- exact integers ---------------------------------------------------------------------------
+
+
+def encode_int(value: int) -> str:
+    if type(value) is not int:
+        raise ValueError(f"expected an int, got {type(value).__name__}")
+    return str(value)
+
+
+def decode_int(value: Any) -> int | None:
+    if not isinstance(value, str) or not 0 < len(value) <= 24:
+        return None
+    body = value[1:] if value.startswith("-") else value
+    return int(value) if body.isdigit() and body.isascii() else None
+
+
+# -- validation of local writes ----------------------------------------------------------------
+
+
+def _check_text(name: str, value: Any, *, allow_sep: bool = True) -> str:
+    if not isinstance(value, str) or not 0 < len(value) <= _MAX_TEXT:
+        raise ValueError(f"{name} must be a non-empty string of at most {_MAX_TEXT} chars")
+    if not allow_sep and _SEP in value:
+        raise ValueError(f"{name} must not contain {_SEP!r}")
+    return value
+
+
+def _check_round(value: Any) -> int:
+    if type(value) is not int or value < 0:
+        raise ValueError(f"round must be a non-negative int, got {value!r}")
+    return value
+
+
+def validate_member_fields(fields: Mapping[str, Any]) -> dict[str, Any]:
+    unknown = set(fields) - set(MEMBER_FIELDS)
+    if unknown:
+        raise ValueError(f"unknown member fields: {sorted(unknown)}; allowed: {MEMBER_FIELDS}")
+    clean: dict[str, Any] = {}
+    if "addrs" in fields:
+        addrs = fields["addrs"]
+        if isinstance(addrs, str) or not isinstance(addrs, Iterable):
+            raise ValueError("addrs must be a list of strings")
+        clean["addrs"] = [_check_text("addr", str(a)) for a in addrs][:_MAX_ADDRS]
+    for name in ("device", "reachability"):
+        if name in fields:
+            clean[name] = _check_text(name, fields[name])
+    if "throughput" in fields:
+        value = fields["throughput"]
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise ValueError("throughput must be a finite number")
+        clean["throughput"] = float(value)
+    return clean
+
+
+# -- writers (mutate the local writer's own document) -------------------------------------------
+
+
+def write_member(doc: Doc, fields: Mapping[str, Any]) -> None:
+    member = doc.get("member", type=Map)
+    for name, value in validate_member_fields(fields).items():
+        member[name] = value
+
+
+def write_lease(doc: Doc, *, lease_expires_ms: int, heartbeat: int, left: bool = False) -> None:
+    member = doc.get("member", type=Map)
+    member["lease_expires_ms"] = encode_int(lease_expires_ms)
+    member["heartbeat"] = encode_int(heartbeat)
+    member["left"] = left
+
+
+def write_progress(doc: Doc, *, round: int, weights_hash: str) -> None:
+    _check_round(round)
+    _check_text("weights_hash", weights_hash)
+    progress = doc.get("progress", type=Map)
+    progress["round"] = encode_int(round)
+    progress["weights_hash"] = weights_hash
+    completed = doc.get("completed", type=Map)
+    completed[encode_int(round)] = weights_hash
+    rounds = sorted(r for r in (decode_int(k) for k in completed.keys()) if r is not None)
+    for old in rounds[:-KEEP_COMPLETED_ROUNDS]:
+        del completed[encode_int(old)]
+
+
+def write_checkpoint(doc: Doc, *, round: int, hashes: Iterable[str], holder: str) -> None:
+    _check_round(round)
+    _check_text("holder", holder, allow_sep=False)
+    checkpoints = doc.get("checkpoints", type=Map)
+    for content_hash in hashes:
+        _check_text("hash", content_hash, allow_sep=False)
+        checkpoints[_SEP.join((encode_int(round), content_hash, holder))] = True
+
+
+def write_expert(doc: Doc, *, expert: str, owned: bool) -> None:
+    _check_text("expert", expert)
+    experts = doc.get("experts", type=Map)
+    if owned:
+        experts[expert] = True
+    elif expert in experts:
+        del experts[expert]
+
+
+def write_config(doc: Doc, config: Mapping[str, Any]) -> None:
+    encoded = {}
+    for key, value in config.items():
+        _check_text("config key", key)
+        try:
+            encoded[key] = json.dumps(value, sort_keys=True, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"config value for {key!r} is not JSON: {exc}") from None
+    root = doc.get("config", type=Map)
+    for key in [k for k in root.keys() if k not in encoded]:
+        del root[key]
+    for key, text in encoded.items():
+        if root.get(key) != text:
+            root[key] = text
+
+
+# -- readers (untrusted content -> typed, JSON-able views) ---------------------------------------
+
+
+def _root(doc: Doc, name: str) -> dict[str, Any]:
+    try:
+        value = doc.get(name, type=Map).to_py()
+    except Exception:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _text_or_none(value: Any) -> str | None:
+    return value if isinstance(value, str) and len(value) <= _MAX_TEXT else None
+
+
+def read_member(doc: Doc) -> dict[str, Any] | None:
+    raw = _root(doc, "member")
+    if not raw:
+        return None
+    addrs = raw.get("addrs")
+    throughput = raw.get("throughput")
+    return {
+        "addrs": [a for a in addrs if isinstance(a, str)][:_MAX_ADDRS] if isinstance(addrs, list) else [],
+        "device": _text_or_none(raw.get("device")),
+        "throughput": throughput if isinstance(throughput, float) and math.isfinite(throughput) else None,
+        "reachability": _text_or_none(raw.get("reachability")),
+        "lease_expires_ms": decode_int(raw.get("lease_expires_ms")) or 0,
+        "heartbeat": decode_int(raw.get("heartbeat")) or 0,
+        "left": raw.get("left") is True,
+    }
+
+
+def read_progress(doc: Doc) -> dict[str, Any] | None:
+    raw = _root(doc, "progress")
+    completed = []
+    for key, value in _root(doc, "completed").items():
+        round_ = decode_int(key)
+        if round_ is not None and _text_or_none(value):
+            completed.append({"round": round_, "weights_hash": value})
+    if not raw and not completed:
+        return None
+    completed.sort(key=lambda item: item["round"])
+    return {
+        "round": decode_int(raw.get("round")),
+        "weights_hash": _text_or_none(raw.get("weights_hash")),
+        "completed": completed[-KEEP_COMPLETED_ROUNDS:],
+    }
+
+
+def read_checkpoint_claims(doc: Doc) -> list[tuple[int, str, str]]:
+    claims = []
+    for key, value in _root(doc, "checkpoints").items():
+        parts = key.split(_SEP)
+        round_ = decode_int(parts[0]) if len(parts) == 3 else None
+        if value is True and round_ is not None and all(parts[1:]):
+            claims.append((round_, parts[1], parts[2]))
+    return claims
+
+
+def read_experts(doc: Doc) -> list[str]:
+    return sorted(k for k, v in _root(doc, "experts").items() if v is True and len(k) <= _MAX_TEXT)
+
+
+def read_config(doc: Doc) -> dict[str, Any]:
+    config = {}
+    for key, text in _root(doc, "config").items():
+        if not isinstance(text, str):
+            continue
+        try:
+            config[key] = json.loads(text)
+        except ValueError:
+            continue
+    return dict(sorted(config.items()))
+
+
+def build_snapshot(writer_docs: Mapping[str, Doc], config_doc: Doc | None) -> dict[str, Any]:
+    """The whole state as plain JSON-able data; identical docs give identical snapshots."""
+    members, progress, experts = {}, {}, {}
+    checkpoints: dict[str, dict[str, set[str]]] = {}
+    for writer in sorted(writer_docs):
+        doc = writer_docs[writer]
+        if (member := read_member(doc)) is not None:
+            members[writer] = member
+        if (prog := read_progress(doc)) is not None:
+            progress[writer] = prog
+        for round_, content_hash, holder in read_checkpoint_claims(doc):
+            checkpoints.setdefault(str(round_), {}).setdefault(content_hash, set()).add(holder)
+        for expert in read_experts(doc):
+            experts.setdefault(expert, []).append(writer)
+    manifest = {
+        r: {h: sorted(holders) for h, holders in sorted(by_hash.items())}
+        for r, by_hash in sorted(checkpoints.items(), key=lambda item: int(item[0]))
+    }
+    return {
+        "members": members,
+        "progress": progress,
+        "config": read_config(config_doc) if config_doc is not None else {},
+        "checkpoints": manifest,
+        "experts": dict(sorted(experts.items())),
+    }

@@ -1,0 +1,139 @@
+"""Durable append-only log of envelopes: fsync'd, CRC-checked, compacted by rewriting.
+
+File layout: an 8-byte magic, then records of ``length:u32 | crc32(body):u32 | body``, where
+body is the msgpack form of one envelope. ``append`` writes a batch and fsyncs before it
+returns — an update counts as *acknowledged* only after that. ``open`` scans from the start
+and stops at the first record that is short, over-long or fails its CRC: that is a torn write
+from a crash (kill -9, power loss) and everything from there on is cut off, so later appends
+start from a clean boundary. ``rewrite`` replaces the file atomically (write a temporary file,
+fsync it, rename over the log, fsync the directory) with the records still needed; a crash in
+the middle leaves either the old or the new log, never a mix.
+
+This module does blocking file I/O; async callers run it in a worker thread.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import zlib
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+MAGIC = b"LTCSLOG1"
+_HEADER = struct.Struct(">II")
+MAX_RECORD_BYTES = 4 * 1024 * 1024
+
+
+def _encode_record(obj: Any) -> bytes:
+    body = msgpack.packb(obj, use_bin_type=True)
+    return _HEADER.pack(len(body), zlib.crc32(body)) + body
+
+
+def _scan(data: bytes) -> tuple[list[Any], int]:
+    """Decode records; return them and the offset just past the last good one."""
+    records: list[Any] = []
+    offset = len(MAGIC)
+    while offset + _HEADER.size <= len(data):
+        length, crc = _HEADER.unpack_from(data, offset)
+        start = offset + _HEADER.size
+        body = data[start : start + length]
+        if length > MAX_RECORD_BYTES or len(body) < length or zlib.crc32(body) != crc:
+            break
+        try:
+            records.append(msgpack.unpackb(body, raw=False, strict_map_key=False))
+        except Exception:
+            break
+        offset = start + length
+    return records, offset
+
+
+class AppendLog:
+    """One log file. Not thread-safe: callers serialize access."""
+
+    def __init__(self, path: Path, fd: int, *, size: int, records: int, torn_bytes: int) -> None:
+        self.path = path
+        self._fd = fd
+        self.size_bytes = size
+        self.record_count = records
+        self.torn_bytes = torn_bytes
+
+    @classmethod
+    def open(cls, path: Path) -> tuple[AppendLog, list[Any]]:
+        """Open (or create) the log; return it with every intact record, in order."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            data = _read_all(fd)
+            if len(data) < len(MAGIC) or not data.startswith(MAGIC):
+                if data and not MAGIC.startswith(data):
+                    raise ValueError(f"{path} is not a state log")
+                records, good_end, torn = [], len(MAGIC), 0
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, MAGIC, 0)
+            else:
+                records, good_end = _scan(data)
+                torn = len(data) - good_end
+                if torn:
+                    os.ftruncate(fd, good_end)
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(path, fd, size=good_end, records=len(records), torn_bytes=torn), records
+
+    def append(self, objs: Iterable[Any]) -> None:
+        """Append records and fsync; when this returns they survive a crash."""
+        records = [_encode_record(obj) for obj in objs]
+        blob = b"".join(records)
+        if not blob:
+            return
+        written = 0
+        while written < len(blob):
+            written += os.pwrite(self._fd, blob[written:], self.size_bytes + written)
+        os.fsync(self._fd)
+        self.size_bytes += len(blob)
+        self.record_count += len(records)
+
+    def rewrite(self, objs: Iterable[Any]) -> None:
+        """Atomically replace the log's content with ``objs`` (compaction)."""
+        tmp = self.path.with_name(self.path.name + ".compact")
+        records = [_encode_record(obj) for obj in objs]
+        blob = MAGIC + b"".join(records)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, blob)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, self.path)
+        _fsync_dir(self.path.parent)
+        os.close(self._fd)
+        self._fd = os.open(self.path, os.O_RDWR)
+        self.size_bytes = len(blob)
+        self.record_count = len(records)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def _read_all(fd: int) -> bytes:
+    chunks = []
+    offset = 0
+    while chunk := os.pread(fd, 1 << 20, offset):
+        chunks.append(chunk)
+        offset += len(chunk)
+    return b"".join(chunks)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

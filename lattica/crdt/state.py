@@ -1,0 +1,371 @@
+"""``ReplicatedState``: the run's shared state as a service on a libp2p host.
+
+Theory of operation
+-------------------
+The service wraps a sans-IO ``Replica`` with three kinds of I/O:
+
+- **Durability.** Every envelope the replica accepts (our own writes and peers') is appended
+  to ``data_dir/state-<run>.log`` and fsync'd in a worker thread. Our own writes return (are
+  *acknowledged*) only after that, and are not offered to peers before it, so a crash can
+  never make us reuse a seq that someone else already holds. At start the log is replayed
+  through the same validation as network input; a torn tail is cut off. When the log holds
+  much more than the replica still needs, it is rewritten (compaction).
+- **Anti-entropy.** One task per connected peer runs a sync session (``sync.initiate``)
+  whenever the local state changed since its last session, and at least every
+  ``sync_interval`` — the first is the prompt push, the second the repair that makes
+  partitions and lost messages harmless. New peers are found by polling the host's
+  connections (and ``notify_peer_connected``). A peer that misbehaves is backed off.
+- **Liveness.** A heartbeat task renews our lease; ``leave()`` writes ``left`` and pushes it
+  to every connected peer at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import trio
+from libp2p.abc import IHost, INetStream
+from libp2p.crypto.keys import KeyPair
+from libp2p.peer.id import ID
+from pycrdt import Doc
+
+from lattica.crdt import documents, sync
+from lattica.crdt.config import StateConfig
+from lattica.crdt.envelope import Envelope, RejectedUpdate
+from lattica.crdt.liveness import live_members
+from lattica.crdt.log import AppendLog
+from lattica.crdt.replica import Replica
+from lattica.errors import BrokenError, LocalProtocolError, RemoteError, RemoteProtocolError
+
+log = logging.getLogger(__name__)
+
+_BENIGN_REJECTIONS = frozenset({"replay"})
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class ReplicatedState:
+    def __init__(
+        self,
+        host: IHost,
+        key_pair: KeyPair,
+        *,
+        data_dir: Path,
+        run_id: str,
+        config: StateConfig | None = None,
+    ) -> None:
+        if not run_id or len(run_id) > 128:
+            raise ValueError("run_id must be a non-empty string of at most 128 chars")
+        self.config = config or StateConfig()
+        self.host = host
+        self.run_id = run_id
+        self.peer_id = ID.from_pubkey(key_pair.public_key).to_base58()
+        admins = self.config.admins or (self.peer_id,)
+        self._replica = Replica(
+            run_id=run_id, key_pair=key_pair, admins=admins, limits=self.config.limits
+        )
+        self._log_path = Path(data_dir) / f"state-{_safe_name(run_id)}.log"
+        self._log: AppendLog | None = None
+        self._log_lock = trio.Lock()
+        self._not_durable: set[tuple[str, str, int]] = set()
+        self._changed = trio.Event()
+        self._generation = 0
+        self._snapshot_cache: tuple[int, dict[str, Any]] | None = None
+        self._peers: set[str] = set()
+        self._backoff_until: dict[str, float] = {}
+        self._heartbeat = 0
+        self._left = False
+        self._nursery: trio.Nursery | None = None
+        self.torn_bytes_at_open = 0
+
+    # -- service -------------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        await self._open_log()
+        self.host.set_stream_handler(sync.SYNC_PROTOCOL, self._handle_stream)
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                await self.heartbeat()
+                nursery.start_soon(self._heartbeat_loop)
+                nursery.start_soon(self._watch_peers_loop)
+                task_status.started()
+        finally:
+            self._nursery = None
+            self.host.remove_stream_handler(sync.SYNC_PROTOCOL)
+            if self._log is not None:
+                self._log.close()
+
+    async def _open_log(self) -> None:
+        opened, records = await trio.to_thread.run_sync(AppendLog.open, self._log_path)
+        self._log = opened
+        self.torn_bytes_at_open = opened.torn_bytes
+        if opened.torn_bytes:
+            log.warning("state log %s: cut a torn tail of %d bytes", self._log_path, opened.torn_bytes)
+        for record in records:
+            try:
+                self._replica.receive_wire(record)
+            except RejectedUpdate as exc:
+                if exc.reason not in _BENIGN_REJECTIONS:
+                    log.warning("state log %s: skipped a record: %s", self._log_path, exc)
+        member = self._replica.snapshot()["members"].get(self.peer_id)
+        self._heartbeat = member["heartbeat"] if member else 0
+        self._bump()
+
+    # -- writes (our own documents) -------------------------------------------------------------
+
+    async def update_member(self, **fields: Any) -> None:
+        """Set fields of our membership record: addrs, device, throughput, reachability."""
+        documents.validate_member_fields(fields)
+        await self._write(self.peer_id, lambda doc: documents.write_member(doc, fields))
+
+    async def heartbeat(self) -> None:
+        """Renew our lease now (also done automatically); clears a previous ``leave()``."""
+        self._left = False
+        self._heartbeat += 1
+        expires = self.config.lease.lease_expiry_ms(_now_ms())
+        beat = self._heartbeat
+        await self._write(
+            self.peer_id,
+            lambda doc: documents.write_lease(doc, lease_expires_ms=expires, heartbeat=beat),
+        )
+
+    async def leave(self) -> None:
+        """Mark ourselves as left and push that to every connected peer (bounded by sync_timeout)."""
+        self._left = True
+        self._heartbeat += 1
+        beat = self._heartbeat
+        await self._write(
+            self.peer_id,
+            lambda doc: documents.write_lease(doc, lease_expires_ms=0, heartbeat=beat, left=True),
+        )
+        await self.flush()
+
+    async def set_progress(self, round: int, weights_hash: str) -> None:
+        await self._write(
+            self.peer_id,
+            lambda doc: documents.write_progress(doc, round=round, weights_hash=weights_hash),
+        )
+
+    async def set_run_config(self, config: dict[str, Any]) -> None:
+        """Replace the run config (admins only; raises ``LocalProtocolError`` otherwise)."""
+        if self.peer_id not in self._replica.admins:
+            raise LocalProtocolError("only admin keys may change the run config")
+        await self._write(documents.CONFIG_DOC, lambda doc: documents.write_config(doc, config))
+
+    async def add_checkpoint(self, round: int, hashes: list[str], holder: str | None = None) -> None:
+        holder = holder or self.peer_id
+        await self._write(
+            self.peer_id,
+            lambda doc: documents.write_checkpoint(doc, round=round, hashes=hashes, holder=holder),
+        )
+
+    async def set_expert_owner(self, expert: str, owned: bool = True) -> None:
+        await self._write(
+            self.peer_id, lambda doc: documents.write_expert(doc, expert=expert, owned=owned)
+        )
+
+    async def _write(self, doc_name: str, mutate: Callable[[Doc], None]) -> None:
+        if self._log is None:
+            raise LocalProtocolError("ReplicatedState.run() has not started")
+        async with self._log_lock:
+            envelopes = self._replica.local_write(doc_name, mutate)
+            keys = {(e.doc, e.writer, e.seq) for e in envelopes}
+            self._not_durable |= keys
+            try:
+                await self._persist(envelopes)
+            finally:
+                self._not_durable -= keys
+        if envelopes:
+            self._bump()
+
+    async def _persist(self, envelopes: list[Envelope]) -> None:
+        assert self._log is not None
+        current = self._log
+        await trio.to_thread.run_sync(current.append, [e.to_wire() for e in envelopes])
+        limit = max(self.config.compact_min_records, 2 * len(self._replica.retained()))
+        if current.record_count > limit:
+            keep = [e.to_wire() for e in self._replica.retained()]
+            await trio.to_thread.run_sync(current.rewrite, keep)
+
+    # -- reads -----------------------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """The replicated state as JSON-able data: members, progress, config, checkpoints, experts."""
+        if self._snapshot_cache is None or self._snapshot_cache[0] != self._generation:
+            self._snapshot_cache = (self._generation, self._replica.snapshot())
+        return self._snapshot_cache[1]
+
+    def live_members(self, now_ms: int | None = None) -> list[str]:
+        skew_ms = int(self.config.lease.clock_skew * 1000)
+        when = _now_ms() if now_ms is None else now_ms
+        return live_members(self.snapshot()["members"], now_ms=when, clock_skew_ms=skew_ms)
+
+    def counters(self) -> dict[str, Any]:
+        counters = self._replica.counters()
+        counters["log_bytes"] = self._log.size_bytes if self._log else 0
+        return counters
+
+    def dump(self) -> dict[str, Any]:
+        """What ``lattica state --json`` prints: the snapshot plus this node's local view."""
+        return {
+            **self.snapshot(),
+            "live": self.live_members(),
+            "node": {"peer_id": self.peer_id, "run_id": self.run_id, **self.counters()},
+        }
+
+    @property
+    def generation(self) -> int:
+        return self._generation
+
+    async def wait_changed(self) -> None:
+        """Return at the next change of the state (local or remote)."""
+        await self._changed.wait()
+
+    def _bump(self) -> None:
+        self._generation += 1
+        self._changed.set()
+        self._changed = trio.Event()
+
+    # -- SyncEndpoint ----------------------------------------------------------------------------
+
+    def state_vector(self) -> list[list[Any]]:
+        return self._replica.state_vector()
+
+    def missing_for(self, vector: Any) -> list[Envelope]:
+        missing = self._replica.missing_for(vector)
+        if not self._not_durable:
+            return missing
+        return [e for e in missing if (e.doc, e.writer, e.seq) not in self._not_durable]
+
+    async def accept_batch(self, wire_envelopes: list[Any], *, from_peer: str) -> None:
+        applied: list[Envelope] = []
+        failure: RejectedUpdate | None = None
+        for raw in wire_envelopes:
+            try:
+                applied.extend(self._replica.receive_wire(raw, from_peer=from_peer))
+            except RejectedUpdate as exc:
+                if exc.reason not in _BENIGN_REJECTIONS:
+                    failure = failure or exc
+        if applied:
+            async with self._log_lock:
+                await self._persist(applied)
+            self._bump()
+        if failure is not None:
+            raise failure
+
+    # -- peers -----------------------------------------------------------------------------------
+
+    def notify_peer_connected(self, peer_id: ID | str) -> None:
+        """Start syncing with a peer now rather than at the next poll."""
+        self._ensure_peer(str(peer_id))
+
+    async def flush(self) -> None:
+        """One sync session with every connected peer, concurrently, bounded by sync_timeout."""
+        with trio.move_on_after(self.config.sync_timeout):
+            async with trio.open_nursery() as nursery:
+                for peer in self.host.get_connected_peers():
+                    nursery.start_soon(self._sync_once_quietly, peer.to_base58())
+
+    def _ensure_peer(self, peer: str) -> None:
+        if self._nursery is None or peer == self.peer_id or peer in self._peers:
+            return
+        self._peers.add(peer)
+        self._nursery.start_soon(self._peer_loop, peer)
+
+    async def _watch_peers_loop(self) -> None:
+        while True:
+            for peer_id in self.host.get_connected_peers():
+                self._ensure_peer(peer_id.to_base58())
+            await trio.sleep(self.config.peer_poll_interval)
+
+    def _connected(self, peer: str) -> bool:
+        return any(p.to_base58() == peer for p in self.host.get_connected_peers())
+
+    async def _peer_loop(self, peer: str) -> None:
+        synced_generation = -1
+        failures = 0
+        try:
+            while self._connected(peer):
+                wait_until = max(self._backoff_until.get(peer, 0.0), trio.current_time())
+                await trio.sleep_until(wait_until)
+                if synced_generation == self._generation:
+                    with trio.move_on_after(self.config.sync_interval):
+                        await self._changed.wait()
+                start_generation = self._generation
+                if await self._sync_once_quietly(peer):
+                    synced_generation, failures = start_generation, 0
+                else:
+                    failures += 1
+                    backoff = min(self.config.max_backoff, 0.25 * 2**failures)
+                    self._backoff_until[peer] = trio.current_time() + backoff
+        finally:
+            self._peers.discard(peer)
+
+    async def _sync_once_quietly(self, peer: str) -> bool:
+        """One initiated session; errors are logged and reported as False."""
+        try:
+            with trio.fail_after(self.config.sync_timeout):
+                stream = await self.host.new_stream(ID.from_base58(peer), [sync.SYNC_PROTOCOL])
+                try:
+                    await sync.initiate(stream, self, peer_id=peer)
+                finally:
+                    await _close_quietly(stream)
+            return True
+        except RemoteProtocolError as exc:
+            log.warning("state sync: dropping bad input from %s: %s", peer, exc)
+            self._backoff_until[peer] = trio.current_time() + self.config.max_backoff
+        except (RemoteError, trio.TooSlowError) as exc:
+            log.debug("state sync with %s failed: %s", peer, exc)
+        except Exception as exc:  # stream negotiation errors from libp2p
+            log.debug("state sync with %s could not start: %r", peer, exc)
+        return False
+
+    async def _handle_stream(self, stream: INetStream) -> None:
+        peer = stream.muxed_conn.peer_id.to_base58()
+        if self._nursery is None or trio.current_time() < self._backoff_until.get(peer, 0.0):
+            await _reset_quietly(stream)
+            return
+        self._ensure_peer(peer)
+        try:
+            with trio.fail_after(self.config.sync_timeout):
+                await sync.respond(stream, self, peer_id=peer)
+        except RemoteProtocolError as exc:
+            log.warning("state sync: dropping bad input from %s: %s", peer, exc)
+            self._backoff_until[peer] = trio.current_time() + self.config.max_backoff
+            await _reset_quietly(stream)
+        except (BrokenError, RemoteError, trio.TooSlowError) as exc:
+            log.debug("state sync from %s failed: %s", peer, exc)
+            await _reset_quietly(stream)
+        finally:
+            await _close_quietly(stream)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await trio.sleep(self.config.lease.heartbeat_interval)
+            if not self._left:
+                await self.heartbeat()
+
+
+def _safe_name(run_id: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in run_id)
+
+
+async def _close_quietly(stream: INetStream) -> None:
+    try:
+        await stream.close()
+    except Exception:
+        pass
+
+
+async def _reset_quietly(stream: INetStream) -> None:
+    try:
+        await stream.reset()
+    except Exception:
+        pass

@@ -1,0 +1,135 @@
+"""Anti-entropy protocol: two peers exchange state vectors and send each other what is missing.
+
+Theory of operation
+-------------------
+One session runs on one libp2p stream (``/lattica/state-sync/1.0.0``), framed by
+``lattica.net.wire``::
+
+    initiator -> responder   {"t": "hello", "run": run_id, "sv": [[doc, writer, have], ...]}
+    responder -> initiator   {"t": "hello", "run": run_id, "sv": [...]}
+    responder -> initiator   {"t": "envs", "envs": [envelope, ...]} * n, then {"t": "end"}
+    initiator -> responder   {"t": "envs", ...} * m, then {"t": "end"}
+
+Each side computes what the other lacks from the other's vector, so one session leaves both
+with the union of what they held. Only one side writes at a time, so flow control cannot
+deadlock. Sessions are idempotent: an envelope that arrives twice is recognized as a replay.
+The same session is used for prompt pushes (the service starts one as soon as it has
+something new) and for periodic repair, which is what makes the state converge after
+partitions heal or messages are lost.
+
+A peer that sends a malformed frame, a wrong run id, or an envelope that fails its signature
+or permission check ends the session with ``RemoteProtocolError``; replays do not.
+Timeouts are the caller's (``trio.fail_after`` around a session).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
+
+from libp2p.abc import INetStream
+from libp2p.custom_types import TProtocol
+
+from lattica.crdt.envelope import Envelope
+from lattica.errors import RemoteProtocolError
+from lattica.net.wire import read_message, write_message
+
+SYNC_PROTOCOL = TProtocol("/lattica/state-sync/1.0.0")
+MAX_FRAME_BYTES = 2 * 1024 * 1024
+BATCH_BYTES = 512 * 1024
+MAX_BATCHES = 10_000
+
+
+class SyncEndpoint(Protocol):
+    """What a session needs from the local replica (implemented by ``ReplicatedState``)."""
+
+    run_id: str
+
+    def state_vector(self) -> list[list[Any]]: ...
+
+    def missing_for(self, vector: Any) -> list[Envelope]: ...
+
+    async def accept_batch(self, wire_envelopes: list[Any], *, from_peer: str) -> None: ...
+
+
+# -- sans-IO message helpers ---------------------------------------------------------------------
+
+
+def hello(run_id: str, vector: list[list[Any]]) -> dict[str, Any]:
+    return {"t": "hello", "run": run_id, "sv": vector}
+
+
+def parse_hello(obj: Any, *, run_id: str, peer_id: str) -> list[Any]:
+    if not isinstance(obj, dict) or obj.get("t") != "hello" or not isinstance(obj.get("sv"), list):
+        raise RemoteProtocolError("expected a sync hello", peer_id=peer_id)
+    if obj.get("run") != run_id:
+        raise RemoteProtocolError(f"peer is in run {obj.get('run')!r}", peer_id=peer_id)
+    return obj["sv"]
+
+
+def batches(envelopes: Iterable[Envelope], *, max_bytes: int = BATCH_BYTES) -> list[dict[str, Any]]:
+    """Group envelopes into ``envs`` messages of about ``max_bytes`` each."""
+    out: list[dict[str, Any]] = []
+    current: list[dict[str, Any]] = []
+    size = 0
+    for env in envelopes:
+        cost = env.encoded_size()
+        if current and size + cost > max_bytes:
+            out.append({"t": "envs", "envs": current})
+            current, size = [], 0
+        current.append(env.to_wire())
+        size += cost
+    if current:
+        out.append({"t": "envs", "envs": current})
+    return out
+
+
+def parse_batch(obj: Any, *, peer_id: str) -> list[Any] | None:
+    """An ``envs`` message -> its raw envelopes; ``end`` -> None."""
+    if isinstance(obj, dict) and obj.get("t") == "end":
+        return None
+    if isinstance(obj, dict) and obj.get("t") == "envs" and isinstance(obj.get("envs"), list):
+        return obj["envs"]
+    raise RemoteProtocolError("expected an envs or end message", peer_id=peer_id)
+
+
+# -- the session over a stream -------------------------------------------------------------------
+
+
+async def _send_all(stream: INetStream, messages: Sequence[dict[str, Any]], peer_id: str) -> None:
+    for message in messages:
+        await write_message(stream, message, peer_id=peer_id)
+    await write_message(stream, {"t": "end"}, peer_id=peer_id)
+
+
+async def _receive_all(stream: INetStream, endpoint: SyncEndpoint, peer_id: str) -> None:
+    for _ in range(MAX_BATCHES):
+        raw = parse_batch(
+            await read_message(stream, max_size=MAX_FRAME_BYTES, peer_id=peer_id), peer_id=peer_id
+        )
+        if raw is None:
+            return
+        await endpoint.accept_batch(raw, from_peer=peer_id)
+    raise RemoteProtocolError("too many batches in one session", peer_id=peer_id)
+
+
+async def initiate(stream: INetStream, endpoint: SyncEndpoint, *, peer_id: str) -> None:
+    await write_message(stream, hello(endpoint.run_id, endpoint.state_vector()), peer_id=peer_id)
+    theirs = parse_hello(
+        await read_message(stream, max_size=MAX_FRAME_BYTES, peer_id=peer_id),
+        run_id=endpoint.run_id,
+        peer_id=peer_id,
+    )
+    await _receive_all(stream, endpoint, peer_id)
+    await _send_all(stream, batches(endpoint.missing_for(theirs)), peer_id)
+
+
+async def respond(stream: INetStream, endpoint: SyncEndpoint, *, peer_id: str) -> None:
+    theirs = parse_hello(
+        await read_message(stream, max_size=MAX_FRAME_BYTES, peer_id=peer_id),
+        run_id=endpoint.run_id,
+        peer_id=peer_id,
+    )
+    await write_message(stream, hello(endpoint.run_id, endpoint.state_vector()), peer_id=peer_id)
+    await _send_all(stream, batches(endpoint.missing_for(theirs)), peer_id)
+    await _receive_all(stream, endpoint, peer_id)
