@@ -1,0 +1,208 @@
+"""NoLoCo: outer steps without any all-reduce (Kolehmainen et al., 2025, Gensyn).
+
+Theory of operation
+-------------------
+Every H inner steps (one round) each worker asks the ``GroupProvider`` for the round's members.
+From the round number and the *sorted* member list every worker derives the same seed, draws the
+same permutation, and cuts it into consecutive stripes of ``group_size`` (a lone leftover joins
+the previous stripe, so nobody is grouped with only themselves). A worker then ``exchange``s
+``[φ_i, Δ_i]`` with each other member of its stripe — concurrently, each under its own deadline —
+and applies the modified Nesterov step of the paper with the group means:
+
+    δ_i ← μ·δ_i − η·mean_G(Δ) − γ·(φ_i − mean_G(φ));   φ_i ← φ_i + δ_i;   θ_i ← φ_i
+
+Failure: a partner that is gone (``PeerUnavailableError``) or silent past the deadline is left
+out of the means; with nobody left the worker steps on its own Δ (n = 1, the γ term vanishes).
+No one waits on anyone outside their stripe, so a dead peer stalls at most its partners, and
+those only until the deadline. Replicas are not identical: φ differs between workers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import trio
+
+from lattica.errors import PeerUnavailableError
+from lattica.train.strategies.accounting import AccountedStrategy, tensor_bytes, wire_bytes
+from lattica.train.strategies.base import OuterStepReport
+
+
+@dataclass(frozen=True, kw_only=True)
+class NoLoCoConfig:
+    """Author defaults: n = 2, H = 50, η = γ = 0.7, μ = 0.5."""
+
+    inner_steps: int = 50
+    group_size: int = 2
+    outer_lr: float = 0.7
+    gamma: float = 0.7
+    momentum: float = 0.5
+    exchange_timeout_s: float = 60.0
+    codec: str = "fp32"
+
+    def __post_init__(self) -> None:
+        if self.inner_steps < 1:
+            raise ValueError(f"inner_steps must be >= 1, got {self.inner_steps}")
+        if self.group_size < 2:
+            raise ValueError(f"group_size must be >= 2, got {self.group_size}")
+        if self.outer_lr <= 0 or self.gamma < 0 or not 0 <= self.momentum < 1:
+            raise ValueError("need outer_lr > 0, gamma >= 0 and 0 <= momentum < 1")
+        if self.exchange_timeout_s <= 0:
+            raise ValueError("exchange_timeout_s must be positive")
+
+
+def round_seed(round_number: int, members: Sequence[str]) -> int:
+    """A seed every member derives identically from the round and the sorted member list."""
+    text = f"noloco/{round_number}/" + "\n".join(sorted(members))
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big")
+
+
+def draw_groups(
+    members: Sequence[str], *, round_number: int, group_size: int
+) -> list[tuple[str, ...]]:
+    """Consecutive stripes of a seeded permutation; a single leftover joins the last stripe."""
+    order = sorted(members)
+    random.Random(round_seed(round_number, order)).shuffle(order)
+    groups = [tuple(order[i : i + group_size]) for i in range(0, len(order), group_size)]
+    if len(groups) > 1 and len(groups[-1]) == 1:
+        leftover = groups.pop()
+        groups[-1] += leftover
+    return groups
+
+
+@torch.no_grad()
+def noloco_outer_step(
+    phi: Sequence[torch.Tensor],
+    velocity: Sequence[torch.Tensor],
+    mean_delta: Sequence[torch.Tensor],
+    mean_phi: Sequence[torch.Tensor],
+    *,
+    lr: float,
+    momentum: float,
+    gamma: float,
+) -> None:
+    """In place: δ ← μδ − η·mean(Δ) − γ(φ − mean(φ)); φ ← φ + δ."""
+    for p, v, d, m in zip(phi, velocity, mean_delta, mean_phi, strict=True):
+        v.mul_(momentum).sub_(d, alpha=lr).sub_(p - m, alpha=gamma)
+        p.add_(v)
+
+
+class NoLoCo(AccountedStrategy):
+    name = "noloco"
+
+    def __init__(self, model, *, collective, groups, config: NoLoCoConfig | None = None) -> None:
+        super().__init__(model, collective=collective, groups=groups)
+        self.config = config or NoLoCoConfig()
+        params = list(model.parameters())
+        self._params = params
+        self._phi = [p.detach().clone() for p in params]
+        self._velocity = [torch.zeros_like(p) for p in params]
+        self._rounds = 0
+
+    @property
+    def completed_rounds(self) -> int:
+        return self._rounds
+
+    @property
+    def outer_state_bytes(self) -> int:
+        return tensor_bytes(self._phi) + tensor_bytes(self._velocity)
+
+    async def after_inner_step(self, step: int) -> list[OuterStepReport]:
+        if step % self.config.inner_steps:
+            return []
+        return [await self._outer_round(step // self.config.inner_steps)]
+
+    async def _outer_round(self, round_number: int) -> OuterStepReport:
+        started = time.monotonic()
+        key = f"round/{round_number}"
+        members = list(await self.groups.group_for(key))
+        me = self.collective.peer_id
+        stripes = draw_groups(members, round_number=round_number, group_size=self.config.group_size)
+        stripe = next(s for s in stripes if me in s)
+        with torch.no_grad():
+            delta = [phi - p.detach() for phi, p in zip(self._phi, self._params, strict=True)]
+        answers, missing = await self._exchange_with(
+            [q for q in stripe if q != me], self._phi + delta, tag=f"noloco/{key}"
+        )
+        n = len(self._phi)
+        contributions = [self._phi + delta, *answers]
+        mean_phi = _mean([c[:n] for c in contributions])
+        mean_delta = _mean([c[n:] for c in contributions])
+        noloco_outer_step(
+            self._phi,
+            self._velocity,
+            mean_delta,
+            mean_phi,
+            lr=self.config.outer_lr,
+            momentum=self.config.momentum,
+            gamma=self.config.gamma,
+        )
+        with torch.no_grad():
+            for p, phi in zip(self._params, self._phi, strict=True):
+                p.copy_(phi)
+        self._rounds += 1
+        sent = wire_bytes(self._phi + delta, self.config.codec) * (len(stripe) - 1)
+        self.traffic.record_sync(sent)
+        return OuterStepReport(
+            round=round_number,
+            key=key,
+            group=tuple(q for q in stripe if q not in missing),
+            bytes_sent=sent,
+            seconds=time.monotonic() - started,
+            skipped=len(answers) == 0,
+            detail=f"unavailable: {', '.join(sorted(missing))}" if missing else "",
+        )
+
+    async def _exchange_with(
+        self, partners: Sequence[str], tensors: list[torch.Tensor], *, tag: str
+    ) -> tuple[list[list[torch.Tensor]], set[str]]:
+        """Exchange with every partner concurrently; return the answers and who failed."""
+        answers: dict[str, list[torch.Tensor]] = {}
+
+        async def one(partner: str) -> None:
+            with trio.move_on_after(self.config.exchange_timeout_s):
+                try:
+                    answers[partner] = await self.collective.exchange(
+                        tensors, peer=partner, tag=tag, codec=self.config.codec
+                    )
+                except PeerUnavailableError:
+                    pass
+
+        async with trio.open_nursery() as nursery:
+            for partner in partners:
+                nursery.start_soon(one, partner)
+        ordered = [answers[p] for p in partners if p in answers]
+        return ordered, set(partners) - set(answers)
+
+    def outer_state_dict(self) -> dict[str, Any]:
+        return {
+            "phi": [t.clone() for t in self._phi],
+            "velocity": [t.clone() for t in self._velocity],
+            "rounds": self._rounds,
+        }
+
+    def load_outer_state_dict(self, state: dict[str, Any]) -> None:
+        with torch.no_grad():
+            for dst, src in zip(self._phi, state["phi"], strict=True):
+                dst.copy_(src)
+            for dst, src in zip(self._velocity, state["velocity"], strict=True):
+                dst.copy_(src)
+            for p, phi in zip(self._params, self._phi, strict=True):
+                p.copy_(phi)
+        self._rounds = int(state["rounds"])
+
+
+def _mean(contributions: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
+    """Element-wise mean of several tensor lists, summed in fp32."""
+    total = [t.detach().to(torch.float32).clone() for t in contributions[0]]
+    for other in contributions[1:]:
+        for acc, t in zip(total, other, strict=True):
+            acc += t.to(torch.float32)
+    count = len(contributions)
+    return [(acc / count).to(ref.dtype) for acc, ref in zip(total, contributions[0], strict=True)]
