@@ -1,0 +1,130 @@
+"""Run-scoped discovery: from one known address to knowing (and reaching) the whole run.
+
+Theory of operation
+-------------------
+Members of run ``R`` provide the key ``/lattica/run/R`` (``keys.run_key``). The service:
+
+1. bootstraps the routing table from the peers the host is already connected to (the
+   daemon dials its ``--peer`` addresses itself), then looks itself up to fill buckets;
+2. provides the run key, and re-provides every ``reprovide_interval`` (< ``provider_ttl``,
+   so a live member never lapses while one that left disappears after the TTL);
+3. looks up the run's providers every ``lookup_interval`` (sooner, at a quarter of it,
+   while it knows fewer than ``min_run_peers`` members) and connects to those it is not
+   connected to, up to ``max_run_peers``;
+4. expires stale records and republishes its own value records.
+
+Every step tolerates failure: a lookup or provide that fails is logged and retried next
+period. ``known_run_members`` is the result of the latest lookup (minus this node).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import trio
+from libp2p.abc import IHost
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo
+
+from lattica.dht.config import DHTConfig
+from lattica.dht.keys import content_key, run_key, validate_run_id
+from lattica.dht.node import LatticaDHT
+
+logger = logging.getLogger(__name__)
+
+
+class RunDiscovery:
+    def __init__(self, host: IHost, *, run_id: str, config: DHTConfig) -> None:
+        self.run_id = validate_run_id(run_id)
+        self._host = host
+        self._config = config
+        self._run_key = run_key(run_id)
+        self.dht = LatticaDHT(host, config=config)
+        self._members: dict[ID, PeerInfo] = {}
+        self._changed = trio.Event()
+        self.lookups_done = 0
+
+    # -- public state ---------------------------------------------------------------------
+    def routing_table_size(self) -> int:
+        return self.dht.routing_table_size()
+
+    def known_run_members(self) -> list[PeerInfo]:
+        return list(self._members.values())
+
+    @property
+    def rejected_inputs(self) -> int:
+        return self.dht.rejected_inputs
+
+    async def set_reachability(self, public: bool) -> None:
+        await self.dht.set_reachability(public)
+
+    async def provide_content(self, content_hash: bytes) -> bool:
+        return await self.dht.provide(content_key(content_hash))
+
+    def stop_providing_content(self, content_hash: bytes) -> None:
+        self.dht.content.stop_providing(content_key(content_hash))
+
+    async def find_content_providers(self, content_hash: bytes) -> list[PeerInfo]:
+        result = await self.dht.find_providers(content_key(content_hash))
+        return result.providers
+
+    async def wait_changed(self) -> None:
+        """Return after the next lookup that changed the set of known members."""
+        await self._changed.wait()
+
+    # -- service ----------------------------------------------------------------------------
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        await self._step("bootstrap", self.dht.bootstrap)
+        await self._step("provide", self._provide)
+        await self._step("lookup", self.refresh_members)
+        task_status.started()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._every, self._config.reprovide_interval, "provide", self._provide)
+            nursery.start_soon(self._lookup_loop)
+            nursery.start_soon(self._every, self._config.provider_ttl / 4, "expire", self._expire)
+            nursery.start_soon(
+                self._every, self._config.republish_interval, "republish", self.dht.republish_records
+            )
+
+    async def refresh_members(self) -> None:
+        """One provider lookup for the run key; connect to members we are not connected to."""
+        result = await self.dht.find_providers(self._run_key)
+        me = self._host.get_id()
+        members = {p.peer_id: p for p in result.providers if p.peer_id != me}
+        connected = set(self._host.get_connected_peers())
+        budget = self._config.max_run_peers - len(connected & members.keys())
+        async with trio.open_nursery() as nursery:
+            for info in members.values():
+                if info.peer_id not in connected and budget > 0:
+                    budget -= 1
+                    nursery.start_soon(self.dht.connect, info)
+        if members.keys() != self._members.keys():
+            self._changed.set()
+            self._changed = trio.Event()
+        self._members = members
+        self.lookups_done += 1
+
+    async def _provide(self) -> None:
+        if self.dht.is_server or self._host.get_connected_peers():
+            await self.dht.provide(self._run_key)
+
+    async def _expire(self) -> None:
+        self.dht.expire_records()
+
+    async def _lookup_loop(self) -> None:
+        while True:
+            short = len(self._members) < self._config.min_run_peers
+            await trio.sleep(self._config.lookup_interval / (4 if short else 1))
+            await self._step("lookup", self.refresh_members)
+
+    async def _every(self, period: float, name: str, step) -> None:
+        while True:
+            await trio.sleep(period)
+            await self._step(name, step)
+
+    async def _step(self, name: str, step) -> None:
+        try:
+            with trio.move_on_after(max(self._config.query_timeout * 6, 10.0)):
+                await step()
+        except Exception as exc:  # a failed round is retried next period
+            logger.warning("DHT %s failed: %r", name, exc)

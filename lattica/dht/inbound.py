@@ -1,0 +1,102 @@
+"""The inbound side of the Kademlia protocol: screen every frame, then let py-libp2p answer.
+
+``ScreenedStream`` wraps an inbound stream. It reads whole frames from the wire through a
+``FrameDecoder``, runs ``screen_request`` on each and hands only accepted frames to
+py-libp2p's ``KadDHT.handle_stream`` (which reads varint-prefixed frames too, so it cannot
+tell the difference). On a rejected frame it reports to ``on_reject`` and then reports end
+of stream, so the library's handler winds down quietly; the guard resets the stream.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from libp2p.abc import INetStream
+from libp2p.records.validator import Validator
+
+from lattica.dht.screen import FrameDecoder, encode_varint, screen_request
+from lattica.errors import RemoteProtocolError
+
+logger = logging.getLogger(__name__)
+_READ_CHUNK = 16 * 1024
+
+
+class ScreenedStream:
+    """A read-side filter over an ``INetStream``; everything else passes through."""
+
+    def __init__(
+        self,
+        stream: INetStream,
+        *,
+        validator: Validator,
+        max_frame: int,
+        peer_id: str,
+    ) -> None:
+        self._stream = stream
+        self._validator = validator
+        self._peer_id = peer_id
+        self._decoder = FrameDecoder(max_frame=max_frame, peer_id=peer_id)
+        self._ready = bytearray()
+        self.rejection: RemoteProtocolError | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+    async def read(self, n: int | None = None) -> bytes:
+        if not self._ready and self.rejection is None:
+            await self._fill()
+        if not self._ready:
+            return b""
+        size = len(self._ready) if n is None else min(n, len(self._ready))
+        out = bytes(self._ready[:size])
+        del self._ready[:size]
+        return out
+
+    async def _fill(self) -> None:
+        try:
+            while (frame := self._decoder.next_frame()) is None:
+                try:
+                    chunk = await self._stream.read(_READ_CHUNK)
+                except EOFError:
+                    chunk = b""
+                if not chunk:
+                    return
+                self._decoder.feed(chunk)
+            screen_request(frame, validator=self._validator, peer_id=self._peer_id)
+        except RemoteProtocolError as exc:
+            self.rejection = exc
+            return
+        self._ready += encode_varint(len(frame)) + frame
+
+
+async def guarded_handler(
+    stream: INetStream,
+    *,
+    inner: Callable[[Any], Awaitable[None]],
+    validator: Validator,
+    max_frame: int,
+    is_banned: Callable[[str], bool],
+    on_reject: Callable[[RemoteProtocolError], Awaitable[None]],
+) -> None:
+    """Serve one inbound DHT stream; never raises, whatever the peer sends."""
+    peer_id = str(stream.muxed_conn.peer_id)
+    if is_banned(peer_id):
+        await _reset(stream)
+        return
+    screened = ScreenedStream(stream, validator=validator, max_frame=max_frame, peer_id=peer_id)
+    try:
+        await inner(screened)
+    except Exception as exc:  # the library handler is not ours; contain it
+        logger.debug("DHT handler for %s failed: %r", peer_id, exc)
+    if screened.rejection is not None:
+        await _reset(stream)
+        await on_reject(screened.rejection)
+
+
+async def _reset(stream: INetStream) -> None:
+    try:
+        await stream.reset()
+    except Exception:
+        logger.debug("resetting a DHT stream failed", exc_info=True)

@@ -1,0 +1,194 @@
+"""One node's view of the Kademlia DHT: py-libp2p's ``KadDHT``, hardened and tunable.
+
+What this adds around the library:
+
+- Mode from reachability: server (answers ``/ipfs/kad/1.0.0``) while the node is or may be
+  publicly reachable, client behind NAT. ``set_reachability`` flips it at runtime.
+- Every inbound frame is screened (``inbound.py``) against strict namespaced validators
+  and size caps; a bad frame is counted, logged once per peer, the peer is banned for a
+  while, removed from the routing table and its provider records, and disconnected.
+- Provider records expire after ``DHTConfig.provider_ttl`` rather than 48 h.
+- Value records carry their own expiry (``records.py``); ``put_record`` remembers what this
+  node published so ``republish_records`` can refresh it before it lapses.
+
+The library's own maintenance service (``KadDHT.run``) is not started: its intervals are
+fixed at 10 min / 22 h. ``RunDiscovery`` runs the maintenance loop instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import trio
+from libp2p.abc import IHost
+from libp2p.kad_dht import DHTMode, KadDHT
+from libp2p.kad_dht.common import PROTOCOL_ID
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo
+
+from lattica.dht.config import DHTConfig
+from lattica.dht.content import ContentRouting, LookupResult
+from lattica.dht.inbound import guarded_handler
+from lattica.dht.penalties import PenaltyBox
+from lattica.dht.provider_store import ExpiringProviderStore
+from lattica.dht.records import (
+    ExpiringRecord,
+    ExpiringRecordValidator,
+    InvalidRecord,
+    build_validator,
+    encode_record,
+)
+from lattica.errors import LocalProtocolError, RemoteProtocolError
+
+logger = logging.getLogger(__name__)
+
+
+class LatticaDHT:
+    def __init__(self, host: IHost, *, config: DHTConfig) -> None:
+        self._host = host
+        self._config = config
+        self.validator = build_validator(
+            max_value_bytes=config.max_value_bytes, max_ttl=config.record_ttl
+        )
+        mode = DHTMode.SERVER if config.start_as_server else DHTMode.CLIENT
+        self.kad = KadDHT(host, mode, validator=self.validator, validator_changed=True)
+        self.kad.provider_store = ExpiringProviderStore(
+            host=host, peer_routing=self.kad.peer_routing, ttl=config.provider_ttl
+        )
+        self.penalties = PenaltyBox(ban_seconds=config.ban_seconds)
+        self.content = ContentRouting(host, self.kad, config, on_bad_answer=self.penalize)
+        self._published: dict[str, tuple[bytes, int]] = {}
+        if mode == DHTMode.SERVER:
+            self._serve()
+
+    # -- mode -----------------------------------------------------------------------------
+    @property
+    def is_server(self) -> bool:
+        return self.kad.mode == DHTMode.SERVER
+
+    async def set_reachability(self, public: bool) -> None:
+        """Server mode when publicly reachable, client mode behind NAT."""
+        wanted = DHTMode.SERVER if public else DHTMode.CLIENT
+        if wanted == self.kad.mode:
+            return
+        await self.kad.switch_mode(wanted)
+        if wanted == DHTMode.SERVER:
+            self._serve()  # switch_mode installed the unguarded handler; replace it
+        logger.info("DHT now in %s mode", wanted.value.lower())
+
+    def _serve(self) -> None:
+        async def handler(stream) -> None:
+            await guarded_handler(
+                stream,
+                inner=self.kad.handle_stream,
+                validator=self.validator,
+                max_frame=self._config.max_message_bytes,
+                is_banned=lambda peer: self.penalties.is_banned(peer, now=time.monotonic()),
+                on_reject=self.penalize,
+            )
+
+        self._host.set_stream_handler(PROTOCOL_ID, handler)
+
+    # -- bad input --------------------------------------------------------------------------
+    @property
+    def rejected_inputs(self) -> int:
+        return self.penalties.rejected_inputs
+
+    async def penalize(self, error: RemoteProtocolError) -> None:
+        """Count, log once, and drop the peer that sent bad input. Never raises."""
+        peer = error.peer_id or "?"
+        reason = str(error).split(":", 1)[0][:60]
+        if not self.penalties.reject(peer, reason, now=time.monotonic()):
+            return
+        logger.warning("dropping DHT peer: %s", error)
+        try:
+            peer_id = ID.from_base58(peer)
+        except Exception:
+            return
+        self.kad.routing_table.remove_peer(peer_id)
+        self.kad.provider_store.remove_provider(peer)
+        try:
+            await self._host.disconnect(peer_id)
+        except Exception:
+            logger.debug("disconnecting %s failed", peer, exc_info=True)
+
+    # -- routing table ----------------------------------------------------------------------
+    def routing_table_size(self) -> int:
+        return self.kad.get_routing_table_size()
+
+    async def bootstrap(self) -> int:
+        """Seed the routing table from connected peers, then look ourselves up."""
+        for peer in self._host.get_connected_peers():
+            await self.kad.routing_table.add_peer(peer)
+        if self._host.get_connected_peers() or self.routing_table_size():
+            await self.kad.peer_routing.find_closest_peers_network(self._host.get_id().to_bytes())
+        return self.routing_table_size()
+
+    # -- content routing --------------------------------------------------------------------
+    async def provide(self, key: bytes) -> bool:
+        return await self.content.provide(key)
+
+    async def find_providers(self, key: bytes, *, enough: int | None = None) -> LookupResult:
+        return await self.content.find_providers(key, enough=enough)
+
+    def expire_records(self) -> None:
+        """Drop provider records past their TTL and value records past their expiry."""
+        self.kad.provider_store.cleanup_expired()
+        for key, (record, _) in list(self.kad.value_store.store.items()):
+            try:
+                self.validator.validate(key.decode(), record.value)
+            except (InvalidRecord, UnicodeDecodeError):
+                self.kad.value_store.remove(key)
+
+    # -- value records ----------------------------------------------------------------------
+    async def put_record(self, key: str, value: bytes) -> None:
+        """Publish ``value`` under ``/lattica/<kind>/<name>``; republished until forgotten."""
+        _, seq = self._published.get(key, (b"", -1))
+        raw = self._envelope(value, seq + 1)
+        try:
+            self.validator.validate(key, raw)
+        except InvalidRecord as exc:
+            raise LocalProtocolError(f"refusing to publish {key!r}: {exc}") from None
+        self._published[key] = (value, seq + 1)
+        await self.kad.put_value(key, raw)
+
+    async def get_record(self, key: str) -> bytes | None:
+        raw = await self.kad.get_value(key)
+        if raw is None:
+            return None
+        ns_validator = self.validator.validator_by_key(key)
+        if not isinstance(ns_validator, ExpiringRecordValidator):
+            return None
+        try:
+            return ns_validator.decode(key, raw).value
+        except InvalidRecord:
+            self.kad.value_store.remove(key.encode())
+            return None
+
+    def forget_record(self, key: str) -> None:
+        self._published.pop(key, None)
+
+    async def republish_records(self) -> None:
+        for key, (value, seq) in list(self._published.items()):
+            raw = self._envelope(value, seq)
+            self.kad.value_store.remove(key.encode())  # replace our own local copy
+            try:
+                await self.kad.put_value(key, raw)
+            except Exception as exc:
+                logger.debug("republishing %s failed: %r", key, exc)
+
+    def _envelope(self, value: bytes, seq: int) -> bytes:
+        expires_at = time.time() + self._config.record_ttl
+        return encode_record(ExpiringRecord(value=value, seq=seq, expires_at=expires_at))
+
+    async def connect(self, info: PeerInfo) -> bool:
+        if info.peer_id == self._host.get_id():
+            return False
+        try:
+            with trio.fail_after(self._config.query_timeout):
+                await self._host.connect(info)
+        except Exception as exc:
+            logger.debug("connecting to %s failed: %r", info.peer_id, exc)
+            return False
+        return True
