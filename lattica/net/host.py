@@ -12,8 +12,8 @@ from collections.abc import Sequence
 import multiaddr
 from libp2p import new_host
 from libp2p.abc import IHost
-from libp2p.crypto.x25519 import create_new_key_pair as _new_x25519
 from libp2p.crypto.keys import KeyPair
+from libp2p.crypto.x25519 import create_new_key_pair as _new_x25519
 from libp2p.custom_types import TProtocol
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport

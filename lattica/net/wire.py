@@ -27,12 +27,7 @@ def encode_message(obj: Any) -> bytes:
 
 def decode_body(body: bytes, *, peer_id: str | None = None) -> Any:
     try:
-        return msgpack.unpackb(
-            body,
-            raw=False,
-            strict_map_key=False,
-            max_buffer_size=len(body),
-        )
+        return msgpack.unpackb(body, raw=False, strict_map_key=False)
     except Exception as exc:
         raise RemoteProtocolError(f"malformed message: {exc}", peer_id=peer_id) from None
 

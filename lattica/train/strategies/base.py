@@ -54,6 +54,11 @@ class OuterStrategy(ABC):
 
     name: str = "base"
 
+    #: Set by strategies that must see the gradients of every inner step before the inner
+    #: optimizer uses them (data-parallel baselines); the trainer then calls
+    #: ``before_optimizer_step`` between backward and ``optimizer.step()``.
+    syncs_gradients: bool = False
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -69,6 +74,10 @@ class OuterStrategy(ABC):
     def bind_nursery(self, nursery: trio.Nursery) -> None:
         """Give the strategy a nursery for communication that overlaps inner steps."""
         self.nursery = nursery
+
+    async def before_optimizer_step(self, step: int) -> None:
+        """Called on the trio thread after backward of step ``step`` when ``syncs_gradients``."""
+        return None
 
     @abstractmethod
     async def after_inner_step(self, step: int) -> list[OuterStepReport]:

@@ -1,0 +1,204 @@
+"""The CLI subcommands. Each returns the process exit code."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+from typing import Any
+
+import trio
+
+from lattica.cli.main import install_signal_exit, print_json, resolve_data_dir
+from lattica.cli.render import key_values, short_id, table
+from lattica.control import client
+from lattica.errors import DaemonNotRunningError
+
+
+def join(args: argparse.Namespace) -> int:
+    from lattica.cli.logs import configure_logging
+    from lattica.cli.settings import build_node_config
+    from lattica.net.identity import load_or_create_identity
+
+    flags = {
+        "data_dir": args.data_dir,
+        "listen": tuple(args.listen) if args.listen else None,
+        "announce": tuple(args.announce) if args.announce else None,
+        "peers": tuple(args.peers) if args.peers else None,
+        "peers_file": args.peers_file,
+        "run_id": args.run_id,
+        "metrics_addr": args.metrics_addr,
+        "log_level": args.log_level,
+        "bootstrap_timeout_s": args.bootstrap_timeout_s,
+    }
+    train_flags = {
+        "strategy": args.strategy,
+        "model": args.model,
+        "data": args.data,
+        "task": args.task,
+        "inner_steps": args.inner_steps,
+        "rounds": args.rounds,
+        "min_peers": args.min_peers,
+        "device": args.device,
+        "seed": args.seed,
+    }
+    config = build_node_config(
+        flags=flags,
+        train_flags=train_flags,
+        config_path=args.config,
+        environ=os.environ,
+        with_training=args.train,
+    )
+    configure_logging(config.log_level)
+    key_pair = load_or_create_identity(config.data_dir)
+    return trio.run(_run_daemon, config, key_pair)
+
+
+async def _run_daemon(config: Any, key_pair: Any) -> int:
+    from lattica.daemon import build_node
+
+    node = build_node(config, key_pair)
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_stop_on_signal, signals, node, nursery.cancel_scope)
+            await nursery.start(node.run)
+            _announce_started(node)
+    return 0
+
+
+async def _stop_on_signal(signals: Any, node: Any, scope: trio.CancelScope) -> None:
+    async for _ in signals:
+        if node.host is None:  # still starting: nothing to say goodbye to
+            scope.cancel()
+        node.request_shutdown()
+        return
+
+
+def _announce_started(node: Any) -> None:
+    addrs = node.dialable_addrs()
+    lines = [f"lattica node {node.peer_id} is up (run {node.config.run_id!r}, data dir {node.config.data_dir})"]
+    if not node.config.peers:
+        lines.append("started a new swarm; others join it with:")
+    else:
+        lines.append("joined; others can also join through this node with:")
+    if addrs:
+        lines.append(f"  lattica join --peer {addrs[0]}")
+    lines.extend(f"  (also {a})" for a in addrs[1:4])
+    print("\n".join(lines), flush=True)
+
+
+def identity(args: argparse.Namespace) -> int:
+    from lattica.cli.settings import build_node_config
+    from lattica.net.addrs import dialable_addrs
+    from lattica.net.identity import load_or_create_identity, peer_id_of
+
+    install_signal_exit()
+    data_dir = resolve_data_dir(args)
+    try:
+        result = client.call(data_dir / "control.sock", "id")
+    except DaemonNotRunningError:
+        flags = {
+            "data_dir": data_dir,
+            "listen": tuple(args.listen) if args.listen else None,
+            "announce": tuple(args.announce) if args.announce else None,
+        }
+        config = build_node_config(flags=flags, config_path=args.config, environ=_env_without_train())
+        key_pair = load_or_create_identity(config.data_dir)
+        peer_id = peer_id_of(key_pair).to_base58()
+        if config.announce:
+            addrs = [f"{a.split('/p2p/')[0]}/p2p/{peer_id}" for a in config.announce]
+        else:
+            import multiaddr
+
+            addrs = dialable_addrs([multiaddr.Multiaddr(a) for a in config.listen], peer_id)
+        result = {"peer_id": peer_id, "addrs": addrs}
+    if args.json:
+        print_json(result)
+    else:
+        print(result["peer_id"])
+        for addr in result["addrs"]:
+            print(addr)
+    return 0
+
+
+def _env_without_train() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("LATTICA_TRAIN_")}
+
+
+def _call(args: argparse.Namespace, method: str) -> Any:
+    return client.call(resolve_data_dir(args) / "control.sock", method)
+
+
+def status(args: argparse.Namespace) -> int:
+    install_signal_exit()
+    result = _call(args, "status")
+    if args.json:
+        print_json(result)
+        return 0
+    pairs = [(k.replace("_", " "), v) for k, v in result.items() if not isinstance(v, dict)]
+    print(key_values(pairs))
+    for key, value in result.items():
+        if isinstance(value, dict):
+            print(f"\n[{key}]")
+            print(key_values([(k.replace("_", " "), v) for k, v in value.items()]))
+    return 0
+
+
+def peers(args: argparse.Namespace) -> int:
+    install_signal_exit()
+    result = _call(args, "peers")
+    if args.json:
+        print_json(result)
+        return 0
+    rows = [
+        (
+            short_id(p["peer_id"]),
+            "yes" if p["connected"] else ("left" if p.get("left") else "no"),
+            p.get("path") or "-",
+            f"{p['rtt_ms']:.1f}" if p.get("rtt_ms") is not None else "-",
+            (p["addrs"] or ["-"])[0],
+        )
+        for p in result
+    ]
+    print(table(("PEER", "CONNECTED", "PATH", "RTT MS", "ADDRESS"), rows) if rows else "no peers known")
+    return 0
+
+
+def state(args: argparse.Namespace) -> int:
+    install_signal_exit()
+    result = _call(args, "state")
+    if args.json or not isinstance(result, dict):
+        print_json(result)
+        return 0
+    members = result.get("members", {})
+    rows = []
+    for peer_id, m in sorted(members.items()):
+        progress = result.get("progress", {}).get(peer_id, {})
+        rows.append(
+            (
+                short_id(peer_id),
+                "yes" if peer_id in result.get("live", []) else "no",
+                m.get("device", "-"),
+                progress.get("round", "-"),
+                (progress.get("weights_hash") or "-")[:12],
+            )
+        )
+    print(table(("MEMBER", "LIVE", "DEVICE", "ROUND", "WEIGHTS"), rows) if rows else "no members yet")
+    return 0
+
+
+def stop(args: argparse.Namespace) -> int:
+    result = _call(args, "shutdown")
+    if args.json:
+        print_json(result)
+    else:
+        print("daemon is shutting down")
+    return 0
+
+
+def demo(args: argparse.Namespace) -> int:
+    from lattica.demo import run_demo
+
+    return run_demo(args)
+
+

@@ -1,0 +1,169 @@
+"""``lattica`` command line: the daemon (``join``) and the commands that talk to it.
+
+Every error reaches the user as one line on stderr with a non-zero exit code; tracebacks are
+shown only with ``--log-level debug``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from lattica.errors import LatticaError
+
+EXIT_ERROR = 1
+EXIT_INTERNAL = 2
+
+
+def _add_data_dir(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data-dir", type=Path, help="node data dir (default: $XDG_DATA_HOME/lattica)")
+
+
+def _add_json(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lattica", description="Decentralized training runtime.")
+    parser.add_argument("--version", action="version", version=_version())
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    join = sub.add_parser("join", help="run the node daemon (start a swarm, or join one with --peer)")
+    _add_data_dir(join)
+    join.add_argument("--config", type=Path, help="TOML config file")
+    join.add_argument("--peer", action="append", dest="peers", metavar="MULTIADDR", help="bootstrap peer (repeatable)")
+    join.add_argument("--peers-file", type=Path, help="file with one bootstrap multiaddr per line")
+    join.add_argument("--listen", action="append", metavar="MULTIADDR", help="listen address (repeatable; default all interfaces, port 4001)")
+    join.add_argument("--announce", action="append", metavar="MULTIADDR", help="address to advertise instead (port-mapped containers)")
+    join.add_argument("--run-id", help="id of the training run (default: 'default')")
+    join.add_argument("--metrics-addr", help="HOST:PORT for Prometheus metrics, or 'off' (default 127.0.0.1:9400)")
+    join.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
+    join.add_argument("--bootstrap-timeout", type=float, dest="bootstrap_timeout_s", help="seconds to reach a bootstrap peer (default 30)")
+    join.add_argument("--train", action="store_true", help="take part in training (default config unless [train] is set)")
+    join.add_argument("--strategy", help="outer strategy: diloco, eager, streaming, noloco, spes")
+    join.add_argument("--model", help="built-in model preset (e.g. tiny)")
+    join.add_argument("--data", help="'stdlib' (default corpus), a text file or folder, .jsonl, .bin, or hf:NAME")
+    join.add_argument("--task", help="user task entry point package.module:function")
+    join.add_argument("--inner-steps", type=int, help="inner steps per outer round (H)")
+    join.add_argument("--rounds", type=int, help="outer rounds to train")
+    join.add_argument("--min-peers", type=int, help="peers (including this one) needed before training starts")
+    join.add_argument("--device", choices=("auto", "cpu", "cuda"))
+    join.add_argument("--seed", type=int)
+
+    ident = sub.add_parser("id", help="print this node's peer id and the addresses others can join")
+    _add_data_dir(ident)
+    ident.add_argument("--config", type=Path)
+    ident.add_argument("--listen", action="append", metavar="MULTIADDR")
+    ident.add_argument("--announce", action="append", metavar="MULTIADDR")
+    _add_json(ident)
+
+    for name, help_text in (
+        ("status", "show the running daemon's status"),
+        ("peers", "list the peers the daemon knows"),
+        ("state", "dump the run's replicated state"),
+        ("stop", "ask the running daemon to shut down"),
+    ):
+        p = sub.add_parser(name, help=help_text)
+        _add_data_dir(p)
+        _add_json(p)
+
+    demo = sub.add_parser("demo", help="train a local swarm of daemons on the built-in corpus")
+    demo.add_argument("--nodes", type=int, default=4)
+    demo.add_argument("--rounds", type=int, default=6)
+    demo.add_argument("--inner-steps", type=int, default=30)
+    demo.add_argument("--strategy", default="diloco")
+    demo.add_argument("--model", default="tiny")
+    demo.add_argument("--workdir", type=Path, help="where the nodes keep their data dirs (default: a temp dir)")
+    demo.add_argument("--base-port", type=int, default=0, help="first listen port (default: ephemeral)")
+    _add_json(demo)
+    return parser
+
+
+def _version() -> str:
+    from lattica import __version__
+
+    return f"lattica {__version__}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    debug = getattr(args, "log_level", None) == "debug"
+    try:
+        return _dispatch(args)
+    except BaseExceptionGroup as group:
+        # trio nurseries wrap errors; report the first meaningful one as one line
+        leaf = _first_leaf(group)
+        if isinstance(leaf, LatticaError):
+            print(f"lattica: error: {leaf}", file=sys.stderr)
+            return EXIT_ERROR
+        if isinstance(leaf, KeyboardInterrupt):
+            return 130
+        if debug:
+            raise
+        print(f"lattica: internal error: {type(leaf).__name__}: {_first_line(leaf)}", file=sys.stderr)
+        return EXIT_INTERNAL
+    except LatticaError as exc:
+        print(f"lattica: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        if debug:
+            raise
+        print(f"lattica: internal error: {type(exc).__name__}: {_first_line(exc)}", file=sys.stderr)
+        return EXIT_INTERNAL
+
+
+def _first_leaf(group: BaseExceptionGroup) -> BaseException:
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            return _first_leaf(exc)
+        return exc
+    return group
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc) or type(exc).__name__).splitlines()[0]
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    from lattica.cli import commands
+
+    handlers = {
+        "join": commands.join,
+        "id": commands.identity,
+        "status": commands.status,
+        "peers": commands.peers,
+        "state": commands.state,
+        "stop": commands.stop,
+        "demo": commands.demo,
+    }
+    return handlers[args.command](args)
+
+
+def resolve_data_dir(args: argparse.Namespace) -> Path:
+    from lattica.cli.settings import default_data_dir
+
+    if args.data_dir is not None:
+        return Path(args.data_dir).expanduser()
+    env = os.environ.get("LATTICA_DATA_DIR")
+    return Path(env).expanduser() if env else default_data_dir()
+
+
+def print_json(obj: Any) -> None:
+    json.dump(obj, sys.stdout, indent=2, default=str)
+    sys.stdout.write("\n")
+
+
+def install_signal_exit() -> None:
+    """Let SIGPIPE end CLI output quietly (``lattica peers | head``)."""
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,197 @@
+"""Config precedence for ``lattica join``: flags > ``LATTICA_*`` env vars > TOML file > defaults.
+
+This is the only place that reads the environment and config files. The merged values are
+validated once, into the frozen dataclasses of ``lattica.config``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tomllib
+from collections.abc import Mapping
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from lattica.config import DEFAULT_PORT, NodeConfig, TrainSettings
+from lattica.errors import ConfigError
+
+ENV_PREFIX = "LATTICA_"
+MAX_CONFIG_BYTES = 1 << 20
+MAX_PEERS_FILE_BYTES = 1 << 20
+
+# key -> kind; "list" values come from TOML arrays, repeated flags, or comma-separated env vars
+NODE_KEYS: dict[str, str] = {
+    "data_dir": "path",
+    "listen": "list",
+    "announce": "list",
+    "peers": "list",
+    "peers_file": "path",
+    "run_id": "str",
+    "metrics_addr": "str",
+    "log_level": "str",
+    "bootstrap_timeout_s": "float",
+    "max_backoff_s": "float",
+    "peer_exchange": "bool",
+}
+TRAIN_KEYS: dict[str, str] = {
+    f.name: {"int": "int", "float": "float", "str": "str", "str | None": "str", "bool": "bool"}.get(
+        str(f.type), "str"
+    )
+    for f in fields(TrainSettings)
+    if f.name != "extra"
+}
+
+
+def default_data_dir() -> Path:
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "lattica"
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"config file {path} is larger than {MAX_CONFIG_BYTES} bytes")
+    try:
+        return tomllib.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+
+
+def _coerce(key: str, kind: str, value: Any, source: str) -> Any:
+    try:
+        if kind == "list":
+            if isinstance(value, str):
+                return tuple(v.strip() for v in value.split(",") if v.strip())
+            if isinstance(value, list | tuple) and all(isinstance(v, str) for v in value):
+                return tuple(value)
+            raise TypeError
+        if kind == "path":
+            if not isinstance(value, str | Path) or not str(value):
+                raise TypeError
+            return Path(value).expanduser()
+        if kind == "int":
+            if isinstance(value, bool):
+                raise TypeError
+            return int(value)
+        if kind == "float":
+            if isinstance(value, bool):
+                raise TypeError
+            return float(value)
+        if kind == "bool":
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+                return value.lower() in ("1", "true", "yes", "on")
+            raise TypeError
+        if not isinstance(value, str):
+            raise TypeError
+        return value
+    except (TypeError, ValueError):
+        raise ConfigError(f"{source}: {key} has an invalid value {value!r} (expected {kind})") from None
+
+
+def _layer(data: Mapping[str, Any], keys: dict[str, str], source: str, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in keys:
+            raise ConfigError(f"{source}: unknown key {prefix}{key!r}")
+        out[key] = _coerce(prefix + key, keys[key], value, source)
+    return out
+
+
+def env_layer(environ: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    node: dict[str, Any] = {}
+    train: dict[str, Any] = {}
+    for name, value in environ.items():
+        if not name.startswith(ENV_PREFIX) or name == "LATTICA_CONFIG":
+            continue
+        key = name[len(ENV_PREFIX):].lower()
+        if key.startswith("train_") and key[6:] in TRAIN_KEYS:
+            train[key[6:]] = _coerce(key, TRAIN_KEYS[key[6:]], value, f"environment {name}")
+        elif key in NODE_KEYS:
+            node[key] = _coerce(key, NODE_KEYS[key], value, f"environment {name}")
+        else:
+            raise ConfigError(f"environment: unknown variable {name}")
+    return node, train
+
+
+def file_layer(path: Path | None) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    if path is None:
+        return {}, None
+    data = read_toml(path)
+    train_section = data.pop("train", None)
+    if train_section is not None and not isinstance(train_section, dict):
+        raise ConfigError(f"{path}: [train] must be a table")
+    node = _layer(data, NODE_KEYS, str(path))
+    train = _layer(train_section, TRAIN_KEYS, str(path), "train.") if train_section is not None else None
+    return node, train
+
+
+def read_peers_file(path: Path) -> tuple[str, ...]:
+    try:
+        with path.open("rb") as f:
+            raw = f.read(MAX_PEERS_FILE_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"cannot read peers file {path}: {exc.strerror}") from None
+    if len(raw) > MAX_PEERS_FILE_BYTES:
+        raise ConfigError(f"peers file {path} is too large")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"peers file {path} is not UTF-8 text") from None
+    lines = (line.split("#", 1)[0].strip() for line in text.splitlines())
+    return tuple(line for line in lines if line)
+
+
+def _ipv6_available() -> bool:
+    if not socket.has_ipv6:
+        return False
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+def default_listen() -> tuple[str, ...]:
+    addrs = [f"/ip4/0.0.0.0/tcp/{DEFAULT_PORT}"]
+    if _ipv6_available():
+        addrs.append(f"/ip6/::/tcp/{DEFAULT_PORT}")
+    return tuple(addrs)
+
+
+def build_node_config(
+    *,
+    flags: Mapping[str, Any],
+    train_flags: Mapping[str, Any] | None = None,
+    config_path: Path | None,
+    environ: Mapping[str, str],
+    with_training: bool = False,
+) -> NodeConfig:
+    """Merge the layers (flags win, then env, then file) and validate them once."""
+    if config_path is None and environ.get("LATTICA_CONFIG"):
+        config_path = Path(environ["LATTICA_CONFIG"])
+    file_node, file_train = file_layer(config_path)
+    env_node, env_train = env_layer(environ)
+    merged: dict[str, Any] = {**file_node, **env_node, **{k: v for k, v in flags.items() if v is not None}}
+    peers = tuple(merged.pop("peers", ()))
+    peers_file = merged.pop("peers_file", None)
+    if peers_file is not None:
+        peers = peers + read_peers_file(peers_file)
+    merged["peers"] = tuple(dict.fromkeys(peers))
+    merged.setdefault("data_dir", default_data_dir())
+    if "listen" not in merged:
+        merged["listen"] = default_listen()
+    if merged.get("metrics_addr") in ("", "off", "none"):
+        merged["metrics_addr"] = None
+    train_values = {**(file_train or {}), **env_train, **{k: v for k, v in (train_flags or {}).items() if v is not None}}
+    if with_training or file_train is not None or train_values:
+        merged["train"] = TrainSettings(**train_values)
+    return NodeConfig(**merged)

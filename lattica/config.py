@@ -1,0 +1,149 @@
+"""Frozen, validated configuration of a node.
+
+Only the CLI reads files and environment variables (see ``lattica.cli.settings``); everything
+below it receives these dataclasses, already checked. Each ``__post_init__`` raises
+``ConfigError`` with a message fit to print as the one line a user sees.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import multiaddr
+
+from lattica.errors import ConfigError
+
+DEFAULT_PORT = 4001
+DEFAULT_LISTEN = (f"/ip4/0.0.0.0/tcp/{DEFAULT_PORT}", f"/ip6/::/tcp/{DEFAULT_PORT}")
+DEFAULT_METRICS_ADDR = "127.0.0.1:9400"
+LOG_LEVELS = ("debug", "info", "warning", "error")
+_RUN_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+
+
+def parse_multiaddr(text: str, *, what: str) -> multiaddr.Multiaddr:
+    try:
+        return multiaddr.Multiaddr(text)
+    except Exception:
+        raise ConfigError(f"malformed multiaddr for {what}: {text!r}") from None
+
+
+def parse_peer_multiaddr(text: str) -> multiaddr.Multiaddr:
+    """A bootstrap address must name the peer: ``/ip4/…/tcp/…/p2p/12D3KooW…``."""
+    addr = parse_multiaddr(text, what="--peer")
+    try:
+        addr.value_for_protocol("p2p")
+    except Exception:
+        raise ConfigError(f"peer address {text!r} lacks a /p2p/<peer-id> part") from None
+    try:
+        addr.value_for_protocol("tcp")
+    except Exception:
+        if "p2p-circuit" not in text:
+            raise ConfigError(f"peer address {text!r} has no /tcp/<port> part") from None
+    return addr
+
+
+def parse_host_port(text: str, *, what: str) -> tuple[str, int]:
+    host, sep, port_text = text.rpartition(":")
+    if not sep or not host:
+        raise ConfigError(f"{what} must be HOST:PORT, got {text!r}")
+    host = host.strip("[]")
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise ConfigError(f"{what} has a non-numeric port: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"{what} port out of range: {text!r}")
+    return host, port
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeConfig:
+    """Everything ``lattica join`` needs to run a daemon."""
+
+    data_dir: Path
+    listen: tuple[str, ...] = DEFAULT_LISTEN
+    announce: tuple[str, ...] = ()
+    peers: tuple[str, ...] = ()
+    run_id: str = "default"
+    metrics_addr: str | None = DEFAULT_METRICS_ADDR
+    log_level: str = "warning"
+    bootstrap_timeout_s: float = 30.0
+    max_backoff_s: float = 30.0
+    peer_exchange: bool = True
+    train: TrainSettings | None = None
+
+    def __post_init__(self) -> None:
+        if not self.listen:
+            raise ConfigError("at least one --listen address is required")
+        for text in self.listen:
+            addr = parse_multiaddr(text, what="--listen")
+            protocols = [p.name for p in addr.protocols()]
+            if protocols[:1] not in (["ip4"], ["ip6"]) or "tcp" not in protocols:
+                raise ConfigError(f"--listen must be /ip4|ip6/<addr>/tcp/<port>, got {text!r}")
+        for text in self.announce:
+            parse_multiaddr(text, what="--announce")
+        for text in self.peers:
+            parse_peer_multiaddr(text)
+        if not _RUN_ID.match(self.run_id):
+            raise ConfigError(f"run id must be 1-64 of [A-Za-z0-9._-], got {self.run_id!r}")
+        if self.metrics_addr is not None:
+            parse_host_port(self.metrics_addr, what="--metrics-addr")
+        if self.log_level not in LOG_LEVELS:
+            raise ConfigError(f"log level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+        if not 0 < self.bootstrap_timeout_s <= 3600:
+            raise ConfigError("bootstrap timeout must be in (0, 3600] seconds")
+        if not 0 < self.max_backoff_s <= 3600:
+            raise ConfigError("max backoff must be in (0, 3600] seconds")
+
+    @property
+    def control_socket(self) -> Path:
+        return self.data_dir / "control.sock"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainSettings:
+    """What a training member of a run does; the run config in the replicated state wins."""
+
+    strategy: str = "diloco"
+    model: str = "tiny"
+    data: str = "stdlib"
+    task: str | None = None
+    inner_steps: int = 50
+    rounds: int = 10
+    batch_size: int = 16
+    seq_len: int = 128
+    inner_lr: float = 3e-3
+    warmup_steps: int = 20
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    round_deadline_s: float = 60.0
+    min_peers: int = 1
+    seed: int = 0
+    device: str = "auto"
+    keep_checkpoints: int = 3
+    extra: dict[str, object] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        positive = {
+            "inner_steps": self.inner_steps,
+            "rounds": self.rounds,
+            "batch_size": self.batch_size,
+            "seq_len": self.seq_len,
+            "min_peers": self.min_peers,
+            "keep_checkpoints": self.keep_checkpoints,
+        }
+        for name, value in positive.items():
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"train.{name} must be a positive integer, got {value!r}")
+        for name in ("inner_lr", "outer_lr", "round_deadline_s"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not value > 0:
+                raise ConfigError(f"train.{name} must be a positive number, got {value!r}")
+        if not 0 <= self.outer_momentum < 1:
+            raise ConfigError(f"train.outer_momentum must be in [0, 1), got {self.outer_momentum!r}")
+        if self.warmup_steps < 0:
+            raise ConfigError("train.warmup_steps must be >= 0")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"train.device must be auto, cpu or cuda, got {self.device!r}")

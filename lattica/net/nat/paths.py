@@ -1,0 +1,134 @@
+"""Per-peer path bookkeeping: how we reach each peer (direct / hole-punched / relayed) and RTT.
+
+Theory of operation: the swarm may hold several connections to one peer (a relayed one, then a
+direct one after a hole punch). ``PathBook`` samples them: a peer whose first connection we saw
+was relayed and who later gains a direct connection is *hole-punched*; a peer first seen over a
+direct connection is *direct*; one with only relayed connections is *relayed*. The path is the
+best connection present now, which is also the one the swarm picks for new streams (its
+default ``best`` strategy prefers direct over relayed). RTT is measured with libp2p ping over
+that connection, every ``rtt_interval`` seconds; failures keep the last value.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from dataclasses import dataclass
+
+import trio
+from libp2p.abc import IHost
+from libp2p.host.ping import PingService
+from libp2p.peer.id import ID
+
+from lattica.net.nat.addresses import conn_is_relayed
+
+logger = logging.getLogger(__name__)
+
+
+class Path(enum.StrEnum):
+    DIRECT = "direct"
+    HOLE_PUNCHED = "hole-punched"
+    RELAYED = "relayed"
+
+
+@dataclass(frozen=True)
+class PeerPath:
+    peer_id: str
+    path: Path
+    rtt_ms: float | None
+    since: float  # time.time() when this path was first observed
+
+
+class PathBook:
+    def __init__(self, host: IHost, *, sample_interval: float = 0.25,
+                 rtt_interval: float = 5.0) -> None:
+        if sample_interval <= 0 or rtt_interval <= 0:
+            raise ValueError("intervals must be positive")
+        self._host = host
+        self._sample_interval = sample_interval
+        self._rtt_interval = rtt_interval
+        self._ping = PingService(host)
+        self._first_relayed: set[ID] = set()
+        self._paths: dict[ID, PeerPath] = {}
+        self._rtt: dict[ID, float] = {}
+        self._changed = trio.Condition()
+
+    # -- queries ---------------------------------------------------------------------------
+    def path(self, peer_id: ID) -> Path | None:
+        entry = self._paths.get(peer_id)
+        return entry.path if entry else None
+
+    def rtt_ms(self, peer_id: ID) -> float | None:
+        return self._rtt.get(peer_id)
+
+    def peers(self) -> list[PeerPath]:
+        return [
+            PeerPath(str(pid), p.path, self._rtt.get(pid), p.since)
+            for pid, p in self._paths.items()
+        ]
+
+    def note_relayed(self, peer_id: ID) -> None:
+        """The dialer reached ``peer_id`` through a relay before any direct connection."""
+        if self.path(peer_id) is None:
+            self._first_relayed.add(peer_id)
+
+    async def wait_path(self, peer_id: ID, wanted: set[Path]) -> Path:
+        """Block until ``peer_id``'s path is one of ``wanted`` (callers bound the wait)."""
+        async with self._changed:
+            while (current := self.path(peer_id)) not in wanted:
+                await self._changed.wait()
+        assert current is not None
+        return current
+
+    # -- service ---------------------------------------------------------------------------
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._rtt_loop)
+            self.sample()
+            task_status.started()
+            while True:
+                await trio.sleep(self._sample_interval)
+                self.sample()
+                async with self._changed:
+                    self._changed.notify_all()
+
+    def sample(self) -> None:
+        connections = self._host.get_network().connections
+        for peer_id in list(self._paths):
+            if not connections.get(peer_id):
+                del self._paths[peer_id]
+                self._rtt.pop(peer_id, None)
+        for peer_id, conns in list(connections.items()):
+            kinds = [conn_is_relayed(c) for c in (conns if isinstance(conns, list) else [conns])]
+            if True in kinds and peer_id not in self._paths:
+                self._first_relayed.add(peer_id)
+            if False in kinds:
+                new = Path.HOLE_PUNCHED if peer_id in self._first_relayed else Path.DIRECT
+            elif True in kinds:
+                new = Path.RELAYED
+            else:
+                continue
+            old = self._paths.get(peer_id)
+            if old is None or old.path != new:
+                self._paths[peer_id] = PeerPath(str(peer_id), new, None, time.time())
+                logger.info("path to %s is now %s", peer_id, new)
+
+    async def _rtt_loop(self) -> None:
+        while True:
+            for peer_id in list(self._paths):
+                await self.measure_rtt(peer_id)
+            await trio.sleep(self._rtt_interval)
+
+    async def measure_rtt(self, peer_id: ID) -> float | None:
+        with trio.move_on_after(min(self._rtt_interval, 3.0)):
+            try:
+                await self._ping.ping(peer_id, ping_amt=1)  # opens (or reuses) the stream
+                start = time.perf_counter()
+                await self._ping.ping(peer_id, ping_amt=1)  # whole-ms library value is too coarse
+            except Exception as exc:
+                logger.debug("ping %s failed: %r", peer_id, exc)
+                return None
+            self._rtt[peer_id] = round((time.perf_counter() - start) * 1000.0, 3)
+            return self._rtt[peer_id]
+        return None

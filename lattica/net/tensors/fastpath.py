@@ -1,0 +1,183 @@
+"""The fast channel: a direct TCP connection carrying AES-256-GCM frames.
+
+Theory of operation
+-------------------
+libp2p's Noise+Yamux streams move about a tenth of raw TCP's bytes per second here, so bulk
+tensors take a side road whose keys come from the main road:
+
+1. Over an authenticated libp2p stream (``FAST_PROTOCOL``) the initiator sends 32 random bytes;
+   the responder answers with its fast-path TCP port, 32 random bytes of its own and a one-time
+   16-byte session id, and remembers the pending session for ``PENDING_TTL_S``.
+2. Both derive two AES-256-GCM keys with HKDF-SHA256 over both nonces, both peer ids and the
+   session id: one per direction. Only the two authenticated peers know the inputs, since they
+   crossed a Noise channel.
+3. The initiator opens TCP to the responder, sends the session id, then an encrypted ``HELLO``
+   frame. The responder pops the session (an id is usable once), and binds the connection to
+   the peer id only after the hello decrypts — the AEAD tag proves knowledge of the key.
+4. Then each direction is a sequence of frames ``u32 length | ciphertext+tag`` whose nonce is
+   the frame counter, so nonces never repeat under a key. A frame that fails authentication,
+   or a length over the cap, is a ``RemoteProtocolError``; the connection is dropped.
+
+The plaintext is a byte stream carrying ``frames.py`` messages, exactly like a libp2p stream.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+import trio
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from lattica.errors import BrokenError, RemoteProtocolError
+
+FAST_PROTOCOL = "/lattica/tensors/fast/1.0.0"
+HELLO = b"lattica-fast/1 hello"
+SESSION_ID_BYTES = 16
+NONCE_BYTES = 32
+PENDING_TTL_S = 10.0
+_LEN = struct.Struct(">I")
+_TAG_BYTES = 16
+
+
+def derive_keys(
+    initiator_nonce: bytes, responder_nonce: bytes, initiator: str, responder: str, sid: bytes
+) -> tuple[bytes, bytes]:
+    """Return (initiator→responder key, responder→initiator key)."""
+    info = b"lattica fast path v1|" + initiator.encode() + b"|" + responder.encode() + b"|" + sid
+    hkdf = HKDF(algorithm=hashes.SHA256(), length=64, salt=initiator_nonce + responder_nonce, info=info)
+    okm = hkdf.derive(b"lattica-fast-path")
+    return okm[:32], okm[32:]
+
+
+class FastChannel:
+    """One authenticated, encrypted, bidirectional byte stream to one peer."""
+
+    def __init__(
+        self,
+        sock: trio.socket.SocketType,
+        *,
+        send_key: bytes,
+        recv_key: bytes,
+        peer_id: str,
+        frame_bytes: int,
+    ) -> None:
+        self.peer_id = peer_id
+        self.send_lock = trio.Lock()
+        self._sock = sock
+        self._send_aead = AESGCM(send_key)
+        self._recv_aead = AESGCM(recv_key)
+        self._send_counter = 0
+        self._recv_counter = 0
+        self._frame_bytes = frame_bytes
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        for start in range(0, len(view), self._frame_bytes):
+            await self._send_frame(view[start : start + self._frame_bytes])
+
+    async def _send_frame(self, plaintext: memoryview | bytes) -> None:
+        nonce = _nonce(self._send_counter)
+        self._send_counter += 1
+        sealed = self._send_aead.encrypt(nonce, plaintext, None)
+        await self._send_raw(_LEN.pack(len(sealed)))
+        await self._send_raw(sealed)
+
+    async def _send_raw(self, data: bytes) -> None:
+        view = memoryview(data)
+        try:
+            while view:
+                sent = await self._sock.send(view)
+                view = view[sent:]
+        except OSError as exc:
+            self._closed = True
+            raise BrokenError(f"fast channel broken: {exc!r}", peer_id=self.peer_id) from None
+
+    async def receive_some(self) -> bytes:
+        """The next frame's plaintext; ``b""`` when the peer closed cleanly between frames."""
+        header = await self._receive_exactly(_LEN.size, eof_ok=True)
+        if header is None:
+            return b""
+        (length,) = _LEN.unpack(header)
+        if not _TAG_BYTES < length <= self._frame_bytes + _TAG_BYTES:
+            raise RemoteProtocolError(f"fast frame of {length} bytes", peer_id=self.peer_id)
+        sealed = await self._receive_exactly(length, eof_ok=False)
+        nonce = _nonce(self._recv_counter)
+        self._recv_counter += 1
+        try:
+            return self._recv_aead.decrypt(nonce, sealed, None)
+        except InvalidTag:
+            raise RemoteProtocolError("fast frame failed authentication", peer_id=self.peer_id) from None
+
+    async def _receive_exactly(self, n: int, *, eof_ok: bool) -> bytearray | None:
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        while got < n:
+            try:
+                k = await self._sock.recv_into(view[got:], n - got)
+            except OSError as exc:
+                self._closed = True
+                raise BrokenError(f"fast channel broken: {exc!r}", peer_id=self.peer_id) from None
+            if k == 0:
+                self._closed = True
+                if got == 0 and eof_ok:
+                    return None
+                raise BrokenError(f"fast channel ended mid-frame ({got}/{n})", peer_id=self.peer_id)
+            got += k
+        return buf
+
+    async def send_hello(self) -> None:
+        await self._send_frame(HELLO)
+
+    async def expect_hello(self) -> None:
+        if await self.receive_some() != HELLO:
+            raise RemoteProtocolError("fast channel hello mismatch", peer_id=self.peer_id)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._sock.close()
+
+
+async def connect(
+    host: str, port: int, sid: bytes, *, send_key: bytes, recv_key: bytes, peer_id: str, frame_bytes: int
+) -> FastChannel:
+    """Initiator side of step 3 (the caller bounds it with a cancel scope)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = trio.socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        await sock.connect((host, port))
+        await sock.send(sid)
+        channel = FastChannel(
+            sock, send_key=send_key, recv_key=recv_key, peer_id=peer_id, frame_bytes=frame_bytes
+        )
+        await channel.send_hello()
+    except BaseException:
+        sock.close()
+        raise
+    return channel
+
+
+async def read_session_id(sock: trio.socket.SocketType) -> bytes | None:
+    """Responder side of step 3: the first bytes of a new connection."""
+    buf = bytearray()
+    while len(buf) < SESSION_ID_BYTES:
+        chunk = await sock.recv(SESSION_ID_BYTES - len(buf))
+        if not chunk:
+            return None
+        buf += chunk
+    return bytes(buf)
+
+
+def _nonce(counter: int) -> bytes:
+    return b"\x00\x00\x00\x00" + counter.to_bytes(8, "big")

@@ -1,0 +1,88 @@
+"""Received tensor messages waiting for their consumer, keyed by ``(tag, sender, part)``.
+
+Peers reach a collective at different moments, so a part may arrive before the local side asks
+for it. It waits here, its bytes still counted in the ``MemoryBudget``, until ``take`` hands it
+over (and releases the bytes), until it expires (``ttl``), or until its tag is discarded. A
+second message for a key already held is a protocol violation by the sender.
+
+``take`` never waits blindly: it re-checks the sender's liveness whenever the service reports a
+lost peer and at least every ``poll_s``, so a dead sender becomes ``PeerUnavailableError``
+instead of a hang.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import trio
+
+from lattica.errors import PeerUnavailableError
+from lattica.net.tensors.codecs import TensorSpec
+from lattica.net.tensors.limits import MemoryBudget
+
+Key = tuple[str, str, int]
+
+
+@dataclass(slots=True)
+class Parcel:
+    specs: tuple[TensorSpec, ...]
+    payload: bytearray
+    received_at: float
+
+
+class Mailbox:
+    def __init__(self, budget: MemoryBudget, *, ttl_s: float, poll_s: float = 0.25) -> None:
+        self._budget = budget
+        self._ttl_s = ttl_s
+        self._poll_s = poll_s
+        self._parcels: dict[Key, Parcel] = {}
+        self._arrived: dict[Key, trio.Event] = {}
+
+    def __len__(self) -> int:
+        return len(self._parcels)
+
+    def deliver(self, key: Key, specs: tuple[TensorSpec, ...], payload: bytearray) -> bool:
+        """Store a fully received message whose bytes are reserved; False on a duplicate key."""
+        self._expire()
+        if key in self._parcels:
+            self._budget.release(key[1], len(payload))
+            return False
+        self._parcels[key] = Parcel(specs, payload, trio.current_time())
+        self._wake(key)
+        return True
+
+    async def take(self, key: Key, *, alive: Callable[[str], bool]) -> Parcel:
+        sender = key[1]
+        while True:
+            parcel = self._parcels.pop(key, None)
+            if parcel is not None:
+                self._budget.release(sender, len(parcel.payload))
+                return parcel
+            if not alive(sender):
+                raise PeerUnavailableError("peer left before sending its part", peer_id=sender)
+            event = self._arrived.setdefault(key, trio.Event())
+            with trio.move_on_after(self._poll_s):
+                await event.wait()
+            if self._arrived.get(key) is event and event.is_set():
+                del self._arrived[key]
+
+    def peer_lost(self, peer: str) -> None:
+        """Wake everyone waiting on ``peer`` so they re-check its liveness now."""
+        for key in [k for k in self._arrived if k[1] == peer]:
+            self._wake(key)
+
+    def discard(self, predicate: Callable[[Key], bool]) -> int:
+        keys = [k for k in self._parcels if predicate(k)]
+        for key in keys:
+            self._budget.release(key[1], len(self._parcels.pop(key).payload))
+        return len(keys)
+
+    def _wake(self, key: Key) -> None:
+        event = self._arrived.pop(key, None)
+        if event is not None:
+            event.set()
+
+    def _expire(self) -> None:
+        deadline = trio.current_time() - self._ttl_s
+        self.discard(lambda k: self._parcels[k].received_at < deadline)

@@ -1,0 +1,364 @@
+"""The node daemon: one libp2p host and the services of a training run, in one nursery.
+
+Theory of operation: ``Node.run`` binds the host (TCP + Noise + Yamux), starts the control
+socket, dials the bootstrap peers (``--peer``) and keeps them connected with exponential
+backoff, and learns the rest of the run from peer exchange (and the DHT where enabled). Every
+service is a child of one nursery; shutdown (``request_shutdown``, e.g. from SIGTERM) first
+tells connected peers goodbye, then cancels the nursery, then closes the host.
+
+Start-up fails with ``ConfigError`` — one line for the user — when a listen port is taken or
+no bootstrap peer answers within ``bootstrap_timeout_s``; after a successful start, losing the
+bootstrap peers only triggers reconnection attempts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from typing import Any
+
+import multiaddr
+import trio
+from libp2p.abc import IHost, INetStream
+from libp2p.crypto.keys import KeyPair
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
+
+from lattica import __version__
+from lattica.config import NodeConfig, parse_multiaddr
+from lattica.control.protocol import ControlRequest
+from lattica.control.server import ControlServer
+from lattica.errors import ConfigError, LatticaError, LocalProtocolError
+from lattica.net.addrs import dialable_addrs
+from lattica.net.host import build_host
+from lattica.net.identity import peer_id_of
+from lattica.net.peer_exchange import (
+    BYE_PROTOCOL,
+    MAX_REPLY_BYTES,
+    PX_PROTOCOL,
+    parse_px_reply,
+    px_reply,
+)
+from lattica.net.peerbook import PeerBook
+from lattica.net.wire import read_message, write_message
+
+log = logging.getLogger(__name__)
+
+_WATCH_INTERVAL_S = 0.5
+_PX_INTERVAL_S = 2.0
+_DIAL_TIMEOUT_S = 5.0
+_STREAM_TIMEOUT_S = 5.0
+
+
+class Node:
+    def __init__(self, config: NodeConfig, key_pair: KeyPair) -> None:
+        self.config = config
+        self.key_pair = key_pair
+        self.peer_id = peer_id_of(key_pair)
+        self.peer_book = PeerBook(self.peer_id.to_base58())
+        self.started_at = time.time()
+        self.host: IHost | None = None
+        self._shutdown = trio.Event()
+        self._dialing: set[str] = set()
+        self.extensions: list[Any] = []  # objects with run(task_status=...) and optional status()
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def request_shutdown(self) -> None:
+        self._shutdown.set()
+
+    async def run(self, *, task_status: trio.TaskStatus[Node] = trio.TASK_STATUS_IGNORED) -> None:
+        listen = [parse_multiaddr(a, what="--listen") for a in self.config.listen]
+        announce = [parse_multiaddr(a, what="--announce") for a in self.config.announce]
+        _check_ports_free(listen)
+        self.config.data_dir.mkdir(parents=True, exist_ok=True)
+        host = build_host(self.key_pair, listen_addrs=listen, announce_addrs=announce)
+        self.host = host
+        async with host.run(listen):
+            if len(host.get_transport_addrs()) < len(listen):
+                raise ConfigError(f"could not listen on all of {', '.join(self.config.listen)} (port in use?)")
+            host.set_stream_handler(PX_PROTOCOL, self._handle_px)
+            host.set_stream_handler(BYE_PROTOCOL, self._handle_bye)
+            async with trio.open_nursery() as nursery:
+                control = ControlServer(self.config.control_socket, self._handle_control)
+                await nursery.start(control.run)
+                nursery.start_soon(self._watch_connections)
+                await self._bootstrap()
+                for peer in self.config.peers:
+                    nursery.start_soon(self._keep_connected, peer)
+                if self.config.peer_exchange:
+                    nursery.start_soon(self._peer_exchange_loop)
+                for extension in self.extensions:
+                    await nursery.start(extension.run)
+                task_status.started(self)
+                await self._shutdown.wait()
+                with trio.move_on_after(2.0):
+                    await self._say_goodbye()
+                nursery.cancel_scope.cancel()
+
+    # -- addresses -------------------------------------------------------------------------
+
+    def dialable_addrs(self) -> list[str]:
+        assert self.host is not None
+        if self.config.announce:
+            return [f"{a.split('/p2p/')[0]}/p2p/{self.peer_id}" for a in self.config.announce]
+        return dialable_addrs(self.host.get_transport_addrs(), self.peer_id.to_base58())
+
+    # -- bootstrap and reconnection ----------------------------------------------------------
+
+    async def _bootstrap(self) -> None:
+        """Reach at least one bootstrap peer within the timeout, retrying with backoff."""
+        if not self.config.peers:
+            return
+        for peer in self.config.peers:
+            info = info_from_p2p_addr(multiaddr.Multiaddr(peer))
+            self.peer_book.learn(info.peer_id.to_base58(), [peer], now=time.time(), bootstrap=True)
+        errors: dict[str, str] = {}
+        with trio.move_on_after(self.config.bootstrap_timeout_s):
+            delay = 0.5
+            while True:
+                async with trio.open_nursery() as nursery:
+                    for peer in self.config.peers:
+                        nursery.start_soon(self._try_dial_addr, peer, errors)
+                if self._connected_ids():
+                    return
+                await trio.sleep(delay)
+                delay = min(delay * 2, self.config.max_backoff_s)
+        reasons = "; ".join(f"{addr}: {why}" for addr, why in errors.items()) or "timed out"
+        raise ConfigError(
+            f"could not reach any bootstrap peer within {self.config.bootstrap_timeout_s:g} s ({reasons})"
+        )
+
+    async def _try_dial_addr(self, addr: str, errors: dict[str, str]) -> bool:
+        info = info_from_p2p_addr(multiaddr.Multiaddr(addr))
+        try:
+            await self._dial(info)
+        except Exception as exc:  # noqa: BLE001 - any dial failure is reported the same way
+            errors[addr] = _short_reason(exc)
+            return False
+        return True
+
+    async def _dial(self, info: PeerInfo) -> None:
+        assert self.host is not None
+        key = info.peer_id.to_base58()
+        if key in self._dialing:
+            return
+        self._dialing.add(key)
+        try:
+            with trio.fail_after(_DIAL_TIMEOUT_S):
+                await self.host.connect(info)
+        finally:
+            self._dialing.discard(key)
+
+    async def _keep_connected(self, addr: str) -> None:
+        """Redial a bootstrap peer whenever it is not connected, backing off exponentially."""
+        info = info_from_p2p_addr(multiaddr.Multiaddr(addr))
+        key = info.peer_id.to_base58()
+        delay = 1.0
+        while True:
+            if key in self._connected_ids():
+                delay = 1.0
+                await trio.sleep(1.0)
+                continue
+            record = self.peer_book.get(key)
+            errors: dict[str, str] = {}
+            if (record is None or not record.left) and await self._try_dial_addr(addr, errors):
+                log.info("reconnected to bootstrap peer %s", key)
+                delay = 1.0
+                continue
+            await trio.sleep(delay)
+            delay = min(delay * 2, self.config.max_backoff_s)
+
+    # -- connection watching and peer exchange ----------------------------------------------
+
+    def _connected_ids(self) -> set[str]:
+        assert self.host is not None
+        return {p.to_base58() for p in self.host.get_connected_peers()}
+
+    async def _watch_connections(self) -> None:
+        assert self.host is not None
+        while True:
+            joined, gone = self.peer_book.set_connected(self._connected_ids(), now=time.time())
+            for peer_id in joined:
+                addrs = self._peerstore_addrs(peer_id)
+                self.peer_book.learn(peer_id, addrs, now=time.time())
+                record = self.peer_book.get(peer_id)
+                if record is not None and record.path == "unknown":
+                    record.path = "direct"
+                log.info("peer connected: %s", peer_id)
+            for peer_id in gone:
+                log.info("peer disconnected: %s", peer_id)
+            await trio.sleep(_WATCH_INTERVAL_S)
+
+    def _peerstore_addrs(self, peer_id: str) -> list[str]:
+        assert self.host is not None
+        try:
+            addrs = self.host.get_peerstore().addrs(ID.from_base58(peer_id))
+        except Exception:  # noqa: BLE001 - an unknown peer simply has no addresses yet
+            return []
+        out = []
+        for a in addrs:
+            text = str(a)
+            if "/tcp/" in text and "/p2p-circuit" not in text:
+                out.append(text if "/p2p/" in text else f"{text}/p2p/{peer_id}")
+        return out
+
+    async def _peer_exchange_loop(self) -> None:
+        while True:
+            async with trio.open_nursery() as nursery:
+                for peer_id in self.peer_book.connected_ids():
+                    nursery.start_soon(self._exchange_with, peer_id)
+            await trio.sleep(_PX_INTERVAL_S)
+
+    async def _exchange_with(self, peer_id: str) -> None:
+        assert self.host is not None
+        try:
+            with trio.fail_after(_STREAM_TIMEOUT_S):
+                started = time.perf_counter()
+                stream = await self.host.new_stream(ID.from_base58(peer_id), [PX_PROTOCOL])
+                try:
+                    await write_message(stream, {"run": self.config.run_id}, peer_id=peer_id)
+                    reply = await read_message(stream, max_size=MAX_REPLY_BYTES, peer_id=peer_id)
+                finally:
+                    await stream.close()
+                rtt_ms = (time.perf_counter() - started) * 1000
+            entries = parse_px_reply(reply, peer_id=peer_id)
+        except LatticaError as exc:
+            log.warning("peer exchange with %s failed: %s", peer_id, exc)
+            return
+        except Exception as exc:  # noqa: BLE001 - network failures of any kind end this exchange
+            log.debug("peer exchange with %s failed: %r", peer_id, exc)
+            return
+        record = self.peer_book.get(peer_id)
+        if record is not None:
+            record.rtt_ms = round(rtt_ms, 2)
+        connected = self._connected_ids()
+        for other, addrs in entries:
+            rec = self.peer_book.learn(other, addrs, now=time.time())
+            if rec is None or other in connected or rec.left or not addrs:
+                continue
+            await self._dial_any(other, addrs)
+
+    async def _dial_any(self, peer_id: str, addrs: list[str]) -> None:
+        try:
+            maddrs = [multiaddr.Multiaddr(a.split("/p2p/")[0]) for a in addrs if "/p2p-circuit" not in a]
+            await self._dial(PeerInfo(ID.from_base58(peer_id), maddrs))
+        except Exception as exc:  # noqa: BLE001 - unreachable addresses are common and harmless
+            log.debug("could not dial %s: %s", peer_id, _short_reason(exc))
+
+    async def _handle_px(self, stream: INetStream) -> None:
+        peer_id = stream.muxed_conn.peer_id.to_base58()
+        try:
+            with trio.fail_after(_STREAM_TIMEOUT_S):
+                request = await read_message(stream, max_size=1024, peer_id=peer_id)
+                same_run = isinstance(request, dict) and request.get("run") == self.config.run_id
+                entries = []
+                if same_run:
+                    entries = [
+                        (pid, self.peer_book.get(pid).addrs if self.peer_book.get(pid) else [])  # type: ignore[union-attr]
+                        for pid in self.peer_book.connected_ids()
+                        if pid != peer_id
+                    ]
+                await write_message(stream, px_reply(entries), peer_id=peer_id)
+        except Exception as exc:  # noqa: BLE001 - a bad request only ends this stream
+            log.debug("peer-exchange request from %s failed: %r", peer_id, exc)
+        finally:
+            await stream.close()
+
+    async def _handle_bye(self, stream: INetStream) -> None:
+        peer_id = stream.muxed_conn.peer_id.to_base58()
+        try:
+            with trio.fail_after(_STREAM_TIMEOUT_S):
+                await read_message(stream, max_size=1024, peer_id=peer_id)
+            self.peer_book.mark_left(peer_id, now=time.time())
+            log.info("peer %s is leaving", peer_id)
+        except Exception as exc:  # noqa: BLE001
+            log.debug("goodbye from %s failed: %r", peer_id, exc)
+        finally:
+            await stream.close()
+
+    async def _say_goodbye(self) -> None:
+        assert self.host is not None
+
+        async def bye(peer_id: str) -> None:
+            try:
+                stream = await self.host.new_stream(ID.from_base58(peer_id), [BYE_PROTOCOL])  # type: ignore[union-attr]
+                await write_message(stream, {"run": self.config.run_id}, peer_id=peer_id)
+                await stream.close()
+            except Exception as exc:  # noqa: BLE001 - best effort on the way out
+                log.debug("goodbye to %s failed: %r", peer_id, exc)
+
+        async with trio.open_nursery() as nursery:
+            for peer_id in self.peer_book.connected_ids():
+                nursery.start_soon(bye, peer_id)
+
+    # -- control API ---------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        connected = self.peer_book.connected_ids()
+        status: dict[str, Any] = {
+            "peer_id": self.peer_id.to_base58(),
+            "version": __version__,
+            "run_id": self.config.run_id,
+            "pid": os.getpid(),
+            "uptime_s": round(time.time() - self.started_at, 1),
+            "addrs": self.dialable_addrs(),
+            "connected_peers": len(connected),
+            "known_peers": len(self.peer_book.records()),
+            "metrics_addr": self.config.metrics_addr,
+        }
+        for extension in self.extensions:
+            contribute = getattr(extension, "status", None)
+            if contribute is not None:
+                status.update(contribute())
+        return status
+
+    async def _handle_control(self, request: ControlRequest) -> Any:
+        if request.method == "status":
+            return self.status()
+        if request.method == "id":
+            return {"peer_id": self.peer_id.to_base58(), "addrs": self.dialable_addrs()}
+        if request.method == "peers":
+            return [r.as_json() for r in self.peer_book.records()]
+        if request.method == "shutdown":
+            self.request_shutdown()
+            return {"stopping": True}
+        for extension in self.extensions:
+            handle = getattr(extension, "handle_control", None)
+            if handle is not None:
+                result = await handle(request)
+                if result is not None:
+                    return result
+        raise LocalProtocolError(f"this daemon does not serve {request.method!r}")
+
+
+def _check_ports_free(listen: list[multiaddr.Multiaddr]) -> None:
+    """Fail early when a fixed listen port is taken.
+
+    py-libp2p binds with SO_REUSEPORT and only logs a failed listener, so two daemons could
+    silently share a port. A plain bind without SO_REUSEPORT tells whether anyone holds it.
+    """
+    for addr in listen:
+        parts = str(addr).split("/")
+        family, ip, port = parts[1], parts[2], int(parts[4])
+        if port == 0:
+            continue
+        af = socket.AF_INET6 if family == "ip6" else socket.AF_INET
+        try:
+            with socket.socket(af, socket.SOCK_STREAM) as s:
+                if af == socket.AF_INET6:
+                    s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                s.bind((ip, port))
+        except OSError as exc:
+            if exc.errno == 99 or exc.errno == 97:  # EADDRNOTAVAIL / EAFNOSUPPORT
+                raise ConfigError(f"cannot listen on {addr}: {exc.strerror}") from None
+            raise ConfigError(f"cannot listen on {addr}: port {port} is in use") from None
+
+
+def _short_reason(exc: BaseException) -> str:
+    if isinstance(exc, trio.TooSlowError):
+        return "timed out"
+    text = str(exc) or type(exc).__name__
+    return text.splitlines()[0][:160]

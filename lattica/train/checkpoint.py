@@ -1,0 +1,137 @@
+"""Local checkpoints and the content hash of weights.
+
+Theory of operation
+-------------------
+``CheckpointStore.save`` writes ``step-<n>.pt`` atomically: serialise to a temporary file in the
+same folder, ``fsync`` it, ``os.replace`` it over the final name and ``fsync`` the folder — a
+crash leaves either the old set of checkpoints or the new one, never a torn file. Only the last
+``keep`` checkpoints are kept. ``load_latest`` returns the newest checkpoint that loads; a
+corrupt file is skipped (and reported), so a restarted peer resumes from the one before.
+
+Checkpoints are read with ``torch.load(weights_only=True)``: tensors, numbers, strings and
+containers only — a checkpoint file cannot run code.
+
+``weights_hash`` is the content hash published in the replicated state next to a member's last
+completed round and checked by a joiner on weights fetched from other peers: sha256 over every
+tensor's name, dtype, shape and raw bytes, in name order.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lattica.errors import ConfigError, RemoteProtocolError
+
+log = logging.getLogger(__name__)
+_NAME = re.compile(r"^step-(\d{9,})\.pt$")
+
+
+def weights_hash(state: Mapping[str, torch.Tensor]) -> str:
+    """sha256 hex digest over names, dtypes, shapes and raw bytes, independent of dict order."""
+    hasher = hashlib.sha256()
+    for name in sorted(state):
+        tensor = state[name]
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"weights_hash: {name!r} is {type(tensor).__name__}, not a tensor")
+        header = f"{name}\0{str(tensor.dtype).removeprefix('torch.')}\0{tuple(tensor.shape)}\0"
+        hasher.update(len(header).to_bytes(8, "big") + header.encode("utf-8"))
+        hasher.update(_raw_bytes(tensor))
+    return hasher.hexdigest()
+
+
+def verify_weights(
+    state: Mapping[str, torch.Tensor], expected: str, *, peer_id: str | None = None
+) -> None:
+    """Raise ``RemoteProtocolError`` (naming the peer) when ``state`` does not hash to ``expected``."""
+    actual = weights_hash(state)
+    if actual != expected:
+        raise RemoteProtocolError(
+            f"weights hash mismatch: expected {expected[:16]}…, got {actual[:16]}…", peer_id=peer_id
+        )
+
+
+def _raw_bytes(tensor: torch.Tensor) -> bytes:
+    flat = tensor.detach().to("cpu").contiguous()
+    if flat.numel() == 0:
+        return b""
+    return ctypes.string_at(flat.data_ptr(), flat.numel() * flat.element_size())
+
+
+class CheckpointStore:
+    """Atomic ``step-<n>.pt`` files in ``directory``, keeping the newest ``keep``."""
+
+    def __init__(self, directory: str | os.PathLike[str], *, keep: int = 3) -> None:
+        if keep < 1:
+            raise ValueError(f"CheckpointStore keep must be >= 1, got {keep}")
+        self.directory = Path(directory)
+        self.keep = keep
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"cannot create checkpoint folder {self.directory}: {exc}") from None
+
+    def checkpoints(self) -> list[tuple[int, Path]]:
+        """``(step, path)`` of every complete checkpoint, oldest first."""
+        found = []
+        for path in self.directory.iterdir():
+            match = _NAME.match(path.name)
+            if match:
+                found.append((int(match.group(1)), path))
+        return sorted(found)
+
+    def save(self, step: int, state: dict[str, Any]) -> Path:
+        final = self.directory / f"step-{step:09d}.pt"
+        tmp = self.directory / f".{final.name}.{os.getpid()}.tmp"
+        try:
+            with open(tmp, "wb") as f:
+                torch.save(state, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+        finally:
+            tmp.unlink(missing_ok=True)
+        _fsync_dir(self.directory)
+        self._prune()
+        return final
+
+    def _prune(self) -> None:
+        for _, path in self.checkpoints()[: -self.keep]:
+            path.unlink(missing_ok=True)
+
+    def load(self, path: Path) -> dict[str, Any]:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:  # torch raises many types for a truncated or foreign file
+            raise ConfigError(f"checkpoint {path} is unreadable: {exc}") from None
+        if not isinstance(state, dict):
+            raise ConfigError(f"checkpoint {path} does not hold a dict")
+        return state
+
+    def load_latest(self) -> dict[str, Any] | None:
+        """The newest readable checkpoint, or None when there is none."""
+        for _, path in reversed(self.checkpoints()):
+            try:
+                return self.load(path)
+            except ConfigError as exc:
+                log.warning("skipping %s", exc)
+        return None
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # not possible on every platform
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

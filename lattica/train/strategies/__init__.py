@@ -1,0 +1,56 @@
+"""Outer strategies by name.
+
+``STRATEGIES`` maps a name to ``"module:Class"``; classes are imported on first use, so adding a
+strategy is one line here and an optional module does not slow down the others. Every class
+takes ``(model, *, collective, groups, config=None)`` and names its config dataclass in
+``config_class``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+
+from lattica.train.collective import Collective
+from lattica.train.strategies.base import GroupProvider, OuterStepReport, OuterStrategy
+
+STRATEGIES: dict[str, str] = {
+    "diloco": "lattica.train.strategies.diloco:DiLoCo",
+    "ddp": "lattica.train.strategies.ddp:DDP",
+    "nocomm": "lattica.train.strategies.nocomm:NoComm",
+}
+
+
+def strategy_class(name: str) -> type[OuterStrategy]:
+    """The class registered under ``name``; ``ValueError`` lists the known names."""
+    try:
+        target = STRATEGIES[name]
+    except KeyError:
+        raise ValueError(f"unknown strategy {name!r}; choose one of {sorted(STRATEGIES)}") from None
+    module_name, _, class_name = target.partition(":")
+    return getattr(importlib.import_module(module_name), class_name)
+
+
+def create_strategy(
+    name: str,
+    model: torch.nn.Module,
+    *,
+    collective: Collective,
+    groups: GroupProvider,
+    config: Any = None,
+) -> OuterStrategy:
+    """Instantiate strategy ``name`` around ``model`` (default config when ``config`` is None)."""
+    cls = strategy_class(name)
+    return cls(model, collective=collective, groups=groups, config=config)  # type: ignore[call-arg]
+
+
+__all__ = [
+    "STRATEGIES",
+    "GroupProvider",
+    "OuterStepReport",
+    "OuterStrategy",
+    "create_strategy",
+    "strategy_class",
+]

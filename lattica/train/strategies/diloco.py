@@ -1,0 +1,232 @@
+"""DiLoCo: Distributed Low-Communication training (Douillard et al., 2023, arXiv 2311.08105).
+
+Theory of operation
+-------------------
+Every replica holds the shared outer weights φ (fp32, on the CPU) and trains its own copy θ
+with the inner optimizer. After every ``inner_steps`` (H) inner steps:
+
+1. Δ_m = φ − θ_m, the pseudo-gradient of this replica (``pseudo_gradient``);
+2. Δ = mean of Δ_m over the members of the round (one all-reduce through the ``Collective``);
+3. φ is updated by SGD with Nesterov momentum using Δ as its gradient — exactly
+   ``torch.optim.SGD(nesterov=True)``: b ← μ·b + Δ; φ ← φ − η·(Δ + μ·b) (η 0.7, μ 0.9);
+4. θ ← φ. The inner optimizer state (AdamW moments) is kept, never averaged or reset.
+
+Invariant: every member of a completed round receives the same Δ and starts from the same φ and
+b, and the outer step is deterministic CPU fp32 math, so all replicas hold bit-identical φ
+afterwards. Failure: if the all-reduce breaks because a peer vanished, the round is retried with
+a fresh group (the provider leaves the dead peer out); if every attempt fails the round is
+skipped — φ stays, θ keeps training, and the next round's Δ covers both rounds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lattica.errors import BrokenError, PeerUnavailableError
+from lattica.train.collective import Collective
+from lattica.train.strategies.base import GroupProvider, OuterStepReport, OuterStrategy
+from lattica.train.strategies.traffic import allreduce_bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class DiLoCoConfig:
+    inner_steps: int = 500
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    codec: str = "fp32"
+    max_attempts: int = 2
+
+    def __post_init__(self) -> None:
+        if self.inner_steps < 1:
+            raise ValueError(f"DiLoCoConfig.inner_steps must be >= 1, got {self.inner_steps}")
+        if not self.outer_lr > 0:
+            raise ValueError(f"DiLoCoConfig.outer_lr must be > 0, got {self.outer_lr}")
+        if not 0.0 <= self.outer_momentum < 1.0:
+            raise ValueError(
+                f"DiLoCoConfig.outer_momentum must be in [0, 1), got {self.outer_momentum}"
+            )
+        if self.max_attempts < 1:
+            raise ValueError(f"DiLoCoConfig.max_attempts must be >= 1, got {self.max_attempts}")
+
+
+def pseudo_gradient(
+    outer: Sequence[torch.Tensor], inner: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
+    """Δ = φ − θ per tensor, in the dtype and on the device of the outer weights."""
+    return [
+        o.detach() - i.detach().to(device=o.device, dtype=o.dtype)
+        for o, i in zip(outer, inner, strict=True)
+    ]
+
+
+def nesterov_outer_step(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    buffers: list[torch.Tensor | None],
+    *,
+    lr: float,
+    momentum: float,
+) -> None:
+    """In place: b ← μ·b + Δ (b ← Δ on the first step); φ ← φ − η·(Δ + μ·b).
+
+    The same arithmetic, in the same order, as ``torch.optim.SGD(nesterov=True, dampening=0)``.
+    """
+    with torch.no_grad():
+        for i, (param, grad) in enumerate(zip(params, grads, strict=True)):
+            buf = buffers[i]
+            if buf is None:
+                buf = buffers[i] = grad.clone()
+            else:
+                buf.mul_(momentum).add_(grad)
+            param.add_(grad.add(buf, alpha=momentum), alpha=-lr)
+
+
+class DiLoCo(OuterStrategy):
+    """Blocking DiLoCo: one all-reduce of the pseudo-gradient every ``inner_steps`` steps."""
+
+    name = "diloco"
+    config_class = DiLoCoConfig
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        collective: Collective,
+        groups: GroupProvider,
+        config: DiLoCoConfig | None = None,
+    ) -> None:
+        super().__init__(model, collective=collective, groups=groups)
+        self.config = config or DiLoCoConfig()
+        named = list(model.named_parameters())
+        self._names = [name for name, _ in named]
+        self._inner = [p for _, p in named]
+        self._outer = [p.detach().to("cpu", torch.float32, copy=True) for p in self._inner]
+        self.outer_optimizer = torch.optim.SGD(
+            self._outer,
+            lr=self.config.outer_lr,
+            momentum=self.config.outer_momentum,
+            nesterov=True,
+            foreach=False,
+        )
+        self._round = 0  # index of the next sync; advances even when a round is skipped
+        self._completed = 0
+        self._step = 0  # inner step at which the last round ran
+
+    @property
+    def completed_rounds(self) -> int:
+        return self._completed
+
+    @property
+    def round(self) -> int:
+        return self._round
+
+    def outer_parameters(self) -> list[torch.Tensor]:
+        return self._outer
+
+    async def after_inner_step(self, step: int) -> list[OuterStepReport]:
+        if step % self.config.inner_steps:
+            return []
+        self._step = step
+        return [await self.sync()]
+
+    async def sync(self) -> OuterStepReport:
+        """Run one outer round now (normally called every ``inner_steps`` steps)."""
+        key, started = f"round/{self._round}", time.monotonic()
+        self._round += 1
+        deltas = pseudo_gradient(self._outer, self._inner)
+        sent, failure = 0, ""
+        for attempt in range(self.config.max_attempts):
+            group = tuple(
+                await self.groups.group_for(key if attempt == 0 else f"{key}/retry/{attempt}")
+            )
+            sent += allreduce_bytes(deltas, len(group), self.config.codec)
+            try:
+                mean = await self.collective.allreduce(
+                    deltas, group=group, tag=f"diloco/{key}/{attempt}", codec=self.config.codec
+                )
+            except (PeerUnavailableError, BrokenError) as exc:
+                failure = str(exc)
+                continue
+            self._apply(mean)
+            return OuterStepReport(
+                round=self._round - 1,
+                key=key,
+                group=group,
+                bytes_sent=sent,
+                seconds=time.monotonic() - started,
+            )
+        return OuterStepReport(
+            round=self._round - 1,
+            key=key,
+            group=(),
+            bytes_sent=sent,
+            seconds=time.monotonic() - started,
+            skipped=True,
+            detail=failure,
+        )
+
+    def _apply(self, mean: Sequence[torch.Tensor]) -> None:
+        for outer, delta in zip(self._outer, mean, strict=True):
+            outer.grad = delta.to(torch.float32)
+        self.outer_optimizer.step()
+        self.outer_optimizer.zero_grad(set_to_none=True)
+        self._copy_outer_to_model()
+        self._completed += 1
+
+    def _copy_outer_to_model(self) -> None:
+        with torch.no_grad():
+            for inner, outer in zip(self._inner, self._outer, strict=True):
+                inner.copy_(outer)
+
+    def outer_state_dict(self) -> dict[str, Any]:
+        momentum = {}
+        for name, param in zip(self._names, self._outer, strict=True):
+            buf = self.outer_optimizer.state.get(param, {}).get("momentum_buffer")
+            if buf is not None:
+                momentum[name] = buf.clone()
+        return {
+            "round": self._round,
+            "step": self._step,
+            "completed_rounds": self._completed,
+            "params": {n: p.clone() for n, p in zip(self._names, self._outer, strict=True)},
+            "momentum": momentum,
+        }
+
+    def load_outer_state_dict(self, state: dict[str, Any]) -> None:
+        params, momentum = state["params"], state.get("momentum", {})
+        _check_tensors("params", params, self._names, self._outer, require_all=True)
+        _check_tensors("momentum", momentum, self._names, self._outer, require_all=False)
+        with torch.no_grad():
+            for name, outer in zip(self._names, self._outer, strict=True):
+                outer.copy_(params[name])
+                if name in momentum:
+                    self.outer_optimizer.state[outer]["momentum_buffer"] = (
+                        momentum[name].to(torch.float32).clone()
+                    )
+                else:
+                    self.outer_optimizer.state.pop(outer, None)
+        self._round = int(state["round"])
+        self._completed = int(state.get("completed_rounds", self._round))
+        self._step = int(state.get("step", self._round * self.config.inner_steps))
+        self._copy_outer_to_model()
+
+
+def _check_tensors(
+    what: str, given: Any, names: list[str], reference: list[torch.Tensor], *, require_all: bool
+) -> None:
+    if not isinstance(given, dict):
+        raise ValueError(f"outer state {what} must be a dict of tensors")
+    known = dict(zip(names, reference, strict=True))
+    unknown = sorted(set(given) - set(known))
+    if unknown:
+        raise ValueError(f"outer state {what} has unknown tensors: {unknown[:5]}")
+    if require_all and set(given) != set(known):
+        raise ValueError(f"outer state {what} lacks tensors: {sorted(set(known) - set(given))[:5]}")
+    for name, tensor in given.items():
+        if not isinstance(tensor, torch.Tensor) or tensor.shape != known[name].shape:
+            raise ValueError(f"outer state {what}[{name!r}] has the wrong type or shape")

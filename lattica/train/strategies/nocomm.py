@@ -1,0 +1,38 @@
+"""No-communication baseline: every replica trains alone (the lower bound DiLoCo must beat)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lattica.train.collective import Collective
+from lattica.train.strategies.base import GroupProvider, OuterStepReport, OuterStrategy
+
+
+class NoComm(OuterStrategy):
+    name = "nocomm"
+    config_class = None
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        collective: Collective,
+        groups: GroupProvider,
+        config: None = None,
+    ) -> None:
+        super().__init__(model, collective=collective, groups=groups)
+
+    @property
+    def completed_rounds(self) -> int:
+        return 0
+
+    async def after_inner_step(self, step: int) -> list[OuterStepReport]:
+        return []
+
+    def outer_state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_outer_state_dict(self, state: dict[str, Any]) -> None:
+        return None

@@ -1,0 +1,305 @@
+"""The inner loop: inner steps in a worker thread, outer syncs on the trio thread.
+
+Theory of operation
+-------------------
+``Trainer.run`` repeats, until ``total_steps``:
+
+1. in a worker thread (``trio.to_thread.run_sync``): draw a batch, forward under autocast,
+   backward — and, unless the strategy syncs gradients, clip + ``optimizer.step()``;
+2. for gradient-syncing strategies (``strategy.syncs_gradients``, e.g. the DDP baseline): on the
+   trio thread ``await strategy.before_optimizer_step(step)``, then the optimizer step in a thread;
+3. on the trio thread: ``await strategy.after_inner_step(step)`` (an outer round every H steps).
+
+The trio thread is therefore free while tensors are computed: the daemon keeps serving the
+network during training. The learning rate is a pure function of the step (warmup + cosine), so
+a resumed or joining peer only needs the step number. Every completed round triggers
+``on_round`` (with the content hash of the outer weights, for the replicated state) and a local
+checkpoint; periodic validation and throughput go to ``on_progress``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import trio
+
+from lattica.errors import ConfigError
+from lattica.train.checkpoint import CheckpointStore, weights_hash
+from lattica.train.device import DeviceInfo, autocast, select_device
+from lattica.train.schedule import ScheduleConfig, lr_multiplier
+from lattica.train.strategies.base import OuterStepReport, OuterStrategy
+from lattica.train.task import Batch, Task
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerConfig:
+    total_steps: int
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    eval_every: int = 100
+    log_every: int = 10
+
+    def __post_init__(self) -> None:
+        if self.total_steps < 1:
+            raise ValueError(f"TrainerConfig.total_steps must be >= 1, got {self.total_steps}")
+        if self.weight_decay < 0 or self.grad_clip < 0:
+            raise ValueError("TrainerConfig.weight_decay and grad_clip must be >= 0")
+        if self.eval_every < 0 or self.log_every < 1:
+            raise ValueError("TrainerConfig.eval_every must be >= 0 and log_every >= 1")
+
+
+@dataclass(frozen=True)
+class Progress:
+    """One progress record (every ``log_every`` steps, after validations and at the end)."""
+
+    step: int
+    round: int
+    loss: float
+    tokens_per_s: float
+    lr: float
+    val_loss: float | None = None
+
+
+@dataclass(frozen=True)
+class RoundCompleted:
+    """An outer round was applied (or skipped) at inner step ``step``."""
+
+    step: int
+    report: OuterStepReport
+    weights_hash: str | None
+
+
+@dataclass(frozen=True)
+class TrainingSummary:
+    steps: int
+    rounds: int
+    train_loss: float
+    val_loss: float | None
+    tokens: int
+    seconds: float
+    bytes_sent: int
+
+
+class Trainer:
+    """Drives one replica: ``await trainer.run()`` inside the caller's nursery."""
+
+    def __init__(
+        self,
+        task: Task,
+        strategy: OuterStrategy,
+        config: TrainerConfig,
+        *,
+        device: DeviceInfo | None = None,
+        checkpoints: CheckpointStore | None = None,
+        on_progress: Callable[[Progress], None] | None = None,
+        on_round: Callable[[RoundCompleted], None] | None = None,
+    ) -> None:
+        self.task, self.strategy, self.config = task, strategy, config
+        self.device = device or select_device()
+        self.model = task.model.to(self.device.device)
+        self.optimizer = task.optimizer or torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=config.schedule.lr,
+            betas=(0.9, 0.95),
+            weight_decay=config.weight_decay,
+        )
+        self._base_lrs = [group["lr"] for group in self.optimizer.param_groups]
+        self.checkpoints = checkpoints
+        self.on_progress = on_progress or (lambda progress: None)
+        self.on_round = on_round or (lambda event: None)
+        self.step = 0
+        self.tokens = 0
+        self.bytes_sent = 0
+        self.last_loss = float("nan")
+        self.last_val_loss: float | None = None
+        self._window_tokens, self._window_start = 0, time.monotonic()
+
+    # ------------------------------------------------------------------ the loop
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> TrainingSummary:
+        started = time.monotonic()
+        async with trio.open_nursery() as nursery:
+            self.strategy.bind_nursery(nursery)
+            task_status.started()
+            while self.step < self.config.total_steps:
+                await self.train_step()
+            for report in await self.strategy.finish():
+                self._round_done(report)
+            await self._evaluate_and_report()
+            nursery.cancel_scope.cancel()
+        return TrainingSummary(
+            steps=self.step,
+            rounds=self.strategy.completed_rounds,
+            train_loss=self.last_loss,
+            val_loss=self.last_val_loss,
+            tokens=self.tokens,
+            seconds=time.monotonic() - started,
+            bytes_sent=self.bytes_sent,
+        )
+
+    async def train_step(self) -> None:
+        """One inner step plus whatever sync the strategy does after it."""
+        step = self.step + 1
+        self._set_lr(step - 1)
+        if self.strategy.syncs_gradients:
+            loss = await trio.to_thread.run_sync(self._forward_backward)
+            await self.strategy.before_optimizer_step(step)
+            await trio.to_thread.run_sync(self._optimizer_step)
+        else:
+            loss = await trio.to_thread.run_sync(self._whole_step)
+        self.step, self.last_loss = step, loss
+        for report in await self.strategy.after_inner_step(step):
+            self._round_done(report)
+        if self.config.eval_every and step % self.config.eval_every == 0:
+            await self._evaluate_and_report()
+        elif step % self.config.log_every == 0:
+            self._report()
+
+    def _set_lr(self, step: int) -> None:
+        factor = lr_multiplier(step, self.config.schedule)
+        for group, base in zip(self.optimizer.param_groups, self._base_lrs, strict=True):
+            group["lr"] = base * factor
+
+    def _whole_step(self) -> float:
+        loss = self._forward_backward()
+        self._optimizer_step()
+        return loss
+
+    def _forward_backward(self) -> float:
+        x, y = self._next_batch()
+        self.model.train()
+        with autocast(self.device):
+            loss = self.task.loss_fn(self.model, x, y)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise ConfigError("the task's loss_fn must return a scalar tensor")
+        loss.backward()
+        self.tokens += y.numel()
+        self._window_tokens += y.numel()
+        return float(loss.detach())
+
+    def _optimizer_step(self) -> None:
+        if self.config.grad_clip:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _next_batch(self) -> Batch:
+        try:
+            batch = next(self.task.train_batches)
+        except StopIteration:
+            raise ConfigError(f"the task's train_batches ran out at step {self.step + 1}") from None
+        if not (isinstance(batch, tuple) and len(batch) == 2):
+            raise ConfigError("the task's train_batches must yield (x, y) tuples of tensors")
+        return batch[0].to(self.device.device), batch[1].to(self.device.device)
+
+    # ------------------------------------------------------------------ rounds, evaluation
+
+    def _round_done(self, report: OuterStepReport) -> None:
+        self.bytes_sent += report.bytes_sent
+        digest = None
+        if not report.skipped:
+            outer = self.strategy.outer_state_dict().get("params")
+            digest = weights_hash(outer) if outer else None
+            if self.checkpoints is not None:
+                self.checkpoints.save(self.step, self.state_dict())
+        self.on_round(RoundCompleted(step=self.step, report=report, weights_hash=digest))
+
+    async def _evaluate_and_report(self) -> None:
+        if self.task.val_batches:
+            self.last_val_loss = await trio.to_thread.run_sync(self.evaluate)
+        self._report(val_loss=self.last_val_loss)
+
+    def evaluate(self) -> float:
+        """Mean validation loss (blocking; on the strategy's evaluation weights if it has any)."""
+        swap = self.strategy.evaluation_parameters()
+        params = list(self.model.parameters())
+        saved = [p.detach().clone() for p in params] if swap is not None else None
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                if swap is not None:
+                    for p, q in zip(params, swap, strict=True):
+                        p.copy_(q)
+                losses = []
+                for x, y in self.task.val_batches:
+                    with autocast(self.device):
+                        loss = self.task.loss_fn(
+                            self.model, x.to(self.device.device), y.to(self.device.device)
+                        )
+                    losses.append(float(loss))
+        finally:
+            if saved is not None:
+                with torch.no_grad():
+                    for p, s in zip(params, saved, strict=True):
+                        p.copy_(s)
+        return sum(losses) / len(losses)
+
+    def _report(self, val_loss: float | None = None) -> None:
+        now = time.monotonic()
+        rate = self._window_tokens / max(now - self._window_start, 1e-9)
+        self._window_tokens, self._window_start = 0, now
+        self.on_progress(
+            Progress(
+                step=self.step,
+                round=self.strategy.completed_rounds,
+                loss=self.last_loss,
+                tokens_per_s=rate,
+                lr=self.optimizer.param_groups[0]["lr"],
+                val_loss=val_loss,
+            )
+        )
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a restarted peer needs to resume: weights, optimizers, step, sampler."""
+        state: dict[str, Any] = {
+            "step": self.step,
+            "tokens": self.tokens,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "outer": self.strategy.outer_state_dict(),
+        }
+        if self.task.sampler is not None:
+            state["sampler"] = self.task.sampler.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        try:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.strategy.load_outer_state_dict(state["outer"])
+            if self.task.sampler is not None and "sampler" in state:
+                self.task.sampler.load_state_dict(state["sampler"])
+            self.step = int(state["step"])
+            self.tokens = int(state.get("tokens", 0))
+        except (KeyError, RuntimeError, ValueError, TypeError) as exc:
+            raise ConfigError(f"checkpoint does not fit this model/strategy: {exc}") from None
+
+    def resume(self) -> bool:
+        """Load the newest local checkpoint, if any; True when training resumes from it."""
+        if self.checkpoints is None:
+            return False
+        state = self.checkpoints.load_latest()
+        if state is None:
+            return False
+        self.load_state_dict(state)
+        log.info("resumed at step %d", self.step)
+        return True
+
+    def adopt_outer_state(self, outer: dict[str, Any], *, step: int | None = None) -> None:
+        """Join a running swarm: take the fetched outer state and continue from its step.
+
+        ``step`` defaults to the inner step recorded in the outer state (``outer["step"]``), so
+        the joiner takes part from the next round with the right learning rate.
+        """
+        self.strategy.load_outer_state_dict(outer)
+        self.step = int(outer.get("step", 0)) if step is None else step
