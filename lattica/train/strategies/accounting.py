@@ -2,7 +2,8 @@
 
 Every strategy counts what it puts on the wire itself, from the encoded size of the tensors it
 hands to the ``Collective`` (the same sizes the data plane sends): an ``exchange`` costs its
-payload, a butterfly ``allreduce`` over ``n`` members costs ``2 (n - 1) / n`` of it. A "sync" is
+payload, a butterfly ``allreduce`` over ``n`` members costs ``2 (n - 1) / n`` of it (see
+``traffic.py``). A "sync" is
 one unit of communication the strategy starts (a DiLoCo round, one Streaming fragment, one
 NoLoCo group exchange), so ``peak_sync_bytes`` is the largest burst a node puts on its link.
 
@@ -18,7 +19,6 @@ from dataclasses import dataclass
 
 import torch
 
-from lattica.net.tensors import codecs
 from lattica.train.strategies.base import OuterStrategy
 
 
@@ -36,16 +36,6 @@ class TrafficMeter:
         self.last_sync_bytes = nbytes
         self.peak_sync_bytes = max(self.peak_sync_bytes, nbytes)
         self.syncs += 1
-
-
-def wire_bytes(tensors: Iterable[torch.Tensor], codec: str) -> int:
-    """Encoded payload size of ``tensors`` under ``codec``."""
-    return sum(codecs.encoded_size(t, codec) for t in tensors)
-
-
-def allreduce_bytes(payload: int, members: int) -> int:
-    """What one member sends in a butterfly all-reduce of ``payload`` bytes."""
-    return 2 * (members - 1) * payload // members
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:

@@ -30,8 +30,9 @@ import torch
 import trio
 
 from lattica.errors import PeerUnavailableError
-from lattica.train.strategies.accounting import AccountedStrategy, tensor_bytes, wire_bytes
+from lattica.train.strategies.accounting import AccountedStrategy, tensor_bytes
 from lattica.train.strategies.base import OuterStepReport
+from lattica.train.strategies.traffic import payload_bytes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,6 +96,7 @@ def noloco_outer_step(
 
 class NoLoCo(AccountedStrategy):
     name = "noloco"
+    config_class = NoLoCoConfig
 
     def __init__(self, model, *, collective, groups, config: NoLoCoConfig | None = None) -> None:
         super().__init__(model, collective=collective, groups=groups)
@@ -147,7 +149,7 @@ class NoLoCo(AccountedStrategy):
             for p, phi in zip(self._params, self._phi, strict=True):
                 p.copy_(phi)
         self._rounds += 1
-        sent = wire_bytes(self._phi + delta, self.config.codec) * (len(stripe) - 1)
+        sent = payload_bytes(self._phi + delta, self.config.codec) * (len(stripe) - 1)
         self.traffic.record_sync(sent)
         return OuterStepReport(
             round=round_number,
