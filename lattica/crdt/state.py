@@ -78,7 +78,8 @@ class ReplicatedState:
         self._generation = 0
         self._snapshot_cache: tuple[int, dict[str, Any]] | None = None
         self._peers: set[str] = set()
-        self._backoff_until: dict[str, float] = {}
+        self._retry_at: dict[str, float] = {}  # outbound sessions that failed
+        self._penalized_until: dict[str, float] = {}  # peers that sent bad input
         self._heartbeat = 0
         self._left = False
         self._nursery: trio.Nursery | None = None
@@ -293,7 +294,11 @@ class ReplicatedState:
         failures = 0
         try:
             while self._connected(peer):
-                wait_until = max(self._backoff_until.get(peer, 0.0), trio.current_time())
+                wait_until = max(
+                    self._retry_at.get(peer, 0.0),
+                    self._penalized_until.get(peer, 0.0),
+                    trio.current_time(),
+                )
                 await trio.sleep_until(wait_until)
                 if synced_generation == self._generation:
                     with trio.move_on_after(self.config.sync_interval):
@@ -304,7 +309,7 @@ class ReplicatedState:
                 else:
                     failures += 1
                     backoff = min(self.config.max_backoff, 0.25 * 2**failures)
-                    self._backoff_until[peer] = trio.current_time() + backoff
+                    self._retry_at[peer] = trio.current_time() + backoff
         finally:
             self._peers.discard(peer)
 
@@ -320,7 +325,7 @@ class ReplicatedState:
             return True
         except RemoteProtocolError as exc:
             log.warning("state sync: dropping bad input from %s: %s", peer, exc)
-            self._backoff_until[peer] = trio.current_time() + self.config.max_backoff
+            self._penalized_until[peer] = trio.current_time() + self.config.max_backoff
         except (RemoteError, trio.TooSlowError) as exc:
             log.debug("state sync with %s failed: %s", peer, exc)
         except Exception as exc:  # stream negotiation errors from libp2p
@@ -329,7 +334,7 @@ class ReplicatedState:
 
     async def _handle_stream(self, stream: INetStream) -> None:
         peer = stream.muxed_conn.peer_id.to_base58()
-        if self._nursery is None or trio.current_time() < self._backoff_until.get(peer, 0.0):
+        if self._nursery is None or trio.current_time() < self._penalized_until.get(peer, 0.0):
             await _reset_quietly(stream)
             return
         self._ensure_peer(peer)
@@ -338,7 +343,7 @@ class ReplicatedState:
                 await sync.respond(stream, self, peer_id=peer)
         except RemoteProtocolError as exc:
             log.warning("state sync: dropping bad input from %s: %s", peer, exc)
-            self._backoff_until[peer] = trio.current_time() + self.config.max_backoff
+            self._penalized_until[peer] = trio.current_time() + self.config.max_backoff
             await _reset_quietly(stream)
         except (BrokenError, RemoteError, trio.TooSlowError) as exc:
             log.debug("state sync from %s failed: %s", peer, exc)
