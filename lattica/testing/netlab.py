@@ -280,12 +280,19 @@ table inet lab_filter {{
         return host
 
     # -- running ----------------------------------------------------------------------------
-    def spawn(self, host: LabHost, argv: Sequence[str], *, name: str | None = None) -> LabProcess:
-        popen = subprocess.Popen(
-            ["ip", "netns", "exec", host.ns, *argv],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            text=True, bufsize=1,
-        )
+    def spawn(self, host: LabHost, argv: Sequence[str], *, name: str | None = None,
+              stderr_path: str | None = None) -> LabProcess:
+        """Start ``argv`` inside ``host``'s namespace; its stdout must be JSON lines."""
+        stderr = open(stderr_path, "w") if stderr_path else subprocess.DEVNULL  # noqa: SIM115
+        try:
+            popen = subprocess.Popen(
+                ["ip", "netns", "exec", host.ns, *argv],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
+                text=True, bufsize=1,
+            )
+        finally:
+            if stderr_path:
+                stderr.close()
         process = LabProcess(name or host.name, popen)
         self.processes.append(process)
         return process
