@@ -142,6 +142,15 @@ class FastChannel:
         if await self.receive_some() != HELLO:
             raise RemoteProtocolError("fast channel hello mismatch", peer_id=self.peer_id)
 
+    def abort(self) -> None:
+        """Close with a reset (SO_LINGER 0): the peer sees a broken channel, not a clean end."""
+        if not self._closed:
+            try:
+                self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            except OSError:
+                pass
+        self.close()
+
     def close(self) -> None:
         if not self._closed:
             self._closed = True

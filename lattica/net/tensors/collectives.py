@@ -1,0 +1,221 @@
+"""All-reduce and pairwise exchange on top of point-to-point tensor messages.
+
+All-reduce (butterfly reduce-scatter + all-gather)
+-------------------------------------------------
+The tensors are flattened into one fp32 vector and cut into N near-equal parts; part ``i``
+belongs to ``group[i]``. Reduce-scatter: every member sends part ``j`` (in the requested codec)
+to ``group[j]`` under ``<tag>/rs`` and sums, in fp32 and in group order, the N decoded
+contributions to its own part (its own goes through the codec too, so no member is favoured).
+All-gather: the owner of part ``i`` sends the mean, again in the codec, to everyone under
+``<tag>/ag``, and keeps for itself the *decoded* copy of what it sent — all members therefore
+end with bit-identical results. Each member sends ``2 (N-1)/N`` of the encoded payload.
+
+Failure: if any send fails, any awaited sender disappears or sends something malformed, every
+transfer of this collective is cancelled, its leftover parts are discarded, and
+``CollectiveAbortedError`` (a ``PeerUnavailableError``) lists the failed peers, so the caller
+can retry without them. Deadlines are the caller's cancel scopes. A result is returned only if
+every contribution was summed — never a partial average.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import partial
+from typing import Protocol
+
+import torch
+import trio
+
+from lattica.errors import (
+    BrokenError,
+    LocalProtocolError,
+    PeerUnavailableError,
+    RemoteProtocolError,
+)
+from lattica.net.tensors import codecs
+
+
+class CollectiveAbortedError(PeerUnavailableError):
+    """A collective could not complete; ``failed_peers`` are the members to leave out."""
+
+    def __init__(self, message: str, *, failed_peers: Sequence[str]) -> None:
+        super().__init__(message, peer_id=failed_peers[0] if failed_peers else None)
+        self.failed_peers = tuple(failed_peers)
+
+    def __str__(self) -> str:
+        return f"{self.args[0]} (failed peers: {', '.join(self.failed_peers)})"
+
+
+class TensorTransport(Protocol):
+    @property
+    def peer_id(self) -> str: ...
+
+    async def send(
+        self, peer: str, tag: str, tensors: Sequence[torch.Tensor], *, codec: str = "fp32",
+        part: int = 0,
+    ) -> None: ...
+
+    async def receive(self, peer: str, tag: str, *, part: int = 0) -> list[tuple[str, torch.Tensor]]: ...
+
+    def discard_tag(self, tag: str) -> None: ...
+
+
+_PEER_FAILURES = (PeerUnavailableError, BrokenError, RemoteProtocolError)
+
+
+class _Round:
+    """Runs the transfers of one collective phase; the first peer failure cancels them all."""
+
+    def __init__(self, transport: TensorTransport, tag: str) -> None:
+        self.transport, self.tag = transport, tag
+        self.failed: list[str] = []
+
+    async def guarded(self, peer: str, fn, *args) -> None:
+        try:
+            await fn(*args)
+        except _PEER_FAILURES:
+            if peer not in self.failed:
+                self.failed.append(peer)
+            self.scope.cancel()
+
+    async def run(self, body) -> None:
+        with trio.CancelScope() as self.scope:
+            async with trio.open_nursery() as nursery:
+                body(nursery)
+        if self.failed:
+            self.transport.discard_tag(self.tag)
+            raise CollectiveAbortedError(f"collective {self.tag!r} aborted", failed_peers=self.failed)
+
+
+async def allreduce(
+    transport: TensorTransport, tensors: Sequence[torch.Tensor], *, group: Sequence[str],
+    tag: str, codec: str = "fp32",
+) -> list[torch.Tensor]:
+    me = transport.peer_id
+    _check_group(group, me)
+    codecs.check_codec(codec)
+    if codec == "raw":
+        codec = "fp32"
+    for t in tensors:
+        if not t.dtype.is_floating_point:
+            raise LocalProtocolError(f"allreduce needs floating tensors, got {t.dtype}")
+    flat = _flatten(tensors)
+    n, rank = len(group), list(group).index(me)
+    if n == 1:
+        return [t.detach().clone() for t in tensors]
+    bounds = _part_bounds(flat.numel(), n)
+    mine = await _reduce_scatter(transport, flat, group, rank, bounds, tag, codec)
+    out = await _all_gather(transport, mine, group, rank, bounds, tag, codec)
+    return _unflatten(out, tensors)
+
+
+async def _reduce_scatter(transport, flat, group, rank, bounds, tag, codec) -> torch.Tensor:
+    lo, hi = bounds[rank]
+    received: dict[int, torch.Tensor] = {}
+    phase = _Round(transport, tag + "/rs")
+
+    async def take(j: int) -> None:
+        received[j] = _single_part(await transport.receive(group[j], phase.tag, part=rank), hi - lo, group[j])
+
+    def body(nursery: trio.Nursery) -> None:
+        for j, peer in enumerate(group):
+            if j != rank:
+                a, b = bounds[j]
+                send = partial(transport.send, codec=codec, part=j)
+                nursery.start_soon(phase.guarded, peer, send, peer, phase.tag, [flat[a:b]])
+                nursery.start_soon(phase.guarded, peer, take, j)
+
+    await phase.run(body)
+    total = torch.zeros(hi - lo, dtype=torch.float32)
+    for j in range(len(group)):
+        total += received[j] if j != rank else _through(flat[lo:hi], codec)
+    return _through(total / len(group), codec)
+
+
+async def _all_gather(transport, mine, group, rank, bounds, tag, codec) -> torch.Tensor:
+    out = torch.empty(bounds[-1][1], dtype=torch.float32)
+    out[bounds[rank][0] : bounds[rank][1]] = mine
+    phase = _Round(transport, tag + "/ag")
+
+    async def take(j: int) -> None:
+        a, b = bounds[j]
+        out[a:b] = _single_part(await transport.receive(group[j], phase.tag, part=j), b - a, group[j])
+
+    def body(nursery: trio.Nursery) -> None:
+        for j, peer in enumerate(group):
+            if j != rank:
+                send = partial(transport.send, codec=codec, part=rank)
+                nursery.start_soon(phase.guarded, peer, send, peer, phase.tag, [mine])
+                nursery.start_soon(phase.guarded, peer, take, j)
+
+    await phase.run(body)
+    return out
+
+
+async def exchange(
+    transport: TensorTransport, tensors: Sequence[torch.Tensor], *, peer: str, tag: str,
+    codec: str = "fp32",
+) -> list[torch.Tensor]:
+    """Send ``tensors`` to ``peer`` and return what it sent under the same ``tag``."""
+    if peer == transport.peer_id:
+        raise LocalProtocolError("cannot exchange with ourselves")
+    codecs.check_codec(codec)
+    got: list[torch.Tensor] = []
+    phase = _Round(transport, tag + "/x")
+
+    async def take() -> None:
+        got.extend(t for _, t in await transport.receive(peer, phase.tag))
+
+    def body(nursery: trio.Nursery) -> None:
+        send = partial(transport.send, codec=codec)
+        nursery.start_soon(phase.guarded, peer, send, peer, phase.tag, list(tensors))
+        nursery.start_soon(phase.guarded, peer, take)
+
+    await phase.run(body)
+    return got
+
+
+def _check_group(group: Sequence[str], me: str) -> None:
+    if len(set(group)) != len(group):
+        raise LocalProtocolError("group lists a peer twice")
+    if me not in group:
+        raise LocalProtocolError(f"{me} is not in the group")
+
+
+def _part_bounds(length: int, n: int) -> list[tuple[int, int]]:
+    base, extra = divmod(length, n)
+    bounds, start = [], 0
+    for i in range(n):
+        end = start + base + (1 if i < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+def _flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    if not tensors:
+        return torch.empty(0, dtype=torch.float32)
+    return torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors])
+
+
+def _unflatten(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    out, offset = [], 0
+    for t in like:
+        n = t.numel()
+        out.append(flat[offset : offset + n].reshape(t.shape).to(t.dtype))
+        offset += n
+    return out
+
+
+def _through(x: torch.Tensor, codec: str) -> torch.Tensor:
+    """What a receiver of ``x`` in ``codec`` decodes (fp32 is exact, no copy needed)."""
+    return x if codec == "fp32" else codecs.roundtrip(x, codec).to(torch.float32)
+
+
+def _single_part(got: list[tuple[str, torch.Tensor]], numel: int, peer: str) -> torch.Tensor:
+    if len(got) != 1:
+        raise RemoteProtocolError(f"expected one part tensor, got {len(got)}", peer_id=peer)
+    t = got[0][1]
+    if t.dtype != torch.float32 or tuple(t.shape) != (numel,):
+        raise RemoteProtocolError(f"part has shape {tuple(t.shape)} {t.dtype}", peer_id=peer)
+    return t

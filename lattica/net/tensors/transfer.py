@@ -1,0 +1,534 @@
+"""``TensorService``: moves named tensors between peers, and is the node's ``Collective``.
+
+Theory of operation
+-------------------
+Sending a message (``frames.py``) to a peer takes the fast channel (``fastpath.py``) when the
+peer is directly dialable, else a fresh libp2p stream on ``TENSOR_PROTOCOL`` (which also works
+relayed or hole-punched). A fast channel is set up lazily on first use; if the dial fails the
+peer is marked not directly dialable for ``fast_retry_s`` and libp2p streams carry its traffic.
+
+Every incoming stream or channel gets a reader that drains it promptly into buffers reserved in
+the ``MemoryBudget`` (so a slow consumer never stalls yamux), and delivers complete ``put``
+messages to the ``Mailbox`` under ``(tag, sender, part)``. ``fetch`` requests are answered with
+a ``put`` from the locally served tensors.
+
+Failure handling: any ``RemoteProtocolError`` from a peer (malformed frame, failed AEAD tag,
+duplicate part, truncated message) drops the peer — its channels are closed, it is disconnected
+and refused for ``ban_s`` — and is counted in ``stats.protocol_errors``. A send that fails or a
+sender that disappears while awaited is a ``PeerUnavailableError``. Aborted sends reset their
+stream / close their channel so the receiver sees a broken transfer, never a half message.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import multiaddr
+import torch
+import trio
+from libp2p.abc import IHost, INetStream
+from libp2p.crypto.keys import KeyPair
+from libp2p.custom_types import TProtocol
+from libp2p.peer.id import ID
+
+from lattica.errors import (
+    BrokenError,
+    LocalProtocolError,
+    PeerUnavailableError,
+    RemoteProtocolError,
+)
+from lattica.net.identity import peer_id_of
+from lattica.net.tensors import codecs, collectives, fastpath, frames
+from lattica.net.tensors.limits import MemoryBudget, TensorLimits
+from lattica.net.tensors.mailbox import Mailbox
+from lattica.net.tensors.stats import TrafficStats
+from lattica.net.wire import read_message, write_message
+
+log = logging.getLogger(__name__)
+
+TENSOR_PROTOCOL = "/lattica/tensors/1.0.0"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TensorServiceConfig:
+    fast_path: bool = True
+    fast_bind_host: str | None = None  # None: the libp2p listen interface
+    fast_port: int = 0  # 0: ephemeral
+    fast_announce_host: str | None = None  # told to peers instead of the address they dialed
+    fast_connections: int = 1
+    fast_frame_bytes: int = 4 << 20
+    fast_connect_timeout_s: float = 3.0
+    fast_retry_s: float = 60.0
+    stream_chunk_bytes: int = 1 << 20
+    ban_s: float = 60.0
+    limits: TensorLimits = field(default_factory=TensorLimits)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.fast_port <= 65535:
+            raise ValueError("fast_port must be between 0 and 65535")
+        if not 1 <= self.fast_connections <= 16:
+            raise ValueError("fast_connections must be between 1 and 16")
+        if not 4096 <= self.fast_frame_bytes <= 64 << 20:
+            raise ValueError("fast_frame_bytes must be between 4 KiB and 64 MiB")
+        if not 4096 <= self.stream_chunk_bytes <= 16 << 20:
+            raise ValueError("stream_chunk_bytes must be between 4 KiB and 16 MiB")
+        if self.fast_connect_timeout_s <= 0 or self.fast_retry_s < 0 or self.ban_s < 0:
+            raise ValueError("timeouts must be positive")
+
+
+class _StreamChannel:
+    """A libp2p stream seen as the same byte channel as a ``FastChannel``."""
+
+    def __init__(self, stream: INetStream, peer_id: str, chunk: int) -> None:
+        self._stream, self.peer_id, self._chunk = stream, peer_id, chunk
+
+    async def receive_some(self) -> bytes:
+        try:
+            return await self._stream.read(self._chunk)
+        except EOFError:
+            return b""
+        except Exception as exc:
+            raise BrokenError(f"stream broken: {exc!r}", peer_id=self.peer_id) from None
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        try:
+            for start in range(0, len(view), self._chunk):
+                await self._stream.write(bytes(view[start : start + self._chunk]))
+        except Exception as exc:
+            raise BrokenError(f"stream broken: {exc!r}", peer_id=self.peer_id) from None
+
+
+class TensorService:
+    """The data plane of one node. Start with ``await nursery.start(service.run)``."""
+
+    def __init__(self, host: IHost, key_pair: KeyPair, *, config: TensorServiceConfig) -> None:
+        self._host = host
+        self._peer_id = str(peer_id_of(key_pair))
+        self.config = config
+        self.stats = TrafficStats()
+        self.budget = MemoryBudget(config.limits)
+        self.mailbox = Mailbox(self.budget, ttl_s=config.limits.mailbox_ttl_s)
+        self.fast_port: int | None = None
+        self._served: dict[str, torch.Tensor] = {}
+        self._channels: dict[str, list[fastpath.FastChannel]] = {}
+        self._no_fast_until: dict[str, float] = {}
+        self._dial_locks: dict[str, trio.Lock] = {}
+        self._pending: dict[bytes, tuple[str, bytes, bytes, float]] = {}
+        self._banned_until: dict[str, float] = {}
+        self._nursery: trio.Nursery | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    @property
+    def peer_id(self) -> str:
+        return self._peer_id
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            try:
+                if self.config.fast_path:
+                    bind = self.config.fast_bind_host or _listen_host(self._host)
+                    listeners = await trio.open_tcp_listeners(self.config.fast_port, host=bind)
+                    self.fast_port = listeners[0].socket.getsockname()[1]
+                    nursery.start_soon(trio.serve_listeners, self._accept_fast, listeners)
+                self._host.set_stream_handler(TProtocol(TENSOR_PROTOCOL), self._handle_stream)
+                self._host.set_stream_handler(TProtocol(fastpath.FAST_PROTOCOL), self._handle_fast_setup)
+                task_status.started()
+                await trio.sleep_forever()
+            finally:
+                for channels in self._channels.values():
+                    for channel in channels:
+                        channel.close()
+                self._nursery = None
+
+    # -- collectives and named tensors (the public surface) --------------------------------------
+
+    async def allreduce(
+        self, tensors: Sequence[torch.Tensor], *, group: Sequence[str], tag: str, codec: str = "fp32"
+    ) -> list[torch.Tensor]:
+        return await collectives.allreduce(self, tensors, group=group, tag=tag, codec=codec)
+
+    async def exchange(
+        self, tensors: Sequence[torch.Tensor], *, peer: str, tag: str, codec: str = "fp32"
+    ) -> list[torch.Tensor]:
+        return await collectives.exchange(self, tensors, peer=peer, tag=tag, codec=codec)
+
+    def serve(self, name: str, tensor: torch.Tensor) -> None:
+        """Offer ``tensor`` to ``fetch`` under ``name`` (the caller must not mutate it in place)."""
+        codecs.spec_of(tensor, "raw", name)
+        self._served[name] = tensor.detach()
+
+    def unserve(self, name: str) -> None:
+        self._served.pop(name, None)
+
+    async def fetch(self, peer: str, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        """Bit-exact copies of the tensors ``peer`` serves under ``names``."""
+        tag = "fetch/" + os.urandom(8).hex()
+        await self._send_frame(peer, frames.encode_fetch(tag, list(names)), [])
+        got = await self.receive(peer, tag)
+        by_name = dict(got)
+        missing = [n for n in names if n not in by_name]
+        if missing:
+            raise PeerUnavailableError(f"peer does not serve {missing}", peer_id=peer)
+        return {n: by_name[n] for n in names}
+
+    # -- point to point ----------------------------------------------------------------------
+
+    async def send(
+        self, peer: str, tag: str, tensors: Sequence[torch.Tensor], *, codec: str = "fp32",
+        part: int = 0, names: Sequence[str] | None = None,
+    ) -> None:
+        names = list(names) if names is not None else [""] * len(tensors)
+        encoded = [codecs.encode(t, codec, n) for t, n in zip(tensors, names, strict=True)]
+        header = frames.encode_put(tag, part, [spec for spec, _ in encoded])
+        await self._send_frame(peer, header, [payload for _, payload in encoded])
+
+    async def receive(self, peer: str, tag: str, *, part: int = 0) -> list[tuple[str, torch.Tensor]]:
+        """Wait for ``(tag, peer, part)``; returns ``(name, tensor)`` pairs in sent order."""
+        parcel = await self.mailbox.take((tag, peer, part), alive=self.is_alive)
+        out, offset = [], 0
+        try:
+            for spec in parcel.specs:
+                chunk = memoryview(parcel.payload)[offset : offset + spec.payload_size]
+                out.append((spec.name, codecs.decode(spec, chunk, peer_id=peer)))
+                offset += spec.payload_size
+        except RemoteProtocolError as exc:
+            await self._drop(peer, exc)
+            raise
+        return out
+
+    def discard_tag(self, tag: str) -> None:
+        """Drop parts of an abandoned operation that arrived or will not be taken."""
+        self.mailbox.discard(lambda key: key[0] == tag)
+
+    def is_alive(self, peer: str) -> bool:
+        if self._banned_until.get(peer, 0.0) > trio.current_time():
+            return False
+        if any(not c.closed for c in self._channels.get(peer, [])):
+            return True
+        try:
+            return bool(self._host.get_network().get_connections(ID.from_base58(peer)))
+        except Exception:
+            return False
+
+    # -- sending -----------------------------------------------------------------------------
+
+    async def _send_frame(self, peer: str, header: bytes, payloads: list[memoryview]) -> None:
+        if peer == self._peer_id:
+            raise LocalProtocolError("cannot send tensors to ourselves")
+        size = len(header) + sum(len(p) for p in payloads)
+        channel = await self._fast_channel(peer)
+        if channel is not None:
+            async with channel.send_lock:
+                try:
+                    for piece in (header, *payloads):
+                        await channel.send_all(piece)
+                except BaseException as exc:
+                    channel.abort()  # never leave half a message on a channel
+                    self.mailbox.peer_lost(peer)
+                    if isinstance(exc, BrokenError):
+                        raise PeerUnavailableError(str(exc), peer_id=peer) from None
+                    raise
+            self._count_sent(peer, "fast", size)
+            return
+        await self._send_on_stream(peer, header, payloads)
+        self._count_sent(peer, "libp2p", size)
+
+    async def _send_on_stream(self, peer: str, header: bytes, payloads: list[memoryview]) -> None:
+        try:
+            stream = await self._host.new_stream(ID.from_base58(peer), [TProtocol(TENSOR_PROTOCOL)])
+        except Exception as exc:
+            raise PeerUnavailableError(f"cannot open a tensor stream: {exc!r}", peer_id=peer) from None
+        channel = _StreamChannel(stream, peer, self.config.stream_chunk_bytes)
+        try:
+            for piece in (header, *payloads):
+                await channel.send_all(piece)
+            await stream.close()
+        except BaseException as exc:
+            with trio.CancelScope(shield=True):
+                await _reset_quietly(stream)
+            if isinstance(exc, BrokenError):
+                raise PeerUnavailableError(str(exc), peer_id=peer) from None
+            raise
+
+    def _count_sent(self, peer: str, path: str, size: int) -> None:
+        self.stats.bytes_sent[(peer, path)] += size
+        self.stats.messages_sent[(peer, path)] += 1
+
+    async def _fast_channel(self, peer: str) -> fastpath.FastChannel | None:
+        if not self.config.fast_path:
+            return None
+        channels = self._open_channels(peer)
+        if len(channels) >= self.config.fast_connections:
+            return _least_busy(channels)
+        if self._no_fast_until.get(peer, 0.0) > trio.current_time():
+            return _least_busy(channels) if channels else None
+        lock = self._dial_locks.setdefault(peer, trio.Lock())
+        async with lock:
+            channels = self._open_channels(peer)
+            if len(channels) >= self.config.fast_connections or any(
+                not c.send_lock.locked() for c in channels
+            ):
+                return _least_busy(channels)
+            try:
+                with trio.fail_after(self.config.fast_connect_timeout_s):
+                    channel = await self._dial_fast(peer)
+            except (trio.TooSlowError, OSError, BrokenError, RemoteProtocolError) as exc:
+                log.info("fast path to %s unavailable (%r); using libp2p streams", peer, exc)
+                self._no_fast_until[peer] = trio.current_time() + self.config.fast_retry_s
+                return _least_busy(channels) if channels else None
+            self._register(channel)
+            return channel
+
+    def _open_channels(self, peer: str) -> list[fastpath.FastChannel]:
+        channels = [c for c in self._channels.get(peer, []) if not c.closed]
+        self._channels[peer] = channels
+        return channels
+
+    async def _dial_fast(self, peer: str) -> fastpath.FastChannel:
+        try:
+            stream = await self._host.new_stream(ID.from_base58(peer), [TProtocol(fastpath.FAST_PROTOCOL)])
+        except Exception as exc:
+            raise BrokenError(f"fast setup stream failed: {exc!r}", peer_id=peer) from None
+        try:
+            nonce = os.urandom(fastpath.NONCE_BYTES)
+            await write_message(stream, {"nonce": nonce}, peer_id=peer)
+            reply = await read_message(stream, max_size=4096, peer_id=peer)
+            remote = stream.get_remote_address()
+        finally:
+            await _close_quietly(stream)
+        port, their_nonce, sid, host = _check_setup_reply(reply, peer)
+        host = host or (remote[0] if remote else None)
+        if host is None:
+            raise BrokenError("no address to dial the fast path", peer_id=peer)
+        k_out, k_in = fastpath.derive_keys(nonce, their_nonce, self._peer_id, peer, sid)
+        return await fastpath.connect(
+            host, port, sid, send_key=k_out, recv_key=k_in, peer_id=peer,
+            frame_bytes=self.config.fast_frame_bytes,
+        )
+
+    def _register(self, channel: fastpath.FastChannel) -> None:
+        self._channels.setdefault(channel.peer_id, []).append(channel)
+        assert self._nursery is not None, "TensorService.run() is not running"
+        self._nursery.start_soon(self._serve_channel, channel)
+
+    # -- receiving ---------------------------------------------------------------------------
+
+    async def _handle_stream(self, stream: INetStream) -> None:
+        peer = str(stream.muxed_conn.peer_id)
+        if self._is_banned(peer):
+            await _reset_quietly(stream)
+            return
+        channel = _StreamChannel(stream, peer, self.config.stream_chunk_bytes)
+        try:
+            await self._read_messages(channel, peer, "libp2p")
+        except RemoteProtocolError as exc:
+            await _reset_quietly(stream)
+            await self._drop(peer, exc)
+        except BrokenError:
+            await _reset_quietly(stream)
+        else:
+            await _close_quietly(stream)
+
+    async def _serve_channel(self, channel: fastpath.FastChannel) -> None:
+        peer = channel.peer_id
+        try:
+            await self._read_messages(channel, peer, "fast")
+        except RemoteProtocolError as exc:
+            channel.close()
+            await self._drop(peer, exc)
+        except BrokenError:
+            pass
+        finally:
+            channel.close()
+            self.mailbox.peer_lost(peer)
+
+    async def _read_messages(self, channel, peer: str, path: str) -> None:
+        limits = self.config.limits
+        decoder = frames.FrameDecoder(peer_id=peer, max_header=limits.max_header_bytes)
+        reserved: int | None = None
+        try:
+            while True:
+                data = await channel.receive_some()
+                if not data:
+                    if not decoder.idle:
+                        raise RemoteProtocolError("stream ended inside a message", peer_id=peer)
+                    return
+                self.stats.bytes_received[(peer, path)] += len(data)
+                decoder.feed(data)
+                while (event := decoder.next_event()) is not None:
+                    if isinstance(event, frames.Incoming):
+                        reserved = self._admit(decoder, peer, event)
+                        continue
+                    if event.payload is None:
+                        continue
+                    self.budget.end_transfer(peer)
+                    reserved = None
+                    self.stats.messages_received[(peer, path)] += 1
+                    self._dispatch(peer, event)
+        finally:
+            if reserved is not None:
+                self.budget.end_transfer(peer)
+                self.budget.release(peer, reserved)
+
+    def _admit(self, decoder: frames.FrameDecoder, peer: str, incoming: frames.Incoming) -> int | None:
+        size = incoming.payload_size
+        refusal = self.budget.try_reserve(peer, size)
+        if refusal is not None:
+            log.warning("refusing %s/%d from %s: %s", incoming.tag, incoming.part, peer, refusal)
+            self.stats.refused[peer] += 1
+            decoder.discard()
+            return None
+        decoder.accept(bytearray(size))
+        return size
+
+    def _dispatch(self, peer: str, event: frames.Complete) -> None:
+        incoming, payload = event.incoming, event.payload
+        assert payload is not None
+        if incoming.kind == "fetch":
+            self.budget.release(peer, len(payload))
+            assert self._nursery is not None
+            self._nursery.start_soon(self._answer_fetch, peer, incoming)
+            return
+        key = (incoming.tag, peer, incoming.part)
+        if not self.mailbox.deliver(key, incoming.specs, payload):
+            raise RemoteProtocolError(f"duplicate part {incoming.tag}/{incoming.part}", peer_id=peer)
+
+    async def _answer_fetch(self, peer: str, request: frames.Incoming) -> None:
+        names = [n for n in request.names if n in self._served]
+        try:
+            await self.send(
+                peer, request.tag, [self._served[n] for n in names], codec="raw", names=names
+            )
+        except (PeerUnavailableError, BrokenError) as exc:
+            log.info("could not answer a fetch from %s: %s", peer, exc)
+
+    # -- fast path setup (responder side) ------------------------------------------------------
+
+    async def _handle_fast_setup(self, stream: INetStream) -> None:
+        peer = str(stream.muxed_conn.peer_id)
+        try:
+            request = await read_message(stream, max_size=4096, peer_id=peer)
+            their_nonce = request.get("nonce") if isinstance(request, dict) else None
+            if not isinstance(their_nonce, bytes) or len(their_nonce) != fastpath.NONCE_BYTES:
+                raise RemoteProtocolError("bad fast path request", peer_id=peer)
+            if self.fast_port is None or self._is_banned(peer):
+                await write_message(stream, {"err": "no fast path"}, peer_id=peer)
+                return
+            nonce, sid = os.urandom(fastpath.NONCE_BYTES), os.urandom(fastpath.SESSION_ID_BYTES)
+            k_in, k_out = fastpath.derive_keys(their_nonce, nonce, peer, self._peer_id, sid)
+            self._expire_pending()
+            self._pending[sid] = (peer, k_out, k_in, trio.current_time() + fastpath.PENDING_TTL_S)
+            reply = {"port": self.fast_port, "nonce": nonce, "sid": sid}
+            if self.config.fast_announce_host:
+                reply["host"] = self.config.fast_announce_host
+            await write_message(stream, reply, peer_id=peer)
+        except RemoteProtocolError as exc:
+            await self._drop(peer, exc)
+        except BrokenError:
+            pass
+        finally:
+            await _close_quietly(stream)
+
+    async def _accept_fast(self, stream: trio.SocketStream) -> None:
+        sock = stream.socket
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        channel = None
+        try:
+            with trio.move_on_after(fastpath.PENDING_TTL_S):
+                sid = await fastpath.read_session_id(sock)
+                self._expire_pending()
+                entry = self._pending.pop(sid, None) if sid else None
+                if entry is None:
+                    return
+                peer, k_out, k_in, _ = entry
+                channel = fastpath.FastChannel(
+                    sock, send_key=k_out, recv_key=k_in, peer_id=peer,
+                    frame_bytes=self.config.fast_frame_bytes,
+                )
+                await channel.expect_hello()
+        except (RemoteProtocolError, BrokenError, OSError) as exc:
+            log.info("rejected a fast path connection: %r", exc)
+            channel = None
+        finally:
+            if channel is None or channel.closed:
+                sock.close()
+        if channel is None or channel.closed:
+            return
+        self._channels.setdefault(channel.peer_id, []).append(channel)
+        await self._serve_channel(channel)
+
+    def _expire_pending(self) -> None:
+        now = trio.current_time()
+        for sid in [s for s, entry in self._pending.items() if entry[3] < now]:
+            del self._pending[sid]
+
+    # -- dropping misbehaving peers -------------------------------------------------------------
+
+    def _is_banned(self, peer: str) -> bool:
+        return self._banned_until.get(peer, 0.0) > trio.current_time()
+
+    async def _drop(self, peer: str, exc: RemoteProtocolError) -> None:
+        log.warning("dropping peer %s: %s", peer, exc)
+        self.stats.protocol_errors[peer] += 1
+        self._banned_until[peer] = trio.current_time() + self.config.ban_s
+        for channel in self._channels.pop(peer, []):
+            channel.close()
+        self.mailbox.discard(lambda key: key[1] == peer)
+        self.mailbox.peer_lost(peer)
+        with trio.CancelScope(shield=True), trio.move_on_after(2):
+            try:
+                await self._host.disconnect(ID.from_base58(peer))
+            except Exception as err:
+                log.debug("disconnect from %s failed: %r", peer, err)
+
+
+def _check_setup_reply(reply: object, peer: str) -> tuple[int, bytes, bytes, str | None]:
+    if isinstance(reply, dict) and "err" in reply:
+        raise BrokenError(f"peer has no fast path: {reply.get('err')!r}", peer_id=peer)
+    if not isinstance(reply, dict):
+        raise RemoteProtocolError("bad fast path reply", peer_id=peer)
+    port, nonce, sid, host = reply.get("port"), reply.get("nonce"), reply.get("sid"), reply.get("host")
+    if type(port) is not int or not 0 < port < 65536:
+        raise RemoteProtocolError("bad fast path port", peer_id=peer)
+    if not isinstance(nonce, bytes) or len(nonce) != fastpath.NONCE_BYTES:
+        raise RemoteProtocolError("bad fast path nonce", peer_id=peer)
+    if not isinstance(sid, bytes) or len(sid) != fastpath.SESSION_ID_BYTES:
+        raise RemoteProtocolError("bad fast path session id", peer_id=peer)
+    if host is not None and (not isinstance(host, str) or len(host) > 255):
+        raise RemoteProtocolError("bad fast path host", peer_id=peer)
+    return port, nonce, sid, host
+
+
+def _least_busy(channels: list[fastpath.FastChannel]) -> fastpath.FastChannel:
+    return min(channels, key=lambda c: c.send_lock.locked())
+
+
+def _listen_host(host: IHost) -> str:
+    for addr in host.get_addrs():
+        for proto in ("ip4", "ip6"):
+            try:
+                return addr.value_for_protocol(proto)
+            except (multiaddr.exceptions.ProtocolLookupError, ValueError):
+                continue
+    return "0.0.0.0"
+
+
+async def _close_quietly(stream: INetStream) -> None:
+    try:
+        await stream.close()
+    except Exception as exc:
+        log.debug("closing a stream failed: %r", exc)
+
+
+async def _reset_quietly(stream: INetStream) -> None:
+    try:
+        await stream.reset()
+    except Exception as exc:
+        log.debug("resetting a stream failed: %r", exc)
