@@ -8,7 +8,7 @@ from pathlib import Path
 
 import trio
 
-from lattica.crdt import ReplicatedState, ReplicaLimits, StateConfig
+from lattica.crdt import ReplicaLimits, ReplicatedState, StateConfig
 from lattica.net.host import build_host
 from lattica.net.identity import load_or_create_identity
 

@@ -27,7 +27,8 @@ def test_append_and_reopen(tmp_path):
     log.append([{"n": 3}])
     log.close()
     log, records = AppendLog.open(tmp_path / "s.log")
-    assert records == [{"n": i} for i in range(4)] and log.torn_bytes == 0
+    assert records == [{"n": i} for i in range(4)]
+    assert log.torn_bytes == 0
     assert log.record_count == 4
     log.close()
 
@@ -47,7 +48,8 @@ def test_torn_last_record_is_detected_and_skipped(tmp_path, damage):
         path.write_bytes(data + b"\x00\x00\xff\xff\x12")
     log, records = AppendLog.open(path)
     expected = [{"n": 0}] if damage != "garbage" else [{"n": 0}, {"n": 1, "blob": b"x" * 100}]
-    assert records == expected and log.torn_bytes > 0
+    assert records == expected
+    assert log.torn_bytes > 0
     log.append([{"n": 2}])  # appends continue from a clean boundary
     log.close()
     _, records = AppendLog.open(path)
@@ -60,7 +62,8 @@ def test_rewrite_compacts_atomically(tmp_path):
     log.append([{"n": i} for i in range(100)])
     big = log.size_bytes
     log.rewrite([{"n": 99}])
-    assert log.size_bytes < big and log.record_count == 1
+    assert log.size_bytes < big
+    assert log.record_count == 1
     log.append([{"n": 100}])
     log.close()
     assert AppendLog.open(path)[1] == [{"n": 99}, {"n": 100}]

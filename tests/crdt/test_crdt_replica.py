@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from libp2p.crypto.ed25519 import create_new_key_pair
 from crdt_helpers import RUN, make_replicas, peer_of
+from libp2p.crypto.ed25519 import create_new_key_pair
 
 from lattica.crdt import documents
 from lattica.crdt.envelope import RejectedUpdate, sign_envelope
@@ -34,8 +34,10 @@ def test_writes_replicate_with_exact_integers(pair):
     snap = b.snapshot()
     assert snap == a.snapshot()
     member = snap["members"][a.peer_id]
-    assert member["lease_expires_ms"] == big and member["heartbeat"] == 7
-    assert member["addrs"] == ["/ip4/127.0.0.1/tcp/1"] and member["left"] is False
+    assert member["lease_expires_ms"] == big
+    assert member["heartbeat"] == 7
+    assert member["addrs"] == ["/ip4/127.0.0.1/tcp/1"]
+    assert member["left"] is False
     assert snap["progress"][a.peer_id]["round"] == big
     assert snap["progress"][a.peer_id]["completed"] == [{"round": big, "weights_hash": "h1"}]
     assert snap["checkpoints"] == {"3": {"c1": [a.peer_id], "c2": [a.peer_id]}}
@@ -60,7 +62,8 @@ def test_replay_is_idempotent_and_counted(pair):
     assert b.receive(env) == [env]
     with pytest.raises(RejectedUpdate) as info:
         b.receive(env, from_peer="P")
-    assert info.value.reason == "replay" and info.value.peer_id == "P"
+    assert info.value.reason == "replay"
+    assert info.value.peer_id == "P"
     assert b.counters()["updates_rejected"] == {"replay": 1}
     assert b.have(a.peer_id, a.peer_id) == 1
     assert b.snapshot() == a.snapshot()
@@ -83,7 +86,8 @@ def test_forged_envelopes_are_rejected(pair, tamper, reason):
     with pytest.raises(RemoteProtocolError):
         b.receive(bad, from_peer=a.peer_id)
     assert b.counters()["updates_rejected"] == {reason: 1}
-    assert b.snapshot()["experts"] == {} and b.counters()["updates_accepted"] == 0
+    assert b.snapshot()["experts"] == {}
+    assert b.counters()["updates_accepted"] == 0
 
 
 def test_writer_may_not_write_someone_elses_document():
@@ -141,7 +145,8 @@ def test_snapshots_compact_streams_and_bring_newcomers_up_to_date():
     for i in range(10):
         a.local_write(a.peer_id, lambda d, i=i: documents.write_lease(d, lease_expires_ms=i, heartbeat=i))
     retained = a.retained()
-    assert retained[0].full and len(retained) < 4
+    assert retained[0].full
+    assert len(retained) < 4
     assert a.have(a.peer_id, a.peer_id) == retained[-1].seq == 13
     missing = a.missing_for(b.state_vector())
     assert missing == retained
@@ -165,7 +170,9 @@ def test_untrusted_document_content_is_ignored_not_raised(pair):
     a.local_write(a.peer_id, hostile)
     deliver_all(a, b)
     member = b.snapshot()["members"][a.peer_id]
-    assert member["lease_expires_ms"] == 0 and member["addrs"] == [] and member["left"] is False
+    assert member["lease_expires_ms"] == 0
+    assert member["addrs"] == []
+    assert member["left"] is False
     assert b.snapshot()["checkpoints"] == {}
 
 
