@@ -70,7 +70,7 @@ class ReplicatedState:
         self._replica = Replica(
             run_id=run_id, key_pair=key_pair, admins=admins, limits=self.config.limits
         )
-        self._log_path = Path(data_dir) / f"state-{_safe_name(run_id)}.log"
+        self._log_path = state_log_path(Path(data_dir), run_id)
         self._log: AppendLog | None = None
         self._log_lock = trio.Lock()
         self._not_durable: set[tuple[str, str, int]] = set()
@@ -358,8 +358,9 @@ class ReplicatedState:
                 await self.heartbeat()
 
 
-def _safe_name(run_id: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in run_id)
+def state_log_path(data_dir: Path, run_id: str) -> Path:
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in run_id)
+    return data_dir / f"state-{safe}.log"
 
 
 async def _close_quietly(stream: INetStream) -> None:

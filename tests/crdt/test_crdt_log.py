@@ -117,3 +117,20 @@ async def test_kill_9_during_appends_loses_no_acknowledged_update(tmp_path):
         assert state.counters()["updates_rejected"] == {}
         assert state.counters()["log_bytes"] > 0
         nursery.cancel_scope.cancel()
+
+
+async def test_offline_snapshot_matches_the_daemons(tmp_path):
+    from lattica.crdt.offline import read_snapshot
+
+    key_pair = load_or_create_identity(tmp_path)
+    state = ReplicatedState(build_host(key_pair), key_pair, data_dir=tmp_path, run_id="off")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(state.run)
+        await state.set_run_config({"model": "m", "batch": 2**40})
+        await state.set_progress(12, "abc")
+        nursery.cancel_scope.cancel()
+    expected = state.snapshot()  # the service has stopped: nothing writes any more
+    assert expected["progress"][state.peer_id]["round"] == 12
+    assert read_snapshot(tmp_path, "off", admins=[state.peer_id]) == expected
+    assert read_snapshot(tmp_path, "off", admins=[])["config"] == {}
+    assert read_snapshot(tmp_path, "other", admins=[]) == read_snapshot(tmp_path / "none", "x", admins=[])
