@@ -1,0 +1,252 @@
+"""The Dockerfile, compose file, Prometheus config and dashboard agree with the code.
+
+There is no Docker engine here: the container commands are checked against the CLI parser and
+then actually run on loopback (see conftest.py).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import shutil
+import subprocess
+import tomllib
+
+import pytest
+from conftest import (
+    DATA_DIR,
+    DEPLOY,
+    LATTICA_BIN,
+    METRICS_PORT,
+    P2P_PORT,
+    REPO,
+    compose_file,
+    daemon_status,
+    dockerfile_exec_form,
+    dockerfile_instructions,
+    healthcheck,
+    load_yaml,
+    service_command,
+    start_compose_swarm,
+    wait_connected,
+    wait_healthy,
+)
+
+from lattica.cli.main import build_parser
+from lattica.observability import NodeMetrics
+
+DASHBOARD = DEPLOY / "grafana" / "dashboards" / "lattica.json"
+DASHBOARD_VARIABLES = {"$__rate_interval": "10s", "$instance": ".+"}
+
+
+def lattica_invocations(script: str) -> list[list[str]]:
+    """Every ``lattica ...`` argv in a shell script (pipes and && split, ``exec`` dropped)."""
+    found = []
+    for part in re.split(r"&&|\||;", script):
+        words = shlex.split(part.split(">")[0])
+        if words[:1] == ["exec"]:
+            words = words[1:]
+        if words[:1] == ["lattica"]:
+            found.append(words[1:])
+    return found
+
+
+def all_container_commands() -> list[list[str]]:
+    commands = [dockerfile_exec_form("CMD"), dockerfile_exec_form("HEALTHCHECK")[1:]]
+    for name, service in compose_file()["services"].items():
+        if service.get("image", "").startswith("lattica"):
+            entrypoint, command = service_command(service)
+            if entrypoint == ["sh", "-c"]:
+                commands += lattica_invocations(command)
+            else:
+                assert entrypoint == ["lattica"], name
+                commands.append(shlex.split(command))
+    return commands
+
+
+def dashboard_panels() -> list[tuple[str, dict]]:
+    """(row title, panel) for every non-row panel, in order."""
+    row, out = "", []
+    for panel in json.loads(DASHBOARD.read_text())["panels"]:
+        if panel["type"] == "row":
+            row = panel["title"]
+        else:
+            out.append((row, panel))
+    return out
+
+
+def dashboard_queries() -> list[tuple[str, str, str]]:
+    """(row, panel title, PromQL with dashboard variables substituted)."""
+    queries = []
+    for row, panel in dashboard_panels():
+        for target in panel["targets"]:
+            expr = target["expr"]
+            for variable, value in DASHBOARD_VARIABLES.items():
+                expr = expr.replace(variable, value)
+            queries.append((row, panel["title"], expr))
+    return queries
+
+
+# -- Dockerfile ----------------------------------------------------------------------------
+
+
+def test_dockerfile_entrypoint_is_the_installed_cli():
+    [entrypoint] = dockerfile_exec_form("ENTRYPOINT")
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert entrypoint in scripts
+    version = subprocess.run(
+        [str(LATTICA_BIN.parent / entrypoint), "--version"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert version.returncode == 0, version.stderr
+    assert version.stdout.startswith("lattica ")
+
+
+def test_dockerfile_builds_on_cuda_pytorch_as_non_root():
+    instructions = dockerfile_instructions()
+    [base] = [arg for kind, arg in instructions if kind == "FROM"]
+    assert base.startswith("pytorch/pytorch:")
+    assert "cuda" in base
+    run_text = " ".join(arg for kind, arg in instructions if kind == "RUN")
+    for needed in ("gcc", "libgmp-dev", "pip install ."):
+        assert needed in run_text
+    users = [arg for kind, arg in instructions if kind == "USER"]
+    assert users
+    assert users[-1] not in ("root", "0")
+    volumes = " ".join(arg for kind, arg in instructions if kind == "VOLUME")
+    assert DATA_DIR in volumes
+    exposed = " ".join(arg for kind, arg in instructions if kind == "EXPOSE")
+    assert f"{P2P_PORT}/tcp" in exposed
+    assert f"{METRICS_PORT}/tcp" in exposed
+
+
+def test_default_command_listens_on_the_exposed_ports():
+    args = build_parser().parse_args(dockerfile_exec_form("CMD"))
+    assert args.command == "join"
+    assert str(args.data_dir) == DATA_DIR
+    assert args.listen == [f"/ip4/0.0.0.0/tcp/{P2P_PORT}"]
+    assert args.metrics_addr == f"0.0.0.0:{METRICS_PORT}"
+
+
+# -- compose -------------------------------------------------------------------------------
+
+
+def test_every_container_command_parses_with_the_cli():
+    commands = all_container_commands()
+    assert len(commands) >= 5  # CMD, HEALTHCHECK, bootstrap id + join, peer join
+    parser = build_parser()
+    for argv in commands:
+        parser.parse_args(argv)  # SystemExit (a test error) on an unknown command or flag
+
+
+def test_compose_services_and_mounted_files_exist():
+    services = compose_file()["services"]
+    assert {"bootstrap", "peer", "prometheus", "grafana"} <= set(services)
+    assert services["peer"]["deploy"]["replicas"] >= 3
+    assert services["peer"]["depends_on"]["bootstrap"]["condition"] == "service_healthy"
+    for service in services.values():
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0]
+            if source.startswith("."):
+                assert (DEPLOY / source).exists(), source
+
+
+def test_prometheus_scrapes_the_metrics_port_of_every_node():
+    config = load_yaml(DEPLOY / "prometheus.yml")
+    [job] = [j for j in config["scrape_configs"] if j["job_name"] == "lattica"]
+    assert job["static_configs"][0]["targets"] == [f"bootstrap:{METRICS_PORT}"]
+    assert job["dns_sd_configs"][0]["names"] == ["peer"]
+    assert job["dns_sd_configs"][0]["port"] == METRICS_PORT
+
+
+def test_grafana_provisioning_points_at_the_mounted_dashboards():
+    services = compose_file()["services"]
+    mounts = dict(v.split(":")[:2] for v in services["grafana"]["volumes"])
+    provider = load_yaml(DEPLOY / "grafana/provisioning/dashboards/lattica.yml")
+    assert mounts["./grafana/dashboards"] == provider["providers"][0]["options"]["path"]
+    datasource = load_yaml(DEPLOY / "grafana/provisioning/datasources/prometheus.yml")
+    [prom] = datasource["datasources"]
+    assert prom["url"] == "http://prometheus:9090"
+    assert (
+        prom["jsonData"]["timeInterval"]
+        == load_yaml(DEPLOY / "prometheus.yml")["global"]["scrape_interval"]
+    )
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="needs promtool (apt: prometheus)")
+def test_promtool_accepts_config_and_every_dashboard_query(tmp_path):
+    check = subprocess.run(
+        ["promtool", "check", "config", "--syntax-only", str(DEPLOY / "prometheus.yml")],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+    rules = {
+        "groups": [
+            {
+                "name": "dashboard",
+                "rules": [
+                    {"record": f"dashboard:query_{i}", "expr": expr}
+                    for i, (_, _, expr) in enumerate(dashboard_queries())
+                ],
+            }
+        ]
+    }
+    rules_file = tmp_path / "rules.json"
+    rules_file.write_text(json.dumps(rules))
+    check = subprocess.run(
+        ["promtool", "check", "rules", str(rules_file)], capture_output=True, text=True, timeout=30
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+# -- dashboard -----------------------------------------------------------------------------
+
+
+def _families() -> set[str]:
+    return {m.name for m in NodeMetrics(process=False).registry.collect()}
+
+
+def test_dashboard_queries_only_defined_metrics_and_shows_all_of_them():
+    families = _families()
+    used = set()
+    for _, title, expr in dashboard_queries():
+        for name in re.findall(r"\blattica_[a-z_]+", expr):
+            family = re.sub(r"_(total|bucket|sum|count|created|info)$", "", name)
+            assert family in families, f"{title}: {name} is not defined in NodeMetrics"
+            used.add(family)
+    assert used == families, f"metrics without a panel: {families - used}"
+
+
+def test_training_panels_sit_in_the_training_row():
+    rows = {row for row, _ in dashboard_panels()}
+    assert "Training" in rows
+    training = {p["title"] for row, p in dashboard_panels() if row == "Training"}
+    assert {"Outer round", "Loss", "Tokens per second", "Round duration"} <= training
+    for row, _, expr in dashboard_queries():
+        trains = re.search(r"lattica_(outer_round|train_loss|tokens_per|round_duration)", expr)
+        assert bool(trains) <= (row == "Training"), expr
+
+
+# -- running the container commands locally ------------------------------------------------
+
+
+def test_compose_commands_start_a_swarm_and_pass_the_healthcheck(tmp_path):
+    swarm = start_compose_swarm(tmp_path, peers=1)
+    try:
+        peer = swarm.nodes[1]
+        wait_healthy(swarm, peer, timeout=40)
+        assert healthcheck(swarm.bootstrap.data_dir).returncode == 0
+        peers_file = (tmp_path / "shared" / "bootstrap.peers").read_text().split()
+        assert len(peers_file) == 1
+        assert peers_file[0].startswith("/ip4/127.0.0.1/tcp/")
+        boot = daemon_status(swarm.bootstrap)
+        assert peers_file[0].endswith(f"/p2p/{boot['peer_id']}")
+        wait_connected(swarm, peer, peers=1, timeout=30)
+    finally:
+        swarm.stop()
+    assert healthcheck(swarm.bootstrap.data_dir).returncode != 0, "stopped daemon reported healthy"
