@@ -75,8 +75,12 @@ async def test_inner_steps_continue_while_the_average_is_in_flight():
     cfg = EagerDiLoCoConfig(inner_steps=2)
     models = [scalar_model() for _ in range(3)]
     strategies = [
-        EagerDiLoCo(m, collective=GatedCollective(group.member(p), release),
-                    groups=FixedGroups(peers), config=cfg)
+        EagerDiLoCo(
+            m,
+            collective=GatedCollective(group.member(p), release),
+            groups=FixedGroups(peers),
+            config=cfg,
+        )
         for m, p in zip(models, peers, strict=True)
     ]
     progress = [0, 0, 0]
@@ -108,7 +112,9 @@ async def test_failed_average_falls_back_to_own_share():
     group = InMemoryCollectiveGroup(peers)
     cfg = EagerDiLoCoConfig(inner_steps=1, outer_lr=1.0, outer_momentum=0.5)
     model = scalar_model()
-    strategy = EagerDiLoCo(model, collective=group.member("a"), groups=FixedGroups(peers), config=cfg)
+    strategy = EagerDiLoCo(
+        model, collective=group.member("a"), groups=FixedGroups(peers), config=cfg
+    )
     group.fail("b")
     async with trio.open_nursery() as nursery:
         strategy.bind_nursery(nursery)

@@ -56,8 +56,9 @@ def test_frozen_expert_is_routed_through_but_gets_no_gradient():
 
 
 def test_model_splits_into_experts_and_dense_and_trains():
-    cfg = MoEConfig(n_layer=2, d_model=16, n_head=2, context=8, num_experts=4, top_k=2,
-                    expert_hidden=8)
+    cfg = MoEConfig(
+        n_layer=2, d_model=16, n_head=2, context=8, num_experts=4, top_k=2, expert_hidden=8
+    )
     model = build_moe_model(cfg, seed=1)
     experts = expert_parameters(model)
     dense = dense_parameters(model)

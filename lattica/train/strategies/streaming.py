@@ -1,0 +1,311 @@
+"""Streaming DiLoCo (Douillard et al., 2025, arXiv 2501.18512).
+
+Theory of operation
+-------------------
+The model is cut into P fragments: transformer block ℓ goes to fragment ℓ mod P (strided), and
+each remaining parameter (embeddings, final norm) to the fragment that is smallest so far.
+Fragment p keeps its own outer weights θ̃_p and its own Nesterov state, and syncs every H inner
+steps at steps s ≥ H with s ≡ p·H/P (mod H), so only about 1/P of the model is on the wire at
+a time. At fragment p's sync (step s):
+
+1. Δ_p = θ̃_p − θ_p is quantized to 4-bit (E2M1 with a scale per block, ``quantize.py``) and
+   sent in the strategy's nursery; training goes on;
+2. at step s + τ the mean of the dequantized contributions (summed in fp32, in group order, so
+   every member gets the same bits) is applied: θ̃_p ← Nesterov_p(θ̃_p, Δ_p);
+3. the local fragment is merged: θ_p ← α·θ_p + (1 − α)·θ̃_p.
+
+With ``codec="fp4"`` the packed codes are all-gathered with ``exchange`` (each member sends its
+payload to the M − 1 others: for the paper's two workers that equals an all-reduce). Any other
+codec name goes through ``Collective.allreduce`` with that codec (e.g. the data plane's
+``int4``). Evaluation uses the outer weights θ̃. Failure: if a fragment's exchange fails
+(``PeerUnavailableError``/``BrokenError``, or a peer's payload has the wrong shape:
+``RemoteProtocolError``) that fragment's sync is skipped — θ̃_p stays and the
+next sync of the fragment covers both periods.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import trio
+
+from lattica.errors import (
+    BrokenError,
+    LocalProtocolError,
+    PeerUnavailableError,
+    RemoteProtocolError,
+)
+from lattica.train.quantize import (
+    DEFAULT_BLOCK_SIZE,
+    Quantized4Bit,
+    dequantize_4bit,
+    quantize_4bit,
+)
+from lattica.train.strategies.accounting import AccountedStrategy, tensor_bytes
+from lattica.train.strategies.base import OuterStepReport
+from lattica.train.strategies.diloco import pseudo_gradient
+from lattica.train.strategies.traffic import allreduce_bytes, payload_bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class StreamingDiLoCoConfig:
+    inner_steps: int = 100
+    fragments: int = 2
+    overlap_steps: int = 2
+    mixing: float = 0.5
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    codec: str = "fp4"
+    block_size: int = DEFAULT_BLOCK_SIZE
+
+    def __post_init__(self) -> None:
+        if self.fragments < 1 or self.inner_steps % self.fragments:
+            raise ValueError("fragments must be >= 1 and divide inner_steps")
+        if not 0 <= self.overlap_steps < self.inner_steps:
+            raise ValueError("overlap_steps must be in [0, inner_steps)")
+        if not 0.0 <= self.mixing <= 1.0:
+            raise ValueError(f"mixing must be in [0, 1], got {self.mixing}")
+        if self.outer_lr <= 0 or not 0.0 < self.outer_momentum < 1.0:
+            raise ValueError("need outer_lr > 0 and 0 < outer_momentum < 1")
+
+
+def fragment_indices(model: torch.nn.Module, fragments: int) -> list[list[int]]:
+    """Parameter indices (in ``model.parameters()`` order) of each fragment."""
+    params = list(model.parameters())
+    position = {id(p): i for i, p in enumerate(params)}
+    groups: list[list[int]] = [[] for _ in range(fragments)]
+    sizes = [0] * fragments
+    placed: set[int] = set()
+    blocks = getattr(model, "blocks", None)
+    for layer, block in enumerate(blocks if isinstance(blocks, torch.nn.ModuleList) else []):
+        for p in block.parameters():
+            groups[layer % fragments].append(position[id(p)])
+            sizes[layer % fragments] += p.numel()
+            placed.add(id(p))
+    for p in params:
+        if id(p) not in placed:
+            smallest = sizes.index(min(sizes))
+            groups[smallest].append(position[id(p)])
+            sizes[smallest] += p.numel()
+    return [sorted(g) for g in groups]
+
+
+def sync_due(step: int, fragment: int, *, inner_steps: int, fragments: int) -> bool:
+    """Whether fragment ``fragment`` starts a sync after inner step ``step``."""
+    offset = fragment * inner_steps // fragments
+    return step >= inner_steps and step % inner_steps == offset
+
+
+@torch.no_grad()
+def mix_into_local(
+    local: Sequence[torch.Tensor], outer: Sequence[torch.Tensor], mixing: float
+) -> None:
+    """θ ← α·θ + (1 − α)·θ̃, in place on the local weights."""
+    for theta, tilde in zip(local, outer, strict=True):
+        theta.mul_(mixing).add_(tilde.to(theta.device, theta.dtype), alpha=1.0 - mixing)
+
+
+@dataclass
+class _FragmentSync:
+    fragment: int
+    key: str
+    group: tuple[str, ...]
+    apply_at: int
+    done: trio.Event = field(default_factory=trio.Event)
+    mean: list[torch.Tensor] | None = None
+    error: str = ""
+
+
+class StreamingDiLoCo(AccountedStrategy):
+    name = "streaming"
+    config_class = StreamingDiLoCoConfig
+
+    def __init__(self, model, *, collective, groups, config: StreamingDiLoCoConfig | None = None):
+        super().__init__(model, collective=collective, groups=groups)
+        self.config = config or StreamingDiLoCoConfig()
+        named = list(model.named_parameters())
+        self._names = [n for n, _ in named]
+        self._inner = [p for _, p in named]
+        self._outer = [p.detach().to("cpu", torch.float32, copy=True) for p in self._inner]
+        self.fragments = fragment_indices(model, self.config.fragments)
+        self.outer_optimizers = [
+            torch.optim.SGD(
+                [self._outer[i] for i in indices] or [torch.zeros(0, requires_grad=True)],
+                lr=self.config.outer_lr,
+                momentum=self.config.outer_momentum,
+                nesterov=True,
+                foreach=False,
+            )
+            for indices in self.fragments
+        ]
+        self._pending: list[_FragmentSync] = []
+        self._syncs_started = [0] * self.config.fragments
+        self._completed = 0
+
+    @property
+    def completed_rounds(self) -> int:
+        """Fragment syncs applied, divided by P: full-model rounds."""
+        return self._completed // self.config.fragments
+
+    @property
+    def outer_state_bytes(self) -> int:
+        momentum = [
+            s["momentum_buffer"] for opt in self.outer_optimizers for s in opt.state.values()
+        ]
+        return tensor_bytes(self._outer) + tensor_bytes(momentum)
+
+    def evaluation_parameters(self) -> Sequence[torch.Tensor]:
+        return self._outer
+
+    async def after_inner_step(self, step: int) -> list[OuterStepReport]:
+        for p in range(self.config.fragments):
+            if sync_due(
+                step, p, inner_steps=self.config.inner_steps, fragments=self.config.fragments
+            ):
+                await self._start(p, step)
+        due = [s for s in self._pending if s.apply_at <= step]
+        return [await self._apply(s) for s in due]
+
+    async def finish(self) -> list[OuterStepReport]:
+        return [await self._apply(s) for s in list(self._pending)]
+
+    async def _start(self, fragment: int, step: int) -> None:
+        if self.nursery is None:
+            raise LocalProtocolError("StreamingDiLoCo needs bind_nursery() before the first sync")
+        k = self._syncs_started[fragment]
+        self._syncs_started[fragment] += 1
+        key = f"round/{k}/fragment/{fragment}"
+        group = tuple(await self.groups.group_for(key))
+        indices = self.fragments[fragment]
+        delta = pseudo_gradient(
+            [self._outer[i] for i in indices], [self._inner[i] for i in indices]
+        )
+        sync = _FragmentSync(fragment, key, group, apply_at=step + self.config.overlap_steps)
+        self._pending.append(sync)
+        self.nursery.start_soon(self._reduce, sync, delta)
+
+    async def _reduce(self, sync: _FragmentSync, delta: list[torch.Tensor]) -> None:
+        tag = f"streaming/{sync.key}"
+        try:
+            if self.config.codec == "fp4":
+                sync.mean = await self._gather_fp4(delta, sync.group, tag)
+            else:
+                self.traffic.record_sync(allreduce_bytes(delta, len(sync.group), self.config.codec))
+                sync.mean = await self.collective.allreduce(
+                    delta, group=sync.group, tag=tag, codec=self.config.codec
+                )
+        except (PeerUnavailableError, BrokenError, RemoteProtocolError) as exc:
+            sync.error = str(exc)
+        finally:
+            sync.done.set()
+
+    async def _gather_fp4(
+        self, delta: list[torch.Tensor], group: tuple[str, ...], tag: str
+    ) -> list[torch.Tensor]:
+        me = self.collective.peer_id
+        own = [quantize_4bit(d, block_size=self.config.block_size) for d in delta]
+        wire = [q.codes for q in own] + [q.scales for q in own]
+        others = [q for q in group if q != me]
+        self.traffic.record_sync(payload_bytes(wire, "raw") * len(others))
+        received: dict[str, list[Quantized4Bit]] = {me: own}
+        failures: list[Exception] = []
+
+        async def one(peer: str) -> None:
+            try:
+                answer = await self.collective.exchange(wire, peer=peer, tag=tag, codec="raw")
+                received[peer] = _unpack(answer, like=own, peer=peer)
+            except (PeerUnavailableError, BrokenError, RemoteProtocolError) as exc:
+                failures.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            for peer in others:
+                nursery.start_soon(one, peer)
+        if failures:
+            raise failures[0]
+        means = []
+        for i, reference in enumerate(delta):
+            total = torch.zeros(reference.shape, dtype=torch.float32)
+            for member in group:  # the same order everywhere: bit-identical means
+                total += dequantize_4bit(received[member][i])
+            means.append(total / len(group))
+        return means
+
+    async def _apply(self, sync: _FragmentSync) -> OuterStepReport:
+        started = time.monotonic()
+        await sync.done.wait()
+        self._pending.remove(sync)
+        indices = self.fragments[sync.fragment]
+        if sync.mean is not None:
+            outer = [self._outer[i] for i in indices]
+            for tilde, g in zip(outer, sync.mean, strict=True):
+                tilde.grad = g.to(torch.float32)
+            optimizer = self.outer_optimizers[sync.fragment]
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            mix_into_local([self._inner[i] for i in indices], outer, self.config.mixing)
+            self._completed += 1
+        return OuterStepReport(
+            round=self._syncs_started[sync.fragment] - 1,
+            key=sync.key,
+            group=sync.group if sync.mean is not None else (),
+            bytes_sent=self.traffic.last_sync_bytes,
+            seconds=time.monotonic() - started,
+            skipped=sync.mean is None,
+            detail=sync.error,
+        )
+
+    def outer_state_dict(self) -> dict[str, Any]:
+        momentum = {}
+        for optimizer in self.outer_optimizers:
+            for name, p in zip(self._names, self._outer, strict=True):
+                if p in optimizer.state:
+                    momentum[name] = optimizer.state[p]["momentum_buffer"].clone()
+        return {
+            "params": {n: p.clone() for n, p in zip(self._names, self._outer, strict=True)},
+            "momentum": momentum,
+            "completed_syncs": self._completed,
+            "syncs_started": list(self._syncs_started),
+        }
+
+    def load_outer_state_dict(self, state: dict[str, Any]) -> None:
+        with torch.no_grad():
+            for fragment, indices in enumerate(self.fragments):
+                optimizer = self.outer_optimizers[fragment]
+                for i in indices:
+                    name, outer = self._names[i], self._outer[i]
+                    outer.copy_(state["params"][name])
+                    self._inner[i].copy_(outer)
+                    if name in state["momentum"]:
+                        buffer = state["momentum"][name].to(torch.float32).clone()
+                        optimizer.state[outer]["momentum_buffer"] = buffer
+        self._completed = int(state["completed_syncs"])
+        self._syncs_started = [int(k) for k in state["syncs_started"]]
+        self._pending = []
+
+
+def _unpack(
+    answer: Sequence[torch.Tensor], *, like: Sequence[Quantized4Bit], peer: str
+) -> list[Quantized4Bit]:
+    """Rebuild a peer's encodings from ``[codes..., scales...]``, checking their sizes."""
+    n = len(like)
+    if len(answer) != 2 * n:
+        raise RemoteProtocolError(
+            f"expected {2 * n} tensors in a fragment sync, got {len(answer)}", peer_id=peer
+        )
+    rebuilt = []
+    for ref, codes, scales in zip(like, answer[:n], answer[n:], strict=True):
+        if codes.shape != ref.codes.shape or scales.shape != ref.scales.shape:
+            raise RemoteProtocolError("fragment sync tensors of the wrong size", peer_id=peer)
+        rebuilt.append(
+            Quantized4Bit(
+                codes=codes.to(torch.uint8),
+                scales=scales.to(torch.float32),
+                shape=ref.shape,
+                block_size=ref.block_size,
+            )
+        )
+    return rebuilt
