@@ -1,7 +1,7 @@
 """The Dockerfile, compose file, Prometheus config and dashboard agree with the code.
 
 There is no Docker engine here: the container commands are checked against the CLI parser and
-then actually run on loopback (see conftest.py).
+then actually run on loopback (see observability_harness.py).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import subprocess
 import tomllib
 
 import pytest
-from conftest import (
+from observability_harness import (
     DATA_DIR,
     DEPLOY,
     LATTICA_BIN,
@@ -23,6 +23,8 @@ from conftest import (
     REPO,
     compose_file,
     daemon_status,
+    dashboard_panels,
+    dashboard_queries,
     dockerfile_exec_form,
     dockerfile_instructions,
     healthcheck,
@@ -35,9 +37,6 @@ from conftest import (
 
 from lattica.cli.main import build_parser
 from lattica.observability import NodeMetrics
-
-DASHBOARD = DEPLOY / "grafana" / "dashboards" / "lattica.json"
-DASHBOARD_VARIABLES = {"$__rate_interval": "10s", "$instance": ".+"}
 
 
 def lattica_invocations(script: str) -> list[list[str]]:
@@ -63,29 +62,6 @@ def all_container_commands() -> list[list[str]]:
                 assert entrypoint == ["lattica"], name
                 commands.append(shlex.split(command))
     return commands
-
-
-def dashboard_panels() -> list[tuple[str, dict]]:
-    """(row title, panel) for every non-row panel, in order."""
-    row, out = "", []
-    for panel in json.loads(DASHBOARD.read_text())["panels"]:
-        if panel["type"] == "row":
-            row = panel["title"]
-        else:
-            out.append((row, panel))
-    return out
-
-
-def dashboard_queries() -> list[tuple[str, str, str]]:
-    """(row, panel title, PromQL with dashboard variables substituted)."""
-    queries = []
-    for row, panel in dashboard_panels():
-        for target in panel["targets"]:
-            expr = target["expr"]
-            for variable, value in DASHBOARD_VARIABLES.items():
-                expr = expr.replace(variable, value)
-            queries.append((row, panel["title"], expr))
-    return queries
 
 
 # -- Dockerfile ----------------------------------------------------------------------------

@@ -23,6 +23,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 DOCKERFILE = REPO / "docker" / "Dockerfile"
+DASHBOARD = DEPLOY / "grafana" / "dashboards" / "lattica.json"
+# Values for the dashboard variables when a query is run outside Grafana.
+DASHBOARD_VARIABLES = {"$__rate_interval": "10s", "$instance": ".+"}
 LATTICA_BIN = Path(sys.executable).parent / "lattica"
 DATA_DIR = "/var/lib/lattica"
 SHARED_DIR = "/var/lib/lattica-shared"
@@ -82,6 +85,29 @@ def service_command(service: dict) -> tuple[list[str], str]:
     if isinstance(command, str):
         command = shlex.split(command)
     return list(entrypoint), shlex.join(command) if entrypoint != ["sh", "-c"] else command[0]
+
+
+def dashboard_panels() -> list[tuple[str, dict]]:
+    """(row title, panel) for every non-row panel, in order."""
+    row, out = "", []
+    for panel in json.loads(DASHBOARD.read_text())["panels"]:
+        if panel["type"] == "row":
+            row = panel["title"]
+        else:
+            out.append((row, panel))
+    return out
+
+
+def dashboard_queries() -> list[tuple[str, str, str]]:
+    """(row, panel title, PromQL with dashboard variables substituted)."""
+    queries = []
+    for row, panel in dashboard_panels():
+        for target in panel["targets"]:
+            expr = target["expr"]
+            for variable, value in DASHBOARD_VARIABLES.items():
+                expr = expr.replace(variable, value)
+            queries.append((row, panel["title"], expr))
+    return queries
 
 
 @dataclass

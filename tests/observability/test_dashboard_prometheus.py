@@ -1,0 +1,166 @@
+"""Every dashboard query returns data from a real Prometheus scraping a real local swarm.
+
+The swarm is the compose swarm (bootstrap + peers, see conftest.py) as local processes; the
+Prometheus config is deploy/prometheus.yml with the lattica job's targets replaced by the local
+metrics ports and a 1 s scrape interval. Panels in the dashboard's "Training" row are required
+only when the swarm trains (``SWARM_TRAINS``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+
+import pytest
+from observability_harness import (
+    DEPLOY,
+    LocalSwarm,
+    dashboard_queries,
+    free_port,
+    load_yaml,
+    start_compose_swarm,
+    wait_connected,
+)
+
+PEERS = 2  # plus the bootstrap: a 3-node swarm
+DEADLINE_S = 40.0
+
+# Flip when `lattica join --train` trains a swarm end to end; the extra join arguments below
+# then make the Training row's panels mandatory too.
+SWARM_TRAINS = False
+TRAIN_ARGS = ("--train", "--model", "tiny", "--inner-steps", "5", "--rounds", "1000")
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("prometheus") is None, reason="needs the prometheus binary (apt: prometheus)"
+)
+
+
+def prometheus_config(swarm: LocalSwarm) -> dict:
+    config = load_yaml(DEPLOY / "prometheus.yml")
+    config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
+    [job] = [j for j in config["scrape_configs"] if j["job_name"] == "lattica"]
+    job.pop("dns_sd_configs")
+    job["static_configs"] = [
+        {
+            "targets": [f"127.0.0.1:{node.metrics_port}"],
+            "labels": {"role": "bootstrap"} if node is swarm.bootstrap else {},
+        }
+        for node in swarm.nodes
+    ]
+    config["scrape_configs"] = [job]
+    return config
+
+
+class Prometheus:
+    def __init__(self, root, config: dict) -> None:
+        self.port = free_port()
+        (root / "prometheus.json").write_text(json.dumps(config))
+        self.log = root / "prometheus.log"
+        with self.log.open("wb") as log:
+            self.process = subprocess.Popen(
+                [
+                    "prometheus",
+                    f"--config.file={root / 'prometheus.json'}",
+                    f"--storage.tsdb.path={root / 'tsdb'}",
+                    f"--web.listen-address=127.0.0.1:{self.port}",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+
+    def get(self, path: str, **params: str) -> dict:
+        query = urllib.parse.urlencode(params)
+        url = f"http://127.0.0.1:{self.port}{path}" + (f"?{query}" if query else "")
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return json.loads(response.read())
+
+    def query(self, expr: str) -> list[dict]:
+        reply = self.get("/api/v1/query", query=expr)
+        assert reply["status"] == "success", reply
+        return reply["data"]["result"]
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, self.log.read_text()[-3000:]
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/-/ready", timeout=2):
+                    return
+            except OSError:
+                time.sleep(0.3)
+        raise AssertionError(f"prometheus not ready\n{self.log.read_text()[-3000:]}")
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(timeout=5)
+
+
+@pytest.fixture
+def swarm(tmp_path):
+    started = start_compose_swarm(
+        tmp_path, peers=PEERS, extra_join_args=TRAIN_ARGS if SWARM_TRAINS else ()
+    )
+    try:
+        yield started
+    finally:
+        started.stop()
+
+
+@pytest.fixture
+def prometheus(tmp_path, swarm):
+    server = Prometheus(tmp_path, prometheus_config(swarm))
+    try:
+        server.wait_ready(timeout=20)
+        yield server
+    finally:
+        server.stop()
+
+
+def _has_data(result: list[dict]) -> bool:
+    return any(not math.isnan(float(series["value"][1])) for series in result)
+
+
+def _scalar(prometheus: Prometheus, expr: str) -> float:
+    result = prometheus.query(expr)
+    return float(result[0]["value"][1]) if result else math.nan
+
+
+@pytest.mark.timeout(120)
+def test_every_dashboard_query_returns_data(swarm, prometheus):
+    wait_connected(swarm, swarm.bootstrap, peers=PEERS, timeout=DEADLINE_S)
+    required = [
+        (row, title, expr)
+        for row, title, expr in dashboard_queries()
+        if SWARM_TRAINS or row != "Training"
+    ]
+    assert len(required) >= 10
+    deadline = time.monotonic() + DEADLINE_S
+    while True:
+        missing = [
+            (title, expr) for _, title, expr in required if not _has_data(prometheus.query(expr))
+        ]
+        if not missing or time.monotonic() > deadline:
+            break
+        time.sleep(1.0)
+    assert not missing, "panels without data:\n" + "\n".join(f"  {t}: {e}" for t, e in missing)
+
+    # The numbers behind the panels describe this swarm, not just any series.
+    assert _scalar(prometheus, 'sum(up{job="lattica"})') == PEERS + 1
+    assert _scalar(prometheus, 'lattica_peers_connected{role="bootstrap"}') == PEERS
+    assert _scalar(prometheus, 'sum(lattica_peers_by_path{path="direct"})') >= 2 * PEERS
+    assert _scalar(prometheus, "sum(lattica_bytes_sent_total)") > 0
+    assert _scalar(prometheus, "sum(lattica_bytes_received_total)") > 0
+    peer_ids = {s["metric"]["peer_id"] for s in prometheus.query("lattica_node_info")}
+    assert len(peer_ids) == PEERS + 1
+    if SWARM_TRAINS:
+        assert _scalar(prometheus, "min(lattica_outer_round)") >= 1
+        assert _scalar(prometheus, "sum(lattica_tokens_per_second)") > 0
