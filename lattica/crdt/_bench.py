@@ -20,6 +20,7 @@ import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
+from pycrdt import Doc
 
 from lattica.crdt import documents
 from lattica.crdt.config import StateConfig
@@ -33,9 +34,10 @@ def bench_envelopes(count: int) -> float:
     writer, reader = (Replica(run_id="b", key_pair=create_new_key_pair(), admins=()) for _ in range(2))
     start = time.perf_counter()
     for i in range(count):
-        for env in writer.local_write(
-            writer.peer_id, lambda d, i=i: documents.write_progress(d, round=i, weights_hash="h")
-        ):
+        def progress(doc: Doc, i: int = i) -> None:
+            documents.write_progress(doc, round=i, weights_hash="h")
+
+        for env in writer.local_write(writer.peer_id, progress):
             reader.receive(env)
     return count / (time.perf_counter() - start)
 
@@ -58,7 +60,10 @@ def bench_convergence(n: int, writes: int) -> dict[str, float]:
     rng = random.Random(0)
     for i in range(writes):
         r = rng.choice(replicas)
-        r.local_write(r.peer_id, lambda d, i=i: documents.write_lease(d, lease_expires_ms=i, heartbeat=i))
+        def lease(doc: Doc, i: int = i) -> None:
+            documents.write_lease(doc, lease_expires_ms=i, heartbeat=i)
+
+        r.local_write(r.peer_id, lease)
     start = time.perf_counter()
     rounds = 0
     while len({str(r.state_vector()) for r in replicas}) > 1:

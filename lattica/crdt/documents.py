@@ -229,7 +229,9 @@ def read_config(doc: Doc) -> dict[str, Any]:
 
 def build_snapshot(writer_docs: Mapping[str, Doc], config_doc: Doc | None) -> dict[str, Any]:
     """The whole state as plain JSON-able data; identical docs give identical snapshots."""
-    members, progress, experts = {}, {}, {}
+    members: dict[str, Any] = {}
+    progress: dict[str, Any] = {}
+    experts: dict[str, list[str]] = {}
     checkpoints: dict[str, dict[str, set[str]]] = {}
     for writer in sorted(writer_docs):
         doc = writer_docs[writer]

@@ -71,7 +71,8 @@ class AppendLog:
             if len(data) < len(MAGIC) or not data.startswith(MAGIC):
                 if data and not MAGIC.startswith(data):
                     raise ValueError(f"{path} is not a state log")
-                records, good_end, torn = [], len(MAGIC), 0
+                records: list[Any] = []
+                good_end, torn = len(MAGIC), 0
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, MAGIC, 0)
             else:

@@ -217,7 +217,7 @@ class Replica:
     def missing_for(self, vector: Iterable[Any]) -> list[Envelope]:
         """Envelopes a replica whose ``state_vector()`` is ``vector`` lacks (unknown rows ignored)."""
         theirs = parse_state_vector(vector)
-        missing = []
+        missing: list[Envelope] = []
         for key, stream in sorted(self._streams.items()):
             their_have = theirs.get(key, 0)
             if stream.have > their_have:

@@ -87,7 +87,7 @@ class ReplicatedState:
 
     # -- service -------------------------------------------------------------------------------
 
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         await self._open_log()
         self.host.set_stream_handler(sync.SYNC_PROTOCOL, self._handle_stream)
         try:
