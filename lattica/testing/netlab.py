@@ -158,9 +158,10 @@ class LabProcess:
         self.popen.stdin.write(json.dumps(command) + "\n")
         self.popen.stdin.flush()
 
-    def wait_for(self, predicate: Callable[[dict], bool], timeout: float) -> dict:
-        """Return the first event (seen before or arriving) matching ``predicate``."""
-        for event in self.events:
+    def wait_for(self, predicate: Callable[[dict], bool], timeout: float, *,
+                 fresh: bool = False) -> dict:
+        """Return the first event matching ``predicate``: seen before (unless ``fresh``) or new."""
+        for event in [] if fresh else self.events:
             if predicate(event):
                 return event
         deadline = time.monotonic() + timeout

@@ -180,10 +180,12 @@ def main() -> None:
     parser.add_argument("--relay-serve", choices=["on", "off", "auto"], default="auto")
     parser.add_argument("--reservation-ttl", type=int, default=3600)
     parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--libp2p-log-level", default="WARNING")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("lattica").setLevel(args.log_level)
+    logging.getLogger("libp2p").setLevel(args.libp2p_log_level)
     trio.run(LabNode(args).main)
 
 
