@@ -1,0 +1,116 @@
+"""A standalone data-plane peer for multi-process tests and benchmarks.
+
+Run ``python -m lattica.net.tensors._peer_main [--no-fast]``. It starts a host and a
+``TensorService`` on 127.0.0.1, prints ``{"peer_id", "addr"}`` as one JSON line, then obeys JSON
+commands, one per stdin line, answering each with one JSON line on stdout:
+
+- ``{"op": "connect", "addrs": [...]}``
+- ``{"op": "allreduce", "group": [...], "tag": str, "numel": int, "seed": int, "codec": str,
+  "deadline_s": float, "out": path|null}``: the input is ``randn(numel)`` from ``seed``; the
+  result's raw fp32 bytes are written to ``out``.
+- ``{"op": "send_then_hang", "group": [...], "tag": str, "numel": int, "seed": int}``: send the
+  reduce-scatter parts of an all-reduce, report, and never finish it (a peer about to die).
+- ``{"op": "stats"}``, ``{"op": "quit"}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+
+import multiaddr
+import torch
+import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.peer.peerinfo import info_from_p2p_addr
+
+from lattica.net.host import build_host
+from lattica.net.tensors import codecs, collectives
+from lattica.net.tensors.collectives import CollectiveAbortedError
+from lattica.net.tensors.transfer import TensorService, TensorServiceConfig
+
+
+def _reply(obj: dict) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def make_input(numel: int, seed: int) -> torch.Tensor:
+    return torch.randn(numel, generator=torch.Generator().manual_seed(seed))
+
+
+async def _allreduce(service: TensorService, cmd: dict) -> dict:
+    x = make_input(cmd["numel"], cmd["seed"])
+    start = time.perf_counter()
+    sent_before = service.stats.total_sent()
+    try:
+        with trio.fail_after(cmd.get("deadline_s", 60.0)):
+            (out,) = await service.allreduce([x], group=cmd["group"], tag=cmd["tag"],
+                                             codec=cmd.get("codec", "fp32"))
+    except CollectiveAbortedError as exc:
+        return {"ok": False, "error": "aborted", "failed_peers": list(exc.failed_peers),
+                "seconds": time.perf_counter() - start}
+    except trio.TooSlowError:
+        return {"ok": False, "error": "deadline", "seconds": time.perf_counter() - start}
+    seconds = time.perf_counter() - start
+    if cmd.get("out"):
+        await trio.Path(cmd["out"]).write_bytes(_raw_bytes(out))
+    return {"ok": True, "seconds": seconds, "bytes_sent": service.stats.total_sent() - sent_before}
+
+
+def _raw_bytes(t: torch.Tensor) -> bytes:
+    _, payload = codecs.encode(t, "raw")
+    return bytes(payload)
+
+
+async def _send_then_hang(service: TensorService, cmd: dict) -> None:
+    x = make_input(cmd["numel"], cmd["seed"])
+    group = cmd["group"]
+    bounds = collectives._part_bounds(x.numel(), len(group))
+    for j, peer in enumerate(group):
+        if peer != service.peer_id:
+            a, b = bounds[j]
+            await service.send(peer, cmd["tag"] + "/rs", [x[a:b]], part=j)
+    _reply({"ok": True, "hanging": True})
+    await trio.sleep_forever()
+
+
+async def _serve(fast: bool) -> None:
+    key_pair = create_new_key_pair()
+    host = build_host(key_pair)
+    service = TensorService(host, key_pair, config=TensorServiceConfig(fast_path=fast))
+    async with host.run([multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]), trio.open_nursery() as nursery:
+        await nursery.start(service.run)
+        _reply({"peer_id": service.peer_id, "addr": str(host.get_addrs()[0])})
+        stdin = trio.wrap_file(sys.stdin)
+        async for line in stdin:
+            cmd = json.loads(line)
+            op = cmd["op"]
+            if op == "quit":
+                break
+            if op == "connect":
+                for addr in cmd["addrs"]:
+                    await host.connect(info_from_p2p_addr(multiaddr.Multiaddr(addr)))
+                _reply({"ok": True})
+            elif op == "allreduce":
+                _reply(await _allreduce(service, cmd))
+            elif op == "send_then_hang":
+                await _send_then_hang(service, cmd)
+            elif op == "stats":
+                _reply({"ok": True, **service.stats.snapshot()})
+        nursery.cancel_scope.cancel()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--no-fast", action="store_true")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    trio.run(_serve, not args.no_fast)
+
+
+if __name__ == "__main__":
+    main()
