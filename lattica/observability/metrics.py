@@ -15,8 +15,10 @@ panel shows a flat zero line rather than "no data" before the first event.
 
 from __future__ import annotations
 
+import collections
 import math
 import platform
+from collections.abc import Iterable
 from importlib import metadata
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
@@ -175,6 +177,16 @@ class NodeMetrics:
         """``lattica_rejected_updates_total{reason}``: ``.labels(reason=r).inc()``."""
         for reason in REJECT_REASONS:
             self.rejected_updates.labels(reason=reason)
+
+    def set_peers(self, paths: Iterable[str]) -> None:
+        """Set ``peers_connected`` and ``peers_by_path`` from the path of each connected peer.
+
+        Paths outside ``CONNECTION_PATHS`` (e.g. "unknown") count as connected only.
+        """
+        counts = collections.Counter(paths)
+        self.peers_connected.set(sum(counts.values()))
+        for path in CONNECTION_PATHS:
+            self.peers_by_path.labels(path=path).set(counts.get(path, 0))
 
     def set_staleness(self, *, own_round: int, max_seen_round: int) -> None:
         """Record how far behind the swarm this node is (0 when it leads)."""

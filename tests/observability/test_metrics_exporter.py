@@ -9,7 +9,7 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from lattica.observability import MetricsServer, NodeMetrics
+from lattica.observability import MeteredStream, MetricsServer, NodeMetrics
 from lattica.observability import exporter as exporter_module
 
 EXPECTED_FAMILIES = {
@@ -188,3 +188,43 @@ def test_staleness_is_never_negative():
     assert metrics.registry.get_sample_value("lattica_staleness_rounds") == 3
     metrics.set_staleness(own_round=9, max_seen_round=8)
     assert metrics.registry.get_sample_value("lattica_staleness_rounds") == 0
+
+
+def test_set_peers_counts_each_connection_path():
+    metrics = NodeMetrics(process=False)
+    metrics.set_peers(["direct", "direct", "relayed", "unknown"])
+    value = metrics.registry.get_sample_value
+    assert value("lattica_peers_connected") == 4
+    assert value("lattica_peers_by_path", {"path": "direct"}) == 2
+    assert value("lattica_peers_by_path", {"path": "relayed"}) == 1
+    assert value("lattica_peers_by_path", {"path": "hole-punched"}) == 0
+    metrics.set_peers([])
+    assert value("lattica_peers_by_path", {"path": "direct"}) == 0
+
+
+class _FakeStream:
+    def __init__(self, incoming: bytes) -> None:
+        self.incoming, self.written = incoming, b""
+
+    def get_protocol(self) -> str:
+        return "/lattica/px/1"
+
+    async def read(self, n: int | None = None) -> bytes:
+        data, self.incoming = self.incoming[:n], self.incoming[n:]
+        return data
+
+    async def write(self, data: bytes) -> None:
+        self.written += data
+
+
+async def test_metered_stream_counts_bytes_by_protocol():
+    metrics = NodeMetrics(process=False)
+    inner = _FakeStream(b"0123456789")
+    stream = MeteredStream(inner, metrics)
+    assert await stream.read(4) == b"0123"
+    await stream.write(b"hello")
+    assert stream.get_protocol() == "/lattica/px/1"  # everything else passes through
+    value = metrics.registry.get_sample_value
+    assert value("lattica_bytes_received_total", {"protocol": "/lattica/px/1"}) == 4
+    assert value("lattica_bytes_sent_total", {"protocol": "/lattica/px/1"}) == 5
+    assert inner.written == b"hello"
