@@ -1,0 +1,266 @@
+"""SPES: SParse Expert Synchronization for mixture-of-experts training (arXiv 2602.11543).
+
+Theory of operation
+-------------------
+Each node owns a subset of the experts (expert e of every MoE layer forms one unit; the map
+comes from an ``ExpertOwnership`` source, see ``experts.py``). Experts it does not own are
+frozen (``requires_grad`` False) and hold no optimizer state, but tokens are still routed to
+them. Every node trains all dense parameters (embeddings, attention, norms, routers, head).
+
+Every S inner steps (one sync, key ``round/r``):
+
+1. dense parameters: plain mean over the members (one ``allreduce``), FedAvg style;
+2. experts: each expert is copied from its single *source* — its owner, or, if the owner has
+   left, a holder of the latest copy (the lowest member id; every member holds the copy of the
+   last sync). The copy is an all-gather over ``exchange``: each pair of members swaps the
+   experts each one is the source of, so every byte sent is an expert's weights, exactly,
+   and a node sends (M − 1) × the experts it owns (an all-reduce of each expert against zeros
+   would send 2 (M − 1)/M × *all* experts from every node, and lose exactness for M ≠ 2^k);
+3. on merge rounds (expert-merging warm-up) every expert moves toward its K most similar
+   experts of the same layer (cosine similarity of the first weight matrix):
+   θ_e ← θ_e + α_t·mean_{j∈N_e}(θ_j − θ_e), α_t = α_0·max(0, 1 − t/T_decay);
+4. the new ownership map takes effect: newly owned experts are unfrozen (and added to the
+   attached inner optimizer), newly foreign ones frozen and their optimizer state dropped.
+
+After a completed sync all members hold bit-identical weights. Failure: if any part of the sync
+fails (a peer vanished), nothing is applied, the round is reported skipped, and the next sync
+runs with the member list the ``GroupProvider`` then gives — which reassigns the experts of
+a node that left. The departed owner's progress since the last sync is lost; nothing else is.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import trio
+
+from lattica.errors import BrokenError, PeerUnavailableError, RemoteProtocolError
+from lattica.train.moe import MoEGPT, dense_parameters, expert_parameters
+from lattica.train.strategies.accounting import AccountedStrategy
+from lattica.train.strategies.base import OuterStepReport
+from lattica.train.strategies.experts import DerivedOwnership, ExpertOwnership, experts_of
+from lattica.train.strategies.traffic import allreduce_bytes, payload_bytes
+
+_SYNC_ERRORS = (PeerUnavailableError, BrokenError, RemoteProtocolError)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SPESConfig:
+    """Defaults follow the authors' cluster script (S = 100, α_0 = 0.05 every 500 steps)."""
+
+    sync_every: int = 100
+    merge_every: int = 500
+    merge_alpha: float = 0.05
+    merge_decay_steps: int = 20000
+    merge_neighbors: int = 4
+    codec: str = "fp32"
+    members: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if self.sync_every < 1:
+            raise ValueError(f"sync_every must be >= 1, got {self.sync_every}")
+        if self.merge_every < 1 or self.merge_every % self.sync_every:
+            raise ValueError("merge_every must be a positive multiple of sync_every")
+        if self.merge_alpha < 0 or self.merge_decay_steps < 1 or self.merge_neighbors < 1:
+            raise ValueError("need merge_alpha >= 0, merge_decay_steps >= 1, merge_neighbors >= 1")
+
+
+def merge_alpha_at(step: int, *, alpha: float, decay_steps: int) -> float:
+    """α_t = α_0 · max(0, 1 − t / T_decay)."""
+    return alpha * max(0.0, 1.0 - step / decay_steps)
+
+
+@torch.no_grad()
+def merge_similar_experts(
+    experts: Sequence[Sequence[torch.Tensor]], *, neighbors: int, alpha: float
+) -> None:
+    """In place, for the experts of one layer (each a list of tensors, first = first weight)."""
+    if len(experts) < 2 or alpha == 0.0:
+        return
+    keys = torch.stack([e[0].flatten().to(torch.float32) for e in experts])
+    keys = keys / keys.norm(dim=1, keepdim=True).clamp_min(1e-12)
+    similarity = keys @ keys.T
+    similarity.fill_diagonal_(float("-inf"))
+    nearest = similarity.topk(min(neighbors, len(experts) - 1), dim=1).indices
+    before = [[t.clone() for t in e] for e in experts]
+    for e, tensors in enumerate(experts):
+        for i, t in enumerate(tensors):
+            pull = torch.stack([before[j][i] - before[e][i] for j in nearest[e].tolist()])
+            t.add_(pull.mean(dim=0), alpha=alpha)
+
+
+class SPES(AccountedStrategy):
+    name = "spes"
+
+    def __init__(
+        self,
+        model: MoEGPT,
+        *,
+        collective,
+        groups,
+        config: SPESConfig | None = None,
+        ownership: ExpertOwnership | None = None,
+    ) -> None:
+        super().__init__(model, collective=collective, groups=groups)
+        self.config = config or SPESConfig()
+        if ownership is None:
+            if not self.config.members:
+                raise ValueError("SPES needs an ExpertOwnership source or SPESConfig.members")
+            ownership = DerivedOwnership(self.config.members, model.config.num_experts)
+        self.ownership = ownership
+        self._experts = expert_parameters(model)
+        self._dense = dense_parameters(model)
+        self._layers = [
+            [list(expert.parameters()) for expert in block.moe.experts] for block in model.blocks
+        ]
+        self.owners: dict[int, str] = dict(ownership.current())
+        self._completed = 0
+        self._apply_ownership()
+
+    @property
+    def completed_rounds(self) -> int:
+        return self._completed
+
+    @property
+    def owned_experts(self) -> list[int]:
+        return experts_of(self.owners, self.collective.peer_id)
+
+    def attach_inner_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        super().attach_inner_optimizer(optimizer)
+        self._apply_ownership()
+
+    async def after_inner_step(self, step: int) -> list[OuterStepReport]:
+        if step % self.config.sync_every:
+            return []
+        return [await self._sync(step, step // self.config.sync_every)]
+
+    async def _sync(self, step: int, round_number: int) -> OuterStepReport:
+        started, key = time.monotonic(), f"round/{round_number}"
+        members = tuple(await self.groups.group_for(key))
+        sources = {e: o if o in members else min(members) for e, o in self.owners.items()}
+        dense_sent = allreduce_bytes(self._dense, len(members), self.config.codec)
+        failure = ""
+        try:
+            dense_mean, copies, expert_sent = await self._exchange(members, sources, key)
+        except* _SYNC_ERRORS as group:
+            failure = "; ".join(str(e) for e in group.exceptions)
+        if failure:
+            self.traffic.record_sync(dense_sent)
+            return OuterStepReport(
+                round=round_number,
+                key=key,
+                group=(),
+                bytes_sent=dense_sent,
+                seconds=time.monotonic() - started,
+                skipped=True,
+                detail=failure,
+            )
+        self._apply(dense_mean, copies)
+        if self.config.merge_alpha > 0 and step % self.config.merge_every == 0:
+            alpha = merge_alpha_at(
+                step, alpha=self.config.merge_alpha, decay_steps=self.config.merge_decay_steps
+            )
+            for layer in self._layers:
+                merge_similar_experts(layer, neighbors=self.config.merge_neighbors, alpha=alpha)
+        self.owners = dict(await self.ownership.for_sync(key, members))
+        self._apply_ownership()
+        self._completed += 1
+        self.traffic.record_sync(dense_sent + expert_sent)
+        return OuterStepReport(
+            round=round_number,
+            key=key,
+            group=members,
+            bytes_sent=dense_sent + expert_sent,
+            seconds=time.monotonic() - started,
+            detail=f"experts owned: {self.owned_experts}",
+        )
+
+    async def _exchange(
+        self, members: tuple[str, ...], sources: Mapping[int, str], key: str
+    ) -> tuple[list[torch.Tensor], dict[int, list[torch.Tensor]], int]:
+        """Dense all-reduce and the expert all-gather, concurrently."""
+        me = self.collective.peer_id
+        mine = experts_of(sources, me)
+        payload = [t.detach() for e in mine for t in self._experts[e]]
+        copies: dict[int, list[torch.Tensor]] = {}
+        result: list[list[torch.Tensor]] = []
+
+        async def dense() -> None:
+            result.append(
+                await self.collective.allreduce(
+                    [p.detach() for p in self._dense],
+                    group=members,
+                    tag=f"spes/{key}/dense",
+                    codec=self.config.codec,
+                )
+            )
+
+        async def experts_from(peer: str) -> None:
+            answer = await self.collective.exchange(
+                payload, peer=peer, tag=f"spes/{key}/experts", codec=self.config.codec
+            )
+            theirs = experts_of(sources, peer)
+            per_expert = [len(self._experts[e]) for e in theirs]
+            if len(answer) != sum(per_expert):
+                raise RemoteProtocolError("wrong number of expert tensors", peer_id=peer)
+            offset = 0
+            for e, count in zip(theirs, per_expert, strict=True):
+                copies[e] = list(answer[offset : offset + count])
+                offset += count
+                shapes = [t.shape for t in copies[e]]
+                if shapes != [p.shape for p in self._experts[e]]:
+                    raise RemoteProtocolError(f"expert {e} arrived with wrong shapes", peer_id=peer)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(dense)
+            for peer in members:
+                if peer != me:
+                    nursery.start_soon(experts_from, peer)
+        sent = payload_bytes(payload, self.config.codec) * (len(members) - 1)
+        return result[0], copies, sent
+
+    @torch.no_grad()
+    def _apply(self, dense_mean: Sequence[torch.Tensor], copies: Mapping[int, list[torch.Tensor]]):
+        for p, mean in zip(self._dense, dense_mean, strict=True):
+            p.copy_(mean)
+        for e, tensors in copies.items():
+            for p, copy in zip(self._experts[e], tensors, strict=True):
+                p.copy_(copy)
+
+    def _apply_ownership(self) -> None:
+        """Unfreeze owned experts, freeze the rest and drop their inner optimizer state."""
+        owned = set(self.owned_experts)
+        optimizer = self.inner_optimizer
+        for e, params in self._experts.items():
+            for p in params:
+                p.requires_grad_(e in owned)
+                if e in owned:
+                    if optimizer is not None and not _holds(optimizer, p):
+                        optimizer.param_groups[0]["params"].append(p)
+                else:
+                    p.grad = None
+                    if optimizer is not None:
+                        optimizer.state.pop(p, None)
+
+    def outer_state_dict(self) -> dict[str, Any]:
+        return {
+            "params": {n: p.detach().clone() for n, p in self.model.named_parameters()},
+            "owners": dict(self.owners),
+            "completed_rounds": self._completed,
+        }
+
+    def load_outer_state_dict(self, state: dict[str, Any]) -> None:
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                p.copy_(state["params"][name])
+        self.owners = {int(e): str(o) for e, o in state["owners"].items()}
+        self._completed = int(state["completed_rounds"])
+        self._apply_ownership()
+
+
+def _holds(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> bool:
+    return any(p is param for group in optimizer.param_groups for p in group["params"])
