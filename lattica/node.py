@@ -50,6 +50,7 @@ _WATCH_INTERVAL_S = 0.5
 _PX_INTERVAL_S = 2.0
 _DIAL_TIMEOUT_S = 5.0
 _STREAM_TIMEOUT_S = 5.0
+_GOODBYE_BUDGET_S = 3.0  # SIGTERM must end the process within 5 s
 
 
 class Node:
@@ -94,7 +95,7 @@ class Node:
                     await nursery.start(extension.run)
                 task_status.started(self)
                 await self._shutdown.wait()
-                with trio.move_on_after(2.0):
+                with trio.move_on_after(_GOODBYE_BUDGET_S):
                     await self._say_goodbye()
                 nursery.cancel_scope.cancel()
 
@@ -272,8 +273,9 @@ class Node:
         try:
             with trio.fail_after(_STREAM_TIMEOUT_S):
                 await read_message(stream, max_size=1024, peer_id=peer_id)
-            self.peer_book.mark_left(peer_id, now=time.time())
-            log.info("peer %s is leaving", peer_id)
+                self.peer_book.mark_left(peer_id, now=time.time())
+                log.info("peer %s is leaving", peer_id)
+                await write_message(stream, {"ok": True}, peer_id=peer_id)
         except Exception as exc:  # noqa: BLE001
             log.debug("goodbye from %s failed: %r", peer_id, exc)
         finally:
@@ -286,12 +288,13 @@ class Node:
             try:
                 stream = await self.host.new_stream(ID.from_base58(peer_id), [BYE_PROTOCOL])  # type: ignore[union-attr]
                 await write_message(stream, {"run": self.config.run_id}, peer_id=peer_id)
+                await read_message(stream, max_size=1024, peer_id=peer_id)  # the ack
                 await stream.close()
             except Exception as exc:  # noqa: BLE001 - best effort on the way out
                 log.debug("goodbye to %s failed: %r", peer_id, exc)
 
         async with trio.open_nursery() as nursery:
-            for peer_id in self.peer_book.connected_ids():
+            for peer_id in sorted(self._connected_ids()):
                 nursery.start_soon(bye, peer_id)
 
     # -- control API ---------------------------------------------------------------------

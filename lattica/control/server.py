@@ -40,8 +40,8 @@ class ControlServer:
                     stream = await listener.accept()
                     nursery.start_soon(self._serve_one, stream)
         finally:
-            await listener.aclose()
             self.path.unlink(missing_ok=True)
+            listener.socket.close()
 
     async def _listen(self) -> trio.SocketListener:
         if self.path.exists():

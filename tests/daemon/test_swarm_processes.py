@@ -1,0 +1,84 @@
+"""Three real daemons, started through the CLI, find each other through one address."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from lattica.testing.daemons import DaemonProcess, cli_json
+
+
+def _wait_for(predicate, timeout: float, interval: float = 0.3):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    return predicate()
+
+
+@pytest.fixture
+def swarm(tmp_path):
+    daemons: list[DaemonProcess] = []
+    first = DaemonProcess(tmp_path / "a").start()
+    daemons.append(first)
+    try:
+        first.wait_ready()
+        bootstrap = first.addr
+        for name in ("b", "c"):
+            daemons.append(DaemonProcess(tmp_path / name, peers=(bootstrap,)).start())
+        for d in daemons[1:]:
+            d.wait_ready()
+        yield daemons
+    finally:
+        for d in daemons:
+            d.kill()
+
+
+def _connected(daemon: DaemonProcess) -> set[str]:
+    peers = cli_json("peers", "--data-dir", str(daemon.data_dir))
+    for p in peers:
+        assert {"peer_id", "addrs", "connected"} <= p.keys()
+    return {p["peer_id"] for p in peers if p["connected"]}
+
+
+def test_three_daemons_discover_each_other_and_notice_a_kill(swarm):
+    ids = [d.peer_id for d in swarm]
+    for d, me in zip(swarm, ids, strict=True):
+        others = set(ids) - {me}
+        assert _wait_for(lambda d=d, others=others: _connected(d) >= others, timeout=20), d.log()
+
+    victim = swarm[2]
+    victim.kill()  # SIGKILL: no goodbye
+    for d in swarm[:2]:
+        assert _wait_for(lambda d=d: ids[2] not in _connected(d), timeout=15), d.log()
+        peers = {p["peer_id"]: p for p in cli_json("peers", "--data-dir", str(d.data_dir))}
+        assert peers[ids[2]]["connected"] is False
+
+
+def test_sigterm_exits_zero_within_five_seconds_and_says_goodbye(swarm):
+    leaving = swarm[1]
+    leaving_id = leaving.peer_id
+    assert _wait_for(lambda: swarm[0].peer_id in _connected(leaving), timeout=15)
+    started = time.monotonic()
+    leaving.signal(signal.SIGTERM)
+    code = leaving.proc.wait(timeout=10)
+    assert code == 0, leaving.log()
+    assert time.monotonic() - started < 5.0
+    assert not (leaving.data_dir / "control.sock").exists()
+    peers = {p["peer_id"]: p for p in cli_json("peers", "--data-dir", str(swarm[0].data_dir))}
+    assert _wait_for(
+        lambda: cli_json("peers", "--data-dir", str(swarm[0].data_dir)) and
+        {p["peer_id"]: p for p in cli_json("peers", "--data-dir", str(swarm[0].data_dir))}[leaving_id]["left"],
+        timeout=5,
+    ), peers
+
+
+def test_status_reports_identity_and_peers(swarm):
+    status = cli_json("status", "--data-dir", str(swarm[0].data_dir))
+    assert status["peer_id"] == swarm[0].peer_id
+    assert status["addrs"][0].endswith(status["peer_id"])
+    assert _wait_for(lambda: cli_json("status", "--data-dir", str(swarm[0].data_dir))["connected_peers"] == 2, 15)
