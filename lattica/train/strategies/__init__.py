@@ -20,6 +20,10 @@ STRATEGIES: dict[str, str] = {
     "diloco": "lattica.train.strategies.diloco:DiLoCo",
     "ddp": "lattica.train.strategies.ddp:DDP",
     "nocomm": "lattica.train.strategies.nocomm:NoComm",
+    "noloco": "lattica.train.strategies.noloco:NoLoCo",
+    "eager": "lattica.train.strategies.eager:EagerDiLoCo",
+    "streaming": "lattica.train.strategies.streaming:StreamingDiLoCo",
+    "spes": "lattica.train.strategies.spes:SPES",
 }
 
 

@@ -80,6 +80,7 @@ class _InFlight:
 
 class EagerDiLoCo(AccountedStrategy):
     name = "eager"
+    config_class = EagerDiLoCoConfig
 
     def __init__(self, model, *, collective, groups, config: EagerDiLoCoConfig | None = None):
         super().__init__(model, collective=collective, groups=groups)

@@ -101,7 +101,9 @@ class NoLoCo(AccountedStrategy):
     def __init__(self, model, *, collective, groups, config: NoLoCoConfig | None = None) -> None:
         super().__init__(model, collective=collective, groups=groups)
         self.config = config or NoLoCoConfig()
-        params = list(model.parameters())
+        named = list(model.named_parameters())
+        self._names = [n for n, _ in named]
+        params = [p for _, p in named]
         self._params = params
         self._phi = [p.detach().clone() for p in params]
         self._velocity = [torch.zeros_like(p) for p in params]
@@ -184,17 +186,16 @@ class NoLoCo(AccountedStrategy):
 
     def outer_state_dict(self) -> dict[str, Any]:
         return {
-            "phi": [t.clone() for t in self._phi],
-            "velocity": [t.clone() for t in self._velocity],
+            "params": {n: t.clone() for n, t in zip(self._names, self._phi, strict=True)},
+            "velocity": {n: t.clone() for n, t in zip(self._names, self._velocity, strict=True)},
             "rounds": self._rounds,
         }
 
     def load_outer_state_dict(self, state: dict[str, Any]) -> None:
         with torch.no_grad():
-            for dst, src in zip(self._phi, state["phi"], strict=True):
-                dst.copy_(src)
-            for dst, src in zip(self._velocity, state["velocity"], strict=True):
-                dst.copy_(src)
+            for name, phi, velocity in zip(self._names, self._phi, self._velocity, strict=True):
+                phi.copy_(state["params"][name])
+                velocity.copy_(state["velocity"][name])
             for p, phi in zip(self._params, self._phi, strict=True):
                 p.copy_(phi)
         self._rounds = int(state["rounds"])

@@ -95,6 +95,7 @@ def merge_similar_experts(
 
 class SPES(AccountedStrategy):
     name = "spes"
+    config_class = SPESConfig
 
     def __init__(
         self,

@@ -118,6 +118,7 @@ class _FragmentSync:
     done: trio.Event = field(default_factory=trio.Event)
     mean: list[torch.Tensor] | None = None
     error: str = ""
+    bytes_sent: int = 0
 
 
 class StreamingDiLoCo(AccountedStrategy):
@@ -192,9 +193,10 @@ class StreamingDiLoCo(AccountedStrategy):
         tag = f"streaming/{sync.key}"
         try:
             if self.config.codec == "fp4":
-                sync.mean = await self._gather_fp4(delta, sync.group, tag)
+                sync.mean = await self._gather_fp4(delta, sync, tag)
             else:
-                self.traffic.record_sync(allreduce_bytes(delta, len(sync.group), self.config.codec))
+                sync.bytes_sent = allreduce_bytes(delta, len(sync.group), self.config.codec)
+                self.traffic.record_sync(sync.bytes_sent)
                 sync.mean = await self.collective.allreduce(
                     delta, group=sync.group, tag=tag, codec=self.config.codec
                 )
@@ -204,13 +206,14 @@ class StreamingDiLoCo(AccountedStrategy):
             sync.done.set()
 
     async def _gather_fp4(
-        self, delta: list[torch.Tensor], group: tuple[str, ...], tag: str
+        self, delta: list[torch.Tensor], sync: _FragmentSync, tag: str
     ) -> list[torch.Tensor]:
-        me = self.collective.peer_id
+        me, group = self.collective.peer_id, sync.group
         own = [quantize_4bit(d, block_size=self.config.block_size) for d in delta]
         wire = [q.codes for q in own] + [q.scales for q in own]
         others = [q for q in group if q != me]
-        self.traffic.record_sync(payload_bytes(wire, "raw") * len(others))
+        sync.bytes_sent = payload_bytes(wire, "raw") * len(others)
+        self.traffic.record_sync(sync.bytes_sent)
         received: dict[str, list[Quantized4Bit]] = {me: own}
         failures: list[Exception] = []
 
@@ -252,7 +255,7 @@ class StreamingDiLoCo(AccountedStrategy):
             round=self._syncs_started[sync.fragment] - 1,
             key=sync.key,
             group=sync.group if sync.mean is not None else (),
-            bytes_sent=self.traffic.last_sync_bytes,
+            bytes_sent=sync.bytes_sent,
             seconds=time.monotonic() - started,
             skipped=sync.mean is None,
             detail=sync.error,
