@@ -10,6 +10,8 @@ commands, one per stdin line, answering each with one JSON line on stdout:
   result's raw fp32 bytes are written to ``out``.
 - ``{"op": "send_then_hang", "group": [...], "tag": str, "numel": int, "seed": int}``: send the
   reduce-scatter parts of an all-reduce, report, and never finish it (a peer about to die).
+- ``{"op": "blob_send", "peer": id, "tag": str, "nbytes": int}`` / ``{"op": "blob_recv", ...}``:
+  one raw uint8 tensor and a tiny acknowledgement back; the sender reports the round trip.
 - ``{"op": "stats"}``, ``{"op": "quit"}``.
 """
 
@@ -78,6 +80,20 @@ async def _send_then_hang(service: TensorService, cmd: dict) -> None:
     await trio.sleep_forever()
 
 
+async def _blob_send(service: TensorService, cmd: dict) -> dict:
+    blob = torch.ones(cmd["nbytes"], dtype=torch.uint8)
+    start = time.perf_counter()
+    await service.send(cmd["peer"], cmd["tag"], [blob], codec="raw")
+    await service.receive(cmd["peer"], cmd["tag"] + "/ack")
+    return {"ok": True, "seconds": time.perf_counter() - start}
+
+
+async def _blob_recv(service: TensorService, cmd: dict) -> dict:
+    ((_, blob),) = await service.receive(cmd["peer"], cmd["tag"])
+    await service.send(cmd["peer"], cmd["tag"] + "/ack", [torch.zeros(1)])
+    return {"ok": True, "nbytes": blob.numel()}
+
+
 async def _serve(fast: bool) -> None:
     key_pair = create_new_key_pair()
     host = build_host(key_pair)
@@ -99,6 +115,10 @@ async def _serve(fast: bool) -> None:
                 _reply(await _allreduce(service, cmd))
             elif op == "send_then_hang":
                 await _send_then_hang(service, cmd)
+            elif op == "blob_send":
+                _reply(await _blob_send(service, cmd))
+            elif op == "blob_recv":
+                _reply(await _blob_recv(service, cmd))
             elif op == "stats":
                 _reply({"ok": True, **service.stats.snapshot()})
         nursery.cancel_scope.cancel()

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from tensor_peers import run_all, spawn_peers
 
+from lattica.net.tensors._peer_driver import run_all, spawn_peers
 from lattica.net.tensors._peer_main import make_input
 
 NUMEL = 100_003  # not divisible by 2..5: parts of unequal length

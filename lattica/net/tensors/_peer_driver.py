@@ -1,4 +1,4 @@
-"""Spawning real data-plane peer processes (``lattica.net.tensors._peer_main``) for tests."""
+"""Driving real data-plane peer processes (``_peer_main``) from tests and benchmarks."""
 
 from __future__ import annotations
 
