@@ -52,7 +52,11 @@ class LatticaDHT:
             max_value_bytes=config.max_value_bytes, max_ttl=config.record_ttl
         )
         mode = DHTMode.SERVER if config.start_as_server else DHTMode.CLIENT
-        self.kad = KadDHT(host, mode, validator=self.validator, validator_changed=True)
+        # strict_validation must be passed here too: KadDHT copies its own flag onto the
+        # validator, and the default (False) would let unknown namespaces through.
+        self.kad = KadDHT(
+            host, mode, validator=self.validator, validator_changed=True, strict_validation=True
+        )
         self.kad.provider_store = ExpiringProviderStore(
             host=host, peer_routing=self.kad.peer_routing, ttl=config.provider_ttl
         )

@@ -54,7 +54,7 @@ def decode_record(raw: bytes, *, max_value_bytes: int) -> ExpiringRecord:
     if len(raw) > max_value_bytes + ENVELOPE_OVERHEAD:
         raise InvalidRecord(f"record of {len(raw)} bytes exceeds the size cap")
     try:
-        obj = msgpack.unpackb(raw, raw=False, max_buffer_size=len(raw) or 1)
+        obj = msgpack.unpackb(raw, raw=False)  # size already capped above
     except Exception as exc:
         raise InvalidRecord(f"record is not a msgpack envelope: {exc}") from None
     if not isinstance(obj, dict) or set(obj) != {"seq", "exp", "v"}:
