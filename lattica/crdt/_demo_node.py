@@ -3,7 +3,8 @@
     python -m lattica.crdt._demo_node --data-dir D --run-id R [--admin PEER] [--connect MADDR]...
 
 Prints JSON lines on stdout: ``{"event": "ready", "peer_id", "addr"}`` once listening, then
-``{"event": "live", "live": [...]}`` each time its view of the live members changes. On
+``{"event": "live", "live": [...], "left": [...]}`` each time its view of the live members
+(or of those that left cleanly) changes. On
 SIGTERM or SIGINT it calls ``leave()`` and exits; SIGKILL is the crash case.
 """
 
@@ -35,9 +36,10 @@ async def _report_live(state: ReplicatedState) -> None:
     last: list[str] | None = None
     while True:
         live = state.live_members()
-        if live != last:
-            _emit(event="live", live=live)
-            last = live
+        left = sorted(p for p, m in state.snapshot()["members"].items() if m["left"])
+        if [live, left] != last:
+            _emit(event="live", live=live, left=left)
+            last = [live, left]
         with trio.move_on_after(0.1):
             await state.wait_changed()
 

@@ -28,7 +28,7 @@ from typing import Any
 from pycrdt import Doc, Map
 
 CONFIG_DOC = "config"
-MEMBER_FIELDS = ("addrs", "device", "throughput", "reachability")
+MEMBER_FIELDS = ("addrs", "device", "throughput", "reachability", "role")
 KEEP_COMPLETED_ROUNDS = 16
 _MAX_TEXT = 512
 _MAX_ADDRS = 32
@@ -78,7 +78,7 @@ def validate_member_fields(fields: Mapping[str, Any]) -> dict[str, Any]:
         if isinstance(addrs, str) or not isinstance(addrs, Iterable):
             raise ValueError("addrs must be a list of strings")
         clean["addrs"] = [_check_text("addr", str(a)) for a in addrs][:_MAX_ADDRS]
-    for name in ("device", "reachability"):
+    for name in ("device", "reachability", "role"):
         if name in fields:
             clean[name] = _check_text(name, fields[name])
     if "throughput" in fields:
@@ -178,6 +178,7 @@ def read_member(doc: Doc) -> dict[str, Any] | None:
         "device": _text_or_none(raw.get("device")),
         "throughput": throughput if isinstance(throughput, float) and math.isfinite(throughput) else None,
         "reachability": _text_or_none(raw.get("reachability")),
+        "role": _text_or_none(raw.get("role")),
         "lease_expires_ms": decode_int(raw.get("lease_expires_ms")) or 0,
         "heartbeat": decode_int(raw.get("heartbeat")) or 0,
         "left": raw.get("left") is True,

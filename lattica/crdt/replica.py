@@ -50,6 +50,7 @@ class ReplicaLimits:
     max_stream_bytes: int = 4 * 1024 * 1024
     max_streams: int = 4096
     max_pending_per_stream: int = 64
+    max_pending_total: int = 1024
     snapshot_every: int = 128
 
     def __post_init__(self) -> None:
@@ -60,8 +61,8 @@ class ReplicaLimits:
             raise ValueError("max_snapshot_bytes must be >= max_update_bytes")
         if self.max_stream_bytes < self.max_snapshot_bytes:
             raise ValueError("max_stream_bytes must be >= max_snapshot_bytes")
-        if self.max_pending_per_stream < 0:
-            raise ValueError("max_pending_per_stream must be >= 0")
+        if self.max_pending_per_stream < 0 or self.max_pending_total < 0:
+            raise ValueError("pending buffer sizes must be >= 0")
         if self.snapshot_every < 2:
             raise ValueError("snapshot_every must be >= 2")
 
@@ -105,6 +106,7 @@ class Replica:
         self.rejected: Counter[str] = Counter()
         self._docs: dict[str, Doc] = {}
         self._streams: dict[StreamKey, _Stream] = {}
+        self._pending_total = 0  # early arrivals buffered over all streams
 
     # -- local writes --------------------------------------------------------------------------
 
@@ -174,13 +176,20 @@ class Replica:
         if env.seq <= stream.have:
             return self._replay(stream, env, from_peer)
         if env.seq > stream.have + 1 and not env.full:
-            if len(stream.pending) < self.limits.max_pending_per_stream:
+            if (
+                len(stream.pending) < self.limits.max_pending_per_stream
+                and self._pending_total < self.limits.max_pending_total
+                and env.seq not in stream.pending
+            ):
                 stream.pending[env.seq] = env
+                self._pending_total += 1
             return []
         applied = [self._apply(stream, env, from_peer)]
-        while (nxt := stream.pending.pop(stream.have + 1, None)) is not None:
+        while (nxt := stream.pending.get(stream.have + 1)) is not None:
             applied.append(self._apply(stream, nxt, from_peer))
+        before = len(stream.pending)
         stream.pending = {s: e for s, e in stream.pending.items() if s > stream.have}
+        self._pending_total -= before - len(stream.pending)
         return applied
 
     def _check_permission(self, env: Envelope, from_peer: str | None) -> None:

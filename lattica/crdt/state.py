@@ -98,8 +98,10 @@ class ReplicatedState:
                 nursery.start_soon(self._watch_peers_loop)
                 task_status.started()
         finally:
+            # The handler stays registered: py-libp2p 0.8.1 raises KeyError inside the swarm
+            # (taking the host down) if a handler is removed while a stream negotiates it.
+            # With no nursery the handler resets every stream.
             self._nursery = None
-            self.host.remove_stream_handler(sync.SYNC_PROTOCOL)
             if self._log is not None:
                 self._log.close()
 

@@ -72,7 +72,7 @@ operation = st.one_of(
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(n=st.integers(3, 5), ops=st.lists(operation, max_size=40), data=st.data())
 def test_replicas_converge(n, ops, data):
-    replicas = make_replicas(n, admin_count=2, limits=ReplicaLimits(snapshot_every=4))
+    replicas = make_replicas(n, admin_count=2, limits=ReplicaLimits(snapshot_every=4), seeded=True)
     side: set[int] = set()
     for op in ops:
         if op[0] == "write":

@@ -11,7 +11,7 @@ import sys
 
 import trio
 
-LEASE = 3.0
+LEASE = 4.0
 
 
 class Node:
@@ -21,6 +21,7 @@ class Node:
         self.peer_id = ""
         self.addr = ""
         self.live: list[str] = []
+        self.left: list[str] = []
         self.changed = trio.Event()
 
     async def read_events(self) -> None:
@@ -36,7 +37,7 @@ class Node:
             self.peer_id, self.addr = event["peer_id"], event["addr"]
             self.ready.set()
         elif event["event"] == "live":
-            self.live = event["live"]
+            self.live, self.left = event["live"], event["left"]
         self.changed.set()
         self.changed = trio.Event()
 
@@ -79,14 +80,16 @@ async def test_four_daemons_agree_on_membership_and_notice_leave_and_crash(tmp_p
                     await node.ready.wait()
             everyone = sorted(node.peer_id for node in nodes)
             join_time = await wait_until(lambda: all(n.live == everyone for n in nodes), nodes, timeout=10)
-            assert join_time < 10
+            assert join_time < 8
 
             leaver = nodes[3]
             os.kill(leaver.proc.pid, signal.SIGTERM)
             rest = [n for n in nodes if n is not leaver]
             remaining = sorted(n.peer_id for n in rest)
-            leave_time = await wait_until(lambda: all(n.live == remaining for n in rest), rest, timeout=LEASE)
-            assert leave_time < LEASE  # noticed through the pushed `left`, not the lease
+            leave_time = await wait_until(
+                lambda: all(n.live == remaining and n.left == [leaver.peer_id] for n in rest), rest, timeout=LEASE
+            )
+            assert leave_time < LEASE - 0.5  # noticed through the pushed `left`, not the lease
             with trio.fail_after(5):
                 assert await leaver.proc.wait() == 0
 
@@ -94,8 +97,9 @@ async def test_four_daemons_agree_on_membership_and_notice_leave_and_crash(tmp_p
             os.kill(crasher.proc.pid, signal.SIGKILL)
             survivors = rest[:2]
             alive = sorted(n.peer_id for n in survivors)
-            crash_time = await wait_until(lambda: all(n.live == alive for n in survivors), survivors, timeout=LEASE + 3)
-            assert crash_time > 0.5  # only the lease could tell
+            crash_time = await wait_until(lambda: all(n.live == alive for n in survivors), survivors, timeout=LEASE + 6)
+            assert crash_time > 1.0  # only the lease could tell
+            assert all(n.left == [leaver.peer_id] for n in survivors)
             print(json.dumps({"join_s": round(join_time, 2), "leave_s": round(leave_time, 2), "crash_s": round(crash_time, 2)}))
             nursery.cancel_scope.cancel()
     finally:

@@ -179,3 +179,15 @@ def test_untrusted_document_content_is_ignored_not_raised(pair):
 def test_peer_id_helper_matches_replica(pair):
     a, _ = pair
     assert a.peer_id == peer_of(a.key_pair)
+
+
+def test_early_arrivals_are_buffered_within_bounds():
+    a, b = make_replicas(2, limits=ReplicaLimits(max_pending_per_stream=2))
+    envs = [a.local_write(a.peer_id, lambda d, i=i: documents.write_progress(d, round=i, weights_hash="h"))[0] for i in range(6)]
+    for env in envs[1:]:
+        b.receive(env)  # only seq 2 and 3 fit in the buffer
+    assert [e.seq for e in b.receive(envs[0])] == [1, 2, 3]
+    assert b.have(a.peer_id, a.peer_id) == 3
+    for env in a.missing_for(b.state_vector()):  # anti-entropy fetches the rest
+        b.receive(env)
+    assert b.snapshot() == a.snapshot()

@@ -20,7 +20,7 @@ from lattica.net.wire import read_message, write_message
 
 LOOPBACK = multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")
 FAST = dict(
-    lease=LeasePolicy(heartbeat_interval=0.2, lease=2.0, clock_skew=0.0),
+    lease=LeasePolicy(heartbeat_interval=0.2, lease=4.0, clock_skew=0.0),
     sync_interval=0.3,
     peer_poll_interval=0.1,
     sync_timeout=3.0,
@@ -48,7 +48,7 @@ async def connect(a: ReplicatedState, b: ReplicatedState) -> None:
     await a.host.connect(info_from_p2p_addr(p2p_addr(b)))
 
 
-async def wait_for(predicate, states, timeout=8.0):
+async def wait_for(predicate, states, timeout=15.0):
     with trio.fail_after(timeout):
         while not predicate():
             with trio.move_on_after(0.2):
@@ -82,7 +82,7 @@ async def test_three_nodes_converge_through_a_relay_node_and_see_a_leave(tmp_pat
             await c.leave()
             rest = sorted([a.peer_id, b.peer_id])
             await wait_for(lambda: a.live_members() == rest and b.live_members() == rest, nodes)
-            assert trio.current_time() - start < 1.5  # well before the 2 s lease runs out
+            assert trio.current_time() - start < 3.0  # before the 4 s lease could run out
             assert a.snapshot()["members"][c.peer_id]["left"] is True
 
 
