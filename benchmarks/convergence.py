@@ -37,14 +37,21 @@ from lattica.train.data import (
     validation_batches,
 )
 from lattica.train.device import select_device
-from lattica.train.model import build_model
+from lattica.train.model import build_model, lm_loss
+from lattica.train.moe import build_moe_model
 from lattica.train.schedule import ScheduleConfig
 from lattica.train.strategies import create_strategy
+from lattica.train.strategies.accounting import optimizer_state_bytes
 from lattica.train.strategies.diloco import DiLoCoConfig
+from lattica.train.strategies.eager import EagerDiLoCoConfig
+from lattica.train.strategies.noloco import NoLoCoConfig
+from lattica.train.strategies.spes import SPESConfig
+from lattica.train.strategies.streaming import StreamingDiLoCoConfig
 from lattica.train.task import Task
 from lattica.train.trainer import Trainer, TrainerConfig
 
 WORKERS = 4
+PEERS = tuple(f"worker-{i}" for i in range(WORKERS))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,12 +63,31 @@ class Method:
     build_model: Callable[[int], torch.nn.Module] = field(
         default=lambda seed: build_model("tiny", seed=seed)
     )
+    evaluate_average: bool = False  # also report the loss of the replicas' averaged weights
+
+
+def _tiny_moe(seed: int) -> torch.nn.Module:
+    return build_moe_model("tiny-moe", seed=seed)
 
 
 METHODS: dict[str, Method] = {
     "ddp": Method(strategy="ddp"),
     "nocomm": Method(strategy="nocomm"),
     "diloco": Method(strategy="diloco", config=DiLoCoConfig(inner_steps=50)),
+    "noloco": Method(strategy="noloco", config=NoLoCoConfig(inner_steps=50), evaluate_average=True),
+    "eager": Method(strategy="eager", config=EagerDiLoCoConfig(inner_steps=50)),
+    "streaming": Method(
+        strategy="streaming",
+        config=StreamingDiLoCoConfig(inner_steps=50, fragments=2, overlap_steps=2, mixing=0.5),
+    ),
+    "moe_diloco": Method(
+        strategy="diloco", config=DiLoCoConfig(inner_steps=50), build_model=_tiny_moe
+    ),
+    "spes": Method(
+        strategy="spes",
+        config=SPESConfig(sync_every=50, merge_every=100, merge_decay_steps=1000, members=PEERS),
+        build_model=_tiny_moe,
+    ),
 }
 
 
@@ -85,7 +111,8 @@ class FixedGroups:
 
 async def run_method(name: str, corpus, budget: Budget, seed: int) -> dict[str, float]:
     method = METHODS[name]
-    peers = tuple(f"worker-{i}" for i in range(WORKERS))
+    peers = PEERS
+    peaks = [0] * WORKERS
     network = InMemoryCollectiveGroup(peers)
     val = validation_batches(
         corpus.val,
@@ -122,7 +149,13 @@ async def run_method(name: str, corpus, budget: Budget, seed: int) -> dict[str, 
                 lr=budget.lr, warmup_steps=budget.warmup, total_steps=budget.steps
             ),
         )
-        trainers.append(Trainer(task, strategy, config, device=select_device("cpu")))
+
+        def track_peak(event, i=i) -> None:
+            peaks[i] = max(peaks[i], event.report.bytes_sent)
+
+        trainers.append(
+            Trainer(task, strategy, config, device=select_device("cpu"), on_round=track_peak)
+        )
     summaries = {}
 
     async def train(i: int) -> None:
@@ -132,11 +165,47 @@ async def run_method(name: str, corpus, budget: Budget, seed: int) -> dict[str, 
         for i in range(WORKERS):
             nursery.start_soon(train, i)
     losses = [summaries[i].val_loss for i in range(WORKERS)]
-    return {
+    result = {
         "loss": statistics.fmean(losses),
         "loss_spread": max(losses) - min(losses),
         "bytes": statistics.fmean(network.bytes_sent.values()),
+        "peak_sync_bytes": statistics.fmean(peaks),
+        "optimizer_state_bytes": statistics.fmean(
+            optimizer_state_bytes(t.optimizer) + _outer_state_bytes(t.strategy) for t in trainers
+        ),
     }
+    if method.evaluate_average:
+        result["avg_weights_loss"] = _averaged_weights_loss([t.model for t in trainers], val)
+    return result
+
+
+def _outer_state_bytes(strategy) -> int:
+    """The strategy's own state: its figure if it reports one, else its outer state's tensors."""
+    reported = getattr(strategy, "outer_state_bytes", None)
+    if reported is not None:
+        return int(reported)
+    return _tensor_bytes(strategy.outer_state_dict())
+
+
+def _tensor_bytes(value) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
+
+
+def _averaged_weights_loss(models: list[torch.nn.Module], val) -> float:
+    """Validation loss of the element-wise mean of the replicas' weights."""
+    average = models[0]
+    with torch.no_grad():
+        for params in zip(*(m.parameters() for m in models), strict=True):
+            params[0].copy_(torch.stack([p.detach() for p in params]).mean(dim=0))
+        average.eval()
+        losses = [float(lm_loss(average(x), y)) for x, y in val]
+    return statistics.fmean(losses)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -144,9 +213,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--data", default="stdlib", help="text file/folder/JSONL/.bin (default: stdlib)"
     )
-    parser.add_argument("--strategies", default="ddp,nocomm,diloco")
+    parser.add_argument("--strategies", default=",".join(METHODS))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=Budget.steps, help="inner steps per worker")
+    parser.add_argument("--batch-size", type=int, default=Budget.batch_size)
+    parser.add_argument("--lr", type=float, default=Budget.lr, help="peak inner learning rate")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per operation")
     return parser.parse_args(argv)
 
@@ -159,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown strategies {unknown}; known: {sorted(METHODS)}", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
-    budget = Budget(steps=args.steps)
+    budget = Budget(steps=args.steps, batch_size=args.batch_size, lr=args.lr)
     try:
         corpus = load_corpus(DataConfig(source=args.data))
     except ConfigError as exc:
@@ -191,6 +262,31 @@ def summary_json(results: dict[str, dict[str, float]], seed: int, tokens: int) -
     for name, r in results.items():
         out[f"{name}_loss"] = round(r["loss"], 5)
         out[f"{name}_bytes"] = int(r["bytes"])
+    for name, r in results.items():
+        out[f"{name}_peak_sync_bytes"] = int(r["peak_sync_bytes"])
+        out[f"{name}_optimizer_state_bytes"] = int(r["optimizer_state_bytes"])
+        if "avg_weights_loss" in r:
+            out[f"{name}_avg_weights_loss"] = round(r["avg_weights_loss"], 5)
+    for name, baseline in (
+        ("noloco", "diloco"),
+        ("eager", "diloco"),
+        ("streaming", "diloco"),
+        ("spes", "moe_diloco"),
+    ):
+        if name in results and baseline in results:
+            out[f"{name}_vs_{baseline}"] = round(
+                results[name]["loss"] / results[baseline]["loss"], 5
+            )
+    if "streaming" in results and "diloco" in results:
+        out["streaming_peak_vs_diloco"] = round(
+            results["streaming"]["peak_sync_bytes"] / results["diloco"]["peak_sync_bytes"], 5
+        )
+    if "spes" in results and "moe_diloco" in results:
+        out["spes_optimizer_state_vs_moe_diloco"] = round(
+            results["spes"]["optimizer_state_bytes"]
+            / results["moe_diloco"]["optimizer_state_bytes"],
+            5,
+        )
     ddp = results.get("ddp")
     for name, r in results.items():
         if ddp is not None and name != "ddp":

@@ -121,20 +121,27 @@ class Trainer:
         self.last_loss = float("nan")
         self.last_val_loss: float | None = None
         self._window_tokens, self._window_start = 0, time.monotonic()
+        self._rate = 0.0
 
     # ------------------------------------------------------------------ the loop
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> TrainingSummary:
         started = time.monotonic()
-        async with trio.open_nursery() as nursery:
-            self.strategy.bind_nursery(nursery)
-            task_status.started()
-            while self.step < self.config.total_steps:
-                await self.train_step()
-            for report in await self.strategy.finish():
-                self._round_done(report)
-            await self._evaluate_and_report()
-            nursery.cancel_scope.cancel()
+        try:
+            async with trio.open_nursery() as nursery:
+                self.strategy.bind_nursery(nursery)
+                task_status.started()
+                while self.step < self.config.total_steps:
+                    await self.train_step()
+                for report in await self.strategy.finish():
+                    self._round_done(report)
+                await self._evaluate_and_report()
+                nursery.cancel_scope.cancel()
+        except BaseExceptionGroup as group:
+            # one failure (e.g. a ConfigError from the task) surfaces as itself
+            if len(group.exceptions) == 1 and isinstance(group.exceptions[0], Exception):
+                raise group.exceptions[0] from None
+            raise
         return TrainingSummary(
             steps=self.step,
             rounds=self.strategy.completed_rounds,
@@ -244,14 +251,15 @@ class Trainer:
 
     def _report(self, val_loss: float | None = None) -> None:
         now = time.monotonic()
-        rate = self._window_tokens / max(now - self._window_start, 1e-9)
+        if self._window_tokens:  # otherwise repeat the last measured rate
+            self._rate = self._window_tokens / max(now - self._window_start, 1e-9)
         self._window_tokens, self._window_start = 0, now
         self.on_progress(
             Progress(
                 step=self.step,
                 round=self.strategy.completed_rounds,
                 loss=self.last_loss,
-                tokens_per_s=rate,
+                tokens_per_s=self._rate,
                 lr=self.optimizer.param_groups[0]["lr"],
                 val_loss=val_loss,
             )

@@ -1,0 +1,76 @@
+import pytest
+import torch
+
+from lattica.errors import ConfigError, RemoteProtocolError
+from lattica.train import checkpoint as checkpoint_mod
+from lattica.train.checkpoint import CheckpointStore, verify_weights, weights_hash
+
+
+def _state(value: float) -> dict:
+    return {"step": int(value), "w": torch.full((3, 2), value)}
+
+
+def test_weights_hash_covers_names_dtypes_shapes_and_bytes():
+    base = {"a": torch.arange(6, dtype=torch.float32), "b": torch.ones(2, dtype=torch.bfloat16)}
+    digest = weights_hash(base)
+    assert digest == weights_hash(dict(reversed(list(base.items()))))
+    assert len(digest) == 64
+    variants = [
+        {"a2": base["a"], "b": base["b"]},
+        {"a": base["a"].to(torch.float64), "b": base["b"]},
+        {"a": base["a"].reshape(2, 3), "b": base["b"]},
+        {"a": base["a"].clone().index_fill_(0, torch.tensor([5]), 7.0), "b": base["b"]},
+    ]
+    assert len({weights_hash(v) for v in variants} | {digest}) == 5
+
+
+def test_weights_hash_of_non_contiguous_equals_contiguous():
+    t = torch.arange(12.0).reshape(3, 4).t()
+    assert weights_hash({"t": t}) == weights_hash({"t": t.contiguous()})
+
+
+def test_verify_weights_names_the_peer():
+    state = {"w": torch.zeros(2)}
+    verify_weights(state, weights_hash(state))
+    with pytest.raises(RemoteProtocolError, match="peer QmBad"):
+        verify_weights({"w": torch.ones(2)}, weights_hash(state), peer_id="QmBad")
+
+
+def test_save_keeps_last_k_and_loads_latest(tmp_path):
+    store = CheckpointStore(tmp_path, keep=2)
+    for step in (10, 20, 30):
+        store.save(step, _state(step))
+    assert [s for s, _ in store.checkpoints()] == [20, 30]
+    assert store.load_latest()["step"] == 30
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_crash_during_write_leaves_previous_checkpoint(tmp_path, monkeypatch):
+    store = CheckpointStore(tmp_path, keep=3)
+    store.save(1, _state(1))
+
+    def torn_save(obj, f):
+        f.write(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(checkpoint_mod.torch, "save", torn_save)
+    with pytest.raises(OSError, match="disk full"):
+        store.save(2, _state(2))
+    assert [s for s, _ in store.checkpoints()] == [1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000001.pt"]
+
+
+def test_corrupt_latest_falls_back_to_previous(tmp_path):
+    store = CheckpointStore(tmp_path, keep=3)
+    store.save(1, _state(1))
+    path = store.save(2, _state(2))
+    path.write_bytes(b"garbage")
+    with pytest.raises(ConfigError, match="unreadable"):
+        store.load(path)
+    assert store.load_latest()["step"] == 1
+
+
+def test_empty_store_and_bad_keep(tmp_path):
+    assert CheckpointStore(tmp_path / "new").load_latest() is None
+    with pytest.raises(ValueError, match="keep"):
+        CheckpointStore(tmp_path, keep=0)

@@ -1,0 +1,190 @@
+import threading
+
+import pytest
+import torch
+import trio
+
+from lattica.errors import ConfigError
+from lattica.testing.collective import InMemoryCollectiveGroup
+from lattica.train.checkpoint import CheckpointStore, weights_hash
+from lattica.train.device import select_device
+from lattica.train.model import GPTConfig
+from lattica.train.schedule import ScheduleConfig
+from lattica.train.strategies import create_strategy
+from lattica.train.strategies.diloco import DiLoCoConfig
+from lattica.train.task import Task, TaskContext, builtin_task, language_model_loss
+from lattica.train.trainer import Trainer, TrainerConfig
+
+MICRO = GPTConfig(n_layer=1, d_model=32, n_head=2, context=32)
+CPU = select_device("cpu")
+DILOCO3 = DiLoCoConfig(inner_steps=3)
+
+
+class FixedGroups:
+    def __init__(self, members):
+        self.members = tuple(members)
+
+    async def group_for(self, key):
+        return self.members
+
+
+def _trainer(
+    data,
+    *,
+    steps,
+    schedule_steps=None,
+    peers=("a",),
+    me="a",
+    network=None,
+    strategy="diloco",
+    config=DILOCO3,
+    shard=0,
+    **kwargs,
+):
+    network = network or InMemoryCollectiveGroup(list(peers))
+    task = builtin_task(
+        model=MICRO,
+        data=data,
+        batch_size=4,
+        eval_batches=2,
+        context=TaskContext(shard_index=shard, num_shards=len(peers), seed=5),
+    )
+    outer = create_strategy(
+        strategy,
+        task.model,
+        collective=network.member(me),
+        groups=FixedGroups(peers),
+        config=config,
+    )
+    cfg = TrainerConfig(
+        total_steps=steps,
+        eval_every=4,
+        log_every=2,
+        schedule=ScheduleConfig(lr=3e-3, warmup_steps=2, total_steps=schedule_steps or steps),
+    )
+    return Trainer(task, outer, cfg, device=CPU, **kwargs)
+
+
+async def test_inner_steps_run_off_the_trio_thread(text_data):
+    trainer = _trainer(text_data, steps=8, strategy="nocomm", config=None)
+    threads, ticks = set(), []
+    inner_loss = trainer.task.loss_fn
+
+    def slow_loss(model, x, y):
+        threads.add(threading.current_thread().name)
+        threading.Event().wait(0.02)  # a long inner step
+        return inner_loss(model, x, y)
+
+    trainer.task.loss_fn = slow_loss
+
+    async def ticker():
+        while True:
+            ticks.append(trio.current_time())
+            await trio.sleep(0.002)
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ticker)
+            summary = await trainer.run()
+            nursery.cancel_scope.cancel()
+    assert summary.steps == 8
+    assert threading.main_thread().name not in {t for t in threads if t}
+    training_steps = 8 + 3  # inner steps + validation batches at steps 4, 8 and the end
+    assert len(ticks) > 2 * training_steps
+
+
+async def test_progress_rounds_and_hashes(text_data):
+    progress, rounds = [], []
+    trainer = _trainer(text_data, steps=6, on_progress=progress.append, on_round=rounds.append)
+    summary = await trainer.run()
+    assert [r.step for r in rounds] == [3, 6]
+    assert rounds[-1].weights_hash == weights_hash(trainer.strategy.outer_state_dict()["params"])
+    assert rounds[0].weights_hash != rounds[1].weights_hash
+    assert summary.rounds == 2
+    assert summary.val_loss is not None
+    assert summary.val_loss < 5.5  # better than uniform over bytes
+    assert [p.step for p in progress if p.val_loss is not None] == [4, 6]
+    assert all(p.tokens_per_s > 0 for p in progress)
+    assert summary.tokens == 6 * 4 * 32
+
+
+async def test_resume_from_checkpoint_matches_uninterrupted_run(text_data, tmp_path):
+    straight = _trainer(text_data, steps=12)
+    await straight.run()
+
+    store = CheckpointStore(tmp_path / "ckpt", keep=2)
+    first = _trainer(text_data, steps=6, schedule_steps=12, checkpoints=store)
+    await first.run()
+    assert [s for s, _ in store.checkpoints()] == [3, 6]
+
+    second = _trainer(text_data, steps=12, checkpoints=store)
+    assert second.resume()
+    assert second.step == 6
+    assert second.strategy.completed_rounds == 2
+    await second.run()
+    for a, b in zip(straight.model.parameters(), second.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+async def test_two_replicas_with_diloco_stay_identical_and_joiner_adopts(text_data):
+    peers = ("a", "b")
+    network = InMemoryCollectiveGroup(list(peers))
+    trainers = [
+        _trainer(text_data, steps=6, peers=peers, me=p, network=network, shard=i)
+        for i, p in enumerate(peers)
+    ]
+    async with trio.open_nursery() as nursery:
+        for t in trainers:
+            nursery.start_soon(t.run)
+    a, b = (t.strategy.outer_state_dict() for t in trainers)
+    assert weights_hash(a["params"]) == weights_hash(b["params"])
+    assert network.bytes_sent["a"] > 0
+
+    joiner = _trainer(text_data, steps=9, peers=peers, me="b")
+    joiner.adopt_outer_state(a)
+    assert joiner.step == 6
+    assert joiner.strategy.round == 2
+    for p, q in zip(joiner.model.parameters(), trainers[0].model.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+async def test_ddp_replicas_stay_identical_every_step(text_data):
+    peers = ("a", "b")
+    network = InMemoryCollectiveGroup(list(peers))
+    trainers = [
+        _trainer(
+            text_data,
+            steps=3,
+            peers=peers,
+            me=p,
+            network=network,
+            shard=i,
+            strategy="ddp",
+            config=None,
+        )
+        for i, p in enumerate(peers)
+    ]
+    async with trio.open_nursery() as nursery:
+        for t in trainers:
+            nursery.start_soon(t.run)
+    for p, q in zip(trainers[0].model.parameters(), trainers[1].model.parameters(), strict=True):
+        assert torch.equal(p, q)
+    assert trainers[0].strategy.completed_rounds == 3
+
+
+async def test_bad_batches_from_a_task_are_config_errors(text_data):
+    network = InMemoryCollectiveGroup(["a"])
+    model = torch.nn.Linear(2, 2)
+    for batches, message in [(iter([]), "ran out"), (iter([torch.zeros(2)]), r"\(x, y\)")]:
+        task = Task(model=model, train_batches=batches, loss_fn=language_model_loss)
+        strategy = create_strategy(
+            "nocomm", model, collective=network.member("a"), groups=FixedGroups(["a"])
+        )
+        trainer = Trainer(task, strategy, TrainerConfig(total_steps=1), device=CPU)
+        with pytest.raises(ConfigError, match=message):
+            await trainer.run()
+
+
+def test_trainer_config_validation():
+    with pytest.raises(ValueError, match="total_steps"):
+        TrainerConfig(total_steps=0)
