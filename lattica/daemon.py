@@ -2,12 +2,69 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import trio
 from libp2p.crypto.keys import KeyPair
 
 from lattica.config import NodeConfig
 from lattica.node import Node
 
 
+class StateExtension:
+    """The replicated run state as a daemon service: ``lattica state`` and membership."""
+
+    def __init__(self, node: Node) -> None:
+        from lattica.crdt.state import ReplicatedState
+
+        self.node = node
+        self.state = ReplicatedState(
+            node.host, node.key_pair, data_dir=node.config.data_dir, run_id=node.config.run_id
+        )
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.state.run)
+            await self.state.update_member(addrs=self.node.dialable_addrs())
+            task_status.started()
+            nursery.start_soon(self._export_metrics)
+
+    async def _export_metrics(self) -> None:
+        metrics = self.node.metrics
+        while True:
+            counters = self.state.counters()
+            metrics.replicated_state_bytes.set(counters.get("log_bytes", 0))
+            await trio.sleep(2.0)
+
+    async def on_shutdown(self) -> None:
+        await self.state.leave()
+
+    def status(self) -> dict[str, Any]:
+        return {"state": {"live_members": len(self.state.live_members()), **_scalars(self.state.counters())}}
+
+    async def handle_control(self, request: Any) -> Any:
+        if request.method == "state":
+            return self.state.dump()
+        return None
+
+
+def _scalars(values: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in values.items() if isinstance(v, int | float | str)}
+
+
 def build_node(config: NodeConfig, key_pair: KeyPair) -> Node:
     node = Node(config, key_pair)
+    states: list[StateExtension] = []
+
+    def make_state(n: Node) -> StateExtension:
+        states.append(StateExtension(n))
+        return states[0]
+
+    node.service_factories.append(make_state)
+    if config.train is not None:
+        from lattica.train.service import TrainingService, check_settings
+
+        check_settings(config.train)
+        settings = config.train
+        node.service_factories.append(lambda n: TrainingService(n, states[0].state, settings))
     return node

@@ -17,6 +17,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 import multiaddr
@@ -27,7 +28,7 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 
 from lattica import __version__
-from lattica.config import NodeConfig, parse_multiaddr
+from lattica.config import NodeConfig, parse_host_port, parse_multiaddr
 from lattica.control.protocol import ControlRequest
 from lattica.control.server import ControlServer
 from lattica.errors import ConfigError, LatticaError, LocalProtocolError
@@ -43,6 +44,7 @@ from lattica.net.peer_exchange import (
 )
 from lattica.net.peerbook import PeerBook
 from lattica.net.wire import read_message, write_message
+from lattica.observability import MeteredStream, MetricsServer, NodeMetrics
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +65,11 @@ class Node:
         self.host: IHost | None = None
         self._shutdown = trio.Event()
         self._dialing: set[str] = set()
-        self.extensions: list[Any] = []  # objects with run(task_status=...) and optional status()
+        # Services that need the running host are built from these factories once it exists;
+        # each has run(task_status=...) and optionally status(), handle_control(), on_shutdown().
+        self.service_factories: list[Callable[[Node], Any]] = []
+        self.extensions: list[Any] = []
+        self.metrics = NodeMetrics(peer_id=self.peer_id.to_base58(), run_id=config.run_id)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -83,6 +89,12 @@ class Node:
             host.set_stream_handler(PX_PROTOCOL, self._handle_px)
             host.set_stream_handler(BYE_PROTOCOL, self._handle_bye)
             async with trio.open_nursery() as nursery:
+                if self.config.metrics_addr is not None:
+                    metrics_host, metrics_port = parse_host_port(
+                        self.config.metrics_addr, what="--metrics-addr"
+                    )
+                    exporter = MetricsServer(self.metrics, metrics_host, metrics_port)
+                    await nursery.start(exporter.run)
                 control = ControlServer(self.config.control_socket, self._handle_control)
                 await nursery.start(control.run)
                 nursery.start_soon(self._watch_connections)
@@ -91,10 +103,16 @@ class Node:
                     nursery.start_soon(self._keep_connected, peer)
                 if self.config.peer_exchange:
                     nursery.start_soon(self._peer_exchange_loop)
+                self.extensions = [factory(self) for factory in self.service_factories]
                 for extension in self.extensions:
                     await nursery.start(extension.run)
                 task_status.started(self)
                 await self._shutdown.wait()
+                with trio.move_on_after(1.0):
+                    for extension in self.extensions:
+                        on_shutdown = getattr(extension, "on_shutdown", None)
+                        if on_shutdown is not None:
+                            await on_shutdown()
                 with trio.move_on_after(_GOODBYE_BUDGET_S):
                     await self._say_goodbye()
                 nursery.cancel_scope.cancel()
@@ -191,6 +209,7 @@ class Node:
                 log.info("peer connected: %s", peer_id)
             for peer_id in gone:
                 log.info("peer disconnected: %s", peer_id)
+            self.metrics.set_peers(r.path for r in self.peer_book.records() if r.connected)
             await trio.sleep(_WATCH_INTERVAL_S)
 
     def _peerstore_addrs(self, peer_id: str) -> list[str]:
@@ -218,7 +237,11 @@ class Node:
         try:
             with trio.fail_after(_STREAM_TIMEOUT_S):
                 started = time.perf_counter()
-                stream = await self.host.new_stream(ID.from_base58(peer_id), [PX_PROTOCOL])
+                stream = MeteredStream(
+                    await self.host.new_stream(ID.from_base58(peer_id), [PX_PROTOCOL]),
+                    self.metrics,
+                    str(PX_PROTOCOL),
+                )
                 try:
                     await write_message(stream, {"run": self.config.run_id}, peer_id=peer_id)
                     reply = await read_message(stream, max_size=MAX_REPLY_BYTES, peer_id=peer_id)
@@ -251,6 +274,7 @@ class Node:
 
     async def _handle_px(self, stream: INetStream) -> None:
         peer_id = stream.muxed_conn.peer_id.to_base58()
+        stream = MeteredStream(stream, self.metrics, str(PX_PROTOCOL))  # type: ignore[assignment]
         try:
             with trio.fail_after(_STREAM_TIMEOUT_S):
                 request = await read_message(stream, max_size=1024, peer_id=peer_id)

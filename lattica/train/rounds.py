@@ -1,0 +1,145 @@
+"""Agreeing on who takes part in a sync: a coordinator per sync key, chosen from the run state.
+
+Theory of operation: the candidates of a sync are the live training members of the run (from
+the replicated state's leases). Every candidate sends ``{"key", "run"}`` on
+``/lattica/round/1.0.0`` to the *coordinator* — the candidate with the smallest peer id (itself,
+possibly). The coordinator collects ready peers for the key until every candidate is ready or
+``deadline_s`` has passed since the first one arrived, then answers all of them with the same
+sorted group. A peer that arrives after the group is sealed gets the sealed group without
+itself in it and syncs alone; the training service then catches it up by fetching the agreed
+outer weights. If the coordinator cannot be reached, the next candidate by peer id is asked.
+
+Invariants: a key is sealed once, so everyone who was answered got the same group; groups are
+sorted, so every member sees the same order; memory is bounded by keeping the last
+``MAX_KEYS`` sealed keys.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import trio
+from libp2p.abc import IHost, INetStream
+from libp2p.custom_types import TProtocol
+from libp2p.peer.id import ID
+
+from lattica.errors import LatticaError, RemoteProtocolError
+from lattica.net.wire import read_message, write_message
+
+log = logging.getLogger(__name__)
+
+ROUND_PROTOCOL = TProtocol("/lattica/round/1.0.0")
+MAX_KEYS = 256
+MAX_KEY_LEN = 200
+_REQUEST_BYTES = 1024
+_REPLY_BYTES = 256 * 1024
+
+
+@dataclass
+class _PendingSync:
+    first_arrival: float
+    ready: set[str] = field(default_factory=set)
+    group: tuple[str, ...] | None = None
+    sealed: trio.Event = field(default_factory=trio.Event)
+
+
+class RoundCoordinator:
+    """A ``GroupProvider`` for strategies, backed by the run's live members."""
+
+    def __init__(
+        self,
+        host: IHost,
+        *,
+        peer_id: str,
+        run_id: str,
+        candidates: Callable[[], Sequence[str]],
+        deadline_s: float,
+    ) -> None:
+        self.host = host
+        self.peer_id = peer_id
+        self.run_id = run_id
+        self.candidates = candidates
+        self.deadline_s = deadline_s
+        self._syncs: OrderedDict[str, _PendingSync] = OrderedDict()
+        self._nursery: trio.Nursery | None = None
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        self.host.set_stream_handler(ROUND_PROTOCOL, self._handle)
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            await trio.sleep_forever()
+
+    def _candidates(self) -> list[str]:
+        return sorted(set(self.candidates()) | {self.peer_id})
+
+    async def group_for(self, key: str) -> Sequence[str]:
+        for coordinator in self._candidates():
+            try:
+                if coordinator == self.peer_id:
+                    group = await self._join(key, self.peer_id)
+                else:
+                    group = await self._ask(coordinator, key)
+            except (LatticaError, OSError, trio.TooSlowError) as exc:
+                log.info("coordinator %s unavailable for %s: %s", coordinator, key, exc)
+                continue
+            except Exception as exc:  # noqa: BLE001 - libp2p raises many kinds on a dead peer
+                log.info("coordinator %s unavailable for %s: %r", coordinator, key, exc)
+                continue
+            return group if self.peer_id in group else (self.peer_id,)
+        return (self.peer_id,)
+
+    async def _ask(self, coordinator: str, key: str) -> tuple[str, ...]:
+        with trio.fail_after(self.deadline_s + 10):
+            stream = await self.host.new_stream(ID.from_base58(coordinator), [ROUND_PROTOCOL])
+            try:
+                await write_message(stream, {"key": key, "run": self.run_id}, peer_id=coordinator)
+                reply = await read_message(stream, max_size=_REPLY_BYTES, peer_id=coordinator)
+            finally:
+                await stream.close()
+        group = reply.get("group") if isinstance(reply, dict) else None
+        if not isinstance(group, list) or not all(isinstance(p, str) for p in group):
+            raise RemoteProtocolError("malformed round reply", peer_id=coordinator)
+        return tuple(group)
+
+    async def _join(self, key: str, peer: str) -> tuple[str, ...]:
+        pending = self._syncs.get(key)
+        if pending is None:
+            pending = self._syncs[key] = _PendingSync(first_arrival=trio.current_time())
+            while len(self._syncs) > MAX_KEYS:
+                self._syncs.popitem(last=False)
+            assert self._nursery is not None, "RoundCoordinator.run must be started first"
+            self._nursery.start_soon(self._seal_when_ready, key, pending)
+        if pending.group is None:
+            pending.ready.add(peer)
+        await pending.sealed.wait()
+        assert pending.group is not None
+        return pending.group
+
+    async def _seal_when_ready(self, key: str, pending: _PendingSync) -> None:
+        with trio.move_on_at(pending.first_arrival + self.deadline_s):
+            while not set(self._candidates()) <= pending.ready:
+                await trio.sleep(0.05)
+        pending.group = tuple(sorted(pending.ready))
+        pending.sealed.set()
+        missing = set(self._candidates()) - pending.ready
+        if missing:
+            log.info("sync %s sealed without %d late peer(s)", key, len(missing))
+
+    async def _handle(self, stream: INetStream) -> None:
+        peer = stream.muxed_conn.peer_id.to_base58()
+        try:
+            with trio.fail_after(self.deadline_s + 10):
+                request = await read_message(stream, max_size=_REQUEST_BYTES, peer_id=peer)
+                key = request.get("key") if isinstance(request, dict) else None
+                if not isinstance(key, str) or len(key) > MAX_KEY_LEN or request.get("run") != self.run_id:
+                    raise RemoteProtocolError("malformed round request", peer_id=peer)
+                group = await self._join(key, peer)
+                await write_message(stream, {"group": list(group)}, peer_id=peer)
+        except Exception as exc:  # noqa: BLE001 - one bad request ends one stream
+            log.debug("round request from %s failed: %r", peer, exc)
+        finally:
+            await stream.close()

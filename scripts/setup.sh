@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Create .venv with Lattica and its test tools. Torch is pinned to the CPU build first so that
+# no multi-GB CUDA wheel is pulled in by accident; on a GPU machine install your CUDA torch
+# into the venv before running this script and it is kept.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+    .venv/bin/python -m pip install -q "torch==2.13.0"
+fi
+.venv/bin/python -m pip install -q -e '.[dev]'
+echo "setup done: .venv/bin/lattica --help"
