@@ -33,13 +33,13 @@ def _emit(**fields: object) -> None:
 
 
 async def _report_live(state: ReplicatedState) -> None:
-    last: list[str] | None = None
+    last: tuple[list[str], list[str]] | None = None
     while True:
         live = state.live_members()
         left = sorted(p for p, m in state.snapshot()["members"].items() if m["left"])
-        if [live, left] != last:
+        if (live, left) != last:
             _emit(event="live", live=live, left=left)
-            last = [live, left]
+            last = (live, left)
         with trio.move_on_after(0.1):
             await state.wait_changed()
 
