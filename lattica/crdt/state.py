@@ -124,7 +124,7 @@ class ReplicatedState:
     # -- writes (our own documents) -------------------------------------------------------------
 
     async def update_member(self, **fields: Any) -> None:
-        """Set fields of our membership record: addrs, device, throughput, reachability."""
+        """Set fields of our membership record: addrs, device, throughput, reachability, role."""
         documents.validate_member_fields(fields)
         await self._write(self.peer_id, lambda doc: documents.write_member(doc, fields))
 

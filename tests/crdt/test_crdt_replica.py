@@ -24,7 +24,7 @@ def deliver_all(src: Replica, dst: Replica) -> int:
 def test_writes_replicate_with_exact_integers(pair):
     a, b = pair
     big = 2**53 + 1  # not representable as float64
-    a.local_write(a.peer_id, lambda d: documents.write_member(d, {"addrs": ["/ip4/127.0.0.1/tcp/1"], "device": "cpu"}))
+    a.local_write(a.peer_id, lambda d: documents.write_member(d, {"addrs": ["/ip4/127.0.0.1/tcp/1"], "device": "cpu", "role": "trainer"}))
     a.local_write(a.peer_id, lambda d: documents.write_lease(d, lease_expires_ms=big, heartbeat=7))
     a.local_write(a.peer_id, lambda d: documents.write_progress(d, round=big, weights_hash="h1"))
     a.local_write(a.peer_id, lambda d: documents.write_checkpoint(d, round=3, hashes=["c1", "c2"], holder=a.peer_id))
@@ -38,6 +38,7 @@ def test_writes_replicate_with_exact_integers(pair):
     assert member["heartbeat"] == 7
     assert member["addrs"] == ["/ip4/127.0.0.1/tcp/1"]
     assert member["left"] is False
+    assert member["role"] == "trainer"
     assert snap["progress"][a.peer_id]["round"] == big
     assert snap["progress"][a.peer_id]["completed"] == [{"round": big, "weights_hash": "h1"}]
     assert snap["checkpoints"] == {"3": {"c1": [a.peer_id], "c2": [a.peer_id]}}
