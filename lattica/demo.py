@@ -1,0 +1,145 @@
+"""``lattica demo``: a local swarm of real daemons training the default GPT with DiLoCo.
+
+It starts ``--nodes`` ``lattica join --train`` processes on loopback (the first starts the
+swarm, the others join through its address), follows their control sockets to show live
+progress, and ends with a summary table and a check that every replica holds the same outer
+weights. Every process it started is stopped (SIGTERM, then SIGKILL) on the way out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from lattica.errors import ConfigError, LatticaError
+from lattica.progress import ProgressDisplay, render_summary
+from lattica.testing.daemons import DaemonProcess
+
+_POLL_S = 1.0
+_START_TIMEOUT_S = 120.0
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    if not 1 <= args.nodes <= 16:
+        raise ConfigError("--nodes must be between 1 and 16")
+    if args.rounds < 1 or args.inner_steps < 1:
+        raise ConfigError("--rounds and --inner-steps must be positive")
+    with tempfile.TemporaryDirectory(prefix="lattica-demo-") as tmp:
+        workdir = args.workdir or Path(tmp)
+        daemons = _start_swarm(args, workdir)
+        try:
+            statuses = _follow(daemons, json_output=args.json)
+        finally:
+            for d in daemons:
+                d.stop()
+    return _report(statuses, json_output=args.json)
+
+
+def _train_args(args: argparse.Namespace) -> tuple[str, ...]:
+    return (
+        "--train", "--strategy", args.strategy, "--model", args.model,
+        "--rounds", str(args.rounds), "--inner-steps", str(args.inner_steps),
+        "--min-peers", str(args.nodes), "--run-id", "demo",
+    )
+
+
+def _start_swarm(args: argparse.Namespace, workdir: Path) -> list[DaemonProcess]:
+    def port(i: int) -> int | None:
+        return args.base_port + i if args.base_port else None
+
+    def make(i: int, peers: tuple[str, ...]) -> DaemonProcess:
+        kwargs: dict[str, Any] = {"peers": peers, "extra_args": _train_args(args)}
+        if port(i) is not None:
+            kwargs["port"] = port(i)
+        return DaemonProcess(workdir / f"node{i}", **kwargs)
+
+    _say(f"starting {args.nodes} daemons in {workdir} ...", args.json)
+    first = make(0, ()).start()
+    daemons = [first]
+    try:
+        first.wait_ready(timeout=_START_TIMEOUT_S)
+        bootstrap = first.addr
+        _say(f"swarm bootstrap: {bootstrap}", args.json)
+        daemons += [make(i, (bootstrap,)).start() for i in range(1, args.nodes)]
+        for d in daemons[1:]:
+            d.wait_ready(timeout=_START_TIMEOUT_S)
+    except (RuntimeError, TimeoutError) as exc:
+        for d in daemons:
+            d.stop()
+        raise ConfigError(f"demo swarm failed to start: {str(exc).splitlines()[0]}") from None
+    return daemons
+
+
+def _follow(daemons: list[DaemonProcess], *, json_output: bool) -> list[dict[str, Any]]:
+    display = ProgressDisplay(stream=sys.stderr if json_output else sys.stdout)
+    statuses: list[dict[str, Any]] = [{} for _ in daemons]
+    try:
+        while True:
+            for i, d in enumerate(daemons):
+                try:
+                    statuses[i] = d.call("status")
+                except LatticaError:
+                    if d.proc is not None and d.proc.poll() is not None:
+                        statuses[i] = {"training": {"phase": "exited", "error": d.log().strip().splitlines()[-1:]}}
+                    continue
+                t = statuses[i].get("training", {})
+                display.update(
+                    f"node{i}",
+                    round=t.get("rounds_completed"),
+                    loss=t.get("val_loss") or t.get("loss"),
+                    tokens_per_s=t.get("tokens_per_s"),
+                    peers=statuses[i].get("connected_peers"),
+                    bytes_sent=t.get("bytes_sent"),
+                )
+            phases = [s.get("training", {}).get("phase") for s in statuses]
+            if all(p in ("done", "failed", "exited") for p in phases):
+                _attach_weights_hashes(daemons, statuses)
+                return statuses
+            time.sleep(_POLL_S)
+    finally:
+        display.close()
+
+
+def _attach_weights_hashes(daemons: list[DaemonProcess], statuses: list[dict[str, Any]]) -> None:
+    """Each node's published (round, weights hash), read from its replicated state."""
+    for d, status in zip(daemons, statuses, strict=True):
+        try:
+            progress = d.call("state").get("progress", {})
+            mine = progress.get(status.get("peer_id"), {})
+        except LatticaError:
+            continue
+        status.setdefault("training", {})["weights_hash"] = mine.get("weights_hash")
+
+
+def _report(statuses: list[dict[str, Any]], *, json_output: bool) -> int:
+    rows: dict[str, dict[str, object]] = {}
+    hashes = set()
+    for i, status in enumerate(statuses):
+        t = status.get("training", {})
+        summary = t.get("summary") or {}
+        rows[f"node{i}"] = {
+            "phase": t.get("phase"),
+            "rounds": t.get("rounds_completed"),
+            "val_loss": summary.get("val_loss"),
+            "tokens": summary.get("tokens"),
+            "seconds": round(summary["seconds"], 1) if "seconds" in summary else None,
+            "bytes_sent": summary.get("bytes_sent"),
+            "weights": (t.get("weights_hash") or "")[:12],
+        }
+        hashes.add(t.get("weights_hash"))
+    ok = all(r["phase"] == "done" for r in rows.values()) and len(hashes) == 1 and None not in hashes
+    if json_output:
+        print(json.dumps({"nodes": rows, "replicas_identical": len(hashes) == 1 and None not in hashes, "ok": ok}))
+    else:
+        print(render_summary(rows, title="Lattica demo: DiLoCo on the Python standard library"))
+        print("replicas identical: " + ("yes" if len(hashes) == 1 and None not in hashes else "NO"))
+    return 0 if ok else 1
+
+
+def _say(text: str, quiet: bool) -> None:
+    print(text, file=sys.stderr if quiet else sys.stdout, flush=True)
