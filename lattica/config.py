@@ -72,6 +72,7 @@ class NodeConfig:
     bootstrap_timeout_s: float = 30.0
     max_backoff_s: float = 30.0
     peer_exchange: bool = True
+    admins: tuple[str, ...] = ()
     train: TrainSettings | None = None
 
     def __post_init__(self) -> None:
@@ -86,6 +87,9 @@ class NodeConfig:
             parse_multiaddr(text, what="--announce")
         for text in self.peers:
             parse_peer_multiaddr(text)
+        for admin in self.admins:
+            if not re.match(r"^[1-9A-HJ-NP-Za-km-z]{40,60}$", admin):
+                raise ConfigError(f"admin must be a peer id, got {admin!r}")
         if not _RUN_ID.match(self.run_id):
             raise ConfigError(f"run id must be 1-64 of [A-Za-z0-9._-], got {self.run_id!r}")
         if self.metrics_addr is not None:

@@ -15,11 +15,13 @@ class StateExtension:
     """The replicated run state as a daemon service: ``lattica state`` and membership."""
 
     def __init__(self, node: Node) -> None:
+        from lattica.crdt import StateConfig
         from lattica.crdt.state import ReplicatedState
 
         self.node = node
         self.state = ReplicatedState(
-            node.host, node.key_pair, data_dir=node.config.data_dir, run_id=node.config.run_id
+            node.host, node.key_pair, data_dir=node.config.data_dir, run_id=node.config.run_id,
+            config=StateConfig(admins=run_admins(node.config, node.peer_id.to_base58())),
         )
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -46,6 +48,16 @@ class StateExtension:
         if request.method == "state":
             return self.state.dump()
         return None
+
+
+def run_admins(config: NodeConfig, self_id: str) -> tuple[str, ...]:
+    """Who may write the run config: ``admins`` if given; else the creator of a new swarm is
+    this node, and a joiner trusts the peers it was told to join through."""
+    if config.admins:
+        return config.admins
+    if not config.peers:
+        return (self_id,)
+    return tuple(dict.fromkeys(p.split("/p2p/")[-1].split("/")[0] for p in config.peers))
 
 
 def _scalars(values: dict[str, Any]) -> dict[str, Any]:

@@ -34,6 +34,7 @@ NODE_KEYS: dict[str, str] = {
     "bootstrap_timeout_s": "float",
     "max_backoff_s": "float",
     "peer_exchange": "bool",
+    "admins": "list",
 }
 TRAIN_KEYS: dict[str, str] = {
     f.name: {"int": "int", "float": "float", "str": "str", "str | None": "str", "bool": "bool"}.get(
