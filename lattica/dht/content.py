@@ -72,7 +72,9 @@ class ContentRouting:
             peers += [p for p in self._host.get_connected_peers() if p not in peers]
         return peers
 
-    async def find_providers(self, key: bytes, *, enough: int | None = None) -> LookupResult:
+    async def find_providers(
+        self, key: bytes, *, enough: int | None = None, include_local: bool = True
+    ) -> LookupResult:
         started = trio.current_time()
         lookup = ProviderLookup(
             key,
@@ -82,7 +84,8 @@ class ContentRouting:
             parallelism=self._config.lookup_parallelism,
             enough=enough,
         )
-        lookup.add_local_providers(self._kad.provider_store.get_providers(key))
+        if include_local:
+            lookup.add_local_providers(self._kad.provider_store.get_providers(key))
         # Each finished query sends one token; the loop refills the in-flight window.
         finished_send, finished_recv = trio.open_memory_channel[None](math.inf)
         async with trio.open_nursery() as nursery:

@@ -133,8 +133,11 @@ class LatticaDHT:
     async def provide(self, key: bytes) -> bool:
         return await self.content.provide(key)
 
-    async def find_providers(self, key: bytes, *, enough: int | None = None) -> LookupResult:
-        return await self.content.find_providers(key, enough=enough)
+    async def find_providers(
+        self, key: bytes, *, enough: int | None = None, include_local: bool = True
+    ) -> LookupResult:
+        """Walk the DHT for providers of ``key``; each provider appears once."""
+        return await self.content.find_providers(key, enough=enough, include_local=include_local)
 
     def expire_records(self) -> None:
         """Drop provider records past their TTL and value records past their expiry."""
