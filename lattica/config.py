@@ -72,6 +72,7 @@ class NodeConfig:
     bootstrap_timeout_s: float = 30.0
     max_backoff_s: float = 30.0
     peer_exchange: bool = True
+    nat: bool = True
     admins: tuple[str, ...] = ()
     train: TrainSettings | None = None
 

@@ -73,6 +73,10 @@ def build_node(config: NodeConfig, key_pair: KeyPair) -> Node:
         return states[0]
 
     node.service_factories.append(make_state)
+    if config.nat:
+        from lattica.net.nat.daemon_services import NatServices
+
+        node.service_factories.append(lambda n: NatServices(n, state=states[0].state))
     if config.train is not None:
         from lattica.train.service import TrainingService, check_settings
 

@@ -212,6 +212,12 @@ class Node:
             self.metrics.set_peers(r.path for r in self.peer_book.records() if r.connected)
             await trio.sleep(_WATCH_INTERVAL_S)
 
+    def _known_addrs(self, peer_id: str) -> list[str]:
+        """Addresses to tell others for ``peer_id``; refreshed from identify as it arrives."""
+        fresh = self._peerstore_addrs(peer_id)
+        record = self.peer_book.learn(peer_id, fresh, now=time.time())
+        return list(record.addrs) if record is not None else fresh
+
     def _peerstore_addrs(self, peer_id: str) -> list[str]:
         assert self.host is not None
         try:
@@ -282,7 +288,7 @@ class Node:
                 entries = []
                 if same_run:
                     entries = [
-                        (pid, self.peer_book.get(pid).addrs if self.peer_book.get(pid) else [])  # type: ignore[union-attr]
+                        (pid, self._known_addrs(pid))
                         for pid in self.peer_book.connected_ids()
                         if pid != peer_id
                     ]

@@ -35,6 +35,7 @@ NODE_KEYS: dict[str, str] = {
     "max_backoff_s": "float",
     "peer_exchange": "bool",
     "admins": "list",
+    "nat": "bool",
 }
 TRAIN_KEYS: dict[str, str] = {
     f.name: {"int": "int", "float": "float", "str": "str", "str | None": "str", "bool": "bool"}.get(
