@@ -193,6 +193,20 @@ class ErrorFeedback:
         return self._residuals.get(name)
 
 
+def byte_view(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous tensor, writable and shared (no copy)."""
+    if not tensor.is_contiguous():
+        raise LocalProtocolError("byte_view needs a contiguous tensor")
+    return _bytes_of(tensor)
+
+
+def writable_buffer(nbytes: int) -> memoryview:
+    """An uninitialized receive buffer (no zero-fill: only the incoming bytes touch its pages)."""
+    if nbytes == 0:
+        return memoryview(bytearray())
+    return _bytes_of(torch.empty(nbytes, dtype=torch.uint8))
+
+
 def _blocks(n: int) -> int:
     return (n + BLOCK - 1) // BLOCK
 

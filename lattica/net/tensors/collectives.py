@@ -57,6 +57,8 @@ class TensorTransport(Protocol):
 
     async def receive(self, peer: str, tag: str, *, part: int = 0) -> list[tuple[str, torch.Tensor]]: ...
 
+    def post_receive(self, peer: str, tag: str, part: int, buffer: memoryview | None) -> None: ...
+
     def discard_tag(self, tag: str) -> None: ...
 
 
@@ -104,12 +106,26 @@ async def allreduce(
     if n == 1:
         return [t.detach().clone() for t in tensors]
     bounds = _part_bounds(flat.numel(), n)
-    mine = await _reduce_scatter(transport, flat, group, rank, bounds, tag, codec)
-    out = await _all_gather(transport, mine, group, rank, bounds, tag, codec)
+    out = torch.empty(flat.numel(), dtype=torch.float32)
+    gather_tag = tag + "/ag"
+    posted = []
+    if codec == "fp32":  # the gathered parts can land in ``out`` directly
+        for j, peer in enumerate(group):
+            if j != rank and bounds[j][1] > bounds[j][0]:
+                a, b = bounds[j]
+                transport.post_receive(peer, gather_tag, j, codecs.byte_view(out[a:b]))
+                posted.append((peer, j))
+    try:
+        await _reduce_scatter(transport, flat, out, group, rank, bounds, tag, codec)
+        await _all_gather(transport, out, group, rank, bounds, gather_tag, codec)
+    finally:
+        for peer, j in posted:
+            transport.post_receive(peer, gather_tag, j, None)
     return _unflatten(out, tensors)
 
 
-async def _reduce_scatter(transport, flat, group, rank, bounds, tag, codec) -> torch.Tensor:
+async def _reduce_scatter(transport, flat, out, group, rank, bounds, tag, codec) -> None:
+    """Leave the mean of this member's part in ``out`` (as every receiver will decode it)."""
     lo, hi = bounds[rank]
     received: dict[int, torch.Tensor] = {}
     phase = _Round(transport, tag + "/rs")
@@ -126,20 +142,25 @@ async def _reduce_scatter(transport, flat, group, rank, bounds, tag, codec) -> t
                 nursery.start_soon(phase.guarded, peer, take, j)
 
     await phase.run(body)
-    total = torch.zeros(hi - lo, dtype=torch.float32)
-    for j in range(len(group)):
-        total += received[j] if j != rank else _through(flat[lo:hi], codec)
-    return _through(total / len(group), codec)
+    received[rank] = _through(flat[lo:hi], codec)
+    total = out[lo:hi]
+    total.copy_(received[0])
+    for j in range(1, len(group)):  # group order on every member: the same rounding everywhere
+        total += received[j]
+    total.div_(len(group))
+    if codec != "fp32":
+        total.copy_(_through(total, codec))
 
 
-async def _all_gather(transport, mine, group, rank, bounds, tag, codec) -> torch.Tensor:
-    out = torch.empty(bounds[-1][1], dtype=torch.float32)
-    out[bounds[rank][0] : bounds[rank][1]] = mine
-    phase = _Round(transport, tag + "/ag")
+async def _all_gather(transport, out, group, rank, bounds, tag, codec) -> None:
+    mine = out[bounds[rank][0] : bounds[rank][1]]
+    phase = _Round(transport, tag)
 
     async def take(j: int) -> None:
         a, b = bounds[j]
-        out[a:b] = _single_part(await transport.receive(group[j], phase.tag, part=j), b - a, group[j])
+        got = _single_part(await transport.receive(group[j], phase.tag, part=j), b - a, group[j])
+        if b > a and got.data_ptr() != out[a:b].data_ptr():
+            out[a:b] = got
 
     def body(nursery: trio.Nursery) -> None:
         for j, peer in enumerate(group):
@@ -149,7 +170,6 @@ async def _all_gather(transport, mine, group, rank, bounds, tag, codec) -> torch
                 nursery.start_soon(phase.guarded, peer, take, j)
 
     await phase.run(body)
-    return out
 
 
 async def exchange(
@@ -195,6 +215,8 @@ def _part_bounds(length: int, n: int) -> list[tuple[int, int]]:
 def _flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     if not tensors:
         return torch.empty(0, dtype=torch.float32)
+    if len(tensors) == 1 and tensors[0].dtype == torch.float32:
+        return tensors[0].detach().reshape(-1)  # a view when contiguous; never written to
     return torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors])
 
 

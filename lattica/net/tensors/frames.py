@@ -55,7 +55,7 @@ class Complete:
     """A whole message; ``payload`` is the buffer given to ``accept`` (or None if discarded)."""
 
     incoming: Incoming
-    payload: bytearray | None
+    payload: bytearray | memoryview | None
 
 
 def encode_put(tag: str, part: int, specs: list[TensorSpec]) -> bytes:
@@ -83,10 +83,12 @@ class FrameDecoder:
         self._need = _LEN.size
         self._incoming: Incoming | None = None
         self._target: memoryview | None = None
-        self._buffer: bytearray | None = None
+        self._buffer: bytearray | memoryview | None = None
         self._filled = 0
 
     def feed(self, data: bytes | bytearray | memoryview) -> None:
+        """Add bytes. The decoder keeps no reference to ``data`` once ``next_event`` has
+        returned None, so the caller may reuse its buffer from then on."""
         if data:
             self._chunks.append(memoryview(data).cast("B"))
             self._buffered += len(data)
@@ -96,7 +98,7 @@ class FrameDecoder:
         """True between messages with nothing buffered (a clean place for the stream to end)."""
         return self._state == "length" and self._buffered == 0
 
-    def accept(self, buffer: bytearray) -> None:
+    def accept(self, buffer: bytearray | memoryview) -> None:
         incoming = self._awaiting()
         if len(buffer) != incoming.payload_size:
             raise LocalProtocolError("accept() needs a buffer of exactly payload_size bytes")
@@ -108,17 +110,34 @@ class FrameDecoder:
         self._buffer, self._target, self._filled = None, None, 0
         self._state = "payload"
 
+    def payload_window(self) -> memoryview | None:
+        """The unfilled rest of the accepted payload buffer, when the next bytes of the stream
+        may be written there directly (nothing is buffered); else None."""
+        if self._state != "payload" or self._target is None or self._buffered:
+            return None
+        assert self._incoming is not None
+        return self._target[self._filled : self._incoming.payload_size]
+
+    def wrote_directly(self, n: int) -> None:
+        """``n`` bytes of the stream were written into ``payload_window()``."""
+        window = self.payload_window()
+        if window is None or n > len(window):
+            raise LocalProtocolError("wrote_directly() without a large enough payload window")
+        self._filled += n
+
     def next_event(self) -> Incoming | Complete | None:
         """The next event, or None when more bytes are needed (or a decision is pending)."""
         while True:
             if self._state == "decide":
+                self._own_leftovers()
                 return None
             if self._state == "payload":
                 done = self._fill_payload()
                 if done is not None or self._state == "payload":
-                    return done
+                    return done  # None here: every buffered byte went into the payload
                 continue
             if self._buffered < self._need:
+                self._own_leftovers()
                 return None
             raw = self._take(self._need)
             if self._state == "length":
@@ -153,6 +172,11 @@ class FrameDecoder:
         event = Complete(incoming, self._buffer)
         self._state, self._incoming, self._target, self._buffer = "length", None, None, None
         return event
+
+    def _own_leftovers(self) -> None:
+        if len(self._chunks) > 1 or (self._chunks and not isinstance(self._chunks[0].obj, bytes)):
+            joined = b"".join(self._chunks)
+            self._chunks = deque([memoryview(joined)] if joined else [])
 
     def _take(self, n: int) -> bytes:
         out = bytearray()

@@ -27,7 +27,7 @@ Key = tuple[str, str, int]
 @dataclass(slots=True)
 class Parcel:
     specs: tuple[TensorSpec, ...]
-    payload: bytearray
+    payload: bytearray | memoryview
     received_at: float
 
 
@@ -38,11 +38,14 @@ class Mailbox:
         self._poll_s = poll_s
         self._parcels: dict[Key, Parcel] = {}
         self._arrived: dict[Key, trio.Event] = {}
+        self._posted: dict[Key, memoryview] = {}
 
     def __len__(self) -> int:
         return len(self._parcels)
 
-    def deliver(self, key: Key, specs: tuple[TensorSpec, ...], payload: bytearray) -> bool:
+    def deliver(
+        self, key: Key, specs: tuple[TensorSpec, ...], payload: bytearray | memoryview
+    ) -> bool:
         """Store a fully received message whose bytes are reserved; False on a duplicate key."""
         self._expire()
         if key in self._parcels:
@@ -66,6 +69,21 @@ class Mailbox:
                 await event.wait()
             if self._arrived.get(key) is event and event.is_set():
                 del self._arrived[key]
+
+    def post(self, key: Key, buffer: memoryview) -> None:
+        """Offer ``buffer`` as the destination of the payload of ``key`` if it arrives later
+        with exactly that size (a receive that lands in place, with no copy)."""
+        self._posted[key] = buffer
+
+    def unpost(self, key: Key) -> None:
+        self._posted.pop(key, None)
+
+    def claim_posted(self, key: Key, nbytes: int) -> memoryview | None:
+        buffer = self._posted.get(key)
+        if buffer is None or len(buffer) != nbytes:
+            return None
+        del self._posted[key]
+        return buffer
 
     def peer_lost(self, peer: str) -> None:
         """Wake everyone waiting on ``peer`` so they re-check its liveness now."""

@@ -203,6 +203,17 @@ class TensorService:
             raise
         return out
 
+    def post_receive(self, peer: str, tag: str, part: int, buffer: memoryview | None) -> None:
+        """Let ``(tag, peer, part)`` land directly in ``buffer`` (None: withdraw the offer).
+
+        Only the payload bytes go there; ``receive`` still validates the header, and a tensor
+        it returns may share memory with ``buffer``.
+        """
+        if buffer is None:
+            self.mailbox.unpost((tag, peer, part))
+        else:
+            self.mailbox.post((tag, peer, part), buffer)
+
     def discard_tag(self, tag: str) -> None:
         """Drop parts of an abandoned operation that arrived or will not be taken."""
         self.mailbox.discard(lambda key: key[0] == tag)
@@ -355,13 +366,20 @@ class TensorService:
         reserved: int | None = None
         try:
             while True:
-                data = await channel.receive_some()
+                window = decoder.payload_window() if path == "fast" else None
+                if window is not None:  # decrypt straight into the payload buffer
+                    data, direct = await channel.receive_frame(window)
+                else:
+                    data, direct = await channel.receive_some(), False
                 if not data:
                     if not decoder.idle:
                         raise RemoteProtocolError("stream ended inside a message", peer_id=peer)
                     return
                 self.stats.bytes_received[(peer, path)] += len(data)
-                decoder.feed(data)
+                if direct:
+                    decoder.wrote_directly(len(data))
+                else:
+                    decoder.feed(data)
                 while (event := decoder.next_event()) is not None:
                     if isinstance(event, frames.Incoming):
                         reserved = self._admit(decoder, peer, event)
@@ -385,7 +403,9 @@ class TensorService:
             self.stats.refused[peer] += 1
             decoder.discard()
             return None
-        decoder.accept(bytearray(size))
+        key = (incoming.tag, peer, incoming.part)
+        posted = self.mailbox.claim_posted(key, size) if incoming.kind == "put" else None
+        decoder.accept(posted if posted is not None else codecs.writable_buffer(size))
         return size
 
     def _dispatch(self, peer: str, event: frames.Complete) -> None:
