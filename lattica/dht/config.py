@@ -19,6 +19,7 @@ class DHTConfig:
     provider_ttl: float = 30 * 60.0
     reprovide_interval: float = 10 * 60.0
     lookup_interval: float = 60.0
+    table_refresh_interval: float = 5 * 60.0
     record_ttl: float = 60 * 60.0
     republish_interval: float = 20 * 60.0
     query_timeout: float = 5.0
@@ -38,6 +39,7 @@ class DHTConfig:
             "provider_ttl",
             "reprovide_interval",
             "lookup_interval",
+            "table_refresh_interval",
             "record_ttl",
             "republish_interval",
             "query_timeout",

@@ -11,7 +11,8 @@ Members of run ``R`` provide the key ``/lattica/run/R`` (``keys.run_key``). The 
 3. looks up the run's providers every ``lookup_interval`` (sooner, at a quarter of it,
    while it knows fewer than ``min_run_peers`` members) and connects to those it is not
    connected to, up to ``max_run_peers``;
-4. expires stale records and republishes its own value records.
+4. expires stale records, republishes its own value records, and refreshes the routing
+   table (a self-lookup) every ``table_refresh_interval``.
 
 Every step tolerates failure: a lookup or provide that fails is logged and retried next
 period. ``known_run_members`` is the result of the latest lookup (minus this node).
@@ -84,6 +85,9 @@ class RunDiscovery:
             nursery.start_soon(self._every, self._config.provider_ttl / 4, "expire", self._expire)
             nursery.start_soon(
                 self._every, self._config.republish_interval, "republish", self.dht.republish_records
+            )
+            nursery.start_soon(
+                self._every, self._config.table_refresh_interval, "refresh", self.dht.bootstrap
             )
 
     async def refresh_members(self) -> None:

@@ -68,3 +68,19 @@ def test_provider_records_expire_after_ttl_but_own_ones_do_not():
     store.remove_provider(str(me))
     store.cleanup_expired()
     assert store.providers == {}
+
+
+def test_expired_value_records_are_dropped_from_the_store():
+    from libp2p.crypto.ed25519 import create_new_key_pair
+
+    from lattica.dht import LatticaDHT
+    from lattica.dht.records import ExpiringRecord, encode_record
+    from lattica.net.host import build_host
+
+    dht = LatticaDHT(build_host(create_new_key_pair()), config=DHTConfig())
+    live = encode_record(ExpiringRecord(value=b"a", seq=0, expires_at=time.time() + 30))
+    dead = encode_record(ExpiringRecord(value=b"b", seq=0, expires_at=time.time() - 1))
+    dht.kad.value_store.put(b"/lattica/ckpt/live", live)
+    dht.kad.value_store.put(b"/lattica/ckpt/dead", dead)
+    dht.expire_records()
+    assert set(dht.kad.value_store.store) == {b"/lattica/ckpt/live"}
