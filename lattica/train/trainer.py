@@ -31,6 +31,7 @@ import trio
 from lattica.errors import ConfigError
 from lattica.train.checkpoint import CheckpointStore, weights_hash
 from lattica.train.device import DeviceInfo, autocast, select_device
+from lattica.train.join import outer_state_hash
 from lattica.train.schedule import ScheduleConfig, lr_multiplier
 from lattica.train.strategies.base import OuterStepReport, OuterStrategy
 from lattica.train.task import Batch, Task
@@ -74,7 +75,8 @@ class RoundCompleted:
 
     step: int
     report: OuterStepReport
-    weights_hash: str | None
+    weights_hash: str | None  # of the outer weights: publish with the round number
+    state_hash: str | None = None  # of weights + outer optimizer state: what joiners verify
 
 
 @dataclass(frozen=True)
@@ -211,13 +213,19 @@ class Trainer:
 
     def _round_done(self, report: OuterStepReport) -> None:
         self.bytes_sent += report.bytes_sent
-        digest = None
+        digest = state_digest = None
         if not report.skipped:
-            outer = self.strategy.outer_state_dict().get("params")
-            digest = weights_hash(outer) if outer else None
+            outer = self.strategy.outer_state_dict()
+            if outer.get("params"):
+                digest = weights_hash(outer["params"])
+                state_digest = outer_state_hash(outer)
             if self.checkpoints is not None:
                 self.checkpoints.save(self.step, self.state_dict())
-        self.on_round(RoundCompleted(step=self.step, report=report, weights_hash=digest))
+        self.on_round(
+            RoundCompleted(
+                step=self.step, report=report, weights_hash=digest, state_hash=state_digest
+            )
+        )
 
     async def _evaluate_and_report(self) -> None:
         if self.task.val_batches:
