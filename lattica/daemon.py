@@ -50,6 +50,39 @@ class StateExtension:
         return None
 
 
+class TrainingMetricsExporter:
+    """Copies the training service's progress into the node's Prometheus metrics."""
+
+    def __init__(self, node: Node, training: Any, state: Any) -> None:
+        self.node, self.training, self.state = node, training, state
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        metrics = self.node.metrics
+        task_status.started()
+        last_round, last_round_at, last_step, last_step_at = 0, trio.current_time(), 0, trio.current_time()
+        while True:
+            info = self.training.status()["training"]
+            now = trio.current_time()
+            rounds = int(info.get("rounds_completed") or 0)
+            if rounds > last_round:
+                metrics.rounds_completed.inc(rounds - last_round)
+                metrics.round_seconds.observe((now - last_round_at) / (rounds - last_round))
+                last_round, last_round_at = rounds, now
+            metrics.outer_round.set(rounds)
+            step = int(info.get("step") or 0)
+            if step > last_step:
+                metrics.inner_steps_per_second.set((step - last_step) / max(now - last_step_at, 1e-9))
+                last_step, last_step_at = step, now
+            for name, gauge in (("loss", metrics.train_loss), ("val_loss", metrics.validation_loss),
+                                ("tokens_per_s", metrics.tokens_per_second)):
+                if info.get(name) is not None:
+                    gauge.set(info[name])
+            progress = self.state.snapshot().get("progress", {})
+            newest = max((p.get("round", 0) for p in progress.values() if isinstance(p.get("round"), int)), default=0)
+            metrics.staleness_rounds.set(max(0, newest - rounds))
+            await trio.sleep(1.0)
+
+
 def run_admins(config: NodeConfig, self_id: str) -> tuple[str, ...]:
     """Who may write the run config: ``admins`` if given; else the creator of a new swarm is
     this node, and a joiner trusts the peers it was told to join through."""
@@ -82,5 +115,12 @@ def build_node(config: NodeConfig, key_pair: KeyPair) -> Node:
 
         check_settings(config.train)
         settings = config.train
-        node.service_factories.append(lambda n: TrainingService(n, states[0].state, settings))
+        trainings: list[TrainingService] = []
+
+        def make_training(n: Node) -> TrainingService:
+            trainings.append(TrainingService(n, states[0].state, settings))
+            return trainings[0]
+
+        node.service_factories.append(make_training)
+        node.service_factories.append(lambda n: TrainingMetricsExporter(n, trainings[0], states[0].state))
     return node
