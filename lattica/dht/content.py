@@ -114,8 +114,13 @@ class ContentRouting:
         except RemoteProtocolError as exc:
             lookup.on_failure(peer)
             await self._on_bad_answer(exc)
-        except (PeerUnavailableError, trio.TooSlowError) as exc:
+        except PeerUnavailableError as exc:
+            # Unreachable peers leave the routing table, as in Kademlia; slow ones stay.
             logger.debug("provider query to %s failed: %r", peer, exc)
+            self._kad.routing_table.remove_peer(peer)
+            lookup.on_failure(peer)
+        except trio.TooSlowError:
+            logger.debug("provider query to %s timed out", peer)
             lookup.on_failure(peer)
         else:
             lookup.on_response(

@@ -14,9 +14,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from libp2p.abc import INetStream
-from libp2p.records.validator import Validator
 
-from lattica.dht.screen import FrameDecoder, encode_varint, screen_request
+from lattica.dht.screen import FrameDecoder, RecordValidator, encode_varint, screen_request
 from lattica.errors import RemoteProtocolError
 
 logger = logging.getLogger(__name__)
@@ -30,7 +29,7 @@ class ScreenedStream:
         self,
         stream: INetStream,
         *,
-        validator: Validator,
+        validator: RecordValidator,
         max_frame: int,
         peer_id: str,
     ) -> None:
@@ -75,7 +74,7 @@ async def guarded_handler(
     stream: INetStream,
     *,
     inner: Callable[[Any], Awaitable[None]],
-    validator: Validator,
+    validator: RecordValidator,
     max_frame: int,
     is_banned: Callable[[str], bool],
     on_reject: Callable[[RemoteProtocolError], Awaitable[None]],

@@ -57,9 +57,10 @@ class LatticaDHT:
         self.kad = KadDHT(
             host, mode, validator=self.validator, validator_changed=True, strict_validation=True
         )
-        self.kad.provider_store = ExpiringProviderStore(
+        self.providers = ExpiringProviderStore(
             host=host, peer_routing=self.kad.peer_routing, ttl=config.provider_ttl
         )
+        self.kad.provider_store = self.providers
         self.penalties = PenaltyBox(ban_seconds=config.ban_seconds)
         self.content = ContentRouting(host, self.kad, config, on_bad_answer=self.penalize)
         self._published: dict[str, tuple[bytes, int]] = {}
@@ -111,7 +112,7 @@ class LatticaDHT:
         except Exception:
             return
         self.kad.routing_table.remove_peer(peer_id)
-        self.kad.provider_store.remove_provider(peer)
+        self.providers.remove_provider(peer)
         try:
             await self._host.disconnect(peer_id)
         except Exception:
@@ -141,7 +142,7 @@ class LatticaDHT:
 
     def expire_records(self) -> None:
         """Drop provider records past their TTL and value records past their expiry."""
-        self.kad.provider_store.cleanup_expired()
+        self.providers.cleanup_expired()
         for key, (record, _) in list(self.kad.value_store.store.items()):
             try:
                 self.validator.validate(key.decode(), record.value)

@@ -20,10 +20,11 @@ frames that passed.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import multihash
 from google.protobuf.message import DecodeError
 from libp2p.kad_dht.pb.kademlia_pb2 import Message
-from libp2p.records.validator import Validator
 
 from lattica.errors import RemoteProtocolError
 
@@ -41,6 +42,10 @@ _REQUEST_TYPES = frozenset(
         Message.MessageType.PING,
     }
 )
+
+
+class RecordValidator(Protocol):
+    def validate(self, key: str, value: bytes) -> None: ...
 
 
 def encode_varint(n: int) -> bytes:
@@ -94,7 +99,7 @@ class FrameDecoder:
         return None, 0
 
 
-def screen_request(frame: bytes, *, validator: Validator, peer_id: str | None = None) -> Message:
+def screen_request(frame: bytes, *, validator: RecordValidator, peer_id: str | None = None) -> Message:
     """Parse and check one inbound request frame; raise ``RemoteProtocolError`` if bad."""
 
     def reject(why: str) -> RemoteProtocolError:
@@ -116,7 +121,7 @@ def screen_request(frame: bytes, *, validator: Validator, peer_id: str | None = 
     return msg
 
 
-def _screen_put_value(msg: Message, validator: Validator, reject) -> None:
+def _screen_put_value(msg: Message, validator: RecordValidator, reject) -> None:
     if not msg.HasField("record") or msg.record.key != msg.key or not msg.record.value:
         raise reject("PUT_VALUE without a matching record")
     try:
