@@ -188,6 +188,7 @@ async def measure(workers, peers, lookups: int, rng: random.Random) -> dict:
         "n": len(peers),
         "success_rate": ok / lookups,
         "median_hops": statistics.median(hops) if hops else None,
+        "mean_hops": round(statistics.fmean(hops), 2) if hops else None,
         "max_hops": max(hops) if hops else None,
         "median_lookup_ms": round(statistics.median(times), 1) if times else None,
     }
@@ -237,6 +238,7 @@ async def parent_main(sizes: list[int], lookups: int, n_workers: int, seed: int)
         "median_hops": [r["median_hops"] for r in rows],
         "median_lookup_ms": [r["median_lookup_ms"] for r in rows],
         "success_rates": [r["success_rate"] for r in rows],
+        "mean_hops": [r["mean_hops"] for r in rows],
         "max_hops": [r["max_hops"] for r in rows],
         "median_routing_table": [r["median_routing_table"] for r in rows],
         "setup_s": [r["setup_s"] for r in rows],
