@@ -56,6 +56,16 @@ class RunDiscovery:
     def rejected_inputs(self) -> int:
         return self.dht.rejected_inputs
 
+    def status(self) -> dict[str, object]:
+        """A JSON-able summary for the daemon's status command."""
+        return {
+            "dht_mode": "server" if self.dht.is_server else "client",
+            "routing_table": self.routing_table_size(),
+            "run_members": len(self._members),
+            "member_lookups": self.lookups_done,
+            "rejected_inputs": self.rejected_inputs,
+        }
+
     async def set_reachability(self, public: bool) -> None:
         await self.dht.set_reachability(public)
 

@@ -121,6 +121,8 @@ async def test_client_mode_node_still_discovers_and_is_found():
         with trio.fail_after(10):
             while len(_member_ids(behind_nat)) < 3 or hosts[3].get_id() not in _member_ids(nodes[0]):
                 await trio.sleep(0.2)
+        assert behind_nat.status()["dht_mode"] == "client"
         await behind_nat.set_reachability(True)
         assert behind_nat.dht.is_server
+        assert behind_nat.status()["run_members"] == 3
         nursery.cancel_scope.cancel()
