@@ -215,7 +215,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--data", default="stdlib", help="text file/folder/JSONL/.bin (default: stdlib)"
     )
-    parser.add_argument("--strategies", default=",".join(METHODS))
+    parser.add_argument(
+        "--strategies", default="ddp,nocomm,diloco", help=f"comma-separated, from {sorted(METHODS)}"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=Budget.steps, help="inner steps per worker")
     parser.add_argument("--batch-size", type=int, default=Budget.batch_size)

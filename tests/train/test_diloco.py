@@ -238,3 +238,20 @@ async def test_single_member_group_sends_nothing():
     assert report.bytes_sent == 0
     assert network.bytes_sent["a"] == 0
     assert s.completed_rounds == 1
+
+
+async def test_outer_lr_one_without_momentum_keeps_the_local_weights():
+    # φ ← φ − 1·(φ − θ) = θ: a single worker with η = 1, μ = 0 is plain local training
+    network = InMemoryCollectiveGroup(["a"])
+    model = build_model(TINY, seed=0)
+    s = DiLoCo(
+        model,
+        collective=network.member("a"),
+        groups=FixedGroups(["a"]),
+        config=DiLoCoConfig(inner_steps=1, outer_lr=1.0, outer_momentum=0.0),
+    )
+    _perturb(model, seed=4)
+    trained = [p.detach().clone() for p in model.parameters()]
+    await s.after_inner_step(1)
+    for a, b in zip(model.parameters(), trained, strict=True):
+        torch.testing.assert_close(a.detach(), b, rtol=0, atol=1e-6)

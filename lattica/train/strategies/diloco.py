@@ -110,7 +110,7 @@ class DiLoCo(OuterStrategy):
             self._outer,
             lr=self.config.outer_lr,
             momentum=self.config.outer_momentum,
-            nesterov=True,
+            nesterov=self.config.outer_momentum > 0,  # torch refuses Nesterov without momentum
             foreach=False,
         )
         self._round = 0  # index of the next sync; advances even when a round is skipped
