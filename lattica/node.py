@@ -165,6 +165,11 @@ class Node:
         if key in self._dialing:
             return
         self._dialing.add(key)
+        # our own backoff decides when to redial; py-libp2p's negative dial cache would
+        # otherwise refuse a peer that came back on the same address
+        unblock = getattr(self.host.get_network(), "unblock_peer", None)
+        if unblock is not None:
+            unblock(info.peer_id)
         try:
             with trio.fail_after(_DIAL_TIMEOUT_S):
                 await self.host.connect(info)
@@ -381,6 +386,9 @@ def _check_ports_free(listen: list[multiaddr.Multiaddr]) -> None:
         af = socket.AF_INET6 if family == "ip6" else socket.AF_INET
         try:
             with socket.socket(af, socket.SOCK_STREAM) as s:
+                # SO_REUSEADDR passes over TIME_WAIT leftovers of a previous run, but not over
+                # a live listener (which would need SO_REUSEPORT on both sides)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 if af == socket.AF_INET6:
                     s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
                 s.bind((ip, port))

@@ -82,3 +82,27 @@ def test_status_reports_identity_and_peers(swarm):
     assert status["peer_id"] == swarm[0].peer_id
     assert status["addrs"][0].endswith(status["peer_id"])
     assert _wait_for(lambda: cli_json("status", "--data-dir", str(swarm[0].data_dir))["connected_peers"] == 2, 15)
+
+
+def test_new_swarm_prints_join_address_and_peer_reconnects_after_bootstrap_restart(tmp_path):
+    bootstrap = DaemonProcess(tmp_path / "boot").start()
+    joiner = None
+    try:
+        bootstrap.wait_ready()
+        addr = bootstrap.addr
+        assert _wait_for(lambda: f"lattica join --peer {addr}" in bootstrap.log(), timeout=10)
+        joiner = DaemonProcess(tmp_path / "joiner", peers=(addr,)).start()
+        joiner.wait_ready()
+        boot_id = bootstrap.peer_id
+        assert _wait_for(lambda: boot_id in _connected(joiner), timeout=15)
+
+        bootstrap.kill()  # the bootstrap peer goes down ...
+        assert _wait_for(lambda: boot_id not in _connected(joiner), timeout=15)
+        # ... and comes back with the same identity and port: the joiner redials it
+        bootstrap = DaemonProcess(tmp_path / "boot", port=bootstrap.port).start()
+        bootstrap.wait_ready()
+        assert _wait_for(lambda: boot_id in _connected(joiner), timeout=30), joiner.log()
+    finally:
+        bootstrap.kill()
+        if joiner is not None:
+            joiner.kill()
