@@ -46,7 +46,7 @@ def make_input(numel: int, seed: int) -> torch.Tensor:
 
 async def _allreduce(service: TensorService, cmd: dict) -> dict:
     x = make_input(cmd["numel"], cmd["seed"])
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     sent_before = service.stats.total_sent()
     try:
         with trio.fail_after(cmd.get("deadline_s", 60.0)):
@@ -60,7 +60,8 @@ async def _allreduce(service: TensorService, cmd: dict) -> dict:
     seconds = time.perf_counter() - start
     if cmd.get("out"):
         await trio.Path(cmd["out"]).write_bytes(_raw_bytes(out))
-    return {"ok": True, "seconds": seconds, "bytes_sent": service.stats.total_sent() - sent_before}
+    return {"ok": True, "seconds": seconds, "cpu_s": time.process_time() - cpu_start,
+            "bytes_sent": service.stats.total_sent() - sent_before}
 
 
 def _raw_bytes(t: torch.Tensor) -> bytes:

@@ -20,6 +20,7 @@ every contribution was summed — never a partial average.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, ExitStack
 from functools import partial
 from typing import Protocol
 
@@ -58,6 +59,8 @@ class TensorTransport(Protocol):
     async def receive(self, peer: str, tag: str, *, part: int = 0) -> list[tuple[str, torch.Tensor]]: ...
 
     def post_receive(self, peer: str, tag: str, part: int, buffer: memoryview | None) -> None: ...
+
+    def lease_scratch(self, nbytes: int) -> AbstractContextManager[torch.Tensor]: ...
 
     def discard_tag(self, tag: str) -> None: ...
 
@@ -107,21 +110,33 @@ async def allreduce(
         return [t.detach().clone() for t in tensors]
     bounds = _part_bounds(flat.numel(), n)
     out = torch.empty(flat.numel(), dtype=torch.float32)
-    gather_tag = tag + "/ag"
-    posted = []
-    if codec == "fp32":  # the gathered parts can land in ``out`` directly
-        for j, peer in enumerate(group):
-            if j != rank and bounds[j][1] > bounds[j][0]:
-                a, b = bounds[j]
-                transport.post_receive(peer, gather_tag, j, codecs.byte_view(out[a:b]))
-                posted.append((peer, j))
-    try:
+    with ExitStack() as stack:
+        if codec == "fp32":  # every incoming part can land in its final place, with no copy
+            _post_in_place(transport, stack, out, group, rank, bounds, tag)
         await _reduce_scatter(transport, flat, out, group, rank, bounds, tag, codec)
-        await _all_gather(transport, out, group, rank, bounds, gather_tag, codec)
-    finally:
-        for peer, j in posted:
-            transport.post_receive(peer, gather_tag, j, None)
+        await _all_gather(transport, out, group, rank, bounds, tag + "/ag", codec)
     return _unflatten(out, tensors)
+
+
+def _post_in_place(transport, stack: ExitStack, out, group, rank, bounds, tag) -> None:
+    """Post gathered parts into ``out`` and reduce-scatter parts into a leased scratch buffer."""
+    lo, hi = bounds[rank]
+    part_bytes = (hi - lo) * 4
+    if part_bytes:
+        scratch = stack.enter_context(transport.lease_scratch(part_bytes * len(group)))
+        for j, peer in enumerate(group):
+            if j != rank:
+                view = codecs.byte_view(scratch[j * part_bytes : (j + 1) * part_bytes])
+                _post(transport, stack, peer, tag + "/rs", rank, view)
+    for j, peer in enumerate(group):
+        a, b = bounds[j]
+        if j != rank and b > a:
+            _post(transport, stack, peer, tag + "/ag", j, codecs.byte_view(out[a:b]))
+
+
+def _post(transport, stack: ExitStack, peer: str, tag: str, part: int, view: memoryview) -> None:
+    transport.post_receive(peer, tag, part, view)
+    stack.callback(transport.post_receive, peer, tag, part, None)
 
 
 async def _reduce_scatter(transport, flat, out, group, rank, bounds, tag, codec) -> None:

@@ -77,6 +77,11 @@ class FastChannel:
         self._recv_buf = bytearray(frame_bytes + _TAG_BYTES)
         self._plain_buf = bytearray(frame_bytes)
         self._closed = False
+        for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):  # whole frames per system call
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, option, frame_bytes + _TAG_BYTES + _LEN.size)
+            except OSError:
+                pass
 
     @property
     def closed(self) -> bool:

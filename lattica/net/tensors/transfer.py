@@ -43,7 +43,7 @@ from lattica.errors import (
 )
 from lattica.net.identity import peer_id_of
 from lattica.net.tensors import codecs, collectives, fastpath, frames
-from lattica.net.tensors.limits import MemoryBudget, TensorLimits
+from lattica.net.tensors.limits import MemoryBudget, ScratchPool, TensorLimits
 from lattica.net.tensors.mailbox import Mailbox
 from lattica.net.tensors.stats import TrafficStats
 from lattica.net.wire import read_message, write_message
@@ -113,6 +113,7 @@ class TensorService:
         self.stats = TrafficStats()
         self.budget = MemoryBudget(config.limits)
         self.mailbox = Mailbox(self.budget, ttl_s=config.limits.mailbox_ttl_s)
+        self.scratch = ScratchPool(config.limits.scratch_pool_bytes)
         self.fast_port: int | None = None
         self._served: dict[str, torch.Tensor] = {}
         self._channels: dict[str, list[fastpath.FastChannel]] = {}
@@ -213,6 +214,10 @@ class TensorService:
             self.mailbox.unpost((tag, peer, part))
         else:
             self.mailbox.post((tag, peer, part), buffer)
+
+    def lease_scratch(self, nbytes: int):
+        """A context manager lending a uint8 buffer of ``nbytes`` (see ``ScratchPool``)."""
+        return self.scratch.lease(nbytes)
 
     def discard_tag(self, tag: str) -> None:
         """Drop parts of an abandoned operation that arrived or will not be taken."""
