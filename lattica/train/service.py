@@ -118,7 +118,7 @@ class TrainingService:
             task = load_task(s.task, context)
         else:
             task = builtin_task(
-                model=s.model, data=DataConfig(source=s.data), batch_size=s.batch_size,
+                model=_model_config(s), data=DataConfig(source=s.data), batch_size=s.batch_size,
                 context=context, model_seed=s.seed,
             )
         cls = strategy_class(s.strategy)
@@ -249,6 +249,14 @@ class TrainingService:
         if request.method == "train":
             return self.status()["training"]
         return None
+
+
+def _model_config(settings: TrainSettings) -> Any:
+    """The preset, trained on sequences of ``seq_len`` tokens (at most the preset's context)."""
+    from lattica.train.model import preset
+
+    gpt = preset(settings.model)
+    return dataclasses.replace(gpt, context=min(settings.seq_len, gpt.context))
 
 
 def check_settings(settings: TrainSettings) -> None:

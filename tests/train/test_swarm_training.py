@@ -1,0 +1,199 @@
+"""DiLoCo across real ``lattica join --train`` processes on loopback.
+
+Every test starts its own daemons (tiny model, 5 inner steps, batch 4), waits on their control
+sockets and reads the outcome the way a user would: ``lattica status`` / ``lattica state``.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lattica.testing.daemons import DaemonProcess, cli_json
+
+INNER_STEPS = 5
+TRAIN_ENV = {
+    "LATTICA_TRAIN_BATCH_SIZE": "4",
+    "LATTICA_TRAIN_SEQ_LEN": "32",
+    "LATTICA_TRAIN_WARMUP_STEPS": "2",
+    "OMP_NUM_THREADS": "1",  # several daemons share the cores
+}
+
+
+def _wait_for(predicate: Callable[[], Any], timeout: float, interval: float = 0.25) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    return predicate()
+
+
+def _training(daemon: DaemonProcess) -> dict[str, Any]:
+    # the control socket answers before the daemon's services (training among them) start
+    return daemon.call("status").get("training") or {"phase": "starting", "rounds_completed": 0}
+
+
+def _trainer(
+    path: Path, *, rounds: int, min_peers: int, peers: tuple[str, ...] = (), env: dict[str, str] | None = None
+) -> DaemonProcess:
+    args = (
+        "--train", "--model", "tiny", "--device", "cpu", "--log-level", "info",
+        "--rounds", str(rounds), "--inner-steps", str(INNER_STEPS), "--min-peers", str(min_peers),
+    )
+    return DaemonProcess(path, peers=peers, extra_args=args, env={**TRAIN_ENV, **(env or {})})
+
+
+class Swarm:
+    """Training daemons started by one test; all of them are killed at the end."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.daemons: list[DaemonProcess] = []
+        self.bootstrap: str | None = None
+
+    def start(self, name: str, *, alone: bool = False, **kwargs: Any) -> DaemonProcess:
+        return self.start_many([name], alone=alone, **kwargs)[0]
+
+    def start_many(self, names: list[str], *, alone: bool = False, **kwargs: Any) -> list[DaemonProcess]:
+        """Start ``names`` together (the first alone when there is no swarm yet), then wait."""
+        if self.bootstrap is None and not alone and len(names) > 1:
+            return [self.start(names[0], **kwargs), *self.start_many(names[1:], **kwargs)]
+        peers = () if self.bootstrap is None or alone else (self.bootstrap,)
+        started = [_trainer(self.root / name, peers=peers, **kwargs).start() for name in names]
+        self.daemons.extend(started)
+        for daemon in started:
+            daemon.wait_ready(timeout=60)
+        if self.bootstrap is None and not alone:
+            self.bootstrap = started[0].addr
+        return started
+
+    def kill_all(self) -> None:
+        for daemon in self.daemons:
+            daemon.kill()
+
+
+@pytest.fixture
+def swarm(tmp_path: Path) -> Iterator[Swarm]:
+    s = Swarm(tmp_path)
+    try:
+        yield s
+    finally:
+        s.kill_all()
+
+
+def _wait_done(daemons: list[DaemonProcess], timeout: float) -> list[dict[str, Any]]:
+    def all_done() -> list[dict[str, Any]] | None:
+        infos = [_training(d) for d in daemons]
+        for d, info in zip(daemons, infos, strict=True):
+            assert info["phase"] != "failed", (info, d.log())
+        return infos if all(i["phase"] == "done" for i in infos) else None
+
+    infos = _wait_for(all_done, timeout)
+    assert infos, "\n\n".join(f"{_training(d)}\n{d.log()}" for d in daemons)
+    return infos
+
+
+def _final_hashes(daemons: list[DaemonProcess], rounds: int) -> set[str]:
+    """Each node's view, through ``lattica state --json``, of every node's hash at ``rounds``."""
+    ids = [d.peer_id for d in daemons]
+
+    def converged() -> set[str] | None:
+        seen: set[str] = set()
+        for d in daemons:
+            progress = cli_json("state", "--data-dir", str(d.data_dir))["progress"]
+            for peer in ids:
+                record = progress.get(peer) or {}
+                if record.get("round") != rounds:
+                    return None
+                seen.add(record["weights_hash"])
+        return seen
+
+    hashes = _wait_for(converged, timeout=15, interval=0.5)
+    assert hashes, [cli_json("state", "--data-dir", str(d.data_dir))["progress"] for d in daemons]
+    return hashes
+
+
+def test_three_daemons_end_with_identical_outer_weights(swarm: Swarm) -> None:
+    daemons = swarm.start_many(["a", "b", "c"], rounds=3, min_peers=3)
+    infos = _wait_done(daemons, timeout=90)
+    assert [i["rounds_completed"] for i in infos] == [3, 3, 3]
+    assert len(_final_hashes(daemons, rounds=3)) == 1
+    val_losses = {i["summary"]["val_loss"] for i in infos}
+    assert len(val_losses) == 1, infos
+    assert None not in val_losses
+    # every round ran with all three members: nobody trained alone
+    for d in daemons:
+        assert "sealed without" not in d.log(), d.log()
+
+
+def test_joiner_fetches_the_outer_state_and_ends_identical(swarm: Swarm) -> None:
+    rounds = 10
+    first = swarm.start_many(["a", "b", "c"], rounds=rounds, min_peers=3)
+    assert _wait_for(lambda: all(_training(d)["rounds_completed"] >= 1 for d in first), 60), [
+        d.log() for d in first
+    ]
+    joiner = swarm.start("d", rounds=rounds, min_peers=1)
+    daemons = [*first, joiner]
+    _wait_done(daemons, timeout=90)
+    adopted = re.search(r"adopted outer state of round (\d+)", joiner.log())
+    assert adopted, joiner.log()
+    assert 1 <= int(adopted.group(1)) <= rounds
+    assert "resumed at step" not in joiner.log()
+    if int(adopted.group(1)) < rounds:  # it arrived in time to sync with the others
+        assert _training(joiner)["bytes_sent"] > 0
+    assert len(_final_hashes(daemons, rounds=rounds)) == 1
+    val_losses = {_training(d)["summary"]["val_loss"] for d in daemons}
+    assert len(val_losses) == 1, val_losses
+
+
+def test_sigkilled_peer_does_not_stall_the_others(swarm: Swarm) -> None:
+    rounds, deadline_s = 5, 3.0
+    env = {"LATTICA_TRAIN_ROUND_DEADLINE_S": str(deadline_s)}
+    daemons = swarm.start_many(["a", "b", "c"], rounds=rounds, min_peers=3, env=env)
+    assert _wait_for(lambda: all(_training(d)["rounds_completed"] >= 1 for d in daemons), 60)
+    # the lowest peer id coordinates every sync: killing it is the harder case
+    victim = min(daemons, key=lambda d: d.peer_id)
+    survivors = [d for d in daemons if d is not victim]
+    victim.kill()
+    killed_at = time.monotonic()
+    infos = _wait_done(survivors, timeout=60)
+    elapsed = time.monotonic() - killed_at
+    # at most: lease expiry (~6 s) plus a deadline and a retry per remaining round, plus slack
+    assert elapsed < 6 + rounds * (2 * deadline_s + 2), elapsed
+    assert [i["rounds_completed"] for i in infos] == [rounds, rounds]
+    assert len(_final_hashes(survivors, rounds=rounds)) == 1
+
+
+def test_restart_resumes_from_the_checkpoint(swarm: Swarm) -> None:
+    daemon = swarm.start("a", rounds=200, min_peers=1)
+    assert _wait_for(lambda: _training(daemon)["rounds_completed"] >= 1, 60), daemon.log()
+    assert daemon.stop() == 0, daemon.log()
+    checkpoints = sorted((daemon.data_dir / "checkpoints").glob("step-*.pt"))
+    assert checkpoints
+    last = checkpoints[-1]
+    step = int(last.stem.removeprefix("step-"))
+    assert step > 0
+    assert step % INNER_STEPS == 0
+    done_rounds = step // INNER_STEPS
+    written = {p.name: p.stat().st_mtime_ns for p in checkpoints}
+
+    restarted = swarm.start("a", alone=True, rounds=done_rounds + 2, min_peers=1)
+    first = _wait_for(lambda: (i := _training(restarted))["phase"] in ("training", "done") and i, 30)
+    assert first, restarted.log()
+    assert first["rounds_completed"] >= done_rounds, first
+    info = _wait_done([restarted], timeout=60)[0]
+    assert f"resumed at step {step}" in restarted.log()
+    assert info["rounds_completed"] == done_rounds + 2
+    assert info["summary"]["steps"] == (done_rounds + 2) * INNER_STEPS
+    # the old checkpoints were not written again: training went on from the last one
+    for path in (daemon.data_dir / "checkpoints").glob("step-*.pt"):
+        if path.name in written:
+            assert path.stat().st_mtime_ns == written[path.name], path.name
+    assert (daemon.data_dir / "checkpoints" / f"step-{(done_rounds + 2) * INNER_STEPS:09d}.pt").exists()
