@@ -13,6 +13,10 @@ so a seeker that happens to store the record still walks), and we record success
 at which the first provider record came back (routing-table seeds are hop 1), and the wall
 time of the walk. The last line of output is one JSON object.
 
+py-libp2p's AutoConnector is stopped on every host (``--keep-auto-connector`` leaves it on):
+it dials every peer in the peerstore up to ~200 connections, which with DHT-learned addresses
+is O(N^2) handshakes and swamps two cores long before N = 200.
+
 Usage: python benchmarks/dht_scale.py [--sizes 25,50,100,200] [--lookups 30] [--workers 2]
 """
 
@@ -42,10 +46,11 @@ WORKER_SCRIPT = os.path.abspath(__file__)
 class Worker:
     """Hosts in this process; answers one JSON command per stdin line."""
 
-    def __init__(self, stack: AsyncExitStack) -> None:
+    def __init__(self, stack: AsyncExitStack, *, quiet_hosts: bool) -> None:
         from lattica.dht import DHTConfig
 
         self._stack = stack
+        self._quiet_hosts = quiet_hosts
         self._config = DHTConfig(query_timeout=10.0)
         self.hosts: list = []
         self.dhts: list = []
@@ -61,6 +66,10 @@ class Worker:
         for _ in contacts:
             host = build_host(create_new_key_pair(), listen_addrs=[listen])
             await self._stack.enter_async_context(host.run([listen]))
+            if self._quiet_hosts:
+                # py-libp2p's AutoConnector dials every peer in the peerstore until it holds
+                # ~200 connections; with DHT-learned addresses that is O(N^2) handshakes.
+                await host.get_network().auto_connector.stop()
             new.append((host, LatticaDHT(host, config=self._config)))
         limiter = trio.CapacityLimiter(JOIN_CONCURRENCY)
         async with trio.open_nursery() as nursery:
@@ -118,7 +127,7 @@ def _info_from_json(info: list):
 async def worker_main() -> None:
     stdin = trio.wrap_file(sys.stdin)
     async with AsyncExitStack() as stack:
-        worker = Worker(stack)
+        worker = Worker(stack, quiet_hosts="--keep-auto-connector" not in sys.argv)
         while line := await stdin.readline():
             cmd = json.loads(line)
             op = cmd.pop("op")
@@ -194,9 +203,13 @@ async def measure(workers, peers, lookups: int, rng: random.Random) -> dict:
     }
 
 
-async def parent_main(sizes: list[int], lookups: int, n_workers: int, seed: int) -> dict:
+async def parent_main(
+    sizes: list[int], lookups: int, n_workers: int, seed: int, keep_auto_connector: bool
+) -> dict:
     rng = random.Random(seed)
     cmd = [sys.executable, WORKER_SCRIPT, "--worker"]
+    if keep_auto_connector:
+        cmd.append("--keep-auto-connector")
     procs = []
     try:
         for _ in range(n_workers):
@@ -246,6 +259,7 @@ async def parent_main(sizes: list[int], lookups: int, n_workers: int, seed: int)
         "processes": n_workers,
         "hosts_per_process": -(-rows[-1]["n"] // n_workers),
         "worker_rss_mb": rows[-1]["worker_rss_mb"],
+        "auto_connector": keep_auto_connector,
     }
 
 
@@ -259,7 +273,14 @@ if __name__ == "__main__":
     parser.add_argument("--lookups", type=int, default=30)
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--keep-auto-connector",
+        action="store_true",
+        help="leave py-libp2p's AutoConnector on (it dials every known peer: O(N^2))",
+    )
     args = parser.parse_args()
     sizes = sorted(int(s) for s in args.sizes.split(","))
-    result = trio.run(parent_main, sizes, args.lookups, args.workers, args.seed)
+    result = trio.run(
+        parent_main, sizes, args.lookups, args.workers, args.seed, args.keep_auto_connector
+    )
     print(json.dumps(result), flush=True)
