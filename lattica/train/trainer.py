@@ -255,7 +255,7 @@ class Trainer:
                 with torch.no_grad():
                     for p, s in zip(params, saved, strict=True):
                         p.copy_(s)
-        return sum(losses) / len(losses)
+        return sum(losses) / len(losses) if losses else float("nan")
 
     def _report(self, val_loss: float | None = None) -> None:
         now = time.monotonic()
