@@ -1,0 +1,177 @@
+"""Outer-state transfer: the agreed round, flatten/unflatten, and a verified fetch from fakes."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+import torch
+import trio
+import trio.lowlevel
+
+from lattica.errors import PeerUnavailableError, RemoteProtocolError
+from lattica.train.checkpoint import weights_hash
+from lattica.train.outer_transfer import (
+    agreed_round,
+    fetch_outer_state,
+    flatten_outer_state,
+    repair_target,
+    serve_outer_state,
+    unflatten_outer_state,
+)
+
+
+def _state(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "round": 4,
+        "step": 20,
+        "completed_rounds": 3,
+        "params": {"w": torch.randn(3, 2, generator=g), "b": torch.randn(2, generator=g)},
+        "momentum": {"w": torch.randn(3, 2, generator=g)},
+    }
+
+
+def test_flatten_then_unflatten_is_the_identity() -> None:
+    state = _state()
+    flat = flatten_outer_state(state)
+    assert set(flat) == {"params/w", "params/b", "momentum/w", "meta/round", "meta/step", "meta/completed_rounds"}
+    assert flat["meta/step"].dtype == torch.int64
+    assert flat["meta/step"].dim() == 0
+    back = unflatten_outer_state(flat)
+    assert (back["round"], back["step"], back["completed_rounds"]) == (4, 20, 3)
+    for kind in ("params", "momentum"):
+        assert back[kind].keys() == state[kind].keys()
+        for name, tensor in state[kind].items():
+            assert torch.equal(back[kind][name], tensor)
+
+
+def test_unflatten_ignores_unknown_entries() -> None:
+    flat = flatten_outer_state(_state())
+    flat["meta/evil"] = torch.tensor(1)
+    flat["other/x"] = torch.ones(1)
+    back = unflatten_outer_state(flat)
+    assert "evil" not in back
+    assert set(back) == {"params", "momentum", "round", "step", "completed_rounds"}
+
+
+def test_agreed_round_is_the_newest_round_with_the_most_live_holders() -> None:
+    progress = {
+        "a": {"round": 3, "weights_hash": "h3"},
+        "b": {"round": 3, "weights_hash": "h3"},
+        "c": {"round": 3, "weights_hash": "x3"},
+        "d": {"round": 2, "weights_hash": "h2"},
+        "gone": {"round": 9, "weights_hash": "h9"},  # not live
+        "me": {"round": 7, "weights_hash": "m7"},  # our own record does not count
+    }
+    assert agreed_round(progress, ["a", "b", "c", "d", "me"], "me") == (3, "h3", ["a", "b"])
+
+
+def test_agreed_round_skips_round_zero_and_malformed_records() -> None:
+    progress = {
+        "a": {"round": 0, "weights_hash": "h0"},
+        "b": {"round": "3", "weights_hash": "h3"},
+        "c": {"round": 3, "weights_hash": ""},
+        "d": None,
+        "e": {"round": True, "weights_hash": "t"},
+    }
+    assert agreed_round(progress, ["a", "b", "c", "d", "e"], "me") is None
+    assert agreed_round({}, [], "me") is None
+
+
+def test_agreed_round_breaks_ties_by_the_smallest_hash() -> None:
+    progress = {"a": {"round": 2, "weights_hash": "bb"}, "b": {"round": 2, "weights_hash": "aa"}}
+    assert agreed_round(progress, ["a", "b"], "me") == (2, "aa", ["b"])
+    assert agreed_round(progress, ["b", "a"], "me") == (2, "aa", ["b"])
+
+
+LIVE = ["a", "b", "c", "me"]
+
+
+def test_repair_target_when_behind_the_others() -> None:
+    progress = {p: {"round": 5, "weights_hash": "h5"} for p in ("a", "b", "c")}
+    assert repair_target(progress, LIVE, "me", (4, "h4")) == (5, "h5", ["a", "b", "c"])
+    assert repair_target(progress, LIVE, "me", (0, None)) == (5, "h5", ["a", "b", "c"])
+
+
+def test_repair_target_none_when_in_agreement_or_ahead() -> None:
+    progress = {p: {"round": 5, "weights_hash": "h5"} for p in ("a", "b", "c")}
+    assert repair_target(progress, LIVE, "me", (5, "h5")) is None
+    assert repair_target(progress, LIVE, "me", (6, "h6")) is None
+    assert repair_target({}, LIVE, "me", (6, "h6")) is None
+
+
+def test_repair_target_minority_adopts_the_majority_and_ties_are_decided_alike() -> None:
+    split = {"a": {"round": 5, "weights_hash": "zz"}, "b": {"round": 5, "weights_hash": "zz"},
+             "c": {"round": 5, "weights_hash": "aa"}}
+    # me + c hold "aa" (2 votes), a + b hold "zz" (2 votes): the tie goes to "aa" on every peer
+    assert repair_target(split, LIVE, "me", (5, "aa")) is None
+    progress = {**split, "me": {"round": 5, "weights_hash": "aa"}}
+    assert repair_target(progress, LIVE, "a", (5, "zz")) == (5, "aa", ["c", "me"])
+    # a clear majority wins whatever its hash
+    majority = {p: {"round": 5, "weights_hash": "zz"} for p in ("a", "b", "c")}
+    assert repair_target(majority, LIVE, "me", (5, "aa")) == (5, "zz", ["a", "b", "c"])
+
+
+class _FakeStore:
+    """In-memory holders: ``tensors[peer][name]``; a peer in ``down`` fails every fetch."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, dict[str, torch.Tensor]] = {}
+        self.down: set[str] = set()
+        self.asked: list[tuple[str, tuple[str, ...]]] = []
+
+    def holder(self, peer: str):
+        store = self
+
+        class _Serve:
+            def serve(self, name: str, tensor: torch.Tensor) -> None:
+                store.tensors.setdefault(peer, {})[name] = tensor
+
+        return _Serve()
+
+    async def fetch(self, peer: str, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        await trio.lowlevel.checkpoint()
+        self.asked.append((peer, tuple(names)))
+        if peer in self.down:
+            raise PeerUnavailableError(f"{peer} is gone")
+        return {n: self.tensors[peer][n] for n in names}
+
+
+def _served(peers: Sequence[str], state: dict) -> _FakeStore:
+    store = _FakeStore()
+    for peer in peers:
+        serve_outer_state(store.holder(peer), state)
+    return store
+
+
+async def test_fetch_spreads_names_over_holders_and_verifies() -> None:
+    state = _state()
+    store = _served(["a", "b"], state)
+    names = sorted(flatten_outer_state(state))
+    got = await fetch_outer_state(store, ["a", "b"], names, weights_hash(state["params"]))
+    assert {peer for peer, _ in store.asked} == {"a", "b"}
+    assert torch.equal(got["params"]["w"], state["params"]["w"])
+    assert got["step"] == 20
+
+
+async def test_fetch_takes_a_failed_holders_share_from_another() -> None:
+    state = _state()
+    store = _served(["a", "b"], state)
+    store.down.add("a")
+    names = sorted(flatten_outer_state(state))
+    got = await fetch_outer_state(store, ["a", "b"], names, weights_hash(state["params"]))
+    assert torch.equal(got["params"]["b"], state["params"]["b"])
+
+
+async def test_fetch_rejects_weights_that_do_not_match_the_published_hash() -> None:
+    state, lie = _state(0), _state(1)
+    store = _served(["a"], lie)
+    names = sorted(flatten_outer_state(state))
+    with pytest.raises(RemoteProtocolError, match="hash mismatch"):
+        await fetch_outer_state(store, ["a"], names, weights_hash(state["params"]))
+
+
+async def test_fetch_without_holders_is_peer_unavailable() -> None:
+    with pytest.raises(PeerUnavailableError):
+        await fetch_outer_state(_FakeStore(), [], ["params/w"], "0" * 64)

@@ -1,0 +1,94 @@
+"""RoundCoordinator on three real in-process libp2p hosts on loopback."""
+
+from __future__ import annotations
+
+import multiaddr
+import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.peer.peerinfo import info_from_p2p_addr
+
+from lattica.net.host import build_host
+from lattica.train.rounds import RoundCoordinator
+
+LOOPBACK = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]
+
+
+async def _run_host(host, *, task_status=trio.TASK_STATUS_IGNORED):
+    with trio.CancelScope() as scope:
+        async with host.run(LOOPBACK):
+            task_status.started(scope)
+            await trio.sleep_forever()
+
+
+class _Member:
+    def __init__(self, host, scope: trio.CancelScope, coordinator: RoundCoordinator) -> None:
+        self.host, self.scope, self.coordinator = host, scope, coordinator
+        self.peer_id = coordinator.peer_id
+
+
+async def _members(nursery: trio.Nursery, *, deadline_s: float, count: int = 3) -> list[_Member]:
+    """``count`` connected members, sorted by peer id (the first coordinates every key)."""
+    ids: list[str] = []
+    members = []
+    for _ in range(count):
+        host = build_host(create_new_key_pair())
+        scope = await nursery.start(_run_host, host)
+        peer_id = host.get_id().to_base58()
+        ids.append(peer_id)
+        coordinator = RoundCoordinator(
+            host, peer_id=peer_id, run_id="test-run", candidates=lambda: list(ids), deadline_s=deadline_s
+        )
+        await nursery.start(coordinator.run)
+        members.append(_Member(host, scope, coordinator))
+    for i, member in enumerate(members):
+        for other in members[i + 1 :]:
+            await member.host.connect(info_from_p2p_addr(other.host.get_addrs()[0]))
+    return sorted(members, key=lambda m: m.peer_id)
+
+
+async def _groups(members: list[_Member], key: str) -> dict[str, tuple[str, ...]]:
+    groups: dict[str, tuple[str, ...]] = {}
+
+    async def ask(member: _Member) -> None:
+        groups[member.peer_id] = tuple(await member.coordinator.group_for(key))
+
+    async with trio.open_nursery() as nursery:
+        for member in members:
+            nursery.start_soon(ask, member)
+    return groups
+
+
+async def test_everyone_gets_the_same_sorted_group() -> None:
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            members = await _members(nursery, deadline_s=20)
+            expected = tuple(sorted(m.peer_id for m in members))
+            for key in ("round/0", "round/1"):
+                started = trio.current_time()
+                groups = await _groups(members, key)
+                assert set(groups.values()) == {expected}
+                assert trio.current_time() - started < 10  # sealed when all were ready, not at the deadline
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_late_peer_gets_a_group_without_itself_and_syncs_alone() -> None:
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            members = await _members(nursery, deadline_s=1.0)
+            early, late = members[:2], members[2]
+            groups = await _groups(early, "round/0")
+            assert set(groups.values()) == {(early[0].peer_id, early[1].peer_id)}
+            assert tuple(await late.coordinator.group_for("round/0")) == (late.peer_id,)
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_dead_coordinator_hands_over_to_the_next_peer_id() -> None:
+    with trio.fail_after(40):
+        async with trio.open_nursery() as nursery:
+            members = await _members(nursery, deadline_s=1.0)
+            dead, alive = members[0], members[1:]
+            dead.scope.cancel()  # its host closes; the others still list it as a candidate
+            await trio.sleep(0.5)
+            groups = await _groups(alive, "round/0")
+            assert set(groups.values()) == {tuple(m.peer_id for m in alive)}
+            nursery.cancel_scope.cancel()
