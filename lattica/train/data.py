@@ -251,7 +251,8 @@ def _is_validation(name: str, fraction: float) -> bool:
 
 def _from_documents(documents: list[tuple[str, bytes]], config: DataConfig, what: str) -> Corpus:
     hasher = hashlib.sha256()
-    train_parts, val_parts = [], []
+    train_parts: list[bytes] = []
+    val_parts: list[bytes] = []
     for name, data in documents:
         hasher.update(len(name).to_bytes(8, "big") + name.encode("utf-8"))
         hasher.update(len(data).to_bytes(8, "big") + data)
