@@ -73,7 +73,10 @@ class NodeConfig:
     max_backoff_s: float = 30.0
     peer_exchange: bool = True
     nat: bool = True
+    dht: bool = True
     admins: tuple[str, ...] = ()
+    secret_file: Path | None = None
+    allow_peers: tuple[str, ...] = ()
     train: TrainSettings | None = None
 
     def __post_init__(self) -> None:
@@ -91,6 +94,9 @@ class NodeConfig:
         for admin in self.admins:
             if not re.match(r"^[1-9A-HJ-NP-Za-km-z]{40,60}$", admin):
                 raise ConfigError(f"admin must be a peer id, got {admin!r}")
+        for peer in self.allow_peers:
+            if not re.match(r"^[1-9A-HJ-NP-Za-km-z]{40,60}$", peer):
+                raise ConfigError(f"--allow-peer must be a peer id, got {peer!r}")
         if not _RUN_ID.match(self.run_id):
             raise ConfigError(f"run id must be 1-64 of [A-Za-z0-9._-], got {self.run_id!r}")
         if self.metrics_addr is not None:

@@ -50,6 +50,35 @@ class StateExtension:
         return None
 
 
+class DiscoveryExtension:
+    """The Kademlia DHT: run discovery (``/lattica/run/<id>``) and content routing."""
+
+    def __init__(self, node: Node) -> None:
+        from lattica.dht.config import DHTConfig
+        from lattica.dht.discovery import RunDiscovery
+
+        self.node = node
+        self.discovery = RunDiscovery(node.host, run_id=node.config.run_id, config=DHTConfig())
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        # bootstrapping and the first lookups take network round trips: do not hold start-up
+        task_status.started()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.discovery.run)
+            nursery.start_soon(self._export_metrics)
+
+    async def _export_metrics(self) -> None:
+        while True:
+            self.node.metrics.dht_routing_table_peers.set(self.discovery.routing_table_size())
+            await trio.sleep(2.0)
+
+    async def set_reachability(self, public: bool) -> None:
+        await self.discovery.set_reachability(public)
+
+    def status(self) -> dict[str, Any]:
+        return {"dht": self.discovery.status()}
+
+
 class TrainingMetricsExporter:
     """Copies the training service's progress into the node's Prometheus metrics."""
 
@@ -97,8 +126,8 @@ def _scalars(values: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in values.items() if isinstance(v, int | float | str)}
 
 
-def build_node(config: NodeConfig, key_pair: KeyPair) -> Node:
-    node = Node(config, key_pair)
+def build_node(config: NodeConfig, key_pair: KeyPair, *, secret: bytes | None = None) -> Node:
+    node = Node(config, key_pair, secret=secret)
     states: list[StateExtension] = []
 
     def make_state(n: Node) -> StateExtension:
@@ -106,10 +135,20 @@ def build_node(config: NodeConfig, key_pair: KeyPair) -> Node:
         return states[0]
 
     node.service_factories.append(make_state)
+    dhts: list[DiscoveryExtension] = []
+    if config.dht:
+
+        def make_dht(n: Node) -> DiscoveryExtension:
+            dhts.append(DiscoveryExtension(n))
+            return dhts[0]
+
+        node.service_factories.append(make_dht)
     if config.nat:
         from lattica.net.nat.daemon_services import NatServices
 
-        node.service_factories.append(lambda n: NatServices(n, state=states[0].state))
+        node.service_factories.append(
+            lambda n: NatServices(n, state=states[0].state, on_reachability=dhts[0].set_reachability if dhts else None)
+        )
     if config.train is not None:
         from lattica.train.service import TrainingService, check_settings
 

@@ -36,6 +36,7 @@ NODE_KEYS: dict[str, str] = {
     "peer_exchange": "bool",
     "admins": "list",
     "nat": "bool",
+    "dht": "bool",
 }
 TRAIN_KEYS: dict[str, str] = {
     f.name: {"int": "int", "float": "float", "str": "str", "str | None": "str", "bool": "bool"}.get(

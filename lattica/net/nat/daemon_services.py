@@ -10,6 +10,7 @@ relayed) and samples RTTs; the daemon's peer table shows both (``lattica peers``
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
@@ -26,10 +27,17 @@ _SYNC_INTERVAL_S = 1.0
 
 
 class NatServices:
-    def __init__(self, node: Any, *, state: Any | None = None) -> None:
+    def __init__(
+        self,
+        node: Any,
+        *,
+        state: Any | None = None,
+        on_reachability: Callable[[bool], Awaitable[None]] | None = None,
+    ) -> None:
         host = node.host
         self.node = node
         self.state = state
+        self.on_reachability = on_reachability
         self.reachability = ReachabilityService(host)
         self.relay_server = RelayServer(host, serve="auto", reachability=self.reachability)
         self.hole_puncher = HolePuncher(host)
@@ -52,6 +60,9 @@ class NatServices:
             if verdict == Reachability.PRIVATE and self.reservations is None:
                 self.reservations = RelayReservations(self._host)
                 await nursery.start(self.reservations.run)
+            if self.on_reachability is not None and verdict != Reachability.UNKNOWN:
+                # DHT server mode when publicly reachable, client mode behind NAT
+                await self.on_reachability(verdict == Reachability.PUBLIC)
             await self._publish()
 
     async def _publish(self) -> None:
