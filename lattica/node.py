@@ -32,6 +32,7 @@ from lattica.config import NodeConfig, parse_host_port, parse_multiaddr
 from lattica.control.protocol import ControlRequest
 from lattica.control.server import ControlServer
 from lattica.errors import ConfigError, LatticaError, LocalProtocolError
+from lattica.net.access import AccessGate, RunAccess
 from lattica.net.addrs import dialable_addrs
 from lattica.net.host import build_host
 from lattica.net.identity import peer_id_of
@@ -56,10 +57,16 @@ _GOODBYE_BUDGET_S = 3.0  # SIGTERM must end the process within 5 s
 
 
 class Node:
-    def __init__(self, config: NodeConfig, key_pair: KeyPair) -> None:
+    def __init__(self, config: NodeConfig, key_pair: KeyPair, *, secret: bytes | None = None) -> None:
         self.config = config
         self.key_pair = key_pair
         self.peer_id = peer_id_of(key_pair)
+        self.access = AccessGate(
+            RunAccess(
+                run_id=config.run_id, self_id=self.peer_id.to_base58(),
+                allow_peers=frozenset(config.allow_peers), secret=secret,
+            )
+        )
         self.peer_book = PeerBook(self.peer_id.to_base58())
         self.started_at = time.time()
         self.host: IHost | None = None
@@ -83,6 +90,7 @@ class Node:
         self.config.data_dir.mkdir(parents=True, exist_ok=True)
         host = build_host(self.key_pair, listen_addrs=listen, announce_addrs=announce)
         self.host = host
+        self.access.install(host)  # before any handler: every run protocol is members-only
         async with host.run(listen):
             if len(host.get_transport_addrs()) < len(listen):
                 raise ConfigError(f"could not listen on all of {', '.join(self.config.listen)} (port in use?)")
@@ -346,6 +354,7 @@ class Node:
             "connected_peers": len(connected),
             "known_peers": len(self.peer_book.records()),
             "metrics_addr": self.config.metrics_addr,
+            "access": self.access.status(),
         }
         for extension in self.extensions:
             contribute = getattr(extension, "status", None)

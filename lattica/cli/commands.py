@@ -18,6 +18,7 @@ from lattica.errors import DaemonNotRunningError
 def join(args: argparse.Namespace) -> int:
     from lattica.cli.logs import configure_logging
     from lattica.cli.settings import build_node_config
+    from lattica.net.access import read_secret_file
     from lattica.net.identity import load_or_create_identity
 
     flags = {
@@ -30,6 +31,8 @@ def join(args: argparse.Namespace) -> int:
         "metrics_addr": args.metrics_addr,
         "log_level": args.log_level,
         "bootstrap_timeout_s": args.bootstrap_timeout_s,
+        "secret_file": args.secret_file,
+        "allow_peers": tuple(args.allow_peers) if args.allow_peers else None,
     }
     train_flags = {
         "strategy": args.strategy,
@@ -49,15 +52,16 @@ def join(args: argparse.Namespace) -> int:
         environ=os.environ,
         with_training=args.train,
     )
+    secret = read_secret_file(config.secret_file) if config.secret_file is not None else None
     configure_logging(config.log_level)
     key_pair = load_or_create_identity(config.data_dir)
-    return trio.run(_run_daemon, config, key_pair)
+    return trio.run(_run_daemon, config, key_pair, secret)
 
 
-async def _run_daemon(config: Any, key_pair: Any) -> int:
+async def _run_daemon(config: Any, key_pair: Any, secret: bytes | None) -> int:
     from lattica.daemon import build_node
 
-    node = build_node(config, key_pair)
+    node = build_node(config, key_pair, secret=secret)
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_stop_on_signal, signals, node, nursery.cancel_scope)

@@ -44,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--metrics-addr", help="HOST:PORT for Prometheus metrics, or 'off' (default 127.0.0.1:9400)")
     join.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
     join.add_argument("--bootstrap-timeout", type=float, dest="bootstrap_timeout_s", help="seconds to reach a bootstrap peer (default 30)")
+    join.add_argument("--secret-file", type=Path, help="run secret (mode 0600); members must prove they know it")
+    join.add_argument("--allow-peer", action="append", dest="allow_peers", metavar="PEER_ID", help="only these peers may take part (repeatable)")
     join.add_argument("--train", action="store_true", help="take part in training (default config unless [train] is set)")
     join.add_argument("--strategy", help="outer strategy: diloco, eager, streaming, noloco, spes")
     join.add_argument("--model", help="built-in model preset (e.g. tiny)")

@@ -1,0 +1,270 @@
+"""Who may take part in a run: an allowlist of peer ids and/or a shared run secret.
+
+Theory of operation
+-------------------
+Noise already proves *which* peer is on the other end of a connection; this module decides
+whether that peer belongs to the run. ``RunAccess`` is the sans-IO policy: an allowlist check
+and an HMAC challenge-response. ``AccessGate`` is the thin trio loop around it.
+
+Proof of the secret (``AUTH_PROTOCOL``): the verifier opens a stream to the prover and sends
+``{"run": run_id, "nonce": 32 random bytes}``; the prover answers
+``{"mac": HMAC-SHA256(secret, "lattica-auth/1" | run_id | verifier id | prover id | nonce)}``.
+The MAC binds both authenticated peer ids, so a non-member cannot relay a member's answer to a
+third peer, and the fresh nonce makes a recorded answer useless. The secret never crosses the
+wire. Each side verifies the other on its own initiative, so membership is mutual.
+
+Every protocol is checked, not only the connection: ``AccessGate.install(host)`` makes every
+stream handler registered *after* it go through ``guard`` first, and every stream this host
+opens on one of those protocols is guarded too (we neither serve nor send run data to a
+non-member). A denied stream is reset and counted per protocol. Verdicts are cached per peer
+for the life of the connection they were reached on; a new connection is verified again.
+Handlers registered before ``install`` (identify, ping) and the auth protocol stay open.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import re
+import secrets
+import stat
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import trio
+from libp2p.abc import IHost, INetStream
+from libp2p.custom_types import TProtocol
+from libp2p.peer.id import ID
+
+from lattica.errors import ConfigError, PeerUnavailableError, RemoteProtocolError
+from lattica.net.wire import read_message, write_message
+
+log = logging.getLogger(__name__)
+
+AUTH_PROTOCOL = TProtocol("/lattica/auth/1.0.0")
+NONCE_BYTES = 32
+MIN_SECRET_BYTES = 16
+MAX_SECRET_BYTES = 4096
+_MAX_AUTH_MESSAGE = 256
+_VERIFY_TIMEOUT_S = 5.0
+_MAX_CACHED_PEERS = 4096
+_PEER_ID = re.compile(r"^[1-9A-HJ-NP-Za-km-z]{40,60}$")
+
+
+class AccessDeniedError(PeerUnavailableError):
+    """The peer is not a member of this run (or could not prove it)."""
+
+
+def read_secret_file(path: Path) -> bytes:
+    """The run secret: a file readable by its owner only, like the identity key."""
+    try:
+        mode = path.stat().st_mode
+        with path.open("rb") as f:
+            raw = f.read(MAX_SECRET_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"cannot read secret file {path}: {exc.strerror}") from None
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ConfigError(
+            f"secret file {path} has mode {stat.S_IMODE(mode):04o}; it must be 0600 (chmod 600 {path})"
+        )
+    secret = raw.strip()
+    if len(raw) > MAX_SECRET_BYTES:
+        raise ConfigError(f"secret file {path} is larger than {MAX_SECRET_BYTES} bytes")
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ConfigError(f"secret file {path} holds {len(secret)} bytes; use at least {MIN_SECRET_BYTES}")
+    return secret
+
+
+def check_peer_ids(peer_ids: Iterable[str], *, what: str) -> None:
+    for peer_id in peer_ids:
+        if not isinstance(peer_id, str) or not _PEER_ID.match(peer_id):
+            raise ConfigError(f"{what} must be a peer id, got {peer_id!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunAccess:
+    """The sans-IO policy: ``allow_peers`` (empty: anyone) and an optional shared ``secret``."""
+
+    run_id: str
+    self_id: str
+    allow_peers: frozenset[str] = frozenset()
+    secret: bytes | None = None
+
+    def __post_init__(self) -> None:
+        check_peer_ids(self.allow_peers, what="allow_peers")
+        if self.secret is not None and len(self.secret) < MIN_SECRET_BYTES:
+            raise ValueError(f"a run secret needs at least {MIN_SECRET_BYTES} bytes")
+
+    @property
+    def open(self) -> bool:
+        """No restriction at all: every peer is a member."""
+        return not self.allow_peers and self.secret is None
+
+    def listed(self, peer_id: str) -> bool:
+        return not self.allow_peers or peer_id == self.self_id or peer_id in self.allow_peers
+
+    @staticmethod
+    def challenge() -> bytes:
+        return secrets.token_bytes(NONCE_BYTES)
+
+    def proof(self, nonce: bytes, *, verifier: str, prover: str) -> bytes:
+        if self.secret is None:
+            raise ValueError("no run secret to prove")
+        message = b"|".join(
+            [b"lattica-auth/1", self.run_id.encode(), verifier.encode(), prover.encode(), nonce]
+        )
+        return hmac.new(self.secret, message, hashlib.sha256).digest()
+
+    def check_proof(self, nonce: bytes, mac: object, *, verifier: str, prover: str) -> bool:
+        if not isinstance(mac, bytes):
+            return False
+        expected = self.proof(nonce, verifier=verifier, prover=prover)
+        return hmac.compare_digest(expected, mac)
+
+    def answer(self, request: object, *, verifier: str) -> dict[str, Any]:
+        """The prover's reply to a challenge message."""
+        if not isinstance(request, dict) or request.get("run") != self.run_id:
+            return {"error": "unknown run"}
+        nonce = request.get("nonce")
+        if not isinstance(nonce, bytes) or len(nonce) != NONCE_BYTES:
+            return {"error": "bad nonce"}
+        if self.secret is None:
+            return {"error": "no secret"}
+        return {"mac": self.proof(nonce, verifier=verifier, prover=self.self_id)}
+
+
+Handler = Callable[[INetStream], Awaitable[None]]
+
+
+class AccessGate:
+    """Applies a ``RunAccess`` to every stream of a host; see the module docstring."""
+
+    def __init__(self, access: RunAccess) -> None:
+        self.access = access
+        self.denied: Counter[str] = Counter()
+        self.verified = 0
+        self._verdicts: dict[str, tuple[Any, bool]] = {}
+        self._locks: dict[str, trio.Lock] = {}
+        self._guarded: set[str] = set()
+        self._open_unguarded: Callable[[ID, Sequence[TProtocol]], Awaitable[INetStream]] | None = None
+
+    def install(self, host: IHost) -> None:
+        """Serve the auth protocol and guard every handler registered and stream opened later."""
+        set_handler, new_stream = host.set_stream_handler, host.new_stream
+        self._open_unguarded = new_stream
+        set_handler(AUTH_PROTOCOL, self._answer_challenge)
+
+        def guarded_set_stream_handler(protocol_id: TProtocol, handler: Handler) -> None:
+            self._guarded.add(str(protocol_id))
+            set_handler(protocol_id, self.wrap(handler, str(protocol_id)))
+
+        async def guarded_new_stream(peer_id: ID, protocol_ids: Sequence[TProtocol]) -> INetStream:
+            stream = await new_stream(peer_id, protocol_ids)
+            if any(str(p) in self._guarded for p in protocol_ids) and not await self.guard(stream):
+                raise AccessDeniedError("peer is not a member of this run", peer_id=peer_id.to_base58())
+            return stream
+
+        host.set_stream_handler = guarded_set_stream_handler  # type: ignore[method-assign]
+        host.new_stream = guarded_new_stream  # type: ignore[method-assign]
+
+    def wrap(self, handler: Handler, protocol: str) -> Handler:
+        async def guarded_handler(stream: INetStream) -> None:
+            if await self.guard(stream, protocol=protocol):
+                await handler(stream)
+
+        return guarded_handler
+
+    async def guard(self, stream: INetStream, *, protocol: str = "outbound") -> bool:
+        """Whether the stream's peer is a member; a non-member's stream is reset and counted."""
+        if self.access.open:
+            return True
+        peer_id = stream.muxed_conn.peer_id.to_base58()
+        if await self.admit(peer_id, stream.muxed_conn):
+            return True
+        self.denied[protocol] += 1
+        log.info("denied %s stream of non-member %s", protocol, peer_id)
+        try:
+            await stream.reset()
+        except Exception:  # noqa: BLE001 - the stream may already be gone
+            pass
+        return False
+
+    async def admit(self, peer_id: str, conn: Any) -> bool:
+        if not self.access.listed(peer_id):
+            return False
+        if self.access.secret is None:
+            return True
+        cached = self._verdicts.get(peer_id)
+        if cached is not None and cached[0] is conn:
+            return cached[1]
+        async with self._locks.setdefault(peer_id, trio.Lock()):
+            cached = self._verdicts.get(peer_id)
+            if cached is not None and cached[0] is conn:
+                return cached[1]
+            try:
+                ok = await self._verify(peer_id)
+            except (RemoteProtocolError, PeerUnavailableError, OSError, trio.TooSlowError) as exc:
+                log.debug("could not verify %s: %r", peer_id, exc)
+                return False  # not cached: a transient failure is retried on the next stream
+            except Exception as exc:  # noqa: BLE001 - libp2p raises many kinds on a broken stream
+                log.debug("could not verify %s: %r", peer_id, exc)
+                return False
+            self._remember(peer_id, conn, ok)
+            return ok
+
+    def _remember(self, peer_id: str, conn: Any, ok: bool) -> None:
+        if ok:
+            self.verified += 1
+        if len(self._verdicts) >= _MAX_CACHED_PEERS:
+            self._verdicts.pop(next(iter(self._verdicts)))
+        self._verdicts[peer_id] = (conn, ok)
+
+    async def _verify(self, peer_id: str) -> bool:
+        if self._open_unguarded is None:
+            raise PeerUnavailableError("the access gate is not installed on a host", peer_id=peer_id)
+        nonce = self.access.challenge()
+        me = self.access.self_id
+        with trio.fail_after(_VERIFY_TIMEOUT_S):
+            stream = await self._open_unguarded(ID.from_base58(peer_id), [AUTH_PROTOCOL])
+            try:
+                await write_message(stream, {"run": self.access.run_id, "nonce": nonce}, peer_id=peer_id)
+                reply = await read_message(stream, max_size=_MAX_AUTH_MESSAGE, peer_id=peer_id)
+            finally:
+                await _close_quietly(stream)
+        mac = reply.get("mac") if isinstance(reply, dict) else None
+        return self.access.check_proof(nonce, mac, verifier=me, prover=peer_id)
+
+    async def _answer_challenge(self, stream: INetStream) -> None:
+        peer_id = stream.muxed_conn.peer_id.to_base58()
+        try:
+            with trio.fail_after(_VERIFY_TIMEOUT_S):
+                request = await read_message(stream, max_size=_MAX_AUTH_MESSAGE, peer_id=peer_id)
+                await write_message(stream, self.access.answer(request, verifier=peer_id), peer_id=peer_id)
+        except Exception as exc:  # noqa: BLE001 - a bad challenge only ends this stream
+            log.debug("auth challenge from %s failed: %r", peer_id, exc)
+        finally:
+            await _close_quietly(stream)
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "mode": _mode(self.access),
+            "verified_peers": self.verified,
+            "denied_streams": dict(self.denied),
+        }
+
+
+def _mode(access: RunAccess) -> str:
+    parts = [name for name, on in (("allowlist", access.allow_peers), ("secret", access.secret)) if on]
+    return "+".join(parts) or "open"
+
+
+async def _close_quietly(stream: INetStream) -> None:
+    try:
+        await stream.close()
+    except Exception:  # noqa: BLE001
+        pass
+

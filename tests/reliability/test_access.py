@@ -1,0 +1,187 @@
+"""Run access control: the sans-IO policy, and real in-process nodes on loopback.
+
+Three real ``Node`` daemons (host, state sync, px, bye) with a ``TensorService`` and a
+``RoundCoordinator`` each: A and B are members of a protected run, C is not (it has no secret,
+or is not on the allowlist). C is refused on every protocol; B is served.
+Forged state updates (a member's entries signed by someone else) are covered by
+``tests/crdt/test_crdt_replica.py`` and ``tests/crdt/test_crdt_service.py``.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.host.exceptions import StreamFailure
+from libp2p.peer.id import ID
+
+from lattica.config import NodeConfig
+from lattica.daemon import build_node
+from lattica.errors import ConfigError, LatticaError
+from lattica.net.access import AccessGate, RunAccess, read_secret_file
+from lattica.net.identity import peer_id_of
+from lattica.net.peer_exchange import PX_PROTOCOL
+from lattica.net.tensors.transfer import TensorService, TensorServiceConfig
+from lattica.net.wire import read_message, write_message
+from lattica.train.rounds import ROUND_PROTOCOL, RoundCoordinator
+
+SECRET = b"correct horse battery staple 42"
+A_ID = "12D3KooWJbM6u2R3tE5hD3ZKg1b3wHv7n9t4yZ6JzWq2mF8o1QxA"
+B_ID = "12D3KooWJbM6u2R3tE5hD3ZKg1b3wHv7n9t4yZ6JzWq2mF8o1QxB"
+
+
+# -- the policy, without any I/O ----------------------------------------------------------------
+
+
+def test_a_proof_is_bound_to_the_secret_both_peer_ids_and_the_run() -> None:
+    a = RunAccess(run_id="r", self_id=A_ID, secret=SECRET)
+    nonce = a.challenge()
+    mac = a.answer({"run": "r", "nonce": nonce}, verifier=B_ID)["mac"]
+    b = RunAccess(run_id="r", self_id=B_ID, secret=SECRET)
+    assert b.check_proof(nonce, mac, verifier=B_ID, prover=A_ID)
+    assert not b.check_proof(nonce, mac, verifier=A_ID, prover=B_ID)  # replayed the other way
+    assert not b.check_proof(a.challenge(), mac, verifier=B_ID, prover=A_ID)  # another nonce
+    other_run = RunAccess(run_id="r2", self_id=B_ID, secret=SECRET)
+    assert not other_run.check_proof(nonce, mac, verifier=B_ID, prover=A_ID)
+    wrong = RunAccess(run_id="r", self_id=B_ID, secret=b"x" * 32)
+    assert not wrong.check_proof(nonce, mac, verifier=B_ID, prover=A_ID)
+    assert not b.check_proof(nonce, "not bytes", verifier=B_ID, prover=A_ID)
+
+
+@pytest.mark.parametrize(
+    "request_",
+    [None, {}, {"run": "other", "nonce": b"n" * 32}, {"run": "r", "nonce": b"short"}, {"run": "r", "nonce": 5}],
+)
+def test_malformed_or_foreign_challenges_get_no_proof(request_) -> None:
+    a = RunAccess(run_id="r", self_id=A_ID, secret=SECRET)
+    assert "mac" not in a.answer(request_, verifier=B_ID)
+
+
+def test_the_allowlist_admits_only_listed_peers_and_ourselves() -> None:
+    access = RunAccess(run_id="r", self_id=A_ID, allow_peers=frozenset({B_ID}))
+    assert access.listed(A_ID)
+    assert access.listed(B_ID)
+    assert not access.listed("12D3KooWJbM6u2R3tE5hD3ZKg1b3wHv7n9t4yZ6JzWq2mF8o1QxC")
+    assert RunAccess(run_id="r", self_id=A_ID).open
+
+
+def test_the_secret_file_must_be_private_and_long_enough(tmp_path: Path) -> None:
+    path = tmp_path / "secret"
+    path.write_bytes(SECRET + b"\n")
+    os.chmod(path, 0o644)
+    with pytest.raises(ConfigError, match="mode 0644"):
+        read_secret_file(path)
+    os.chmod(path, 0o600)
+    assert read_secret_file(path) == SECRET
+    path.write_bytes(b"short")
+    with pytest.raises(ConfigError, match="at least"):
+        read_secret_file(path)
+    with pytest.raises(ConfigError, match="cannot read"):
+        read_secret_file(tmp_path / "missing")
+    with pytest.raises(ConfigError, match="--allow-peer must be a peer id"):
+        NodeConfig(data_dir=tmp_path, allow_peers=("nope",))
+
+
+# -- real nodes -----------------------------------------------------------------------------------
+
+
+class _Member:
+    def __init__(self, node, tensors: TensorService, rounds: RoundCoordinator) -> None:
+        self.node, self.tensors, self.rounds = node, tensors, rounds
+        self.peer_id = node.peer_id.to_base58()
+
+
+async def _start(nursery, data_dir: Path, *, key_pair, peers=(), allow=(), secret=None) -> _Member:
+    config = NodeConfig(
+        data_dir=data_dir, listen=("/ip4/127.0.0.1/tcp/0",), peers=tuple(peers), run_id="guarded",
+        metrics_addr=None, nat=False, allow_peers=tuple(allow), bootstrap_timeout_s=10,
+    )
+    node = build_node(config, key_pair, secret=secret)
+    parts: dict[str, object] = {}
+
+    def make_tensors(n):
+        parts["tensors"] = TensorService(n.host, n.key_pair, config=TensorServiceConfig())
+        return parts["tensors"]
+
+    def make_rounds(n):
+        parts["rounds"] = RoundCoordinator(
+            n.host, peer_id=n.peer_id.to_base58(), run_id="guarded",
+            candidates=lambda: n.peer_book.connected_ids(), deadline_s=1.0,
+        )
+        return parts["rounds"]
+
+    node.service_factories += [make_tensors, make_rounds]
+    await nursery.start(node.run)
+    return _Member(node, parts["tensors"], parts["rounds"])  # type: ignore[arg-type]
+
+
+async def _request(member: _Member, peer: str, protocol, message) -> object:
+    stream = await member.node.host.new_stream(ID.from_base58(peer), [protocol])
+    try:
+        await write_message(stream, message, peer_id=peer)
+        return await read_message(stream, peer_id=peer)
+    finally:
+        await stream.close()
+
+
+@pytest.mark.parametrize("mode", ["secret", "allowlist"])
+async def test_a_non_member_is_refused_on_every_protocol_and_a_member_is_served(tmp_path, mode) -> None:
+    keys = [create_new_key_pair() for _ in range(3)]
+    ids = [peer_id_of(k).to_base58() for k in keys]
+    guard = {"secret": SECRET} if mode == "secret" else {"allow": ids[:2]}
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            a = await _start(nursery, tmp_path / "a", key_pair=keys[0], **guard)
+            a_addr = a.node.dialable_addrs()[0]
+            b = await _start(nursery, tmp_path / "b", key_pair=keys[1], peers=[a_addr], **guard)
+            c = await _start(nursery, tmp_path / "c", key_pair=keys[2], peers=[a_addr])  # open: no guard
+            weights = torch.arange(1000, dtype=torch.float32)
+            a.tensors.serve("w", weights)
+
+            # the member is served: tensors, all-reduce, rounds, px, state
+            assert torch.equal((await b.tensors.fetch(a.peer_id, ["w"]))["w"], weights)
+            async with trio.open_nursery() as pair:
+                for m in (a, b):
+                    pair.start_soon(partial(m.tensors.allreduce, [torch.ones(64)], group=sorted(ids[:2]), tag="ok"))
+            reply = await _request(b, a.peer_id, ROUND_PROTOCOL, {"key": "k1", "run": "guarded"})
+            assert isinstance(reply, dict)
+            assert b.peer_id in reply["group"]
+            reply = await _request(b, a.peer_id, PX_PROTOCOL, {"run": "guarded"})
+            assert isinstance(reply, dict)
+            with trio.fail_after(20):
+                while b.peer_id not in _state_members(a) or a.peer_id not in _state_members(b):
+                    await trio.sleep(0.2)
+
+            # the non-member is refused everywhere
+            with pytest.raises(LatticaError):
+                await c.tensors.fetch(a.peer_id, ["w"])
+            with pytest.raises(LatticaError), trio.fail_after(15):
+                await c.tensors.allreduce([torch.ones(64)], group=sorted([a.peer_id, c.peer_id]), tag="no")
+            for protocol, message in ((ROUND_PROTOCOL, {"key": "k2", "run": "guarded"}),
+                                      (PX_PROTOCOL, {"run": "guarded"})):
+                with pytest.raises((LatticaError, StreamFailure)):
+                    await _request(c, a.peer_id, protocol, message)
+            await trio.sleep(2.5)  # a few state-sync and px rounds
+            assert c.peer_id not in _state_members(a)
+            assert c.peer_id not in _state_members(b)
+            assert a.peer_id not in _state_members(c)
+            denied = a.node.access.denied
+            for protocol in ("/lattica/state-sync/1.0.0", str(ROUND_PROTOCOL), str(PX_PROTOCOL),
+                             "/lattica/tensors/1.0.0"):
+                assert denied[protocol] > 0, (protocol, dict(denied))
+            assert a.node.status()["access"]["denied_streams"]
+            nursery.cancel_scope.cancel()
+
+
+def _state_members(member: _Member) -> set[str]:
+    return set(member.node.extensions[0].state.snapshot().get("members", {}))
+
+
+async def test_an_uninstalled_gate_admits_nobody_with_a_secret() -> None:
+    gate = AccessGate(RunAccess(run_id="r", self_id=A_ID, secret=SECRET))
+    assert not await gate.admit(B_ID, object())
