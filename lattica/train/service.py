@@ -26,6 +26,8 @@ from lattica.errors import ConfigError, LatticaError
 log = logging.getLogger(__name__)
 
 _CATCH_UP_WAIT_S = 5.0
+_JOIN_ATTEMPTS = 3
+_REPAIR_RETRY_S = 2.0
 
 
 class TrainingService:
@@ -44,6 +46,8 @@ class TrainingService:
         self._nursery: trio.Nursery | None = None
         self._bytes_sent = 0
         self._rounds_done = 0
+        self._mine: tuple[int, str | None] = (0, None)  # completed rounds, outer weights hash
+        self._next_repair_at = 0.0
 
     # -- service -------------------------------------------------------------------------
 
@@ -92,8 +96,11 @@ class TrainingService:
         trainer = await trio.to_thread.run_sync(self._build_trainer)
         self.trainer = trainer
         await self.state.update_member(device=trainer.device.describe())
-        if not await trio.to_thread.run_sync(trainer.resume):
-            await self._join_running_swarm()
+        if await trio.to_thread.run_sync(trainer.resume):
+            self._mine = (self.strategy.completed_rounds, self._outer_hash())
+        # a fresh peer, or one restarted from a checkpoint the swarm has moved past, takes the
+        # swarm's outer state; otherwise it trains on from its own checkpoint
+        await self._join_running_swarm()
         self._wrap_strategy_for_catch_up()
         self.phase = "training"
         summary = await trainer.run()
@@ -148,13 +155,22 @@ class TrainingService:
     # -- joining and catching up ---------------------------------------------------------------
 
     async def _join_running_swarm(self) -> bool:
+        # the holders move on every round and a fetch that straddles one fails its hash check:
+        # look at the state again and retry
+        for _ in range(_JOIN_ATTEMPTS):
+            agreed = self._agreed()
+            if agreed is None or agreed[0] <= self.strategy.completed_rounds:
+                return False
+            self.phase = "fetching outer state"
+            if await self._adopt(agreed):
+                await self._publish_round()  # a holder now, and counted at that round
+                return True
+        return False
+
+    def _agreed(self) -> tuple[int, str, list[str]] | None:
         from lattica.train.outer_transfer import agreed_round
 
-        agreed = agreed_round(self.state.snapshot().get("progress", {}), self.state.live_members(), self.peer_id)
-        if agreed is None:
-            return False
-        self.phase = "fetching outer state"
-        return await self._adopt(agreed)
+        return agreed_round(self.state.snapshot().get("progress", {}), self.state.live_members(), self.peer_id)
 
     async def _adopt(self, agreed: tuple[int, str, list[str]]) -> bool:
         from lattica.train.outer_transfer import fetch_outer_state, flatten_outer_state
@@ -169,6 +185,7 @@ class TrainingService:
             log.warning("could not fetch outer state of round %d: %s", rnd, exc)
             return False
         self.trainer.adopt_outer_state(outer)
+        self._mine = (self.strategy.completed_rounds, digest)
         log.info(
             "adopted outer state of round %d from %d holder(s) in %.2f s",
             rnd, len(holders), time.monotonic() - started,
@@ -182,23 +199,42 @@ class TrainingService:
         async def after_inner_step(step: int) -> list[Any]:
             reports = await original(step)
             for report in reports:
-                if report.skipped or (len(report.group) <= 1 and len(self._candidates()) > 1):
+                if report.skipped or self._ran_alone(report):
                     await self._catch_up(report)
+            await self._repair_if_diverged()
             return reports
 
         strategy.after_inner_step = after_inner_step  # type: ignore[method-assign]
 
-    async def _catch_up(self, report: Any) -> None:
-        from lattica.train.outer_transfer import agreed_round
+    def _ran_alone(self, report: Any) -> bool:
+        return not report.skipped and len(report.group) <= 1 and len(self._candidates()) > 1
 
+    async def _catch_up(self, report: Any) -> None:
         with trio.move_on_after(_CATCH_UP_WAIT_S):
             while True:
-                agreed = agreed_round(self.state.snapshot().get("progress", {}), self.state.live_members(), self.peer_id)
+                agreed = self._agreed()
                 if agreed is not None and agreed[0] >= self.strategy.completed_rounds:
                     if await self._adopt(agreed):
                         await self._publish_round()
                     return
                 await self.state.wait_changed()
+
+    async def _repair_if_diverged(self) -> None:
+        """Adopt the others' state when behind them or on a minority hash (see ``repair_target``)."""
+        from lattica.train.outer_transfer import repair_target
+
+        if time.monotonic() < self._next_repair_at:
+            return
+        target = repair_target(
+            self.state.snapshot().get("progress", {}), self.state.live_members(), self.peer_id, self._mine
+        )
+        if target is None:
+            return
+        log.info("outer state differs from the swarm's round %d: adopting it", target[0])
+        if await self._adopt(target):
+            await self._publish_round()
+        else:
+            self._next_repair_at = time.monotonic() + _REPAIR_RETRY_S
 
     # -- progress ----------------------------------------------------------------------------
 
@@ -214,8 +250,13 @@ class TrainingService:
 
     def _on_round(self, event: Any) -> None:
         self._bytes_sent += event.report.bytes_sent
-        self._rounds_done += 0 if event.report.skipped else 1
-        if self._nursery is not None and not event.report.skipped:
+        if event.report.skipped:
+            return
+        self._rounds_done += 1
+        self._mine = (self.strategy.completed_rounds, event.weights_hash)
+        # a round run alone while others train is replaced by theirs (catch-up publishes that);
+        # publishing it would offer the others a minority state
+        if self._nursery is not None and not self._ran_alone(event.report):
             self._nursery.start_soon(self._publish_round)
 
     async def _publish_round(self) -> None:
@@ -225,7 +266,13 @@ class TrainingService:
         outer = self.strategy.outer_state_dict()
         serve_outer_state(self.tensors, outer)
         digest = weights_hash(outer["params"])
+        self._mine = (self.strategy.completed_rounds, digest)
         await self.state.set_progress(self.strategy.completed_rounds, digest)
+
+    def _outer_hash(self) -> str:
+        from lattica.train.checkpoint import weights_hash
+
+        return weights_hash(self.strategy.outer_state_dict()["params"])
 
     # -- control API ---------------------------------------------------------------------------
 
