@@ -10,7 +10,8 @@ before being handed out), so a strategy sees the same numerics in memory as over
 
 ``bytes_sent[peer]`` counts what the member would have put on the wire with a butterfly
 all-reduce: ``2 (N-1)/N`` of its encoded payload per ``allreduce``, the encoded payload per
-``exchange``. ``fail(peer)`` simulates a peer that died: every pending or later operation that
+``exchange``. Contributions are screened like the real reducer does (``screen.py``); the
+excluded ones are listed in ``rejections``. ``fail(peer)`` simulates a peer that died: every pending or later operation that
 involves it raises ``PeerUnavailableError`` naming it.
 """
 
@@ -25,6 +26,7 @@ import trio
 
 from lattica.errors import LocalProtocolError, PeerUnavailableError
 from lattica.net.tensors import codecs
+from lattica.net.tensors.screen import DEFAULT_SCREEN, ContributionScreen, Rejection, reduce_parts
 from lattica.train.collective import Collective
 
 
@@ -41,10 +43,12 @@ class _Rendezvous:
 class InMemoryCollectiveGroup:
     """A set of in-memory members; ``member(peer_id)`` returns each one's ``Collective``."""
 
-    def __init__(self, peer_ids: Sequence[str]) -> None:
+    def __init__(self, peer_ids: Sequence[str], *, screen: ContributionScreen = DEFAULT_SCREEN) -> None:
         if len(set(peer_ids)) != len(peer_ids):
             raise ValueError("peer ids must be unique")
         self.peer_ids = tuple(peer_ids)
+        self.screen = screen
+        self.rejections: list[Rejection] = []
         self.bytes_sent: dict[str, int] = {p: 0 for p in peer_ids}
         self.failed: set[str] = set()
         self._rendezvous: dict[tuple, _Rendezvous] = {}
@@ -112,10 +116,11 @@ class InMemoryCollective:
             _check_shapes(deposits)
             means = []
             for i, ref in enumerate(deposits[self._peer_id]):
-                total = torch.zeros(ref.shape, dtype=torch.float32)
-                for member in group:  # the same summation order as the real data plane
-                    total += codecs.roundtrip(deposits[member][i], codec).to(torch.float32)
-                mean = codecs.roundtrip(total / n, codec)
+                parts = [codecs.roundtrip(deposits[m][i], codec).to(torch.float32).reshape(-1) for m in group]
+                # the same screening and summation order as the real data plane's reducer
+                total, rejected = reduce_parts(parts, list(group), self._group.screen)
+                self._group.rejections.extend(rejected)
+                mean = codecs.roundtrip(total.reshape(ref.shape), codec)
                 means.append(mean.to(ref.dtype))
             return {p: [m.clone() for m in means] for p in deposits}
 

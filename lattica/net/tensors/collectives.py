@@ -10,6 +10,11 @@ All-gather: the owner of part ``i`` sends the mean, again in the codec, to every
 ``<tag>/ag``, and keeps for itself the *decoded* copy of what it sent — all members therefore
 end with bit-identical results. Each member sends ``2 (N-1)/N`` of the encoded payload.
 
+Screening: the owner of a part checks every contribution to it before summing (non-finite
+values always; outliers by norm and robust aggregation on request, see ``screen.py``). It
+decides once, so every member still ends with the same bits; excluded peers are reported to
+``on_reject`` for scoring.
+
 Failure: if any send fails, any awaited sender disappears or sends something malformed, every
 transfer of this collective is cancelled, its leftover parts are discarded, and
 ``CollectiveAbortedError`` (a ``PeerUnavailableError``) lists the failed peers, so the caller
@@ -19,7 +24,7 @@ every contribution was summed — never a partial average.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, ExitStack
 from functools import partial
 from typing import Protocol
@@ -34,6 +39,7 @@ from lattica.errors import (
     RemoteProtocolError,
 )
 from lattica.net.tensors import codecs
+from lattica.net.tensors.screen import DEFAULT_SCREEN, ContributionScreen, Rejection, reduce_parts
 
 
 class CollectiveAbortedError(PeerUnavailableError):
@@ -94,7 +100,8 @@ class _Round:
 
 async def allreduce(
     transport: TensorTransport, tensors: Sequence[torch.Tensor], *, group: Sequence[str],
-    tag: str, codec: str = "fp32",
+    tag: str, codec: str = "fp32", screen: ContributionScreen = DEFAULT_SCREEN,
+    on_reject: Callable[[Rejection], None] | None = None,
 ) -> list[torch.Tensor]:
     me = transport.peer_id
     _check_group(group, me)
@@ -113,7 +120,10 @@ async def allreduce(
     with ExitStack() as stack:
         if codec == "fp32":  # every incoming part can land in its final place, with no copy
             _post_in_place(transport, stack, out, group, rank, bounds, tag)
-        await _reduce_scatter(transport, flat, out, group, rank, bounds, tag, codec)
+        rejected = await _reduce_scatter(transport, flat, out, group, rank, bounds, tag, codec, screen)
+        for rejection in rejected:
+            if on_reject is not None:
+                on_reject(rejection)
         await _all_gather(transport, out, group, rank, bounds, tag + "/ag", codec)
     return _unflatten(out, tensors)
 
@@ -139,8 +149,8 @@ def _post(transport, stack: ExitStack, peer: str, tag: str, part: int, view: mem
     stack.callback(transport.post_receive, peer, tag, part, None)
 
 
-async def _reduce_scatter(transport, flat, out, group, rank, bounds, tag, codec) -> None:
-    """Leave the mean of this member's part in ``out`` (as every receiver will decode it)."""
+async def _reduce_scatter(transport, flat, out, group, rank, bounds, tag, codec, screen) -> list[Rejection]:
+    """Leave the screened mean of this member's part in ``out`` (as every receiver will decode it)."""
     lo, hi = bounds[rank]
     received: dict[int, torch.Tensor] = {}
     phase = _Round(transport, tag + "/rs")
@@ -158,13 +168,12 @@ async def _reduce_scatter(transport, flat, out, group, rank, bounds, tag, codec)
 
     await phase.run(body)
     received[rank] = _through(flat[lo:hi], codec)
+    mean, rejected = reduce_parts([received[j] for j in range(len(group))], list(group), screen)
     total = out[lo:hi]
-    total.copy_(received[0])
-    for j in range(1, len(group)):  # group order on every member: the same rounding everywhere
-        total += received[j]
-    total.div_(len(group))
+    total.copy_(mean)
     if codec != "fp32":
         total.copy_(_through(total, codec))
+    return rejected
 
 
 async def _all_gather(transport, out, group, rank, bounds, tag, codec) -> None:

@@ -14,6 +14,7 @@ class TrafficStats:
     messages_received: Counter[tuple[str, str]] = field(default_factory=Counter)
     refused: Counter[str] = field(default_factory=Counter)
     protocol_errors: Counter[str] = field(default_factory=Counter)
+    rejected_contributions: Counter[str] = field(default_factory=Counter)
 
     def sent_to(self, peer: str) -> int:
         return sum(n for (p, _), n in self.bytes_sent.items() if p == peer)
@@ -40,4 +41,5 @@ class TrafficStats:
             "messages_received": nest(self.messages_received),
             "refused": dict(self.refused),
             "protocol_errors": dict(self.protocol_errors),
+            "rejected_contributions": dict(self.rejected_contributions),
         }

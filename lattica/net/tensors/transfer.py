@@ -45,6 +45,7 @@ from lattica.net.identity import peer_id_of
 from lattica.net.tensors import codecs, collectives, fastpath, frames
 from lattica.net.tensors.limits import MemoryBudget, ScratchPool, TensorLimits
 from lattica.net.tensors.mailbox import Mailbox
+from lattica.net.tensors.screen import DEFAULT_SCREEN, ContributionScreen, Rejection
 from lattica.net.tensors.stats import TrafficStats
 from lattica.net.wire import read_message, write_message
 
@@ -66,6 +67,7 @@ class TensorServiceConfig:
     stream_chunk_bytes: int = 1 << 20
     ban_s: float = 60.0
     limits: TensorLimits = field(default_factory=TensorLimits)
+    screen: ContributionScreen = DEFAULT_SCREEN
 
     def __post_init__(self) -> None:
         if not 0 <= self.fast_port <= 65535:
@@ -153,7 +155,15 @@ class TensorService:
     async def allreduce(
         self, tensors: Sequence[torch.Tensor], *, group: Sequence[str], tag: str, codec: str = "fp32"
     ) -> list[torch.Tensor]:
-        return await collectives.allreduce(self, tensors, group=group, tag=tag, codec=codec)
+        return await collectives.allreduce(
+            self, tensors, group=group, tag=tag, codec=codec, screen=self.config.screen,
+            on_reject=self._score_down,
+        )
+
+    def _score_down(self, rejection: Rejection) -> None:
+        """A contribution this member reduced was excluded: count it against the peer."""
+        self.stats.rejected_contributions[rejection.peer] += 1
+        log.warning("excluded %s's contribution: %s", rejection.peer, rejection.reason)
 
     async def exchange(
         self, tensors: Sequence[torch.Tensor], *, peer: str, tag: str, codec: str = "fp32"

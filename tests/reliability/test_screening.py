@@ -1,0 +1,168 @@
+"""Hostile contributions to an all-reduce: excluded at the reducer, replicas stay identical.
+
+Unit tests of ``reduce_parts``; the real data plane (three in-process ``TensorService`` hosts
+on loopback) with a member that sends NaN; and DiLoCo training in memory where one member's
+pseudo-gradient is NaN and another's is huge, while the honest ones keep learning.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import multiaddr
+import pytest
+import torch
+import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.peer.peerinfo import info_from_p2p_addr
+
+from lattica.net.host import build_host
+from lattica.net.tensors.screen import ContributionScreen, reduce_parts
+from lattica.net.tensors.transfer import TensorService, TensorServiceConfig
+from lattica.testing.collective import InMemoryCollectiveGroup
+from lattica.train.model import GPTConfig, build_model, lm_loss
+from lattica.train.strategies.diloco import DiLoCo, DiLoCoConfig
+
+PEERS = ["a", "b", "c", "d"]
+
+
+def _parts(*rows):
+    return [torch.tensor(r, dtype=torch.float32) for r in rows]
+
+
+def test_the_default_screen_is_the_plain_mean_bit_for_bit() -> None:
+    gen = torch.Generator().manual_seed(0)
+    parts = [torch.randn(1000, generator=gen) for _ in PEERS]
+    mean, rejected = reduce_parts(parts, PEERS)
+    total = parts[0].clone()
+    for p in parts[1:]:
+        total += p
+    assert torch.equal(mean, total / 4)
+    assert rejected == []
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_contributions_are_excluded(bad) -> None:
+    mean, rejected = reduce_parts(_parts([1, 2], [3, bad], [5, 6]), ["a", "b", "c"])
+    assert torch.equal(mean, torch.tensor([3.0, 4.0]))
+    assert [r.peer for r in rejected] == ["b"]
+
+
+def test_outliers_by_norm_are_excluded_only_when_asked() -> None:
+    parts = _parts([1, 1], [1.2, 0.8], [0.9, 1.1], [1e6, 1e6])
+    mean, rejected = reduce_parts(parts, PEERS)
+    assert rejected == []
+    assert mean[0] > 1e5
+    mean, rejected = reduce_parts(parts, PEERS, ContributionScreen(max_norm_ratio=4))
+    assert [r.peer for r in rejected] == ["d"]
+    torch.testing.assert_close(mean, torch.tensor([1.0333333, 0.9666667]))
+
+
+def test_clipping_and_trimmed_mean_bound_one_member_s_influence() -> None:
+    parts = _parts([1, 1], [1, 1], [1, 1], [100, 100])
+    clipped, _ = reduce_parts(parts, PEERS, ContributionScreen(clip_ratio=2))
+    assert clipped.max() <= (3 + 2) / 4 + 1e-6
+    trimmed, _ = reduce_parts(parts, PEERS, ContributionScreen(trim=1))
+    assert torch.equal(trimmed, torch.tensor([1.0, 1.0]))
+
+
+def test_nothing_accepted_means_no_update() -> None:
+    mean, rejected = reduce_parts(_parts([float("nan")], [float("inf")]), ["a", "b"])
+    assert torch.equal(mean, torch.zeros(1))
+    assert len(rejected) == 2
+
+
+def test_screen_config_is_validated() -> None:
+    with pytest.raises(ValueError, match="at least 1"):
+        ContributionScreen(max_norm_ratio=0.5)
+    with pytest.raises(ValueError, match="negative"):
+        ContributionScreen(trim=-1)
+
+
+# -- the real data plane ---------------------------------------------------------------------
+
+
+async def _run_host(host, *, task_status=trio.TASK_STATUS_IGNORED):
+    async with host.run([multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]):
+        task_status.started()
+        await trio.sleep_forever()
+
+
+async def test_a_member_sending_nan_is_excluded_and_every_replica_gets_the_same_bits() -> None:
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            services = []
+            for _ in range(3):
+                key_pair = create_new_key_pair()
+                host = build_host(key_pair)
+                await nursery.start(_run_host, host)
+                service = TensorService(host, key_pair, config=TensorServiceConfig())
+                await nursery.start(service.run)
+                services.append((host, service))
+            for i, (host, _) in enumerate(services):
+                for other, _ in services[i + 1 :]:
+                    await host.connect(info_from_p2p_addr(other.get_addrs()[0]))
+            group = sorted(s.peer_id for _, s in services)
+            by_id = {s.peer_id: s for _, s in services}
+            evil = group[1]
+            inputs = {p: torch.full((3000,), float(i + 1)) for i, p in enumerate(group)}
+            inputs[evil] = torch.full((3000,), float("nan"))
+            results: dict[str, torch.Tensor] = {}
+
+            async def reduce(peer: str) -> None:
+                out = await by_id[peer].allreduce([inputs[peer]], group=group, tag="poisoned")
+                results[peer] = out[0]
+
+            async with trio.open_nursery() as members:
+                for peer in group:
+                    members.start_soon(partial(reduce, peer))
+            honest = [p for p in group if p != evil]
+            expected = (inputs[honest[0]] + inputs[honest[1]]) / 2
+            for peer in group:
+                assert torch.equal(results[peer], expected)
+            for peer in group:  # every owner of a part saw the NaN and scored the sender down
+                if peer != evil:
+                    assert by_id[peer].stats.rejected_contributions[evil] == 1
+            nursery.cancel_scope.cancel()
+
+
+# -- training continues -------------------------------------------------------------------------
+
+
+class _Groups:
+    async def group_for(self, key):
+        return tuple(PEERS)
+
+
+async def test_diloco_keeps_learning_with_a_nan_and_a_huge_member() -> None:
+    torch.manual_seed(0)
+    config = GPTConfig(n_layer=1, d_model=32, n_head=2, context=16)
+    network = InMemoryCollectiveGroup(PEERS, screen=ContributionScreen(max_norm_ratio=4))
+    models = [build_model(config, seed=0) for _ in PEERS]
+    strategies = [
+        DiLoCo(m, collective=network.member(p), groups=_Groups(), config=DiLoCoConfig(inner_steps=4))
+        for m, p in zip(models, PEERS, strict=True)
+    ]
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=3e-3) for m in models]
+    pattern = torch.arange(17) % 5  # a learnable sequence
+    x, y = pattern[:-1].unsqueeze(0).repeat(8, 1), pattern[1:].unsqueeze(0).repeat(8, 1)
+    first = lm_loss(models[0](x), y).item()
+    for step in range(1, 41):
+        for i, (m, opt) in enumerate(zip(models, optimizers, strict=True)):
+            opt.zero_grad()
+            lm_loss(m(x), y).backward()
+            opt.step()
+            if step % 4 == 0 and PEERS[i] in ("c", "d"):
+                with torch.no_grad():
+                    for p in m.parameters():
+                        p.fill_(float("nan")) if PEERS[i] == "c" else p.mul_(1e4)
+        async with trio.open_nursery() as nursery:
+            for s in strategies:
+                nursery.start_soon(s.after_inner_step, step)
+    honest = models[:2]
+    for a, b in zip(honest[0].parameters(), honest[1].parameters(), strict=True):
+        assert torch.equal(a, b)
+    last = lm_loss(honest[0](x), y).item()
+    assert torch.isfinite(torch.tensor(last))
+    assert last < 0.5 * first, (first, last)
+    assert {r.peer for r in network.rejections} == {"c", "d"}
