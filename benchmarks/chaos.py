@@ -125,6 +125,7 @@ def run_chaos(root: Path, args: argparse.Namespace) -> dict[str, Any]:
     swarm = Swarm(root / "chaos", nodes=args.nodes, rounds=args.rounds, inner_steps=args.inner_steps,
                   deadline_s=args.deadline_s)
     kills = partitions = lost = 0
+    resuming: dict[int, int] = {}  # restarted peer -> rounds it had completed before the kill
     stall, last_max, last_advance = 0.0, 0, 0.0
     try:
         swarm.start()
@@ -139,8 +140,13 @@ def run_chaos(root: Path, args: argparse.Namespace) -> dict[str, Any]:
                 last_max, last_advance = newest, now
             elif newest < args.rounds:
                 stall = max(stall, now - last_advance)
+            for i, before in list(resuming.items()):
+                info = _training(swarm.daemons[i])
+                if info.get("phase") in ("training", "done"):
+                    lost += max(0, before - int(info.get("rounds_completed") or 0))
+                    del resuming[i]
             if now >= next_event and newest < args.rounds - 2:
-                victim = rng.randrange(args.nodes)
+                victim = rng.choice([i for i in range(args.nodes) if i not in resuming] or [0])
                 d = swarm.daemons[victim]
                 if (kills + partitions + 1) % args.partition_every == 0:
                     d.signal(signal.SIGSTOP)
@@ -152,14 +158,7 @@ def run_chaos(root: Path, args: argparse.Namespace) -> dict[str, Any]:
                     d.kill()
                     kills += 1
                     swarm.restart(victim)
-                    resumed = 0
-                    for _ in range(120):
-                        info = _training(d)
-                        if info.get("phase") in ("training", "done"):
-                            resumed = int(info.get("rounds_completed") or 0)
-                            break
-                        time.sleep(0.25)
-                    lost += max(0, before - resumed)
+                    resuming[victim] = before  # checked below once it trains again
                 next_event = time.monotonic() + args.kill_every
             time.sleep(0.25)
         time.sleep(2.0)
@@ -176,7 +175,7 @@ def run_chaos(root: Path, args: argparse.Namespace) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, default=6)
-    parser.add_argument("--rounds", type=int, default=60)
+    parser.add_argument("--rounds", type=int, default=80)
     parser.add_argument("--inner-steps", type=int, default=5)
     parser.add_argument("--deadline-s", type=float, default=5.0)
     parser.add_argument("--kill-every", type=float, default=3.0, help="seconds between disturbances")
