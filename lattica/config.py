@@ -127,8 +127,8 @@ class TrainSettings:
     seq_len: int = 128
     inner_lr: float = 3e-3
     warmup_steps: int = 20
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
+    outer_lr: float | None = None  # None: the strategy's own default (DiLoCo: 0.7)
+    outer_momentum: float | None = None  # None: the strategy's own default (DiLoCo: 0.9)
     round_deadline_s: float = 60.0
     min_peers: int = 1
     seed: int = 0
@@ -150,9 +150,11 @@ class TrainSettings:
                 raise ConfigError(f"train.{name} must be a positive integer, got {value!r}")
         for name in ("inner_lr", "outer_lr", "round_deadline_s"):
             value = getattr(self, name)
+            if name == "outer_lr" and value is None:
+                continue
             if not isinstance(value, int | float) or not value > 0:
                 raise ConfigError(f"train.{name} must be a positive number, got {value!r}")
-        if not 0 <= self.outer_momentum < 1:
+        if self.outer_momentum is not None and not 0 <= self.outer_momentum < 1:
             raise ConfigError(f"train.outer_momentum must be in [0, 1), got {self.outer_momentum!r}")
         if self.warmup_steps < 0:
             raise ConfigError("train.warmup_steps must be >= 0")

@@ -39,7 +39,7 @@ NODE_KEYS: dict[str, str] = {
     "dht": "bool",
 }
 TRAIN_KEYS: dict[str, str] = {
-    f.name: {"int": "int", "float": "float", "str": "str", "str | None": "str", "bool": "bool"}.get(
+    f.name: {"int": "int", "float": "float", "float | None": "float", "str": "str", "str | None": "str", "bool": "bool"}.get(
         str(f.type), "str"
     )
     for f in fields(TrainSettings)

@@ -15,6 +15,7 @@ from libp2p.abc import IHost
 from libp2p.crypto.keys import KeyPair
 from libp2p.crypto.x25519 import create_new_key_pair as _new_x25519
 from libp2p.custom_types import TProtocol
+from libp2p.network.config import ConnectionConfig
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
@@ -38,4 +39,13 @@ def build_host(
         muxer_opt={TProtocol(YAMUX_PROTOCOL_ID): Yamux},
         listen_addrs=list(listen_addrs) or None,
         announce_addrs=list(announce_addrs) or None,
+        connection_config=connection_config(),
     )
+
+
+def connection_config() -> ConnectionConfig:
+    """Turn off py-libp2p's auto-connector: it dials every peer the peerstore has heard of
+    until it holds ~200 connections, and the DHT fills the peerstore. Lattica decides whom to
+    connect to (bootstrap peers, peer exchange, the run's members from the DHT); pruning
+    still caps the total."""
+    return ConnectionConfig(min_connections=0, low_watermark=0, high_watermark=256)

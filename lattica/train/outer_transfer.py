@@ -1,10 +1,11 @@
-"""Moving a replica's outer state between peers: serve it, fetch it from several holders.
+"""Which outer state a replica should hold, and serving its own to others.
 
 A joiner (or a peer that fell behind) needs the run's current outer weights and outer
-optimizer state. Holders serve them as named tensors on the data plane (``params/<name>``,
-``momentum/<name>`` and 0-d ``meta/<field>`` integers). The fetcher splits the names across all
-holders that published the same weights hash, fetches in parallel, and accepts the result only
-if the parameters hash to that published value — a lying holder cannot poison the joiner.
+optimizer state. Every member publishes ``(round, hash of its outer state)`` in the replicated
+state and serves the state as named tensors on the data plane (``params/<name>``,
+``momentum/<name>``). ``agreed_round`` and ``repair_target`` decide, from those records alone and
+identically on every peer, which round and hash to adopt and who holds it; the verified parallel
+fetch itself is ``lattica.train.join.fetch_outer_state``.
 """
 
 from __future__ import annotations
@@ -13,74 +14,18 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
-import trio
 
-from lattica.errors import PeerUnavailableError, RemoteProtocolError
-from lattica.train.checkpoint import verify_weights
-
-META_FIELDS = ("round", "step", "completed_rounds")
+from lattica.train.join import flatten_outer_state
 
 
 class TensorStore(Protocol):
     def serve(self, name: str, tensor: torch.Tensor) -> None: ...
-    async def fetch(self, peer: str, names: Sequence[str]) -> dict[str, torch.Tensor]: ...
-
-
-def flatten_outer_state(state: dict[str, Any]) -> dict[str, torch.Tensor]:
-    flat = {f"params/{n}": t for n, t in state["params"].items()}
-    flat.update({f"momentum/{n}": t for n, t in state.get("momentum", {}).items()})
-    for name in META_FIELDS:
-        if name in state:
-            flat[f"meta/{name}"] = torch.tensor(int(state[name]), dtype=torch.int64)
-    return flat
-
-
-def unflatten_outer_state(flat: dict[str, torch.Tensor]) -> dict[str, Any]:
-    state: dict[str, Any] = {"params": {}, "momentum": {}}
-    for key, tensor in flat.items():
-        kind, _, name = key.partition("/")
-        if kind in ("params", "momentum"):
-            state[kind][name] = tensor
-        elif kind == "meta" and name in META_FIELDS:
-            state[name] = int(tensor.item())
-    return state
 
 
 def serve_outer_state(store: TensorStore, state: dict[str, Any]) -> None:
+    """Offer ``state`` to joiners as the named tensors ``join.fetch_outer_state`` asks for."""
     for name, tensor in flatten_outer_state(state).items():
         store.serve(name, tensor.detach().clone())
-
-
-async def fetch_outer_state(
-    store: TensorStore, holders: Sequence[str], names: Sequence[str], expected_hash: str
-) -> dict[str, Any]:
-    """Fetch ``names`` spread over ``holders`` in parallel; verify against ``expected_hash``."""
-    if not holders:
-        raise PeerUnavailableError("no holder of the outer state is reachable")
-    fetched: dict[str, torch.Tensor] = {}
-    failed: list[str] = []
-    assignment = {h: list(names[i :: len(holders)]) for i, h in enumerate(holders)}
-
-    async def fetch_part(holder: str, part: list[str]) -> None:
-        if not part:
-            return
-        try:
-            fetched.update(await store.fetch(holder, part))
-        except Exception:  # noqa: BLE001 - retried below from another holder
-            failed.append(holder)
-
-    async with trio.open_nursery() as nursery:
-        for holder, part in assignment.items():
-            nursery.start_soon(fetch_part, holder, part)
-    missing = [n for n in names if n not in fetched]
-    if missing:  # second chance: everything missing from the first holder that answered
-        good = [h for h in holders if h not in failed]
-        if not good:
-            raise PeerUnavailableError(f"all {len(holders)} holders failed")
-        fetched.update(await store.fetch(good[0], missing))
-    state = unflatten_outer_state(fetched)
-    verify_weights(state["params"], expected_hash, peer_id=",".join(holders))
-    return state
 
 
 def _votes(progress: dict[str, Any], live: Sequence[str], me: str) -> dict[tuple[int, str], list[str]]:
@@ -140,12 +85,4 @@ def repair_target(
     return rnd, digest, votes[(rnd, digest)]
 
 
-__all__ = [
-    "RemoteProtocolError",
-    "agreed_round",
-    "fetch_outer_state",
-    "flatten_outer_state",
-    "repair_target",
-    "serve_outer_state",
-    "unflatten_outer_state",
-]
+__all__ = ["agreed_round", "repair_target", "serve_outer_state"]

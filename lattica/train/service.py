@@ -128,14 +128,14 @@ class TrainingService:
                 model=_model_config(s), data=DataConfig(source=s.data), batch_size=s.batch_size,
                 context=context, model_seed=s.seed,
             )
-        cls = strategy_class(s.strategy)
-        config_cls = getattr(cls, "config_class", None)
-        config = None
-        if config_cls is not None:
-            wanted = {"inner_steps": s.inner_steps, "outer_lr": s.outer_lr, "outer_momentum": s.outer_momentum}
-            names = {f.name for f in dataclasses.fields(config_cls)}
-            config = config_cls(**{k: v for k, v in wanted.items() if k in names})
-        strategy = create_strategy(s.strategy, task.model, collective=self.tensors, groups=self.coordinator, config=config)
+        if s.strategy == "spes" and not s.task:
+            from lattica.train.moe import build_moe_model
+
+            task.model = build_moe_model(_moe_preset(s.model), seed=s.seed)
+        strategy = create_strategy(
+            s.strategy, task.model, collective=self.tensors, groups=self.coordinator,
+            config=self._strategy_config(strategy_class(s.strategy)),
+        )
         self.strategy = strategy
         total = s.rounds * s.inner_steps
         trainer_config = TrainerConfig(
@@ -151,6 +151,22 @@ class TrainingService:
             on_progress=self._on_progress,
             on_round=self._on_round,
         )
+
+    def _strategy_config(self, cls: Any) -> Any:
+        """The strategy's config from the run settings; unset values keep its own defaults."""
+        config_cls = getattr(cls, "config_class", None)
+        if config_cls is None:
+            return None
+        s = self.settings
+        wanted: dict[str, Any] = {
+            "inner_steps": s.inner_steps,
+            "sync_every": s.inner_steps,  # SPES: dense average + expert copy every S steps
+            "outer_lr": s.outer_lr,
+            "outer_momentum": s.outer_momentum,
+            "members": tuple(sorted(self._candidates())),  # SPES: initial expert owners
+        }
+        names = {f.name for f in dataclasses.fields(config_cls)}
+        return config_cls(**{k: v for k, v in wanted.items() if k in names and v is not None})
 
     # -- joining and catching up ---------------------------------------------------------------
 
@@ -173,14 +189,15 @@ class TrainingService:
         return agreed_round(self.state.snapshot().get("progress", {}), self.state.live_members(), self.peer_id)
 
     async def _adopt(self, agreed: tuple[int, str, list[str]]) -> bool:
-        from lattica.train.outer_transfer import fetch_outer_state, flatten_outer_state
+        from lattica.train.join import fetch_outer_state, flatten_outer_state, unflatten_outer_state
 
         rnd, digest, holders = agreed
         names = sorted(flatten_outer_state(self.strategy.outer_state_dict()))
         started = time.monotonic()
         try:
             with trio.fail_after(max(30.0, self.settings.round_deadline_s)):
-                outer = await fetch_outer_state(self.tensors, holders, names, digest)
+                flat = await fetch_outer_state(holders, names, self.tensors.fetch, expected_hash=digest)
+            outer = unflatten_outer_state(flat, round=rnd, step=rnd * self.settings.inner_steps)
         except (LatticaError, trio.TooSlowError) as exc:
             log.warning("could not fetch outer state of round %d: %s", rnd, exc)
             return False
@@ -253,26 +270,26 @@ class TrainingService:
         if event.report.skipped:
             return
         self._rounds_done += 1
-        self._mine = (self.strategy.completed_rounds, event.weights_hash)
+        self._mine = (self.strategy.completed_rounds, event.state_hash)
         # a round run alone while others train is replaced by theirs (catch-up publishes that);
         # publishing it would offer the others a minority state
         if self._nursery is not None and not self._ran_alone(event.report):
             self._nursery.start_soon(self._publish_round)
 
     async def _publish_round(self) -> None:
-        from lattica.train.checkpoint import weights_hash
+        from lattica.train.join import outer_state_hash
         from lattica.train.outer_transfer import serve_outer_state
 
         outer = self.strategy.outer_state_dict()
         serve_outer_state(self.tensors, outer)
-        digest = weights_hash(outer["params"])
+        digest = outer_state_hash(outer)  # weights and outer optimizer state: what joiners verify
         self._mine = (self.strategy.completed_rounds, digest)
         await self.state.set_progress(self.strategy.completed_rounds, digest)
 
     def _outer_hash(self) -> str:
-        from lattica.train.checkpoint import weights_hash
+        from lattica.train.join import outer_state_hash
 
-        return weights_hash(self.strategy.outer_state_dict()["params"])
+        return outer_state_hash(self.strategy.outer_state_dict())
 
     # -- control API ---------------------------------------------------------------------------
 
@@ -304,6 +321,12 @@ def _model_config(settings: TrainSettings) -> Any:
 
     gpt = preset(settings.model)
     return dataclasses.replace(gpt, context=min(settings.seq_len, gpt.context))
+
+
+def _moe_preset(model: str) -> str:
+    from lattica.train.moe import MOE_PRESETS
+
+    return model if model in MOE_PRESETS else "tiny-moe"
 
 
 def check_settings(settings: TrainSettings) -> None:

@@ -1,4 +1,4 @@
-"""Outer-state transfer: the agreed round, flatten/unflatten, and a verified fetch from fakes."""
+"""Outer-state transfer: the agreed round, and what holders serve fetched back, verified."""
 
 from __future__ import annotations
 
@@ -10,15 +10,13 @@ import trio
 import trio.lowlevel
 
 from lattica.errors import PeerUnavailableError, RemoteProtocolError
-from lattica.train.checkpoint import weights_hash
-from lattica.train.outer_transfer import (
-    agreed_round,
+from lattica.train.join import (
     fetch_outer_state,
     flatten_outer_state,
-    repair_target,
-    serve_outer_state,
+    outer_state_hash,
     unflatten_outer_state,
 )
+from lattica.train.outer_transfer import agreed_round, repair_target, serve_outer_state
 
 
 def _state(seed: int = 0) -> dict:
@@ -30,29 +28,6 @@ def _state(seed: int = 0) -> dict:
         "params": {"w": torch.randn(3, 2, generator=g), "b": torch.randn(2, generator=g)},
         "momentum": {"w": torch.randn(3, 2, generator=g)},
     }
-
-
-def test_flatten_then_unflatten_is_the_identity() -> None:
-    state = _state()
-    flat = flatten_outer_state(state)
-    assert set(flat) == {"params/w", "params/b", "momentum/w", "meta/round", "meta/step", "meta/completed_rounds"}
-    assert flat["meta/step"].dtype == torch.int64
-    assert flat["meta/step"].dim() == 0
-    back = unflatten_outer_state(flat)
-    assert (back["round"], back["step"], back["completed_rounds"]) == (4, 20, 3)
-    for kind in ("params", "momentum"):
-        assert back[kind].keys() == state[kind].keys()
-        for name, tensor in state[kind].items():
-            assert torch.equal(back[kind][name], tensor)
-
-
-def test_unflatten_ignores_unknown_entries() -> None:
-    flat = flatten_outer_state(_state())
-    flat["meta/evil"] = torch.tensor(1)
-    flat["other/x"] = torch.ones(1)
-    back = unflatten_outer_state(flat)
-    assert "evil" not in back
-    assert set(back) == {"params", "momentum", "round", "step", "completed_rounds"}
 
 
 def test_agreed_round_is_the_newest_round_with_the_most_live_holders() -> None:
@@ -145,33 +120,34 @@ def _served(peers: Sequence[str], state: dict) -> _FakeStore:
     return store
 
 
-async def test_fetch_spreads_names_over_holders_and_verifies() -> None:
+async def test_served_state_is_fetched_from_several_holders_and_verified() -> None:
     state = _state()
     store = _served(["a", "b"], state)
     names = sorted(flatten_outer_state(state))
-    got = await fetch_outer_state(store, ["a", "b"], names, weights_hash(state["params"]))
+    flat = await fetch_outer_state(["a", "b"], names, store.fetch, expected_hash=outer_state_hash(state))
     assert {peer for peer, _ in store.asked} == {"a", "b"}
+    got = unflatten_outer_state(flat, round=4, step=20)
     assert torch.equal(got["params"]["w"], state["params"]["w"])
-    assert got["step"] == 20
+    assert torch.equal(got["momentum"]["w"], state["momentum"]["w"])
 
 
-async def test_fetch_takes_a_failed_holders_share_from_another() -> None:
+async def test_a_failed_holders_share_comes_from_another() -> None:
     state = _state()
     store = _served(["a", "b"], state)
     store.down.add("a")
     names = sorted(flatten_outer_state(state))
-    got = await fetch_outer_state(store, ["a", "b"], names, weights_hash(state["params"]))
-    assert torch.equal(got["params"]["b"], state["params"]["b"])
+    flat = await fetch_outer_state(["a", "b"], names, store.fetch, expected_hash=outer_state_hash(state))
+    assert torch.equal(flat["params/b"], state["params"]["b"])
 
 
-async def test_fetch_rejects_weights_that_do_not_match_the_published_hash() -> None:
+async def test_a_state_that_does_not_match_the_published_hash_is_refused() -> None:
     state, lie = _state(0), _state(1)
     store = _served(["a"], lie)
     names = sorted(flatten_outer_state(state))
-    with pytest.raises(RemoteProtocolError, match="hash mismatch"):
-        await fetch_outer_state(store, ["a"], names, weights_hash(state["params"]))
+    with pytest.raises(RemoteProtocolError):
+        await fetch_outer_state(["a"], names, store.fetch, expected_hash=outer_state_hash(state))
 
 
-async def test_fetch_without_holders_is_peer_unavailable() -> None:
+async def test_no_holders_is_peer_unavailable() -> None:
     with pytest.raises(PeerUnavailableError):
-        await fetch_outer_state(_FakeStore(), [], ["params/w"], "0" * 64)
+        await fetch_outer_state([], ["params/w"], _FakeStore().fetch, expected_hash="0" * 64)
