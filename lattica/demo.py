@@ -132,12 +132,21 @@ def _report(statuses: list[dict[str, Any]], *, json_output: bool) -> int:
             "weights": (t.get("weights_hash") or "")[:12],
         }
         hashes.add(t.get("weights_hash"))
-    ok = all(r["phase"] == "done" for r in rows.values()) and len(hashes) == 1 and None not in hashes
+    identical = len(hashes) == 1 and None not in hashes
+    # NoLoCo and eager DiLoCo keep replicas apart by design; the others must agree bit for bit
+    must_agree = all(s.get("training", {}).get("replicas_agree", True) for s in statuses)
+    ok = all(r["phase"] == "done" for r in rows.values()) and (identical or not must_agree)
+    strategy = statuses[0].get("training", {}).get("strategy", "diloco") if statuses else "diloco"
     if json_output:
-        print(json.dumps({"nodes": rows, "replicas_identical": len(hashes) == 1 and None not in hashes, "ok": ok}))
+        print(json.dumps({"nodes": rows, "strategy": strategy, "replicas_identical": identical, "ok": ok}))
     else:
-        print(render_summary(rows, title="Lattica demo: DiLoCo on the Python standard library"))
-        print("replicas identical: " + ("yes" if len(hashes) == 1 and None not in hashes else "NO"))
+        print(render_summary(rows, title=f"Lattica demo: {strategy} on the Python standard library"))
+        verdict = "yes" if identical else ("no (expected: replicas differ by design)" if not must_agree else "NO")
+        print(f"replicas identical: {verdict}")
+        for label, status in zip(rows, statuses, strict=True):
+            error = status.get("training", {}).get("error")
+            if error:
+                print(f"{label}: {error if isinstance(error, str) else ' '.join(error)}")
     return 0 if ok else 1
 
 

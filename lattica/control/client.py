@@ -21,13 +21,18 @@ def call(socket_path: Path, method: str, params: dict[str, Any] | None = None, *
             sock.connect(str(socket_path))
         except OSError:
             raise DaemonNotRunningError(f"no daemon answers on {socket_path}") from None
-        sock.sendall(encode_request(method, params))
         buf = bytearray()
+        try:
+            sock.sendall(encode_request(method, params))
+        except OSError:
+            raise DaemonNotRunningError(f"the daemon at {socket_path} closed the connection") from None
         while not buf.endswith(b"\n"):
             try:
                 chunk = sock.recv(1 << 16)
             except TimeoutError:
                 raise LocalProtocolError(f"daemon did not answer {method!r} within {timeout:.0f} s") from None
+            except OSError:
+                raise DaemonNotRunningError(f"the daemon at {socket_path} closed the connection") from None
             if not chunk:
                 break
             buf += chunk

@@ -2,13 +2,20 @@
 
 Theory of operation
 -------------------
-Every member publishes, for its last completed round, ``state_hash`` — the ``weights_hash`` of
-its flattened outer state (``params/<name>`` and ``momentum/<name>`` tensors). A joiner picks
-the holders that published the newest round with the same hash and calls ``fetch_outer_state``:
+Every strategy's ``outer_state_dict`` is a mapping whose values are either a mapping of named
+tensors (``params``, ``momentum``, ``velocity`` …) or plain JSON-able data (round numbers,
+SPES's expert owners). ``flatten_outer_state`` turns it into named tensors: ``<group>/<name>``
+for the tensors and one ``meta/json`` byte tensor for the rest, which also lists every tensor
+name — the *manifest*. Every member publishes, for its last completed round, the
+``weights_hash`` of that flat form (``outer_state_hash``).
 
-1. the tensor names are dealt round-robin to the holders and fetched in parallel through the
-   caller's ``fetch(peer, names)`` (the data plane);
-2. a holder that fails has its share re-dealt to the remaining holders;
+A joiner picks the holders that published the newest round with the same hash and calls
+``fetch_outer_state``:
+
+1. it fetches ``meta/json`` from the first holder that answers and reads the manifest;
+2. the tensor names are dealt round-robin to the holders and fetched in parallel through the
+   caller's ``fetch(peer, names)`` (the data plane); a holder that fails has its share re-dealt
+   to the remaining holders;
 3. the assembled state must hash to ``expected_hash``; if it does not (someone sent wrong
    bytes), every holder is tried alone, in turn, and only a state whose hash matches is
    accepted. A holder whose state mismatches is reported as a ``RemoteProtocolError``.
@@ -19,6 +26,7 @@ joiner takes part from the next round.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
@@ -35,23 +43,60 @@ Fetch = Callable[[str, Sequence[str]], Awaitable[Mapping[str, torch.Tensor]]]
 _FETCH_ERRORS = (PeerUnavailableError, BrokenError, RemoteProtocolError)
 
 
+MANIFEST = "meta/json"
+_MAX_MANIFEST_BYTES = 4 << 20
+_MAX_TENSORS = 100_000
+
+
 def flatten_outer_state(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """``params/<name>`` and ``momentum/<name>`` tensors of an ``outer_state_dict``."""
-    flat = {f"params/{n}": t for n, t in state.get("params", {}).items()}
-    flat.update({f"momentum/{n}": t for n, t in state.get("momentum", {}).items()})
+    """Named tensors of an ``outer_state_dict``, plus the ``meta/json`` manifest."""
+    flat: dict[str, torch.Tensor] = {}
+    meta: dict[str, Any] = {}
+    for key, value in state.items():
+        if isinstance(value, Mapping) and value and all(isinstance(t, torch.Tensor) for t in value.values()):
+            flat.update({f"{key}/{name}": t for name, t in value.items()})
+        elif isinstance(value, Mapping) and not value:
+            meta[key] = {}
+        else:
+            meta[key] = value
+    meta["tensors"] = sorted(flat)
+    blob = json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()
+    flat[MANIFEST] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
     return flat
 
 
-def unflatten_outer_state(
-    flat: Mapping[str, torch.Tensor], *, round: int, step: int, completed_rounds: int | None = None
-) -> dict[str, Any]:
-    state: dict[str, Any] = {"params": {}, "momentum": {}, "round": round, "step": step}
-    state["completed_rounds"] = round if completed_rounds is None else completed_rounds
-    for key, tensor in flat.items():
-        kind, _, name = key.partition("/")
-        if kind not in ("params", "momentum") or not name:
-            raise RemoteProtocolError(f"unexpected tensor {key!r} in fetched outer state")
-        state[kind][name] = tensor
+def read_manifest(flat: Mapping[str, torch.Tensor], *, peer_id: str | None = None) -> dict[str, Any]:
+    """The JSON part of a flat outer state, validated (it comes from a peer)."""
+    blob = flat.get(MANIFEST)
+    if not isinstance(blob, torch.Tensor) or blob.dtype != torch.uint8 or blob.dim() != 1:
+        raise RemoteProtocolError("outer state lacks its manifest", peer_id=peer_id)
+    if blob.numel() > _MAX_MANIFEST_BYTES:
+        raise RemoteProtocolError("outer-state manifest too large", peer_id=peer_id)
+    try:
+        meta = json.loads(bytes(blob.tolist()).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise RemoteProtocolError("outer-state manifest is not JSON", peer_id=peer_id) from None
+    names = meta.get("tensors") if isinstance(meta, dict) else None
+    if not isinstance(names, list) or len(names) > _MAX_TENSORS or not all(
+        isinstance(n, str) and "/" in n and n != MANIFEST and len(n) <= 512 for n in names
+    ):
+        raise RemoteProtocolError("outer-state manifest has a bad tensor list", peer_id=peer_id)
+    return meta
+
+
+def unflatten_outer_state(flat: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """Rebuild the ``outer_state_dict`` that ``flatten_outer_state`` flattened."""
+    meta = read_manifest(flat)
+    names = meta.pop("tensors")
+    unexpected = set(flat) - set(names) - {MANIFEST}
+    if unexpected:
+        raise RemoteProtocolError(f"unexpected tensor {sorted(unexpected)[0]!r} in fetched outer state")
+    state: dict[str, Any] = dict(meta)
+    for key in names:
+        group, _, name = key.partition("/")
+        if key not in flat:
+            raise RemoteProtocolError(f"outer state lacks tensor {key!r}")
+        state.setdefault(group, {})[name] = flat[key]
     return state
 
 
@@ -61,22 +106,34 @@ def outer_state_hash(state: Mapping[str, Any]) -> str:
 
 
 async def fetch_outer_state(
-    holders: Sequence[str], names: Sequence[str], fetch: Fetch, *, expected_hash: str
+    holders: Sequence[str], fetch: Fetch, *, expected_hash: str
 ) -> dict[str, torch.Tensor]:
-    """Fetch ``names`` from ``holders`` in parallel and return them once their hash matches."""
+    """Fetch the manifest, then its tensors from ``holders`` in parallel; verify the hash."""
     if not holders:
         raise PeerUnavailableError("no peer holds the current outer state")
+    names: list[str] | None = None
+    manifest: dict[str, torch.Tensor] = {}
+    last: RemoteError | None = None
+    for holder in holders:
+        try:
+            manifest = await _fetch_checked(holder, [MANIFEST], fetch)
+            names = list(read_manifest(manifest, peer_id=holder)["tensors"])
+            break
+        except _FETCH_ERRORS as exc:
+            last = exc
+    if names is None:
+        raise last or PeerUnavailableError("no holder served the outer-state manifest")
     try:
-        parallel = await _fetch_spread(list(holders), list(names), fetch)
+        parallel = await _fetch_spread(list(holders), names, fetch)
+        parallel.update(manifest)
         if weights_hash(parallel) == expected_hash:
             return parallel
         log.warning("outer state assembled from %d holders does not match; retrying", len(holders))
     except PeerUnavailableError as exc:
         log.warning("parallel fetch failed: %s", exc)
-    last: RemoteError | None = None
     for holder in holders:
         try:
-            alone = await _fetch_checked(holder, list(names), fetch)
+            alone = await _fetch_checked(holder, [MANIFEST, *names], fetch)
         except _FETCH_ERRORS as exc:
             last = exc
             continue

@@ -85,6 +85,9 @@ class TrainingService:
         except ValueError as exc:
             self.phase, self.error = "failed", str(exc)
             log.error("training stopped: %s", exc)
+        except Exception as exc:  # a training bug must not take the node off the network
+            self.phase, self.error = "failed", f"{type(exc).__name__}: {exc}"
+            log.exception("training failed")
 
     async def _train(self) -> None:
         self.phase = "waiting for peers"
@@ -100,8 +103,11 @@ class TrainingService:
             self._mine = (self.strategy.completed_rounds, self._outer_hash())
         # a fresh peer, or one restarted from a checkpoint the swarm has moved past, takes the
         # swarm's outer state; otherwise it trains on from its own checkpoint
-        await self._join_running_swarm()
-        self._wrap_strategy_for_catch_up()
+        if self.strategy.replicas_agree:
+            # a joiner, or a peer restarted from a stale checkpoint, takes the swarm's state;
+            # strategies whose replicas differ by design (NoLoCo, eager) start from their own
+            await self._join_running_swarm()
+            self._wrap_strategy_for_catch_up()
         self.phase = "training"
         summary = await trainer.run()
         self.summary = dataclasses.asdict(summary)
@@ -161,6 +167,7 @@ class TrainingService:
         wanted: dict[str, Any] = {
             "inner_steps": s.inner_steps,
             "sync_every": s.inner_steps,  # SPES: dense average + expert copy every S steps
+            "merge_every": s.inner_steps * max(1, round(500 / s.inner_steps)),  # SPES warm-up: ~500 steps
             "outer_lr": s.outer_lr,
             "outer_momentum": s.outer_momentum,
             "members": tuple(sorted(self._candidates())),  # SPES: initial expert owners
@@ -189,19 +196,18 @@ class TrainingService:
         return agreed_round(self.state.snapshot().get("progress", {}), self.state.live_members(), self.peer_id)
 
     async def _adopt(self, agreed: tuple[int, str, list[str]]) -> bool:
-        from lattica.train.join import fetch_outer_state, flatten_outer_state, unflatten_outer_state
+        from lattica.train.join import fetch_outer_state, unflatten_outer_state
 
         rnd, digest, holders = agreed
-        names = sorted(flatten_outer_state(self.strategy.outer_state_dict()))
         started = time.monotonic()
         try:
             with trio.fail_after(max(30.0, self.settings.round_deadline_s)):
-                flat = await fetch_outer_state(holders, names, self.tensors.fetch, expected_hash=digest)
-            outer = unflatten_outer_state(flat, round=rnd, step=rnd * self.settings.inner_steps)
+                flat = await fetch_outer_state(holders, self.tensors.fetch, expected_hash=digest)
+            outer = unflatten_outer_state(flat)
         except (LatticaError, trio.TooSlowError) as exc:
             log.warning("could not fetch outer state of round %d: %s", rnd, exc)
             return False
-        self.trainer.adopt_outer_state(outer)
+        self.trainer.adopt_outer_state(outer, step=int(outer.get("step", rnd * self.settings.inner_steps)))
         self._mine = (self.strategy.completed_rounds, digest)
         log.info(
             "adopted outer state of round %d from %d holder(s) in %.2f s",
@@ -297,6 +303,7 @@ class TrainingService:
         info: dict[str, Any] = {
             "phase": self.phase,
             "strategy": self.settings.strategy,
+            "replicas_agree": bool(self.strategy is not None and self.strategy.replicas_agree),
             "rounds_target": self.settings.rounds,
             "rounds_completed": self.strategy.completed_rounds if self.strategy is not None else 0,
             "bytes_sent": self._bytes_sent,

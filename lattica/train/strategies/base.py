@@ -53,6 +53,10 @@ class OuterStrategy(ABC):
     """Base of DiLoCo, eager/streaming DiLoCo, NoLoCo and SPES."""
 
     name: str = "base"
+    replicas_agree: bool = False
+    """True when every member of a completed sync holds bit-identical outer state (DiLoCo,
+    Streaming DiLoCo, SPES); False where replicas differ by design (NoLoCo, eager DiLoCo).
+    Only agreeing strategies let a late or new peer adopt the others' state by its hash."""
 
     #: Set by strategies that must see the gradients of every inner step before the inner
     #: optimizer uses them (data-parallel baselines); the trainer then calls

@@ -89,6 +89,7 @@ def nesterov_outer_step(
 class DiLoCo(OuterStrategy):
     """Blocking DiLoCo: one all-reduce of the pseudo-gradient every ``inner_steps`` steps."""
 
+    replicas_agree = True
     name = "diloco"
     config_class = DiLoCoConfig
 

@@ -94,6 +94,8 @@ def merge_similar_experts(
 
 
 class SPES(AccountedStrategy):
+    replicas_agree = True
+
     name = "spes"
     config_class = SPESConfig
 

@@ -122,6 +122,8 @@ class _FragmentSync:
 
 
 class StreamingDiLoCo(AccountedStrategy):
+    replicas_agree = True
+
     name = "streaming"
     config_class = StreamingDiLoCoConfig
 
