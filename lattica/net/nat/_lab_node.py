@@ -28,6 +28,7 @@ from libp2p.peer.peerinfo import info_from_p2p_addr
 
 from lattica.errors import LatticaError, RemoteProtocolError
 from lattica.net.host import build_host
+from lattica.net.nat.addresses import conn_is_relayed
 from lattica.net.nat.autonat import AutoNATConfig, ReachabilityService
 from lattica.net.nat.dialer import Dialer
 from lattica.net.nat.holepunch import HolePuncher
@@ -76,8 +77,10 @@ async def send_bytes(node: LabNode, peer_id: ID, n: int) -> None:
     reply = await read_message(stream, peer_id=str(peer_id))
     await stream.close()
     ok = reply == {"n": n, "sha256": hashlib.sha256(payload).hexdigest()}
+    relayed = conn_is_relayed(stream.muxed_conn)  # the connection this stream actually used
+    via = None if relayed is None else ("relayed" if relayed else "direct")
     emit("transfer", peer=str(peer_id), bytes=n, ok=ok, path=str(node.paths.path(peer_id)),
-         seconds=round(time.monotonic() - start, 3))
+         via=via, seconds=round(time.monotonic() - start, 3))
 
 
 class LabNode:

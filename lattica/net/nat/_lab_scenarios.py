@@ -154,6 +154,7 @@ def nat_nat(symmetric: bool, log_dir: str | None = None) -> ScenarioResult:
             t = transfer(n1, peer_id(n2), 4 << 20, timeout=20.0)
             result.details["transfer_ok"] = t.get("ok")
             result.details["transfer_path"] = t.get("path")
+            result.details["transfer_via"] = t.get("via")
             result.details["transfer_s"] = t.get("seconds")
     return result
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ipaddress
 
-from libp2p.abc import IHost, INetConn
+from libp2p.abc import IHost, IMuxedConn, INetConn
 from multiaddr import Multiaddr
 
 
@@ -18,7 +18,7 @@ def is_circuit(addr: Multiaddr | str) -> bool:
     return "/p2p-circuit" in str(addr)
 
 
-def conn_is_relayed(conn: INetConn) -> bool | None:
+def conn_is_relayed(conn: INetConn | IMuxedConn) -> bool | None:
     """True for a relayed connection, False for direct, None when it cannot tell (yet)."""
     try:
         addrs = conn.get_transport_addresses()

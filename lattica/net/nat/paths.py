@@ -5,8 +5,11 @@ direct one after a hole punch). ``PathBook`` samples them: a peer whose first co
 was relayed and who later gains a direct connection is *hole-punched*; a peer first seen over a
 direct connection is *direct*; one with only relayed connections is *relayed*. The path is the
 best connection present now, which is also the one the swarm picks for new streams (its
-default ``best`` strategy prefers direct over relayed). RTT is measured with libp2p ping over
-that connection, every ``rtt_interval`` seconds; failures keep the last value.
+default ``best`` strategy prefers direct over relayed). The book is sampled every
+``sample_interval`` seconds (for ``wait_path`` and the change log), and ``path()`` / ``peers()``
+re-read the connections on every call, so a query never reports a path that has since
+changed. RTT is measured with libp2p ping over that connection, every ``rtt_interval``
+seconds; failures keep the last value.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import time
 from dataclasses import dataclass
 
 import trio
-from libp2p.abc import IHost
+from libp2p.abc import IHost, INetConn
 from libp2p.host.ping import PingService
 from libp2p.peer.id import ID
 
@@ -56,6 +59,10 @@ class PathBook:
 
     # -- queries ---------------------------------------------------------------------------
     def path(self, peer_id: ID) -> Path | None:
+        """The path to ``peer_id`` as the swarm's connections show it now (not as last sampled:
+        a hole punch completes within ~0.1 s, and a stream opened right after it already uses
+        the direct connection)."""
+        self._refresh(peer_id)
         entry = self._paths.get(peer_id)
         return entry.path if entry else None
 
@@ -63,6 +70,7 @@ class PathBook:
         return self._rtt.get(peer_id)
 
     def peers(self) -> list[PeerPath]:
+        self.sample()
         return [
             PeerPath(str(pid), p.path, self._rtt.get(pid), p.since)
             for pid, p in self._paths.items()
@@ -97,22 +105,35 @@ class PathBook:
         connections = self._host.get_network().connections
         for peer_id in list(self._paths):
             if not connections.get(peer_id):
-                del self._paths[peer_id]
-                self._rtt.pop(peer_id, None)
+                self._forget(peer_id)
         for peer_id, conns in list(connections.items()):
-            kinds = [conn_is_relayed(c) for c in (conns if isinstance(conns, list) else [conns])]
-            if True in kinds and peer_id not in self._paths:
-                self._first_relayed.add(peer_id)
-            if False in kinds:
-                new = Path.HOLE_PUNCHED if peer_id in self._first_relayed else Path.DIRECT
-            elif True in kinds:
-                new = Path.RELAYED
-            else:
-                continue
-            old = self._paths.get(peer_id)
-            if old is None or old.path != new:
-                self._paths[peer_id] = PeerPath(str(peer_id), new, None, time.time())
-                logger.info("path to %s is now %s", peer_id, new)
+            self._update(peer_id, conns)
+
+    def _refresh(self, peer_id: ID) -> None:
+        conns = self._host.get_network().connections.get(peer_id)
+        if conns:
+            self._update(peer_id, conns)
+        elif peer_id in self._paths:
+            self._forget(peer_id)
+
+    def _forget(self, peer_id: ID) -> None:
+        del self._paths[peer_id]
+        self._rtt.pop(peer_id, None)
+
+    def _update(self, peer_id: ID, conns: INetConn | list[INetConn]) -> None:
+        kinds = [conn_is_relayed(c) for c in (conns if isinstance(conns, list) else [conns])]
+        if True in kinds and peer_id not in self._paths:
+            self._first_relayed.add(peer_id)
+        if False in kinds:
+            new = Path.HOLE_PUNCHED if peer_id in self._first_relayed else Path.DIRECT
+        elif True in kinds:
+            new = Path.RELAYED
+        else:
+            return
+        old = self._paths.get(peer_id)
+        if old is None or old.path != new:
+            self._paths[peer_id] = PeerPath(str(peer_id), new, None, time.time())
+            logger.info("path to %s is now %s", peer_id, new)
 
     async def _rtt_loop(self) -> None:
         while True:
