@@ -34,7 +34,7 @@ from lattica.control.server import ControlServer
 from lattica.errors import ConfigError, LatticaError, LocalProtocolError
 from lattica.net.access import AccessGate, RunAccess
 from lattica.net.addrs import dialable_addrs
-from lattica.net.host import build_host
+from lattica.net.host import build_host, stop_auto_connector
 from lattica.net.identity import peer_id_of
 from lattica.net.peer_exchange import (
     BYE_PROTOCOL,
@@ -92,6 +92,7 @@ class Node:
         self.host = host
         self.access.install(host)  # before any handler: every run protocol is members-only
         async with host.run(listen):
+            await stop_auto_connector(host)
             if len(host.get_transport_addrs()) < len(listen):
                 raise ConfigError(f"could not listen on all of {', '.join(self.config.listen)} (port in use?)")
             host.set_stream_handler(PX_PROTOCOL, self._handle_px)

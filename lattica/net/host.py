@@ -44,8 +44,18 @@ def build_host(
 
 
 def connection_config() -> ConnectionConfig:
-    """Turn off py-libp2p's auto-connector: it dials every peer the peerstore has heard of
-    until it holds ~200 connections, and the DHT fills the peerstore. Lattica decides whom to
-    connect to (bootstrap peers, peer exchange, the run's members from the DHT); pruning
-    still caps the total."""
+    """Watermarks for py-libp2p's connection manager: pruning caps the total at 256."""
     return ConnectionConfig(min_connections=0, low_watermark=0, high_watermark=256)
+
+
+async def stop_auto_connector(host: IHost) -> None:
+    """Stop py-libp2p's auto-connector once the host runs.
+
+    It dials every peer the peerstore has heard of until it holds half the high watermark of
+    connections, and the DHT fills the peerstore: in a large run every node would dial every
+    node. Lattica decides whom to connect to itself (bootstrap peers, peer exchange, the run's
+    members from the DHT).
+    """
+    connector = getattr(host.get_network(), "auto_connector", None)
+    if connector is not None:
+        await connector.stop()

@@ -7,7 +7,9 @@ possibly). The coordinator collects ready peers for the key until every candidat
 ``deadline_s`` has passed since the first one arrived, then answers all of them with the same
 sorted group. A peer that arrives after the group is sealed gets the sealed group without
 itself in it and syncs alone; the training service then catches it up by fetching the agreed
-outer weights. If the coordinator cannot be reached, the next candidate by peer id is asked.
+outer weights. If the coordinator cannot be reached within ``_OPEN_TIMEOUT_S``, the next
+candidate by peer id is asked — so the deadline must be well above that, or peers that notice a
+dead coordinator at different times end up in different groups.
 
 Invariants: a key is sealed once, so everyone who was answered got the same group; groups are
 sorted, so every member sees the same order; memory is bounded by keeping the last
@@ -36,6 +38,7 @@ MAX_KEYS = 256
 MAX_KEY_LEN = 200
 _REQUEST_BYTES = 1024
 _REPLY_BYTES = 256 * 1024
+_OPEN_TIMEOUT_S = 3.0
 
 
 @dataclass
@@ -93,13 +96,16 @@ class RoundCoordinator:
         return (self.peer_id,)
 
     async def _ask(self, coordinator: str, key: str) -> tuple[str, ...]:
-        with trio.fail_after(self.deadline_s + 10):
+        # a coordinator that is gone must be given up on quickly, so that the next one in line
+        # still collects everyone within the deadline; one that answers may hold us until it seals
+        with trio.fail_after(_OPEN_TIMEOUT_S):
             stream = await self.host.new_stream(ID.from_base58(coordinator), [ROUND_PROTOCOL])
-            try:
+        try:
+            with trio.fail_after(self.deadline_s + 10):
                 await write_message(stream, {"key": key, "run": self.run_id}, peer_id=coordinator)
                 reply = await read_message(stream, max_size=_REPLY_BYTES, peer_id=coordinator)
-            finally:
-                await stream.close()
+        finally:
+            await stream.close()
         group = reply.get("group") if isinstance(reply, dict) else None
         if not isinstance(group, list) or not all(isinstance(p, str) for p in group):
             raise RemoteProtocolError("malformed round reply", peer_id=coordinator)

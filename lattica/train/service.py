@@ -208,6 +208,7 @@ class TrainingService:
             log.warning("could not fetch outer state of round %d: %s", rnd, exc)
             return False
         self.trainer.adopt_outer_state(outer, step=int(outer.get("step", rnd * self.settings.inner_steps)))
+        self._observe("checkpoint_fetch_seconds", time.monotonic() - started)
         self._mine = (self.strategy.completed_rounds, digest)
         log.info(
             "adopted outer state of round %d from %d holder(s) in %.2f s",
@@ -271,8 +272,17 @@ class TrainingService:
             "val_loss": None if progress.val_loss is None else round(progress.val_loss, 4),
         }
 
+    def _observe(self, histogram: str, seconds: float, **labels: str) -> None:
+        metrics = getattr(self.node, "metrics", None)
+        if metrics is not None:
+            metric = getattr(metrics, histogram)
+            (metric.labels(**labels) if labels else metric).observe(seconds)
+
     def _on_round(self, event: Any) -> None:
         self._bytes_sent += event.report.bytes_sent
+        if len(event.report.group) > 1:
+            op = "exchange" if self.settings.strategy == "noloco" else "allreduce"
+            self._observe("collective_seconds", event.report.seconds, op=op)
         if event.report.skipped:
             return
         self._rounds_done += 1

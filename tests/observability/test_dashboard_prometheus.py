@@ -30,9 +30,10 @@ from observability_harness import (
 PEERS = 2  # plus the bootstrap: a 3-node swarm
 DEADLINE_S = 40.0
 
-# Flip when `lattica join --train` trains a swarm end to end; the extra join arguments below
-# then make the Training row's panels mandatory too.
-SWARM_TRAINS = False
+# The swarm trains (every node with --train, each starting as soon as it is up), so the
+# Training row's panels are required too; nodes that start after the bootstrap has completed a
+# round join mid-run by fetching its outer state, which fills the checkpoint-fetch panel.
+SWARM_TRAINS = True
 TRAIN_ARGS = ("--train", "--model", "tiny", "--inner-steps", "5", "--rounds", "1000")
 
 pytestmark = pytest.mark.skipif(

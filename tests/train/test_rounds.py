@@ -85,7 +85,8 @@ async def test_a_late_peer_gets_a_group_without_itself_and_syncs_alone() -> None
 async def test_a_dead_coordinator_hands_over_to_the_next_peer_id() -> None:
     with trio.fail_after(40):
         async with trio.open_nursery() as nursery:
-            members = await _members(nursery, deadline_s=1.0)
+            # the deadline must exceed the time to give up on a dead coordinator (3 s)
+            members = await _members(nursery, deadline_s=5.0)
             dead, alive = members[0], members[1:]
             dead.scope.cancel()  # its host closes; the others still list it as a candidate
             await trio.sleep(0.5)
