@@ -16,6 +16,7 @@ from typing import Any
 
 from lattica.config import DEFAULT_PORT, NodeConfig, TrainSettings
 from lattica.errors import ConfigError
+from lattica.files import read_text
 
 ENV_PREFIX = "LATTICA_"
 MAX_CONFIG_BYTES = 1 << 20
@@ -53,16 +54,10 @@ def default_data_dir() -> Path:
 
 
 def read_toml(path: Path) -> dict[str, Any]:
+    text = read_text(path, what="config file", max_bytes=MAX_CONFIG_BYTES)
     try:
-        with path.open("rb") as f:
-            raw = f.read(MAX_CONFIG_BYTES + 1)
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
-    if len(raw) > MAX_CONFIG_BYTES:
-        raise ConfigError(f"config file {path} is larger than {MAX_CONFIG_BYTES} bytes")
-    try:
-        return tomllib.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
 
 
@@ -137,17 +132,7 @@ def file_layer(path: Path | None) -> tuple[dict[str, Any], dict[str, Any] | None
 
 
 def read_peers_file(path: Path) -> tuple[str, ...]:
-    try:
-        with path.open("rb") as f:
-            raw = f.read(MAX_PEERS_FILE_BYTES + 1)
-    except OSError as exc:
-        raise ConfigError(f"cannot read peers file {path}: {exc.strerror}") from None
-    if len(raw) > MAX_PEERS_FILE_BYTES:
-        raise ConfigError(f"peers file {path} is too large")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise ConfigError(f"peers file {path} is not UTF-8 text") from None
+    text = read_text(path, what="peers file", max_bytes=MAX_PEERS_FILE_BYTES)
     lines = (line.split("#", 1)[0].strip() for line in text.splitlines())
     return tuple(line for line in lines if line)
 

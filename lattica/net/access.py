@@ -28,7 +28,6 @@ import hmac
 import logging
 import re
 import secrets
-import stat
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -41,6 +40,7 @@ from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 
 from lattica.errors import ConfigError, PeerUnavailableError, RemoteProtocolError
+from lattica.files import read_capped
 from lattica.net.wire import read_message, write_message
 
 log = logging.getLogger(__name__)
@@ -61,19 +61,8 @@ class AccessDeniedError(PeerUnavailableError):
 
 def read_secret_file(path: Path) -> bytes:
     """The run secret: a file readable by its owner only, like the identity key."""
-    try:
-        mode = path.stat().st_mode
-        with path.open("rb") as f:
-            raw = f.read(MAX_SECRET_BYTES + 1)
-    except OSError as exc:
-        raise ConfigError(f"cannot read secret file {path}: {exc.strerror}") from None
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise ConfigError(
-            f"secret file {path} has mode {stat.S_IMODE(mode):04o}; it must be 0600 (chmod 600 {path})"
-        )
+    raw = read_capped(path, what="secret file", max_bytes=MAX_SECRET_BYTES, private=True)
     secret = raw.strip()
-    if len(raw) > MAX_SECRET_BYTES:
-        raise ConfigError(f"secret file {path} is larger than {MAX_SECRET_BYTES} bytes")
     if len(secret) < MIN_SECRET_BYTES:
         raise ConfigError(f"secret file {path} holds {len(secret)} bytes; use at least {MIN_SECRET_BYTES}")
     return secret

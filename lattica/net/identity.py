@@ -8,7 +8,6 @@ anyone holding it can impersonate the node and sign its replicated-state updates
 from __future__ import annotations
 
 import os
-import stat
 from pathlib import Path
 
 from libp2p.crypto.ed25519 import create_new_key_pair
@@ -17,6 +16,7 @@ from libp2p.crypto.serialization import deserialize_private_key
 from libp2p.peer.id import ID
 
 from lattica.errors import ConfigError
+from lattica.files import read_capped
 
 KEY_FILE_NAME = "identity.key"
 _MAX_KEY_FILE_BYTES = 4096
@@ -31,22 +31,7 @@ def load_or_create_identity(data_dir: Path) -> KeyPair:
 
 
 def load_identity(path: Path) -> KeyPair:
-    try:
-        mode = path.stat().st_mode
-    except OSError as exc:
-        raise ConfigError(f"cannot read key file {path}: {exc.strerror}") from None
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise ConfigError(
-            f"key file {path} has mode {stat.S_IMODE(mode):04o}; it must be 0600 "
-            f"(run: chmod 600 {path})"
-        )
-    try:
-        with path.open("rb") as f:
-            raw = f.read(_MAX_KEY_FILE_BYTES + 1)
-    except OSError as exc:
-        raise ConfigError(f"cannot read key file {path}: {exc.strerror}") from None
-    if len(raw) > _MAX_KEY_FILE_BYTES:
-        raise ConfigError(f"key file {path} is too large to be a key")
+    raw = read_capped(path, what="key file", max_bytes=_MAX_KEY_FILE_BYTES, private=True)
     try:
         private_key = deserialize_private_key(raw)
     except Exception:
