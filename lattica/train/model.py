@@ -13,7 +13,9 @@ a run can start from identical weights without shipping them.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -102,12 +104,14 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """``forward(idx)`` maps int64 token ids ``(B, T)`` to logits ``(B, T, vocab)``."""
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, *, block: Callable[[Any], nn.Module] | None = None) -> None:
+        """``block(config)`` builds each transformer layer (the MoE variant passes its own)."""
         super().__init__()
         self.config = config
+        make_block = block or Block
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
         self.pos_emb = nn.Embedding(config.context, config.d_model)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.blocks = nn.ModuleList(make_block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.d_model)
         self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight

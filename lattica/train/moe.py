@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from lattica.train.model import VOCAB_SIZE, CausalSelfAttention, GPTConfig
+from lattica.train.model import GPT, VOCAB_SIZE, CausalSelfAttention, GPTConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,27 +110,11 @@ class MoEBlock(nn.Module):
         return x + self.moe(self.ln2(x))
 
 
-class MoEGPT(nn.Module):
-    """``forward(idx)`` maps int64 token ids ``(B, T)`` to logits ``(B, T, vocab)``."""
+class MoEGPT(GPT):
+    """The byte-level GPT with a mixture of experts in place of every MLP."""
 
     def __init__(self, config: MoEConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
-        self.pos_emb = nn.Embedding(config.context, config.d_model)
-        self.blocks = nn.ModuleList(MoEBlock(config) for _ in range(config.n_layer))
-        self.ln_f = nn.LayerNorm(config.d_model)
-        self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
-        self.head.weight = self.tok_emb.weight
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        t = idx.shape[1]
-        if t > self.config.context:
-            raise ValueError(f"sequence length {t} exceeds the model context {self.config.context}")
-        x = self.tok_emb(idx) + self.pos_emb(torch.arange(t, device=idx.device))
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln_f(x))
+        super().__init__(config, block=MoEBlock)  # type: ignore[arg-type]
 
     @property
     def aux_loss(self) -> torch.Tensor:
