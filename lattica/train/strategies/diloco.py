@@ -86,6 +86,22 @@ def nesterov_outer_step(
             param.add_(grad.add(buf, alpha=momentum), alpha=-lr)
 
 
+def outer_copy(model: torch.nn.Module) -> tuple[list[str], list[torch.Tensor], list[torch.Tensor]]:
+    """Parameter names, the live (inner) parameters, and an fp32 CPU copy: the outer weights φ."""
+    named = list(model.named_parameters())
+    inner = [p for _, p in named]
+    return [n for n, _ in named], inner, [p.detach().to("cpu", torch.float32, copy=True) for p in inner]
+
+
+def nesterov_sgd(outer: list[torch.Tensor], lr: float, momentum: float) -> torch.optim.SGD:
+    """The DiLoCo outer optimizer: plain SGD with Nesterov momentum (plain SGD at momentum 0)."""
+    return torch.optim.SGD(
+        outer, lr=lr, momentum=momentum,
+        nesterov=momentum > 0,  # torch refuses Nesterov without momentum
+        foreach=False,
+    )
+
+
 class DiLoCo(OuterStrategy):
     """Blocking DiLoCo: one all-reduce of the pseudo-gradient every ``inner_steps`` steps."""
 
@@ -103,17 +119,8 @@ class DiLoCo(OuterStrategy):
     ) -> None:
         super().__init__(model, collective=collective, groups=groups)
         self.config = config or DiLoCoConfig()
-        named = list(model.named_parameters())
-        self._names = [name for name, _ in named]
-        self._inner = [p for _, p in named]
-        self._outer = [p.detach().to("cpu", torch.float32, copy=True) for p in self._inner]
-        self.outer_optimizer = torch.optim.SGD(
-            self._outer,
-            lr=self.config.outer_lr,
-            momentum=self.config.outer_momentum,
-            nesterov=self.config.outer_momentum > 0,  # torch refuses Nesterov without momentum
-            foreach=False,
-        )
+        self._names, self._inner, self._outer = outer_copy(model)
+        self.outer_optimizer = nesterov_sgd(self._outer, self.config.outer_lr, self.config.outer_momentum)
         self._round = 0  # index of the next sync; advances even when a round is skipped
         self._completed = 0
         self._step = 0  # inner step at which the last round ran

@@ -32,7 +32,7 @@ import trio
 from lattica.errors import BrokenError, LocalProtocolError, PeerUnavailableError
 from lattica.train.strategies.accounting import AccountedStrategy, tensor_bytes
 from lattica.train.strategies.base import OuterStepReport
-from lattica.train.strategies.diloco import pseudo_gradient
+from lattica.train.strategies.diloco import nesterov_sgd, outer_copy, pseudo_gradient
 from lattica.train.strategies.traffic import allreduce_bytes
 
 
@@ -85,17 +85,8 @@ class EagerDiLoCo(AccountedStrategy):
     def __init__(self, model, *, collective, groups, config: EagerDiLoCoConfig | None = None):
         super().__init__(model, collective=collective, groups=groups)
         self.config = config or EagerDiLoCoConfig()
-        named = list(model.named_parameters())
-        self._names = [n for n, _ in named]
-        self._inner = [p for _, p in named]
-        self._outer = [p.detach().to("cpu", torch.float32, copy=True) for p in self._inner]
-        self.outer_optimizer = torch.optim.SGD(
-            self._outer,
-            lr=self.config.outer_lr,
-            momentum=self.config.outer_momentum,
-            nesterov=True,
-            foreach=False,
-        )
+        self._names, self._inner, self._outer = outer_copy(model)
+        self.outer_optimizer = nesterov_sgd(self._outer, self.config.outer_lr, self.config.outer_momentum)
         self._in_flight: _InFlight | None = None
         self._completed = 0
 
