@@ -14,12 +14,24 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from lattica.control import client
 from lattica.errors import LatticaError
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, interval: float = 0.25) -> Any:
+    """Poll ``predicate`` until it returns something truthy or ``timeout`` passes; its last value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    return predicate()
 
 
 def free_port() -> int:

@@ -8,16 +8,7 @@ import time
 import pytest
 
 from lattica.testing.daemons import DaemonProcess, cli_json
-
-
-def _wait_for(predicate, timeout: float, interval: float = 0.3):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    return predicate()
+from lattica.testing.daemons import wait_for as _wait_for
 
 
 @pytest.fixture

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from lattica.testing.daemons import DaemonProcess, cli_json
+from lattica.testing.daemons import wait_for as _wait_for
 
 INNER_STEPS = 5
 TRAIN_ENV = {
@@ -25,14 +26,6 @@ TRAIN_ENV = {
 }
 
 
-def _wait_for(predicate: Callable[[], Any], timeout: float, interval: float = 0.25) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    return predicate()
 
 
 def _training(daemon: DaemonProcess) -> dict[str, Any]:
