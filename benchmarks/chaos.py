@@ -86,16 +86,23 @@ class Swarm:
             d.kill()
 
     def final(self) -> tuple[float, bool, int]:
+        """Mean last loss, whether every replica published the same hash at the last round, and
+        the slowest replica's round. A daemon that does not answer counts as not identical."""
         infos = [_training(d) for d in self.daemons]
         losses = [float(i["loss"]) for i in infos if i.get("loss") is not None]
         hashes: set[str] = set()
-        ids = [d.peer_id for d in self.daemons]
-        for d in self.daemons:
-            progress = cli_json("state", "--data-dir", str(d.data_dir))["progress"]
-            for peer in ids:
-                record = progress.get(peer) or {}
-                hashes.add(record.get("weights_hash") if record.get("round") == self.rounds else "missing")
-        return sum(losses) / max(len(losses), 1), len(hashes) == 1 and "missing" not in hashes, min(self.progress())
+        try:
+            ids = [d.peer_id for d in self.daemons]
+            for d in self.daemons:
+                progress = cli_json("state", "--data-dir", str(d.data_dir))["progress"]
+                for peer in ids:
+                    record = progress.get(peer) or {}
+                    hashes.add(record.get("weights_hash") if record.get("round") == self.rounds else "missing")
+        except (LatticaError, RuntimeError) as exc:
+            print(f"final check: a daemon did not answer: {exc}", flush=True)
+            hashes.add("unanswered")
+        identical = len(hashes) == 1 and not hashes & {"missing", "unanswered"}
+        return sum(losses) / max(len(losses), 1), identical, min(self.progress())
 
 
 def _wait_first_round(swarm: Swarm, timeout: float) -> None:
@@ -161,6 +168,8 @@ def run_chaos(root: Path, args: argparse.Namespace) -> dict[str, Any]:
                     resuming[victim] = before  # checked below once it trains again
                 next_event = time.monotonic() + args.kill_every
             time.sleep(0.25)
+        print(f"chaos phase over: kills={kills} partitions={partitions} rounds={swarm.progress()} "
+              f"done={swarm.done()}", flush=True)
         time.sleep(2.0)
         final_loss, identical, slowest = swarm.final()
         return {
