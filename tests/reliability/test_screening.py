@@ -48,6 +48,32 @@ def test_non_finite_contributions_are_excluded(bad) -> None:
     assert [r.peer for r in rejected] == ["b"]
 
 
+def test_opposite_infinities_and_an_overflowing_sum_are_screened_exactly() -> None:
+    # +inf and -inf in the same element cancel to NaN in the sum: both members are still named
+    mean, rejected = reduce_parts(_parts([1, float("inf")], [3, float("-inf")], [5, 6]), ["a", "b", "c"])
+    assert torch.equal(mean, torch.tensor([5.0, 6.0]))
+    assert [r.peer for r in rejected] == ["a", "b"]
+    # finite contributions whose sum overflows are all accepted (the mean is what fp32 gives)
+    big = 3e38
+    mean, rejected = reduce_parts(_parts([big, 1], [big, 2]), ["a", "b"])
+    assert rejected == []
+    assert torch.equal(mean, (torch.tensor([big, 1.0]) + torch.tensor([big, 2.0])) / 2)
+
+
+def test_the_mean_lands_in_the_given_buffer() -> None:
+    gen = torch.Generator().manual_seed(1)
+    parts = [torch.randn(1000, generator=gen) for _ in PEERS]
+    out = torch.full((1000,), float("nan"))
+    mean, _ = reduce_parts(parts, PEERS, out=out)
+    assert mean.data_ptr() == out.data_ptr()
+    assert torch.equal(out, reduce_parts(parts, PEERS)[0])
+    for screen in (ContributionScreen(max_norm_ratio=4), ContributionScreen(trim=1)):
+        out = torch.full((1000,), float("nan"))
+        mean, _ = reduce_parts(parts, PEERS, screen, out=out)
+        assert mean.data_ptr() == out.data_ptr()
+        assert torch.equal(out, reduce_parts(parts, PEERS, screen)[0])
+
+
 def test_outliers_by_norm_are_excluded_only_when_asked() -> None:
     parts = _parts([1, 1], [1.2, 0.8], [0.9, 1.1], [1e6, 1e6])
     mean, rejected = reduce_parts(parts, PEERS)

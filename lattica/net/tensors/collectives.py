@@ -168,9 +168,8 @@ async def _reduce_scatter(transport, flat, out, group, rank, bounds, tag, codec,
 
     await phase.run(body)
     received[rank] = _through(flat[lo:hi], codec)
-    mean, rejected = reduce_parts([received[j] for j in range(len(group))], list(group), screen)
     total = out[lo:hi]
-    total.copy_(mean)
+    _, rejected = reduce_parts([received[j] for j in range(len(group))], list(group), screen, out=total)
     if codec != "fp32":
         total.copy_(_through(total, codec))
     return rejected

@@ -7,7 +7,9 @@ other member's slice of it. Before averaging, ``reduce_parts`` decides, once, wh
 slices count:
 
 1. always: a slice with a NaN or an infinity is excluded (shape and dtype were already checked
-   by the decoder);
+   by the decoder). Any such value makes the sum of the slices non-finite, so with the default
+   screen the owner sums first and checks that sum in one pass; only when it is not finite are
+   the slices checked one by one and summed again without the excluded ones;
 2. ``max_norm_ratio``: with at least three finite slices, one whose L2 norm exceeds
    ``max_norm_ratio`` x the median norm is excluded as an outlier;
 3. then, optionally, robust aggregation of what is left: ``clip_ratio`` scales every slice
@@ -24,6 +26,7 @@ the part is zero (no update).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -57,35 +60,69 @@ class Rejection:
 
 
 def reduce_parts(
-    parts: Sequence[torch.Tensor], peers: Sequence[str], screen: ContributionScreen = DEFAULT_SCREEN
+    parts: Sequence[torch.Tensor], peers: Sequence[str], screen: ContributionScreen = DEFAULT_SCREEN,
+    *, out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, list[Rejection]]:
-    """The screened fp32 mean of ``parts`` (one per peer, in group order) and who was left out."""
+    """The screened fp32 mean of ``parts`` (one per peer, in group order) and who was left out.
+
+    The mean is written into ``out`` (an fp32 tensor of the parts' length) when given, else
+    into a new tensor; a part must not share memory with ``out``.
+    """
+    numel = parts[0].numel() if parts else 0
+    if out is None:
+        out = torch.empty(numel, dtype=torch.float32)
+    plain = screen.max_norm_ratio is None and screen.clip_ratio is None and not screen.trim
+    if plain and parts:
+        # Sum first and check the sum: a NaN or an infinity in any part makes its element of
+        # the sum non-finite, so a finite sum proves every part finite in a single pass.
+        _sum_into(out, [p.to(torch.float32) for p in parts])
+        if math.isfinite(float(out.sum())):
+            return out.div_(len(parts)), []
     rejected: list[Rejection] = []
     finite: list[int] = []
     for i, part in enumerate(parts):
-        if bool(torch.isfinite(part).all()):
+        if _all_finite(part):
             finite.append(i)
         else:
             rejected.append(Rejection(peers[i], "non-finite values"))
-    norms = {i: float(torch.linalg.vector_norm(parts[i].to(torch.float32))) for i in finite}
+    norms: dict[int, float] = {}
+    if screen.max_norm_ratio is not None or screen.clip_ratio is not None:
+        norms = {i: float(torch.linalg.vector_norm(parts[i].to(torch.float32))) for i in finite}
     accepted = finite
     if screen.max_norm_ratio is not None and len(finite) >= 3:
         limit = screen.max_norm_ratio * _median(norms.values())
         accepted = [i for i in finite if norms[i] <= limit]
         rejected += [Rejection(peers[i], f"norm {norms[i]:.3g} > {limit:.3g}") for i in finite if norms[i] > limit]
     if not accepted:
-        return torch.zeros(parts[0].numel() if parts else 0, dtype=torch.float32), rejected
+        return out.zero_(), rejected
     chosen = [parts[i].to(torch.float32) for i in accepted]
     if screen.clip_ratio is not None:
         bound = screen.clip_ratio * _median(norms[i] for i in accepted)
         chosen = [p * min(1.0, bound / norms[i]) if norms[i] > 0 else p for p, i in zip(chosen, accepted, strict=True)]
     if screen.trim and len(chosen) > 2 * screen.trim:
         stacked = torch.stack(chosen).sort(dim=0).values
-        return stacked[screen.trim : len(chosen) - screen.trim].mean(dim=0), rejected
-    total = chosen[0].clone()
-    for p in chosen[1:]:  # group order: the same rounding everywhere
-        total += p
-    return total.div_(len(chosen)), rejected
+        torch.mean(stacked[screen.trim : len(chosen) - screen.trim], dim=0, out=out)
+        return out, rejected
+    _sum_into(out, chosen)
+    return out.div_(len(chosen)), rejected
+
+
+def _sum_into(out: torch.Tensor, parts: Sequence[torch.Tensor]) -> None:
+    """``out = parts[0] + parts[1] + ...`` in group order (the same rounding everywhere)."""
+    if len(parts) == 1:
+        out.copy_(parts[0])
+        return
+    torch.add(parts[0], parts[1], out=out)
+    for p in parts[2:]:
+        out.add_(p)
+
+
+def _all_finite(part: torch.Tensor) -> bool:
+    # A NaN or an infinity makes the sum non-finite, so a finite sum proves every element
+    # finite in one cheap pass; only a non-finite sum (or an overflow) needs the exact check.
+    if math.isfinite(float(part.sum())):
+        return True
+    return bool(torch.isfinite(part).all())
 
 
 def _median(values) -> float:
