@@ -198,9 +198,12 @@ class Node:
             record = self.peer_book.get(key)
             errors: dict[str, str] = {}
             if (record is None or not record.left) and await self._try_dial_addr(addr, errors):
-                log.info("reconnected to bootstrap peer %s", key)
-                delay = 1.0
-                continue
+                if key in self._connected_ids():
+                    log.info("reconnected to bootstrap peer %s", key)
+                    delay = 1.0
+                    continue
+                # the dial "succeeded" but the connection is already gone (py-libp2p can
+                # return from connect() on a stale entry): back off like any failure
             await trio.sleep(delay)
             delay = min(delay * 2, self.config.max_backoff_s)
 
