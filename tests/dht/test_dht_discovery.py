@@ -95,12 +95,12 @@ async def test_member_that_leaves_disappears_after_expiry():
         async with running_host() as leaver, trio.open_nursery() as leaver_nursery:
             await connect(leaver, hosts[-1])
             await leaver_nursery.start(RunDiscovery(leaver, run_id="run-a", config=EXPIRING).run)
-            with trio.fail_after(15):
+            with trio.fail_after(30):  # bounds for a loaded 2-core machine
                 while leaver.get_id() not in _member_ids(nodes[0]):
                     await trio.sleep(0.2)
             leaver_nursery.cancel_scope.cancel()
         left_at = trio.current_time()
-        with trio.fail_after(EXPIRING.provider_ttl + 8):
+        with trio.fail_after(EXPIRING.provider_ttl + 20):
             while any(leaver.get_id() in _member_ids(n) for n in nodes):
                 await trio.sleep(0.2)
         # It lapsed because its records expired, not earlier: live members stayed.
