@@ -163,5 +163,9 @@ def test_every_dashboard_query_returns_data(swarm, prometheus):
     peer_ids = {s["metric"]["peer_id"] for s in prometheus.query("lattica_node_info")}
     assert len(peer_ids) == PEERS + 1
     if SWARM_TRAINS:
+        # every node completes rounds (the last to start may still be loading: give it time)
+        deadline = time.monotonic() + DEADLINE_S
+        while _scalar(prometheus, "min(lattica_outer_round)") < 1 and time.monotonic() < deadline:
+            time.sleep(1.0)
         assert _scalar(prometheus, "min(lattica_outer_round)") >= 1
         assert _scalar(prometheus, "sum(lattica_tokens_per_second)") > 0
