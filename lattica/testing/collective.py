@@ -162,3 +162,21 @@ def _check_shapes(deposits: dict[str, list[torch.Tensor]]) -> None:
             shapes[i].add(tuple(t.shape))
     if any(len(s) > 1 for s in shapes.values()):
         raise LocalProtocolError("members passed tensors of different shapes to one allreduce")
+
+
+class FixedGroups:
+    """A ``GroupProvider`` that always answers the same members (for strategy tests)."""
+
+    def __init__(self, members: Sequence[str]) -> None:
+        self.members = list(members)
+
+    async def group_for(self, key: str) -> list[str]:
+        return self.members
+
+
+def scalar_model(value: float = 0.0) -> torch.nn.Module:
+    """A one-weight model whose outer-step arithmetic is easy to check by hand."""
+    model = torch.nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(value)
+    return model

@@ -1,23 +1,8 @@
 import torch
 import trio
 
-from lattica.testing.collective import InMemoryCollectiveGroup
+from lattica.testing.collective import FixedGroups, InMemoryCollectiveGroup, scalar_model
 from lattica.train.strategies.eager import EagerDiLoCo, EagerDiLoCoConfig, eager_outer_gradient
-
-
-class FixedGroups:
-    def __init__(self, members):
-        self.members = list(members)
-
-    async def group_for(self, key):
-        return self.members
-
-
-def scalar_model(value=0.0):
-    model = torch.nn.Linear(1, 1, bias=False)
-    with torch.no_grad():
-        model.weight.fill_(value)
-    return model
 
 
 def test_eager_gradient_swaps_own_stale_share_for_fresh_one():

@@ -2,7 +2,7 @@ import pytest
 import torch
 import trio
 
-from lattica.testing.collective import InMemoryCollectiveGroup
+from lattica.testing.collective import FixedGroups, InMemoryCollectiveGroup, scalar_model
 from lattica.train.strategies.noloco import (
     NoLoCo,
     NoLoCoConfig,
@@ -10,21 +10,6 @@ from lattica.train.strategies.noloco import (
     noloco_outer_step,
     round_seed,
 )
-
-
-class FixedGroups:
-    def __init__(self, members):
-        self.members = list(members)
-
-    async def group_for(self, key):
-        return self.members
-
-
-def scalar_model(value=0.0):
-    model = torch.nn.Linear(1, 1, bias=False)
-    with torch.no_grad():
-        model.weight.fill_(value)
-    return model
 
 
 def test_outer_step_matches_hand_computation():

@@ -1,7 +1,7 @@
 import torch
 import trio
 
-from lattica.testing.collective import InMemoryCollectiveGroup
+from lattica.testing.collective import FixedGroups, InMemoryCollectiveGroup
 from lattica.train.model import GPTConfig, build_model
 from lattica.train.strategies.streaming import (
     StreamingDiLoCo,
@@ -11,14 +11,6 @@ from lattica.train.strategies.streaming import (
     sync_due,
 )
 from lattica.train.strategies.traffic import allreduce_bytes
-
-
-class FixedGroups:
-    def __init__(self, members):
-        self.members = list(members)
-
-    async def group_for(self, key):
-        return self.members
 
 
 class TwoScalarBlocks(torch.nn.Module):
