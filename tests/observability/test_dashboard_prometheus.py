@@ -138,10 +138,13 @@ def _scalar(prometheus: Prometheus, expr: str) -> float:
 @pytest.mark.timeout(120)
 def test_every_dashboard_query_returns_data(swarm, prometheus):
     wait_connected(swarm, swarm.bootstrap, peers=PEERS, timeout=DEADLINE_S)
+    # "Checkpoint fetch time" only has data once some node joined mid-run and fetched the
+    # outer state; in this swarm that happens only when a node starts after the bootstrap has
+    # completed a round, which start-up timing does not guarantee. It is not required here.
     required = [
         (row, title, expr)
         for row, title, expr in dashboard_queries()
-        if SWARM_TRAINS or row != "Training"
+        if (SWARM_TRAINS or row != "Training") and title != "Checkpoint fetch time"
     ]
     assert len(required) >= 10
     deadline = time.monotonic() + DEADLINE_S
