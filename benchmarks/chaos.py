@@ -1,19 +1,30 @@
-"""Chaos: real ``lattica join --train`` daemons under repeated SIGKILL, restart and partition.
+"""Chaos: ``lattica join --train`` daemons in a namespace lab, under SIGKILL + restart and link cuts.
 
-Phase 1 (undisturbed): N daemons train DiLoCo (tiny model, short rounds) for R rounds.
-Phase 2 (chaos): the same run again from fresh data dirs; every ``--kill-every`` seconds a random
-peer (any of them, bootstrap included) is SIGKILLed and restarted with the same data dir, so it
-resumes from its checkpoint and rejoins through any live peer; every ``--partition-every``-th
-disturbance instead cuts one peer off for ``--partition-s`` seconds (SIGSTOP, then SIGCONT:
-its connections stay up but nothing flows, as in a silent link cut) and heals it.
+Every daemon runs in its own network namespace, a public host of a ``NetLab`` (198.18.0.x on one
+"internet" bridge), so a partition is a real link cut: the host's port on the bridge goes down
+(packets vanish both ways; no reset, no error on either side) and comes back up to heal.
 
-Measured: ``kills``; ``rounds_completed`` (the slowest replica at the end); ``lost_rounds`` (rounds
-a peer had reported complete before a kill that it no longer had after restarting, summed);
-``max_stall_s`` (the longest time the swarm's newest round did not advance, after the first
-round); ``final_loss`` / ``undisturbed_loss`` (mean of the replicas' last training loss);
-``replicas_identical`` (every replica reports the same weights hash at round R). Last line: JSON.
+Phase 1 (chaos): N daemons train DiLoCo (tiny model, short rounds) for R rounds. Every
+``--kill-every`` seconds one disturbance hits a random peer that is neither restarting nor cut
+off: SIGKILL and an immediate restart with the same data dir, identity and address (it resumes
+from its checkpoint and rejoins), or — every ``--partition-every``-th disturbance — a link cut
+for ``--partition-s`` seconds. At most ``--max-restarting`` peers are down and one is cut off
+at a time, so the swarm is never all down. Disturbances stop ``--calm-rounds`` rounds before the end.
+Phase 2 (undisturbed): the same run in a fresh lab, with no disturbance.
 
-Loopback only: the partition is a process freeze, not a namespace link cut.
+Measured (from outside: the daemons' control sockets and ``lattica state``):
+
+- ``kills``, ``partitions``: disturbances done.
+- ``rounds_completed``: the round every replica reports at the end (the slowest one's).
+- ``lost_rounds``: per kill, the rounds the victim reported completed just before the SIGKILL
+  minus the rounds it reports once it trains again, when fewer; summed.
+- ``max_stall_s``: the longest time, after the first round, in which the swarm's newest round
+  (the most any live replica reports) did not advance; polled every 0.25 s.
+- ``final_loss`` / ``undisturbed_loss``: validation loss of the final model (the mean over the
+  replicas; identical replicas give identical values), and their ratio ``loss_ratio``.
+- ``replicas_identical``: every replica's published record is at round R with one hash.
+
+Needs root (network namespaces). Last line: one JSON object.
 """
 
 from __future__ import annotations
@@ -21,14 +32,15 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import signal
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from lattica.errors import LatticaError
 from lattica.testing.daemons import DaemonProcess, cli_json
+from lattica.testing.netlab import LabHost, NetLab
 
 TRAIN_ENV = {
     "LATTICA_TRAIN_BATCH_SIZE": "4",
@@ -36,6 +48,8 @@ TRAIN_ENV = {
     "LATTICA_TRAIN_WARMUP_STEPS": "2",
     "OMP_NUM_THREADS": "1",
 }
+PORT = 4001
+POLL_S = 0.25
 
 
 def _training(d: DaemonProcess) -> dict[str, Any]:
@@ -46,156 +60,206 @@ def _training(d: DaemonProcess) -> dict[str, Any]:
 
 
 class Swarm:
-    def __init__(self, root: Path, *, nodes: int, rounds: int, inner_steps: int, deadline_s: float) -> None:
-        self.root, self.nodes, self.rounds = root, nodes, rounds
-        args = (
+    """N daemons, one per lab host; the first is everyone's bootstrap peer."""
+
+    def __init__(self, lab: NetLab, root: Path, args: argparse.Namespace) -> None:
+        self.lab, self.rounds = lab, args.rounds
+        train = (
             "--train", "--model", "tiny", "--device", "cpu", "--log-level", "info",
-            "--rounds", str(rounds), "--inner-steps", str(inner_steps), "--min-peers", str(nodes),
+            "--rounds", str(args.rounds), "--inner-steps", str(args.inner_steps),
+            "--min-peers", str(args.nodes),
         )
-        env = {**TRAIN_ENV, "LATTICA_TRAIN_ROUND_DEADLINE_S": str(deadline_s)}
+        env = {**TRAIN_ENV, "LATTICA_TRAIN_ROUND_DEADLINE_S": str(args.deadline_s)}
+        self.hosts: list[LabHost] = [lab.add_public(f"n{i}") for i in range(args.nodes)]
         self.daemons = [
-            DaemonProcess(root / f"n{i}", extra_args=args, env=env) for i in range(nodes)
+            DaemonProcess(root / f"n{i}", port=PORT, extra_args=train, env=env, netns=h.ns, listen_ip=h.ip)
+            for i, h in enumerate(self.hosts)
         ]
-        self.addrs: dict[int, str] = {}
+        self.addrs: list[str] = []
 
     def start(self) -> None:
         first = self.daemons[0].start()
-        first.wait_ready(60)
-        self.addrs[0] = first.addr
+        first.wait_ready(120)
+        bootstrap = first.addr
         for d in self.daemons[1:]:
-            d.peers = (self.addrs[0],)
+            d.peers = (bootstrap,)
             d.start()
-        for i, d in enumerate(self.daemons[1:], 1):
-            d.wait_ready(60)
-            self.addrs[i] = d.addr
+        for d in self.daemons[1:]:
+            d.wait_ready(120)
+        self.addrs = [d.addr for d in self.daemons]
 
     def restart(self, i: int) -> None:
+        """SIGKILL daemon ``i`` and start it again at once (same data dir, address, identity)."""
         d = self.daemons[i]
-        d.peers = tuple(a for j, a in self.addrs.items() if j != i)
+        d.kill()
+        d.peers = tuple(a for j, a in enumerate(self.addrs) if j != i)
         d.start()
-        d.wait_ready(60)
 
-    def progress(self) -> list[int]:
-        return [int(_training(d).get("rounds_completed") or 0) for d in self.daemons]
-
-    def done(self) -> bool:
-        return all(_training(d).get("phase") == "done" for d in self.daemons)
+    def infos(self) -> list[dict[str, Any]]:
+        return [_training(d) for d in self.daemons]
 
     def stop(self) -> None:
         for d in self.daemons:
             d.kill()
 
-    def final(self) -> tuple[float, bool, int]:
-        """Mean last loss, whether every replica published the same hash at the last round, and
-        the slowest replica's round. A daemon that does not answer counts as not identical."""
-        infos = [_training(d) for d in self.daemons]
-        losses = [float(i["loss"]) for i in infos if i.get("loss") is not None]
-        hashes: set[str] = set()
-        try:
-            ids = [d.peer_id for d in self.daemons]
-            for d in self.daemons:
-                progress = cli_json("state", "--data-dir", str(d.data_dir))["progress"]
-                for peer in ids:
-                    record = progress.get(peer) or {}
-                    hashes.add(record.get("weights_hash") if record.get("round") == self.rounds else "missing")
-        except (LatticaError, RuntimeError) as exc:
-            print(f"final check: a daemon did not answer: {exc}", flush=True)
-            hashes.add("unanswered")
-        identical = len(hashes) == 1 and not hashes & {"missing", "unanswered"}
-        return sum(losses) / max(len(losses), 1), identical, min(self.progress())
+
+def _rounds(info: dict[str, Any]) -> int:
+    return int(info.get("rounds_completed") or 0)
+
+
+def _published(swarm: Swarm) -> set[str]:
+    """What the replicas' records at the last round say, as every daemon sees them."""
+    hashes: set[str] = set()
+    try:
+        ids = [d.peer_id for d in swarm.daemons]
+        for d in swarm.daemons:
+            progress = cli_json("state", "--data-dir", str(d.data_dir))["progress"]
+            for peer in ids:
+                record = progress.get(peer) or {}
+                hashes.add(record.get("weights_hash") if record.get("round") == swarm.rounds else "missing")
+    except (LatticaError, RuntimeError) as exc:
+        print(f"final check: a daemon did not answer: {exc}", flush=True)
+        hashes.add("unanswered")
+    return hashes
+
+
+def _final(swarm: Swarm, timeout: float) -> tuple[float, bool, int]:
+    """Wait (up to ``timeout``) until every replica is done and all published the same state
+    at the last round; the mean validation loss, whether they agree, the slowest round."""
+    deadline = time.monotonic() + timeout
+    while True:
+        infos = swarm.infos()
+        done = all(i.get("phase") == "done" for i in infos)
+        hashes = _published(swarm) if done else {"training"}
+        identical = len(hashes) == 1 and not hashes & {"missing", "unanswered", "training"}
+        if identical or time.monotonic() > deadline:
+            break
+        time.sleep(1.0)
+    losses = [float(i["val_loss"]) for i in infos if i.get("val_loss") is not None]
+    return sum(losses) / max(len(losses), 1), identical, min(_rounds(i) for i in infos)
+
+
+@dataclass
+class _Chaos:
+    kills: int = 0
+    partitions: int = 0
+    lost: int = 0
+    stall: float = 0.0
+    newest: int = 0
+    last_advance: float = 0.0
+    cut: tuple[int, float] | None = None  # peer, heal time
+    resuming: dict[int, int] | None = None  # restarted peer -> rounds reported before the kill
+
+    def watch(self, swarm: Swarm, infos: list[dict[str, Any]], now: float) -> None:
+        newest = max(_rounds(i) for i in infos)
+        if newest > self.newest:
+            self.newest, self.last_advance = newest, now
+        elif newest < swarm.rounds:
+            self.stall = max(self.stall, now - self.last_advance)
+        assert self.resuming is not None
+        for i, before in list(self.resuming.items()):
+            if infos[i].get("phase") in ("training", "done"):
+                self.lost += max(0, before - _rounds(infos[i]))
+                del self.resuming[i]
+
+    def disturb(self, swarm: Swarm, rng: random.Random, infos: list[dict[str, Any]], args: argparse.Namespace) -> None:
+        assert self.resuming is not None
+        busy = set(self.resuming) | ({self.cut[0]} if self.cut else set())
+        victims = [i for i in range(len(swarm.daemons)) if i not in busy]
+        partition = (self.kills + self.partitions + 1) % args.partition_every == 0
+        if partition and self.cut is None and victims:
+            victim = rng.choice(victims)
+            swarm.lab.cut_link(swarm.hosts[victim])
+            self.cut = (victim, time.monotonic() + args.partition_s)
+            self.partitions += 1
+        elif len(self.resuming) < args.max_restarting and victims:
+            victim = rng.choice(victims)
+            self.resuming[victim] = _rounds(_training(swarm.daemons[victim]))
+            swarm.restart(victim)
+            self.kills += 1
+
+    def heal_due(self, swarm: Swarm, now: float) -> None:
+        if self.cut is not None and now >= self.cut[1]:
+            swarm.lab.heal_link(swarm.hosts[self.cut[0]])
+            self.cut = None
 
 
 def _wait_first_round(swarm: Swarm, timeout: float) -> None:
     deadline = time.monotonic() + timeout
-    while max(swarm.progress()) < 1:
+    while max(_rounds(i) for i in swarm.infos()) < 1:
         if time.monotonic() > deadline:
             raise TimeoutError("no round completed")
-        time.sleep(0.25)
-
-
-def run_undisturbed(root: Path, args: argparse.Namespace) -> float:
-    swarm = Swarm(root / "calm", nodes=args.nodes, rounds=args.rounds, inner_steps=args.inner_steps,
-                  deadline_s=args.deadline_s)
-    try:
-        swarm.start()
-        deadline = time.monotonic() + args.timeout_s
-        while not swarm.done() and time.monotonic() < deadline:
-            time.sleep(0.5)
-        time.sleep(2.0)  # progress records spread
-        return swarm.final()[0]
-    finally:
-        swarm.stop()
+        time.sleep(POLL_S)
 
 
 def run_chaos(root: Path, args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(args.seed)
-    swarm = Swarm(root / "chaos", nodes=args.nodes, rounds=args.rounds, inner_steps=args.inner_steps,
-                  deadline_s=args.deadline_s)
-    kills = partitions = lost = 0
-    resuming: dict[int, int] = {}  # restarted peer -> rounds it had completed before the kill
-    stall, last_max, last_advance = 0.0, 0, 0.0
-    try:
-        swarm.start()
-        _wait_first_round(swarm, 120)
-        last_advance = time.monotonic()
-        next_event = time.monotonic() + args.kill_every
-        deadline = time.monotonic() + args.timeout_s
-        while not swarm.done() and time.monotonic() < deadline:
-            now = time.monotonic()
-            newest = max(swarm.progress())
-            if newest > last_max:
-                last_max, last_advance = newest, now
-            elif newest < args.rounds:
-                stall = max(stall, now - last_advance)
-            for i, before in list(resuming.items()):
-                info = _training(swarm.daemons[i])
-                if info.get("phase") in ("training", "done"):
-                    lost += max(0, before - int(info.get("rounds_completed") or 0))
-                    del resuming[i]
-            if now >= next_event and newest < args.rounds - 2:
-                victim = rng.choice([i for i in range(args.nodes) if i not in resuming] or [0])
-                d = swarm.daemons[victim]
-                if (kills + partitions + 1) % args.partition_every == 0:
-                    d.signal(signal.SIGSTOP)
-                    time.sleep(args.partition_s)
-                    d.signal(signal.SIGCONT)
-                    partitions += 1
-                else:
-                    before = int(_training(d).get("rounds_completed") or 0)
-                    d.kill()
-                    kills += 1
-                    swarm.restart(victim)
-                    resuming[victim] = before  # checked below once it trains again
-                next_event = time.monotonic() + args.kill_every
-            time.sleep(0.25)
-        print(f"chaos phase over: kills={kills} partitions={partitions} rounds={swarm.progress()} "
-              f"done={swarm.done()}", flush=True)
-        time.sleep(2.0)
-        final_loss, identical, slowest = swarm.final()
-        return {
-            "kills": kills, "partitions": partitions, "rounds_completed": slowest,
-            "lost_rounds": lost, "max_stall_s": round(stall, 2), "deadline_s": args.deadline_s,
-            "final_loss": round(final_loss, 4), "replicas_identical": identical,
-        }
-    finally:
-        swarm.stop()
+    chaos = _Chaos(resuming={})
+    with NetLab() as lab:
+        swarm = Swarm(lab, root / "chaos", args)
+        try:
+            swarm.start()
+            _wait_first_round(swarm, 180)
+            chaos.newest, chaos.last_advance = 1, time.monotonic()
+            next_event = time.monotonic() + args.kill_every
+            deadline = time.monotonic() + args.timeout_s
+            while time.monotonic() < deadline:
+                now = time.monotonic()
+                infos = swarm.infos()
+                if all(i.get("phase") == "done" for i in infos):
+                    break
+                chaos.watch(swarm, infos, now)
+                chaos.heal_due(swarm, now)
+                if now >= next_event and chaos.newest < args.rounds - args.calm_rounds:
+                    chaos.disturb(swarm, rng, infos, args)
+                    next_event = now + args.kill_every
+                time.sleep(POLL_S)
+            if chaos.cut is not None:
+                swarm.lab.heal_link(swarm.hosts[chaos.cut[0]])
+            print(f"chaos phase over: kills={chaos.kills} partitions={chaos.partitions} "
+                  f"rounds={[_rounds(i) for i in swarm.infos()]}", flush=True)
+            final_loss, identical, slowest = _final(swarm, 60)
+            return {
+                "kills": chaos.kills, "partitions": chaos.partitions, "rounds_completed": slowest,
+                "lost_rounds": chaos.lost, "max_stall_s": round(chaos.stall, 2),
+                "deadline_s": args.deadline_s, "final_loss": round(final_loss, 4),
+                "replicas_identical": identical,
+            }
+        finally:
+            swarm.stop()
+
+
+def run_undisturbed(root: Path, args: argparse.Namespace) -> float:
+    with NetLab() as lab:
+        swarm = Swarm(lab, root / "calm", args)
+        try:
+            swarm.start()
+            deadline = time.monotonic() + args.timeout_s
+            while time.monotonic() < deadline and not all(i.get("phase") == "done" for i in swarm.infos()):
+                time.sleep(0.5)
+            return _final(swarm, 30)[0]
+        finally:
+            swarm.stop()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, default=6)
-    parser.add_argument("--rounds", type=int, default=80)
-    parser.add_argument("--inner-steps", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--inner-steps", type=int, default=10)
     parser.add_argument("--deadline-s", type=float, default=5.0)
-    parser.add_argument("--kill-every", type=float, default=3.0, help="seconds between disturbances")
-    parser.add_argument("--partition-every", type=int, default=6, help="every n-th disturbance is a partition")
-    parser.add_argument("--partition-s", type=float, default=3.0)
-    parser.add_argument("--timeout-s", type=float, default=360.0, help="per phase")
+    parser.add_argument("--kill-every", type=float, default=4.0, help="seconds between disturbances")
+    parser.add_argument("--partition-every", type=int, default=5, help="every n-th disturbance is a link cut")
+    parser.add_argument("--partition-s", type=float, default=8.0)
+    parser.add_argument("--max-restarting", type=int, default=2, help="peers restarting at once, at most")
+    parser.add_argument("--calm-rounds", type=int, default=3, help="no disturbance in the last rounds")
+    parser.add_argument("--timeout-s", type=float, default=300.0, help="per phase")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-undisturbed", action="store_true")
+    parser.add_argument("--keep-dir", type=Path, default=None, help="keep data dirs and logs here")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="lattica-chaos-") as tmp:
-        root = Path(tmp)
+        root = args.keep_dir or Path(tmp)
         started = time.monotonic()
         result = run_chaos(root, args)
         result["undisturbed_loss"] = None if args.skip_undisturbed else round(run_undisturbed(root, args), 4)

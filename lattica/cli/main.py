@@ -1,7 +1,8 @@
 """``lattica`` command line: the daemon (``join``) and the commands that talk to it.
 
 Every error reaches the user as one line on stderr with a non-zero exit code; tracebacks are
-shown only with ``--log-level debug``.
+shown only with ``--log-level debug`` (an internal error of the daemon also appends its
+traceback to ``crash.log`` in the data dir).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import json
 import os
 import signal
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -107,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             return 130
         if debug:
             raise
-        print(f"lattica: internal error: {type(leaf).__name__}: {_first_line(leaf)}", file=sys.stderr)
+        _report_internal(args, leaf)
         return EXIT_INTERNAL
     except LatticaError as exc:
         print(f"lattica: error: {exc}", file=sys.stderr)
@@ -117,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         if debug:
             raise
-        print(f"lattica: internal error: {type(exc).__name__}: {_first_line(exc)}", file=sys.stderr)
+        _report_internal(args, exc)
         return EXIT_INTERNAL
 
 
@@ -127,6 +129,20 @@ def _first_leaf(group: BaseExceptionGroup) -> BaseException:
             return _first_leaf(exc)
         return exc
     return group
+
+
+def _report_internal(args: argparse.Namespace, exc: BaseException) -> None:
+    """One line for the user; a daemon also keeps the traceback in ``<data dir>/crash.log``."""
+    where = ""
+    if args.command == "join":
+        try:
+            path = resolve_data_dir(args) / "crash.log"
+            with path.open("a") as f:
+                f.write("".join(traceback.format_exception(exc)) + "\n")
+            where = f" (traceback in {path})"
+        except OSError:
+            pass
+    print(f"lattica: internal error: {type(exc).__name__}: {_first_line(exc)}{where}", file=sys.stderr)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -59,13 +59,15 @@ class DaemonProcess:
     env: dict[str, str] | None = None
     proc: subprocess.Popen[str] | None = None
     log_path: Path | None = None
+    netns: str | None = None  # run inside this network namespace (a NetLab host)
+    listen_ip: str = "127.0.0.1"
 
     def start(self) -> DaemonProcess:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         args = [
             "join",
             "--data-dir", str(self.data_dir),
-            "--listen", f"/ip4/127.0.0.1/tcp/{self.port}",
+            "--listen", f"/ip4/{self.listen_ip}/tcp/{self.port}",
             "--metrics-addr", "off",
             "--bootstrap-timeout", "20",
             *self.extra_args,
@@ -75,9 +77,10 @@ class DaemonProcess:
         self.log_path = self.data_dir / "daemon.log"
         log = self.log_path.open("w")
         env = {**os.environ, **(self.env or {})}
-        self.proc = subprocess.Popen(
-            lattica_command(*args), stdout=log, stderr=subprocess.STDOUT, text=True, env=env
-        )
+        command = lattica_command(*args)
+        if self.netns is not None:  # `ip netns exec` execs the command: proc.pid is the daemon
+            command = ["ip", "netns", "exec", self.netns, *command]
+        self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
         log.close()
         return self
 

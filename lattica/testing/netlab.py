@@ -119,6 +119,7 @@ class LabHost:
     ip: str
     ifname: str
     behind: LabRouter | None = None
+    port: str | None = None  # its port on the internet bridge (public hosts)
 
 
 @dataclass
@@ -237,7 +238,21 @@ class NetLab:
     def add_public(self, name: str) -> LabHost:
         ns = self._add_namespace(name)
         ip = self._wire_to_internet(ns, "eth0")
-        return LabHost(name=name, ns=ns, ip=ip, ifname="eth0")
+        return LabHost(name=name, ns=ns, ip=ip, ifname="eth0", port=f"p{ip.rsplit('.', 1)[1]}")
+
+    def cut_link(self, host: LabHost) -> None:
+        """Pull ``host``'s cable at the internet bridge: its packets vanish, silently both ways
+        (no reset, no error on either side), until ``heal_link``."""
+        self._exec(self._inet, f"ip link set {self._port_of(host)} down")
+
+    def heal_link(self, host: LabHost) -> None:
+        self._exec(self._inet, f"ip link set {self._port_of(host)} up")
+
+    @staticmethod
+    def _port_of(host: LabHost) -> str:
+        if host.port is None:
+            raise ValueError(f"{host.name} is not wired to the internet bridge")
+        return host.port
 
     def add_nat(self, name: str, *, symmetric: bool = False) -> LabRouter:
         ns = self._add_namespace(name)

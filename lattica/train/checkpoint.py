@@ -107,6 +107,13 @@ class CheckpointStore:
         for _, path in self.checkpoints()[: -self.keep]:
             path.unlink(missing_ok=True)
 
+    def discard_after(self, step: int) -> None:
+        """Remove checkpoints newer than ``step`` (a line of rounds the run did not keep)."""
+        for saved, path in self.checkpoints():
+            if saved > step:
+                path.unlink(missing_ok=True)
+        _fsync_dir(self.directory)
+
     def load(self, path: Path) -> dict[str, Any]:
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)

@@ -7,10 +7,13 @@ in memory, so the same strategy code is tested both ways.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol
 
 import torch
+import trio
+
+from lattica.errors import PeerUnavailableError
 
 
 class Collective(Protocol):
@@ -35,3 +38,62 @@ class Collective(Protocol):
     ) -> list[torch.Tensor]:
         """Send ``tensors`` to ``peer`` and return the tensors it sent under the same tag."""
         ...
+
+
+class StallGuardedCollective:
+    """A ``Collective`` whose operations are aborted when the data plane stops making progress.
+
+    A member of a sealed group can vanish silently (its link is cut, its process frozen): no
+    connection breaks, so the transfers would wait forever. Every ``poll_s`` the guard reads
+    ``progress()`` (bytes received by the data plane); when it has not moved for ``stall_s``
+    while an operation is in flight, the operation is cancelled and ``PeerUnavailableError`` is
+    raised, which every strategy treats as a failed sync (retry with a fresh group, or skip).
+    A large transfer that keeps moving is never cut short, however long it takes.
+    """
+
+    def __init__(
+        self, inner: Collective, *, progress: Callable[[], int], stall_s: float, poll_s: float = 0.25
+    ) -> None:
+        if stall_s <= 0 or poll_s <= 0:
+            raise ValueError("StallGuardedCollective stall_s and poll_s must be positive")
+        self.inner, self.progress, self.stall_s, self.poll_s = inner, progress, stall_s, poll_s
+
+    @property
+    def peer_id(self) -> str:
+        return self.inner.peer_id
+
+    async def allreduce(
+        self, tensors: Sequence[torch.Tensor], *, group: Sequence[str], tag: str, codec: str = "fp32"
+    ) -> list[torch.Tensor]:
+        return await self._guarded(self.inner.allreduce, tensors, group=group, tag=tag, codec=codec)
+
+    async def exchange(
+        self, tensors: Sequence[torch.Tensor], *, peer: str, tag: str, codec: str = "fp32"
+    ) -> list[torch.Tensor]:
+        return await self._guarded(self.inner.exchange, tensors, peer=peer, tag=tag, codec=codec)
+
+    async def _guarded(
+        self, op: Callable[..., Awaitable[list[torch.Tensor]]], /, *args: Any, **kwargs: Any
+    ) -> list[torch.Tensor]:
+        result: list[torch.Tensor] | None = None
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._cancel_when_stalled, nursery.cancel_scope)
+                result = await op(*args, **kwargs)
+                nursery.cancel_scope.cancel()
+        except BaseExceptionGroup as group:  # the operation's own failure, as itself
+            if len(group.exceptions) == 1:
+                raise group.exceptions[0] from None
+            raise
+        if result is None:
+            raise PeerUnavailableError(f"collective {kwargs['tag']!r} made no progress for {self.stall_s:g} s")
+        return result
+
+    async def _cancel_when_stalled(self, scope: trio.CancelScope) -> None:
+        seen, since = self.progress(), trio.current_time()
+        while trio.current_time() - since < self.stall_s:
+            await trio.sleep(self.poll_s)
+            now = self.progress()
+            if now != seen:
+                seen, since = now, trio.current_time()
+        scope.cancel()

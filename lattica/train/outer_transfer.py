@@ -2,30 +2,78 @@
 
 A joiner (or a peer that fell behind) needs the run's current outer weights and outer
 optimizer state. Every member publishes ``(round, hash of its outer state)`` in the replicated
-state and serves the state as named tensors on the data plane (``params/<name>``,
-``momentum/<name>``). ``agreed_round`` and ``repair_target`` decide, from those records alone and
-identically on every peer, which round and hash to adopt and who holds it; the verified parallel
-fetch itself is ``lattica.train.join.fetch_outer_state``.
+state and serves the state as named tensors on the data plane, under the round they belong to
+(``outer/<round>/params/<name>``, ``outer/<round>/momentum/<name>``, ``outer/<round>/meta/json``).
+``agreed_round`` and ``repair_target`` decide, from those records alone and identically on every
+peer, which round and hash to adopt and who holds it; the verified parallel fetch itself is
+``lattica.train.join.fetch_outer_state``.
+
+Holders move on while a joiner fetches: the published record it read may already be a round
+old. ``ServedRounds`` therefore keeps the states of the last ``keep`` rounds on offer, so a
+fetch of the round the joiner saw still finds the bytes that hash to the published value.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
 
-from lattica.train.join import flatten_outer_state
+from lattica.train.join import Fetch, flatten_outer_state
 
 
 class TensorStore(Protocol):
     def serve(self, name: str, tensor: torch.Tensor) -> None: ...
 
+    def unserve(self, name: str) -> None: ...
 
-def serve_outer_state(store: TensorStore, state: dict[str, Any]) -> None:
-    """Offer ``state`` to joiners as the named tensors ``join.fetch_outer_state`` asks for."""
+
+def round_prefix(rnd: int) -> str:
+    return f"outer/{rnd}/"
+
+
+def serve_outer_state(store: TensorStore, state: dict[str, Any], *, prefix: str = "") -> list[str]:
+    """Offer ``state`` to joiners as the named tensors ``join.fetch_outer_state`` asks for
+    (each name behind ``prefix``); returns the names served."""
+    names = []
     for name, tensor in flatten_outer_state(state).items():
-        store.serve(name, tensor.detach().clone())
+        store.serve(prefix + name, tensor.detach().clone())
+        names.append(prefix + name)
+    return names
+
+
+class ServedRounds:
+    """Our outer states of the last ``keep`` completed rounds, on offer under ``round_prefix``."""
+
+    def __init__(self, store: TensorStore, *, keep: int = 2) -> None:
+        if keep < 1:
+            raise ValueError(f"ServedRounds keep must be >= 1, got {keep}")
+        self.store, self.keep = store, keep
+        self._names: dict[int, list[str]] = {}
+
+    def publish(self, rnd: int, state: dict[str, Any]) -> None:
+        for name in self._names.pop(rnd, []):
+            self.store.unserve(name)
+        self._names[rnd] = serve_outer_state(self.store, state, prefix=round_prefix(rnd))
+        for old in sorted(self._names)[: -self.keep]:
+            for name in self._names.pop(old):
+                self.store.unserve(name)
+
+    @property
+    def rounds(self) -> list[int]:
+        return sorted(self._names)
+
+
+def fetch_of_round(fetch: Fetch, rnd: int) -> Fetch:
+    """``fetch`` for the unprefixed names ``join.fetch_outer_state`` uses, served for ``rnd``."""
+    prefix = round_prefix(rnd)
+
+    async def fetch_round(peer: str, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        got = await fetch(peer, [prefix + n for n in names])
+        return {n.removeprefix(prefix): t for n, t in got.items()}
+
+    return fetch_round
 
 
 def _votes(progress: dict[str, Any], live: Sequence[str], me: str) -> dict[tuple[int, str], list[str]]:
@@ -43,46 +91,60 @@ def _votes(progress: dict[str, Any], live: Sequence[str], me: str) -> dict[tuple
     return votes
 
 
-def _winner(votes: dict[tuple[int, str], list[str]], rnd: int, extra: str | None = None) -> str:
-    """The hash of round ``rnd`` with the most holders (``extra`` counts once more); ties go to
-    the smallest hash, so every peer that sees the same records picks the same one."""
-    counts = {digest: len(holders) for (r, digest), holders in votes.items() if r == rnd}
-    if extra is not None:
-        counts[extra] = counts.get(extra, 0) + 1
-    return min(counts, key=lambda digest: (-counts[digest], digest))
+def _most_held(counts: Mapping[tuple[int, str], int]) -> tuple[int, str]:
+    """The state with the most holders; ties go to the newest round, then the smallest hash,
+    so every peer that sees the same records picks the same one."""
+    return min(counts, key=lambda state: (-counts[state], -state[0], state[1]))
 
 
 def agreed_round(progress: dict[str, Any], live: Sequence[str], me: str) -> tuple[int, str, list[str]] | None:
-    """The newest round that most live peers agree on: (round, weights hash, holders)."""
+    """The outer state most live peers hold: (round, weights hash, holders).
+
+    Most holders, not newest round: a peer cut off from the others may have run rounds on its
+    own and be "ahead"; the run's state is what the majority holds.
+    """
     votes = _votes(progress, live, me)
     if not votes:
         return None
-    rnd = max(r for r, _ in votes)
-    digest = _winner(votes, rnd)
+    rnd, digest = _most_held({state: len(holders) for state, holders in votes.items()})
     return rnd, digest, votes[(rnd, digest)]
 
 
 def repair_target(
-    progress: dict[str, Any], live: Sequence[str], me: str, mine: tuple[int, str | None]
+    progress: dict[str, Any],
+    live: Sequence[str],
+    me: str,
+    mine: tuple[int, str | None],
+    history: Mapping[int, str] | None = None,
 ) -> tuple[int, str, list[str]] | None:
-    """The state to adopt when this replica (``mine`` = completed rounds, weights hash) is behind
-    the newest round of the others, or holds a minority hash at the same round; else None.
+    """The state to adopt when this replica (``mine`` = completed rounds, state hash) is not on
+    the state most live peers hold (``mine`` counts as one more holder); else None.
 
-    Two groups that synced the same round apart (peers saw different coordinators) end with
-    different weights; every peer compares its hash with the published ones and the minority
-    adopts the majority's state (ties: the smallest hash), so replicas re-converge.
+    - Behind the majority's round, or on a minority hash at the same round: adopt it.
+    - Ahead of it: the others may only not have published their newest round yet. ``history``
+      (this replica's own hashes of recent rounds) tells: if our hash at the majority's round was
+      the majority's hash, we are ahead on the same line and keep our state; if it differs, our
+      rounds since then ran apart from the run (a partition, a coordinator nobody else saw) and
+      we adopt the majority's state. A round we hold no history for counts as the same line.
+
+    Two groups that synced apart therefore re-converge on the larger one (ties: the newest
+    round, then the smallest hash), identically on every peer.
     """
     votes = _votes(progress, live, me)
     if not votes:
         return None
     my_round, my_hash = mine
-    rnd = max(r for r, _ in votes)
-    if rnd < my_round:
+    counts = {state: len(holders) for state, holders in votes.items()}
+    if my_hash is not None and my_round > 0:
+        counts[(my_round, my_hash)] = counts.get((my_round, my_hash), 0) + 1
+    rnd, digest = _most_held(counts)
+    if (rnd, digest) == (my_round, my_hash):
         return None
-    digest = _winner(votes, rnd, extra=my_hash if rnd == my_round else None)
-    if rnd == my_round and digest == my_hash:
+    if rnd < my_round and (history or {}).get(rnd, digest) == digest:
         return None
     return rnd, digest, votes[(rnd, digest)]
 
 
-__all__ = ["agreed_round", "repair_target", "serve_outer_state"]
+__all__ = [
+    "ServedRounds", "agreed_round", "fetch_of_round", "repair_target", "round_prefix", "serve_outer_state",
+]

@@ -5,7 +5,9 @@ the replicated state's leases). Every candidate sends ``{"key", "run"}`` on
 ``/lattica/round/1.0.0`` to the *coordinator* — the candidate with the smallest peer id (itself,
 possibly). The coordinator collects ready peers for the key until every candidate is ready or
 ``deadline_s`` has passed since the first one arrived, then answers all of them with the same
-sorted group. A peer that arrives after the group is sealed gets the sealed group without
+sorted group. A candidate the coordinator holds no connection to is not waited for: a killed
+peer keeps its lease for a few seconds, and waiting for it would stall every such round up to
+the deadline. A peer that arrives after the group is sealed gets the sealed group without
 itself in it and syncs alone; the training service then catches it up by fetching the agreed
 outer weights. If the coordinator cannot be reached within ``_OPEN_TIMEOUT_S``, the next
 candidate by peer id is asked — so the deadline must be well above that, or peers that notice a
@@ -101,7 +103,8 @@ class RoundCoordinator:
         with trio.fail_after(_OPEN_TIMEOUT_S):
             stream = await self.host.new_stream(ID.from_base58(coordinator), [ROUND_PROTOCOL])
         try:
-            with trio.fail_after(self.deadline_s + 10):
+            # it seals at most a deadline after our request arrives; longer means it went silent
+            with trio.fail_after(self.deadline_s + _OPEN_TIMEOUT_S):
                 await write_message(stream, {"key": key, "run": self.run_id}, peer_id=coordinator)
                 reply = await read_message(stream, max_size=_REPLY_BYTES, peer_id=coordinator)
         finally:
@@ -125,9 +128,15 @@ class RoundCoordinator:
         assert pending.group is not None
         return pending.group
 
+    def _awaited(self) -> set[str]:
+        """Candidates worth waiting for: a member we hold no connection to (killed, or gone
+        since its lease was last renewed) would only hold the round until the deadline."""
+        connected = {p.to_base58() for p in self.host.get_connected_peers()}
+        return {p for p in self._candidates() if p == self.peer_id or p in connected}
+
     async def _seal_when_ready(self, key: str, pending: _PendingSync) -> None:
         with trio.move_on_at(pending.first_arrival + self.deadline_s):
-            while not set(self._candidates()) <= pending.ready:
+            while not self._awaited() <= pending.ready:
                 await trio.sleep(0.05)
         pending.group = tuple(sorted(pending.ready))
         pending.sealed.set()

@@ -8,6 +8,14 @@ and trains from the next round. After each completed round it publishes ``(round
 hash)`` in the replicated state and serves its outer state for joiners. A peer whose round ran
 without the others (it was late, or the all-reduce failed) catches up the same way a joiner
 does, before its next inner step, so replicas re-converge to bit-identical outer weights.
+
+Churn: a member is ``joining`` until it can sync; once the run is past its first round a joining
+member is not a round candidate, so coordinators never wait for a peer that is still loading or
+fetching after a restart; ``min_peers`` only gates the start of a run.
+Syncs go through a stall guard (a silent member aborts the sync after a round deadline).
+Which state to adopt is the one most live peers hold (``outer_transfer.repair_target``, with
+our own hash history kept in the checkpoints); after the last round the service keeps
+repairing, so every replica ends on the same state. Adopted states are checkpointed at once.
 """
 
 from __future__ import annotations
@@ -28,6 +36,8 @@ log = logging.getLogger(__name__)
 _CATCH_UP_WAIT_S = 5.0
 _JOIN_ATTEMPTS = 3
 _REPAIR_RETRY_S = 2.0
+_HISTORY_ROUNDS = 64  # own outer-state hashes remembered per round (see ``repair_target``)
+_JOINING, _TRAINER = "joining", "trainer"  # member roles
 
 
 class TrainingService:
@@ -46,8 +56,11 @@ class TrainingService:
         self._nursery: trio.Nursery | None = None
         self._bytes_sent = 0
         self._rounds_done = 0
-        self._mine: tuple[int, str | None] = (0, None)  # completed rounds, outer weights hash
+        self._mine: tuple[int, str | None] = (0, None)  # completed rounds, outer state hash
+        self._history: dict[int, str] = {}  # our outer-state hash of recent rounds, on one line
+        self._catch_up_owed = False
         self._next_repair_at = 0.0
+        self._served: Any = None  # ServedRounds, once the data plane runs
 
     # -- service -------------------------------------------------------------------------
 
@@ -72,9 +85,15 @@ class TrainingService:
             nursery.start_soon(self._train_guarded)
 
     def _candidates(self) -> list[str]:
-        snapshot = self.state.snapshot()
-        members = snapshot.get("members", {})
-        return [p for p in self.state.live_members() if members.get(p, {}).get("role") == "trainer"]
+        """The candidates of a round: live trainers ready to sync. Before the first round is
+        published, also those still loading: at the start of a run everyone is waited for."""
+        if self._agreed() is None:
+            return self._live_with_role(_JOINING, _TRAINER)
+        return self._live_with_role(_TRAINER)
+
+    def _live_with_role(self, *roles: str) -> list[str]:
+        members = self.state.snapshot().get("members", {})
+        return [p for p in self.state.live_members() if members.get(p, {}).get("role") in roles]
 
     async def _train_guarded(self) -> None:
         try:
@@ -91,8 +110,12 @@ class TrainingService:
 
     async def _train(self) -> None:
         self.phase = "waiting for peers"
-        await self.state.update_member(role="trainer")
-        while len(self._candidates()) < self.settings.min_peers:
+        # "joining" until we can sync: round coordinators do not wait for a peer that is still
+        # loading, resuming or fetching (after a restart that takes seconds)
+        await self.state.update_member(role=_JOINING)
+        # ``min_peers`` gates the start of a run; a peer (re)joining a run that is already past
+        # round 0 trains with whoever is live, or a restart after a crash could wait forever
+        while len(self._live_with_role(_JOINING, _TRAINER)) < self.settings.min_peers and self._agreed() is None:
             with trio.move_on_after(1.0):
                 await self.state.wait_changed()
         self.phase = "loading"
@@ -100,7 +123,10 @@ class TrainingService:
         self.trainer = trainer
         await self.state.update_member(device=trainer.device.describe())
         if await trio.to_thread.run_sync(trainer.resume):
-            self._mine = (self.strategy.completed_rounds, self._outer_hash())
+            saved = trainer.annotations.get("outer_history", {})
+            if isinstance(saved, dict):
+                self._history = {int(r): h for r, h in saved.items() if isinstance(h, str)}
+            self._remember(self.strategy.completed_rounds, self._outer_hash())
         # a fresh peer, or one restarted from a checkpoint the swarm has moved past, takes the
         # swarm's outer state; otherwise it trains on from its own checkpoint
         if self.strategy.replicas_agree:
@@ -108,14 +134,29 @@ class TrainingService:
             # strategies whose replicas differ by design (NoLoCo, eager) start from their own
             await self._join_running_swarm()
             self._wrap_strategy_for_catch_up()
+        await self.state.update_member(role=_TRAINER)
         self.phase = "training"
         summary = await trainer.run()
         self.summary = dataclasses.asdict(summary)
         self.phase = "done"
         log.info("training finished: %s", self.summary)
+        if self.strategy.replicas_agree:
+            await self._settle()
+
+    async def _settle(self) -> None:
+        """After the last round, keep taking the run's final state while the node is up: a
+        replica whose last round failed, ran alone or ran cut off ends identical to the others."""
+        while True:
+            if await self._repair_if_diverged():
+                val_loss = await trio.to_thread.run_sync(self.trainer.evaluate)
+                self.progress["val_loss"] = round(val_loss, 4)
+                self.progress["round"] = self.strategy.completed_rounds
+            with trio.move_on_after(1.0):
+                await self.state.wait_changed()
 
     def _build_trainer(self) -> Any:
         from lattica.train.checkpoint import CheckpointStore
+        from lattica.train.collective import StallGuardedCollective
         from lattica.train.data import DataConfig
         from lattica.train.device import select_device
         from lattica.train.schedule import ScheduleConfig
@@ -138,8 +179,13 @@ class TrainingService:
             from lattica.train.moe import build_moe_model
 
             task.model = build_moe_model(_moe_preset(s.model), seed=s.seed)
+        # a member that goes silent inside a sync (link cut, frozen) breaks no connection: the
+        # guard aborts a sync whose data plane received nothing for a round deadline
+        collective = StallGuardedCollective(
+            self.tensors, progress=self.tensors.stats.total_received, stall_s=s.round_deadline_s
+        )
         strategy = create_strategy(
-            s.strategy, task.model, collective=self.tensors, groups=self.coordinator,
+            s.strategy, task.model, collective=collective, groups=self.coordinator,
             config=self._strategy_config(strategy_class(s.strategy)),
         )
         self.strategy = strategy
@@ -170,7 +216,7 @@ class TrainingService:
             "merge_every": s.inner_steps * max(1, round(500 / s.inner_steps)),  # SPES warm-up: ~500 steps
             "outer_lr": s.outer_lr,
             "outer_momentum": s.outer_momentum,
-            "members": tuple(sorted(self._candidates())),  # SPES: initial expert owners
+            "members": tuple(sorted(self._live_with_role(_JOINING, _TRAINER))),  # SPES: initial expert owners
         }
         names = {f.name for f in dataclasses.fields(config_cls)}
         return config_cls(**{k: v for k, v in wanted.items() if k in names and v is not None})
@@ -197,35 +243,65 @@ class TrainingService:
 
     async def _adopt(self, agreed: tuple[int, str, list[str]]) -> bool:
         from lattica.train.join import fetch_outer_state, unflatten_outer_state
+        from lattica.train.outer_transfer import fetch_of_round
 
         rnd, digest, holders = agreed
         started = time.monotonic()
         try:
             with trio.fail_after(max(30.0, self.settings.round_deadline_s)):
-                flat = await fetch_outer_state(holders, self.tensors.fetch, expected_hash=digest)
+                fetch = fetch_of_round(self.tensors.fetch, rnd)
+                flat = await fetch_outer_state(holders, fetch, expected_hash=digest)
             outer = unflatten_outer_state(flat)
         except (LatticaError, trio.TooSlowError) as exc:
             log.warning("could not fetch outer state of round %d: %s", rnd, exc)
             return False
         self.trainer.adopt_outer_state(outer, step=int(outer.get("step", rnd * self.settings.inner_steps)))
         self._observe("checkpoint_fetch_seconds", time.monotonic() - started)
-        self._mine = (self.strategy.completed_rounds, digest)
+        self._history.clear()  # our rounds past this one were on another line
+        self._remember(self.strategy.completed_rounds, digest)
+        await self._checkpoint_adopted()
         log.info(
             "adopted outer state of round %d from %d holder(s) in %.2f s",
             rnd, len(holders), time.monotonic() - started,
         )
         return True
 
+    async def _checkpoint_adopted(self) -> None:
+        """Make an adopted state durable at once, and drop our checkpoints past it: after a
+        restart we resume on the run's line, not on rounds it did not keep."""
+        trainer = self.trainer
+        store = trainer.checkpoints
+        if store is None:
+            return
+        trainer.annotations["outer_history"] = dict(self._history)
+        state, step = trainer.state_dict(), trainer.step
+        await trio.to_thread.run_sync(store.save, step, state)
+        await trio.to_thread.run_sync(store.discard_after, step)
+
+    def _remember(self, rnd: int, digest: str | None) -> None:
+        self._mine = (rnd, digest)
+        if digest is None:
+            return
+        self._history[rnd] = digest
+        for old in sorted(self._history)[:-_HISTORY_ROUNDS]:
+            del self._history[old]
+        if self.trainer is not None:  # saved with the next checkpoint
+            self.trainer.annotations["outer_history"] = dict(self._history)
+
     def _wrap_strategy_for_catch_up(self) -> None:
         strategy = self.strategy
         original = strategy.after_inner_step
 
         async def after_inner_step(step: int) -> list[Any]:
-            reports = await original(step)
-            for report in reports:
-                if report.skipped or self._ran_alone(report):
-                    await self._catch_up(report)
+            # catching up and repairing run here, before this step's sync and after the trainer
+            # checkpointed the previous round: a kill during a fetch never loses a completed round
+            if self._catch_up_owed:
+                self._catch_up_owed = False
+                await self._catch_up()
             await self._repair_if_diverged()
+            reports = await original(step)
+            if any(report.skipped or self._ran_alone(report) for report in reports):
+                self._catch_up_owed = True
             return reports
 
         strategy.after_inner_step = after_inner_step  # type: ignore[method-assign]
@@ -233,32 +309,36 @@ class TrainingService:
     def _ran_alone(self, report: Any) -> bool:
         return not report.skipped and len(report.group) <= 1 and len(self._candidates()) > 1
 
-    async def _catch_up(self, report: Any) -> None:
+    async def _catch_up(self) -> None:
+        """After a round we skipped or ran alone: wait (briefly) for the others' result of it."""
         with trio.move_on_after(_CATCH_UP_WAIT_S):
             while True:
                 agreed = self._agreed()
-                if agreed is not None and agreed[0] >= self.strategy.completed_rounds:
+                if agreed is not None and (agreed[0], agreed[1]) != self._mine and agreed[0] >= self._mine[0]:
                     if await self._adopt(agreed):
                         await self._publish_round()
                     return
                 await self.state.wait_changed()
 
-    async def _repair_if_diverged(self) -> None:
-        """Adopt the others' state when behind them or on a minority hash (see ``repair_target``)."""
+    async def _repair_if_diverged(self) -> bool:
+        """Adopt the state most live peers hold when ours is not on it (see ``repair_target``);
+        True when a state was adopted."""
         from lattica.train.outer_transfer import repair_target
 
         if time.monotonic() < self._next_repair_at:
-            return
+            return False
         target = repair_target(
-            self.state.snapshot().get("progress", {}), self.state.live_members(), self.peer_id, self._mine
+            self.state.snapshot().get("progress", {}), self.state.live_members(), self.peer_id,
+            self._mine, self._history,
         )
         if target is None:
-            return
+            return False
         log.info("outer state differs from the swarm's round %d: adopting it", target[0])
         if await self._adopt(target):
             await self._publish_round()
-        else:
-            self._next_repair_at = time.monotonic() + _REPAIR_RETRY_S
+            return True
+        self._next_repair_at = time.monotonic() + _REPAIR_RETRY_S
+        return False
 
     # -- progress ----------------------------------------------------------------------------
 
@@ -286,7 +366,7 @@ class TrainingService:
         if event.report.skipped:
             return
         self._rounds_done += 1
-        self._mine = (self.strategy.completed_rounds, event.state_hash)
+        self._remember(self.strategy.completed_rounds, event.state_hash)
         # a round run alone while others train is replaced by theirs (catch-up publishes that);
         # publishing it would offer the others a minority state
         if self._nursery is not None and not self._ran_alone(event.report):
@@ -294,13 +374,16 @@ class TrainingService:
 
     async def _publish_round(self) -> None:
         from lattica.train.join import outer_state_hash
-        from lattica.train.outer_transfer import serve_outer_state
+        from lattica.train.outer_transfer import ServedRounds
 
         outer = self.strategy.outer_state_dict()
-        serve_outer_state(self.tensors, outer)
+        rnd = self.strategy.completed_rounds
+        if self._served is None:
+            self._served = ServedRounds(self.tensors)
+        self._served.publish(rnd, outer)
         digest = outer_state_hash(outer)  # weights and outer optimizer state: what joiners verify
-        self._mine = (self.strategy.completed_rounds, digest)
-        await self.state.set_progress(self.strategy.completed_rounds, digest)
+        self._remember(rnd, digest)
+        await self.state.set_progress(rnd, digest)
 
     def _outer_hash(self) -> str:
         from lattica.train.join import outer_state_hash

@@ -127,6 +127,9 @@ class Trainer:
         self.last_val_loss: float | None = None
         self._window_tokens, self._window_start = 0, time.monotonic()
         self._rate = 0.0
+        # plain data that the caller keeps with every checkpoint (e.g. the daemon's history of
+        # outer-state hashes); numbers, strings and containers only
+        self.annotations: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ the loop
 
@@ -286,6 +289,7 @@ class Trainer:
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "outer": self.strategy.outer_state_dict(),
+            "annotations": dict(self.annotations),
         }
         if self.task.sampler is not None:
             state["sampler"] = self.task.sampler.state_dict()
@@ -300,6 +304,8 @@ class Trainer:
                 self.task.sampler.load_state_dict(state["sampler"])
             self.step = int(state["step"])
             self.tokens = int(state.get("tokens", 0))
+            annotations = state.get("annotations", {})
+            self.annotations = dict(annotations) if isinstance(annotations, dict) else {}
         except (KeyError, RuntimeError, ValueError, TypeError) as exc:
             raise ConfigError(f"checkpoint does not fit this model/strategy: {exc}") from None
 

@@ -74,3 +74,12 @@ def test_empty_store_and_bad_keep(tmp_path):
     assert CheckpointStore(tmp_path / "new").load_latest() is None
     with pytest.raises(ValueError, match="keep"):
         CheckpointStore(tmp_path, keep=0)
+
+
+def test_discard_after_removes_only_newer_checkpoints(tmp_path):
+    store = CheckpointStore(tmp_path, keep=5)
+    for step in (10, 20, 30, 40):
+        store.save(step, _state(step))
+    store.discard_after(20)
+    assert [s for s, _ in store.checkpoints()] == [10, 20]
+    assert store.load_latest()["step"] == 20

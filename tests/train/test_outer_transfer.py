@@ -15,7 +15,13 @@ from lattica.train.join import (
     outer_state_hash,
     unflatten_outer_state,
 )
-from lattica.train.outer_transfer import agreed_round, repair_target, serve_outer_state
+from lattica.train.outer_transfer import (
+    ServedRounds,
+    agreed_round,
+    fetch_of_round,
+    repair_target,
+    serve_outer_state,
+)
 
 
 def _state(seed: int = 0) -> dict:
@@ -29,7 +35,7 @@ def _state(seed: int = 0) -> dict:
     }
 
 
-def test_agreed_round_is_the_newest_round_with_the_most_live_holders() -> None:
+def test_agreed_round_is_the_state_with_the_most_live_holders() -> None:
     progress = {
         "a": {"round": 3, "weights_hash": "h3"},
         "b": {"round": 3, "weights_hash": "h3"},
@@ -148,3 +154,87 @@ async def test_a_state_that_does_not_match_the_published_hash_is_refused() -> No
 async def test_no_holders_is_peer_unavailable() -> None:
     with pytest.raises(PeerUnavailableError):
         await fetch_outer_state([], _FakeStore().fetch, expected_hash="0" * 64)
+
+
+def test_agreed_round_is_the_state_most_live_peers_hold_not_the_newest() -> None:
+    # "a" ran rounds on its own while cut off: it is ahead, but the run is what b, c, d hold
+    progress = {
+        "a": {"round": 9, "weights_hash": "solo"},
+        "b": {"round": 6, "weights_hash": "h6"},
+        "c": {"round": 6, "weights_hash": "h6"},
+        "d": {"round": 6, "weights_hash": "h6"},
+    }
+    assert agreed_round(progress, ["a", "b", "c", "d"], "me") == (6, "h6", ["b", "c", "d"])
+    # equal holders: the newest round wins
+    tie = {"a": {"round": 7, "weights_hash": "h7"}, "b": {"round": 6, "weights_hash": "h6"}}
+    assert agreed_round(tie, ["a", "b"], "me") == (7, "h7", ["a"])
+
+
+def test_a_replica_cut_off_and_ahead_adopts_the_majority() -> None:
+    progress = {p: {"round": 6, "weights_hash": "h6"} for p in ("a", "b", "c")}
+    # our own rounds 6..9 ran apart from the others: our hash at round 6 is not theirs
+    history = {5: "h5", 6: "solo6", 7: "solo7", 8: "solo8", 9: "solo9"}
+    assert repair_target(progress, LIVE, "me", (9, "solo9"), history) == (6, "h6", ["a", "b", "c"])
+
+
+def test_a_replica_ahead_on_the_same_line_keeps_its_state() -> None:
+    # the others synced round 7 with us but have not published it yet
+    progress = {p: {"round": 6, "weights_hash": "h6"} for p in ("a", "b", "c")}
+    assert repair_target(progress, LIVE, "me", (7, "h7"), {6: "h6", 7: "h7"}) is None
+    # and with no history of round 6 (e.g. after a restart) we cannot tell: keep it too
+    assert repair_target(progress, LIVE, "me", (7, "h7"), {7: "h7"}) is None
+
+
+def test_the_majority_does_not_follow_a_replica_that_ran_ahead_alone() -> None:
+    progress = {
+        "a": {"round": 6, "weights_hash": "h6"},
+        "b": {"round": 6, "weights_hash": "h6"},
+        "c": {"round": 9, "weights_hash": "solo9"},
+    }
+    assert repair_target(progress, LIVE, "me", (6, "h6"), {6: "h6"}) is None
+
+
+class _Shelf:
+    """A TensorStore that records what is on offer."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    def serve(self, name: str, tensor: torch.Tensor) -> None:
+        self.tensors[name] = tensor
+
+    def unserve(self, name: str) -> None:
+        self.tensors.pop(name, None)
+
+    async def fetch(self, peer: str, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        await trio.lowlevel.checkpoint()
+        missing = [n for n in names if n not in self.tensors]
+        if missing:
+            raise PeerUnavailableError(f"{peer} does not serve {missing}")
+        return {n: self.tensors[n] for n in names}
+
+
+async def test_a_holder_that_moved_on_still_serves_the_round_a_joiner_saw() -> None:
+    shelf = _Shelf()
+    served = ServedRounds(shelf, keep=2)
+    older, newer, newest = _state(0), _state(1), _state(2)
+    served.publish(4, older)
+    served.publish(5, newer)
+    # the joiner read "round 5, hash of newer"; the holder completes round 6 meanwhile
+    served.publish(6, newest)
+    assert served.rounds == [5, 6]
+    flat = await fetch_outer_state(["h"], fetch_of_round(shelf.fetch, 5), expected_hash=outer_state_hash(newer))
+    assert torch.equal(unflatten_outer_state(flat)["params"]["w"], newer["params"]["w"])
+    assert not any(name.startswith("outer/4/") for name in shelf.tensors)  # only `keep` rounds held
+    with pytest.raises(PeerUnavailableError):
+        await fetch_outer_state(["h"], fetch_of_round(shelf.fetch, 4), expected_hash=outer_state_hash(older))
+
+
+def test_republishing_a_round_replaces_its_tensors() -> None:
+    shelf = _Shelf()
+    served = ServedRounds(shelf)
+    served.publish(3, _state(0))
+    served.publish(3, _state(1))
+    assert torch.equal(shelf.tensors["outer/3/params/w"], _state(1)["params"]["w"])
+    with pytest.raises(ValueError, match="keep"):
+        ServedRounds(shelf, keep=0)

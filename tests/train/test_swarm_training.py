@@ -190,3 +190,20 @@ def test_restart_resumes_from_the_checkpoint(swarm: Swarm) -> None:
         if path.name in written:
             assert path.stat().st_mtime_ns == written[path.name], path.name
     assert (daemon.data_dir / "checkpoints" / f"step-{(done_rounds + 2) * INNER_STEPS:09d}.pt").exists()
+
+
+def test_a_peer_restarted_after_kill_9_rejoins_without_waiting_for_min_peers(swarm: Swarm) -> None:
+    rounds = 8
+    env = {"LATTICA_TRAIN_ROUND_DEADLINE_S": "3"}
+    a, b, c = swarm.start_many(["a", "b", "c"], rounds=rounds, min_peers=3, env=env)
+    assert _wait_for(lambda: all(_training(d)["rounds_completed"] >= 1 for d in (a, b, c)), 60)
+    c.kill()  # gone for good: only two trainers are left, fewer than --min-peers
+    before = _training(b)["rounds_completed"]
+    b.kill()
+    b.start().wait_ready(60)
+    resumed = _wait_for(lambda: (i := _training(b))["phase"] in ("training", "done") and i, 60)
+    assert resumed, b.log()
+    assert resumed["rounds_completed"] >= before  # no completed round lost
+    infos = _wait_done([a, b], timeout=120)
+    assert [i["rounds_completed"] for i in infos] == [rounds, rounds]
+    assert len(_final_hashes([a, b], rounds=rounds)) == 1

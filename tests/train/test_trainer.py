@@ -188,3 +188,13 @@ async def test_bad_batches_from_a_task_are_config_errors(text_data):
 def test_trainer_config_validation():
     with pytest.raises(ValueError, match="total_steps"):
         TrainerConfig(total_steps=0)
+
+
+async def test_annotations_travel_with_the_checkpoint(text_data, tmp_path):
+    store = CheckpointStore(tmp_path / "ckpt", keep=2)
+    first = _trainer(text_data, steps=3, checkpoints=store)
+    first.annotations["outer_history"] = {1: "abc"}
+    await first.run()
+    second = _trainer(text_data, steps=6, checkpoints=store)
+    assert second.resume()
+    assert second.annotations == {"outer_history": {1: "abc"}}
