@@ -107,7 +107,7 @@ class FastChannel:
             while view:
                 sent = await self._sock.send(view)
                 view = view[sent:]
-        except OSError as exc:
+        except (OSError, trio.ClosedResourceError) as exc:  # closed by another task: broken too
             self._closed = True
             raise BrokenError(f"fast channel broken: {exc!r}", peer_id=self.peer_id) from None
 
@@ -147,7 +147,7 @@ class FastChannel:
         while got < n:
             try:
                 k = await self._sock.recv_into(view[got:], n - got)
-            except OSError as exc:
+            except (OSError, trio.ClosedResourceError) as exc:  # closed by another task: broken too
                 self._closed = True
                 raise BrokenError(f"fast channel broken: {exc!r}", peer_id=self.peer_id) from None
             if k == 0:
@@ -175,9 +175,9 @@ class FastChannel:
         self.close()
 
     def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._sock.close()
+        # also after a read or write marked the channel broken: the descriptor must be released
+        self._closed = True
+        self._sock.close()  # idempotent
 
 
 async def connect(
