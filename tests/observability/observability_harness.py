@@ -126,6 +126,8 @@ class LocalNode:
 @dataclass
 class LocalSwarm:
     root: Path
+    boot_port: int = 0
+    extra_join_args: tuple[str, ...] = ()
     nodes: list[LocalNode] = field(default_factory=list)
 
     @property
@@ -186,33 +188,36 @@ def _spawn(name: str, argv: list[str], swarm: LocalSwarm, data_dir: Path, metric
 
 def start_compose_swarm(root: Path, *, peers: int, extra_join_args: tuple[str, ...] = ()):
     """Start the compose bootstrap and ``peers`` peer replicas; returns a LocalSwarm."""
-    services = compose_file()["services"]
-    swarm = LocalSwarm(root)
-    shared = root / "shared"
-    shared.mkdir()
-    boot_port = free_port()
-    extra = " " + shlex.join(extra_join_args) if extra_join_args else ""
+    swarm = LocalSwarm(root, boot_port=free_port(), extra_join_args=extra_join_args)
+    (root / "shared").mkdir()
     for index in range(peers + 1):
-        name = "bootstrap" if index == 0 else f"peer-{index}"
-        entrypoint, command = service_command(services["bootstrap" if index == 0 else "peer"])
-        data_dir, metrics = root / name, free_port()
-        port = boot_port if index == 0 else free_port()
-        command = localize(
-            command + extra,
-            data_dir=data_dir,
-            shared=shared,
-            port=port,
-            metrics=metrics,
-            boot=boot_port,
-        )
-        if entrypoint == ["sh", "-c"]:
-            argv = ["sh", "-c", command]
-        else:
-            argv = [str(LATTICA_BIN), *shlex.split(command)]
-        _spawn(name, argv, swarm, data_dir, metrics)
+        start_service(swarm, "bootstrap" if index == 0 else f"peer-{index}")
         if index == 0:
             wait_healthy(swarm, swarm.bootstrap, timeout=40)
     return swarm
+
+
+def start_service(swarm: LocalSwarm, name: str, *, metrics_port: int | None = None) -> LocalNode:
+    """Start the compose ``bootstrap`` service (name "bootstrap") or one more ``peer`` replica."""
+    service = compose_file()["services"]["bootstrap" if name == "bootstrap" else "peer"]
+    entrypoint, command = service_command(service)
+    data_dir, metrics = swarm.root / name, metrics_port or free_port()
+    port = swarm.boot_port if name == "bootstrap" else free_port()
+    extra = " " + shlex.join(swarm.extra_join_args) if swarm.extra_join_args else ""
+    command = localize(
+        command + extra,
+        data_dir=data_dir,
+        shared=swarm.root / "shared",
+        port=port,
+        metrics=metrics,
+        boot=swarm.boot_port,
+    )
+    if entrypoint == ["sh", "-c"]:
+        argv = ["sh", "-c", command]
+    else:
+        argv = [str(LATTICA_BIN), *shlex.split(command)]
+    _spawn(name, argv, swarm, data_dir, metrics)
+    return swarm.nodes[-1]
 
 
 def wait_healthy(swarm: LocalSwarm, node: LocalNode, *, timeout: float) -> None:

@@ -1,9 +1,9 @@
 """Every dashboard query returns data from a real Prometheus scraping a real local swarm.
 
-The swarm is the compose swarm (bootstrap + peers, see conftest.py) as local processes; the
-Prometheus config is deploy/prometheus.yml with the lattica job's targets replaced by the local
-metrics ports and a 1 s scrape interval. Panels in the dashboard's "Training" row are required
-only when the swarm trains (``SWARM_TRAINS``).
+The swarm is the compose swarm (bootstrap + peers, see observability_harness.py) as local
+processes; the Prometheus config is deploy/prometheus.yml with the lattica job's targets replaced
+by the local metrics ports and a 1 s scrape interval. Panels in the dashboard's "Training" row
+are required only when the swarm trains (``SWARM_TRAINS``).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from observability_harness import (
     free_port,
     load_yaml,
     start_compose_swarm,
+    start_service,
     wait_connected,
 )
 
@@ -31,9 +32,11 @@ PEERS = 2  # plus the bootstrap: a 3-node swarm
 DEADLINE_S = 40.0
 
 # The swarm trains (every node with --train, each starting as soon as it is up), so the
-# Training row's panels are required too; nodes that start after the bootstrap has completed a
-# round join mid-run by fetching its outer state, which fills the checkpoint-fetch panel.
+# Training row's panels are required too. One more peer ("late") is started once the swarm has
+# completed a round: it joins mid-run by fetching the outer state, which fills the
+# checkpoint-fetch panel. Its metrics port is a scrape target from the start.
 SWARM_TRAINS = True
+LATE = "late"
 TRAIN_ARGS = ("--train", "--model", "tiny", "--inner-steps", "5", "--rounds", "1000")
 
 pytestmark = pytest.mark.skipif(
@@ -41,7 +44,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def prometheus_config(swarm: LocalSwarm) -> dict:
+def prometheus_config(swarm: LocalSwarm, late_metrics_port: int) -> dict:
     config = load_yaml(DEPLOY / "prometheus.yml")
     config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
     [job] = [j for j in config["scrape_configs"] if j["job_name"] == "lattica"]
@@ -53,6 +56,7 @@ def prometheus_config(swarm: LocalSwarm) -> dict:
         }
         for node in swarm.nodes
     ]
+    job["static_configs"].append({"targets": [f"127.0.0.1:{late_metrics_port}"]})
     config["scrape_configs"] = [job]
     return config
 
@@ -117,8 +121,13 @@ def swarm(tmp_path):
 
 
 @pytest.fixture
-def prometheus(tmp_path, swarm):
-    server = Prometheus(tmp_path, prometheus_config(swarm))
+def late_metrics_port():
+    return free_port()
+
+
+@pytest.fixture
+def prometheus(tmp_path, swarm, late_metrics_port):
+    server = Prometheus(tmp_path, prometheus_config(swarm, late_metrics_port))
     try:
         server.wait_ready(timeout=20)
         yield server
@@ -135,40 +144,66 @@ def _scalar(prometheus: Prometheus, expr: str) -> float:
     return float(result[0]["value"][1]) if result else math.nan
 
 
-@pytest.mark.timeout(120)
-def test_every_dashboard_query_returns_data(swarm, prometheus):
+def _wait_until(condition, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(1.0)
+    return True
+
+
+@pytest.mark.timeout(200)
+def test_every_dashboard_query_returns_data(swarm, prometheus, late_metrics_port):
     wait_connected(swarm, swarm.bootstrap, peers=PEERS, timeout=DEADLINE_S)
-    # "Checkpoint fetch time" only has data once some node joined mid-run and fetched the
-    # outer state; in this swarm that happens only when a node starts after the bootstrap has
-    # completed a round, which start-up timing does not guarantee. It is not required here.
+    nodes = PEERS + 1
+    if SWARM_TRAINS:
+        # once a round is done, a late peer joins mid-run (it fetches the outer state)
+        assert _wait_until(
+            lambda: _scalar(prometheus, "max(lattica_outer_round)") >= 1, DEADLINE_S
+        ), swarm.logs()
+        start_service(swarm, LATE, metrics_port=late_metrics_port)
+        nodes += 1
     required = [
         (row, title, expr)
         for row, title, expr in dashboard_queries()
-        if (SWARM_TRAINS or row != "Training") and title != "Checkpoint fetch time"
+        if SWARM_TRAINS or row != "Training"
     ]
     assert len(required) >= 10
-    deadline = time.monotonic() + DEADLINE_S
-    while True:
-        missing = [
+    assert SWARM_TRAINS is False or any(t == "Checkpoint fetch time" for _, t, _ in required)
+    missing: list[tuple[str, str]] = []
+
+    def all_panels_have_data() -> bool:
+        missing[:] = [
             (title, expr) for _, title, expr in required if not _has_data(prometheus.query(expr))
         ]
-        if not missing or time.monotonic() > deadline:
-            break
-        time.sleep(1.0)
-    assert not missing, "panels without data:\n" + "\n".join(f"  {t}: {e}" for t, e in missing)
+        return not missing
+
+    _wait_until(all_panels_have_data, 2 * DEADLINE_S)
+    assert not missing, (
+        "panels without data:\n" + "\n".join(f"  {t}: {e}" for t, e in missing) + "\n" + swarm.logs()
+    )
 
     # The numbers behind the panels describe this swarm, not just any series.
-    assert _scalar(prometheus, 'sum(up{job="lattica"})') == PEERS + 1
-    assert _scalar(prometheus, 'lattica_peers_connected{role="bootstrap"}') == PEERS
+    assert _wait_until(lambda: _scalar(prometheus, 'sum(up{job="lattica"})') == nodes, DEADLINE_S)
+    assert _wait_until(
+        lambda: _scalar(prometheus, 'lattica_peers_connected{role="bootstrap"}') == nodes - 1,
+        DEADLINE_S,
+    )
     assert _scalar(prometheus, 'sum(lattica_peers_by_path{path="direct"})') >= 2 * PEERS
     assert _scalar(prometheus, "sum(lattica_bytes_sent_total)") > 0
     assert _scalar(prometheus, "sum(lattica_bytes_received_total)") > 0
     peer_ids = {s["metric"]["peer_id"] for s in prometheus.query("lattica_node_info")}
-    assert len(peer_ids) == PEERS + 1
+    assert len(peer_ids) == nodes
     if SWARM_TRAINS:
-        # every node completes rounds (the last to start may still be loading: give it time)
-        deadline = time.monotonic() + DEADLINE_S
-        while _scalar(prometheus, "min(lattica_outer_round)") < 1 and time.monotonic() < deadline:
-            time.sleep(1.0)
-        assert _scalar(prometheus, "min(lattica_outer_round)") >= 1
+        # the fetch was the late node's, and every node completes rounds
+        late = f"127.0.0.1:{late_metrics_port}"
+        fetched = f'lattica_checkpoint_fetch_duration_seconds_count{{instance="{late}"}}'
+        assert _wait_until(lambda: _scalar(prometheus, fetched) >= 1, DEADLINE_S), (
+            f"{prometheus.query('lattica_checkpoint_fetch_duration_seconds_count')}\n"
+            + swarm.nodes[-1].log_tail(60)
+        )
+        assert _wait_until(
+            lambda: _scalar(prometheus, "min(lattica_outer_round)") >= 1, DEADLINE_S
+        ), swarm.logs()
         assert _scalar(prometheus, "sum(lattica_tokens_per_second)") > 0
