@@ -52,6 +52,7 @@ from lattica.train.trainer import Trainer, TrainerConfig
 
 WORKERS = 4
 PEERS = tuple(f"worker-{i}" for i in range(WORKERS))
+SYNC_EVERY = 50  # H: inner steps between two syncs of DiLoCo and its variants
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,21 +74,21 @@ def _tiny_moe(seed: int) -> torch.nn.Module:
 METHODS: dict[str, Method] = {
     "ddp": Method(strategy="ddp"),
     "nocomm": Method(strategy="nocomm"),
-    "diloco": Method(strategy="diloco", config=DiLoCoConfig(inner_steps=50)),
-    "noloco": Method(strategy="noloco", config=NoLoCoConfig(inner_steps=50), evaluate_average=True),
+    "diloco": Method(strategy="diloco", config=DiLoCoConfig(inner_steps=SYNC_EVERY)),
+    "noloco": Method(strategy="noloco", config=NoLoCoConfig(inner_steps=SYNC_EVERY), evaluate_average=True),
     # one-round-stale outer gradients are unstable with μ = 0.9 at this scale (val loss after
     # 200 steps: 3.68 with μ = 0.9, 2.65 with μ = 0.5; DiLoCo 2.43), so eager uses μ = 0.5
-    "eager": Method(strategy="eager", config=EagerDiLoCoConfig(inner_steps=50, outer_momentum=0.5)),
+    "eager": Method(strategy="eager", config=EagerDiLoCoConfig(inner_steps=SYNC_EVERY, outer_momentum=0.5)),
     "streaming": Method(
         strategy="streaming",
-        config=StreamingDiLoCoConfig(inner_steps=50, fragments=2, overlap_steps=2, mixing=0.5),
+        config=StreamingDiLoCoConfig(inner_steps=SYNC_EVERY, fragments=2, overlap_steps=2, mixing=0.5),
     ),
     "moe_diloco": Method(
-        strategy="diloco", config=DiLoCoConfig(inner_steps=50), build_model=_tiny_moe
+        strategy="diloco", config=DiLoCoConfig(inner_steps=SYNC_EVERY), build_model=_tiny_moe
     ),
     "spes": Method(
         strategy="spes",
-        config=SPESConfig(sync_every=50, merge_every=100, merge_decay_steps=1000, members=PEERS),
+        config=SPESConfig(sync_every=SYNC_EVERY, merge_every=100, merge_decay_steps=1000, members=PEERS),
         build_model=_tiny_moe,
     ),
 }
@@ -222,6 +223,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=Budget.steps, help="inner steps per worker")
     parser.add_argument("--batch-size", type=int, default=Budget.batch_size)
     parser.add_argument("--lr", type=float, default=Budget.lr, help="peak inner learning rate")
+    parser.add_argument("--context", type=int, default=Budget.context, help="bytes per sequence")
+    parser.add_argument("--warmup", type=int, default=Budget.warmup, help="inner warmup steps")
+    parser.add_argument("--eval-batches", type=int, default=Budget.eval_batches)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per operation")
     return parser.parse_args(argv)
 
@@ -233,8 +237,18 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or not names:
         print(f"error: unknown strategies {unknown}; known: {sorted(METHODS)}", file=sys.stderr)
         return 2
+    if args.steps < SYNC_EVERY or args.steps % SYNC_EVERY:
+        print(f"error: --steps must be a multiple of {SYNC_EVERY} (the sync period)", file=sys.stderr)
+        return 2
     torch.set_num_threads(args.threads)
-    budget = Budget(steps=args.steps, batch_size=args.batch_size, lr=args.lr)
+    budget = Budget(
+        steps=args.steps,
+        batch_size=args.batch_size,
+        context=args.context,
+        lr=args.lr,
+        warmup=args.warmup,
+        eval_batches=args.eval_batches,
+    )
     try:
         corpus = load_corpus(DataConfig(source=args.data))
     except ConfigError as exc:
