@@ -4,14 +4,21 @@ Theory of operation
 -------------------
 ``Trainer.run`` repeats, until ``total_steps``:
 
-1. in a worker thread (``trio.to_thread.run_sync``): draw a batch, forward under autocast,
-   backward — and, unless the strategy syncs gradients, clip + ``optimizer.step()``;
-2. for gradient-syncing strategies (``strategy.syncs_gradients``, e.g. the DDP baseline): on the
-   trio thread ``await strategy.before_optimizer_step(step)``, then the optimizer step in a thread;
-3. on the trio thread: ``await strategy.after_inner_step(step)`` (an outer round every H steps).
+1. in a worker thread (``trio.to_thread.run_sync``): inner steps — draw a batch, forward under
+   autocast, backward, clip + ``optimizer.step()`` — one after the other up to the next step at
+   which the trio thread has something to do: the strategy's ``next_sync_step`` (an outer round,
+   a fragment to send or apply), a progress report, a validation or the end;
+2. on the trio thread: ``await strategy.after_inner_step(step)`` for the last of those steps;
+3. gradient-syncing strategies (``strategy.syncs_gradients``, e.g. the DDP baseline) instead run
+   one step at a time: forward/backward in a thread, ``await strategy.before_optimizer_step``,
+   the optimizer step in a thread, ``after_inner_step``.
 
 The trio thread is therefore free while tensors are computed: the daemon keeps serving the
-network during training. The learning rate is a pure function of the step (warmup + cosine), so
+network during training, and an overlapping strategy's communication runs while the worker
+thread trains. Running the steps between two syncs in one thread call matters for overlap: a
+hand-off to the event loop after every step costs a thread wake-up, which on a busy machine is
+milliseconds per step — time in which no inner step runs. The worker checks for cancellation
+between steps, so stopping the node never waits for more than one step. The learning rate is a pure function of the step (warmup + cosine), so
 a resumed or joining peer only needs the step number. Every completed round triggers
 ``on_round`` (with the content hash of the outer weights, for the replicated state) and a local
 checkpoint; periodic validation and throughput go to ``on_progress``.
@@ -161,16 +168,17 @@ class Trainer:
         )
 
     async def train_step(self) -> None:
-        """One inner step plus whatever sync the strategy does after it."""
-        step = self.step + 1
-        self._set_lr(step - 1)
+        """Inner steps up to the next sync, report or validation, then the strategy's turn."""
         if self.strategy.syncs_gradients:
+            step = self.step + 1
+            self._set_lr(step - 1)
             loss = await trio.to_thread.run_sync(self._forward_backward)
             await self.strategy.before_optimizer_step(step)
             await trio.to_thread.run_sync(self._optimizer_step)
+            self.step, self.last_loss = step, loss
         else:
-            loss = await trio.to_thread.run_sync(self._whole_step)
-        self.step, self.last_loss = step, loss
+            await trio.to_thread.run_sync(self._inner_steps, self._next_stop())
+        step = self.step
         for report in await self.strategy.after_inner_step(step):
             self._round_done(report)
         if self.config.eval_every and step % self.config.eval_every == 0:
@@ -178,7 +186,27 @@ class Trainer:
         elif step % self.config.log_every == 0:
             self._report()
 
+    def _next_stop(self) -> int:
+        """The next step after which the trio thread has work: a sync, a report or the end."""
+        step, config = self.step, self.config
+        stops = [config.total_steps, _next_multiple(step, config.log_every)]
+        if config.eval_every:
+            stops.append(_next_multiple(step, config.eval_every))
+        sync = self.strategy.next_sync_step(step)
+        if sync is not None:
+            stops.append(max(sync, step + 1))
+        return min(stops)
+
+    def _inner_steps(self, last: int) -> None:
+        """Worker thread: inner steps ``self.step + 1 .. last`` (stops early when cancelled)."""
+        while self.step < last:
+            trio.from_thread.check_cancelled()
+            self._set_lr(self.step)
+            self.last_loss = self._whole_step()
+            self.step += 1
+
     def _set_lr(self, step: int) -> None:
+        """The learning rate of inner step ``step + 1`` (the schedule counts from 0)."""
         factor = lr_multiplier(step, self.config.schedule)
         for group, base in zip(self.optimizer.param_groups, self._base_lrs, strict=True):
             group["lr"] = base * factor
@@ -328,3 +356,7 @@ class Trainer:
         """
         self.strategy.load_outer_state_dict(outer)
         self.step = int(outer.get("step", 0)) if step is None else step
+
+
+def _next_multiple(step: int, every: int) -> int:
+    return (step // every + 1) * every

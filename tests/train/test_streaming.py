@@ -145,3 +145,19 @@ async def test_dead_peer_skips_the_fragment_without_stalling():
     assert len(reports) == 3
     assert all(r.skipped for r in reports)
     assert all(x.item() == 0.0 for x in strategy.evaluation_parameters())
+
+
+def test_next_sync_start_is_the_next_step_where_a_sync_is_due():
+    from lattica.train.strategies.streaming import next_sync_start
+
+    for inner_steps, fragments in ((4, 2), (6, 3), (5, 1)):
+        for p in range(fragments):
+            due = [
+                s
+                for s in range(1, 60)
+                if sync_due(s, p, inner_steps=inner_steps, fragments=fragments)
+            ]
+            for step in range(0, 40):
+                expected = min(s for s in due if s > step)
+                got = next_sync_start(step, p, inner_steps=inner_steps, fragments=fragments)
+                assert got == expected, (inner_steps, fragments, p, step)

@@ -198,3 +198,36 @@ async def test_annotations_travel_with_the_checkpoint(text_data, tmp_path):
     second = _trainer(text_data, steps=6, checkpoints=store)
     assert second.resume()
     assert second.annotations == {"outer_history": {1: "abc"}}
+
+
+async def test_steps_between_syncs_run_in_one_thread_call_with_the_same_result(text_data):
+    batched = _trainer(text_data, steps=9, config=DiLoCoConfig(inner_steps=3))
+    calls = []
+    original = batched.strategy.after_inner_step
+
+    async def recording(step):
+        calls.append(step)
+        return await original(step)
+
+    batched.strategy.after_inner_step = recording
+    await batched.run()
+
+    stepwise = _trainer(text_data, steps=9, config=DiLoCoConfig(inner_steps=3))
+    stepwise.strategy.next_sync_step = lambda step: step + 1  # the always-correct default
+    await stepwise.run()
+
+    # syncs at 3, 6, 9; reports every 2 steps; validation every 4
+    assert calls == [2, 3, 4, 6, 8, 9]
+    for a, b in zip(batched.model.parameters(), stepwise.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+async def test_cancelling_stops_the_worker_between_steps(text_data):
+    trainer = _trainer(text_data, steps=100_000, strategy="nocomm", config=None)
+    trainer.config = TrainerConfig(total_steps=100_000, eval_every=0, log_every=100_000)
+    with trio.move_on_after(2.0):
+        await trainer.run()
+    stopped_at = trainer.step
+    assert 0 < stopped_at < 100_000
+    await trio.sleep(0.3)
+    assert trainer.step == stopped_at  # the worker thread did not go on after the cancel

@@ -87,6 +87,16 @@ class OuterStrategy(ABC):
     async def after_inner_step(self, step: int) -> list[OuterStepReport]:
         """Called after inner step ``step`` (1-based); returns the syncs completed now."""
 
+    def next_sync_step(self, step: int) -> int | None:
+        """The first step after ``step`` at which ``after_inner_step`` may do anything.
+
+        The trainer runs the inner steps up to that one in a single worker-thread call and calls
+        ``after_inner_step`` only there (and at reports and validations): a strategy must do
+        nothing at the steps it skips. ``None``: never (no communication). The default, the
+        next step, is always correct.
+        """
+        return step + 1
+
     async def finish(self) -> list[OuterStepReport]:
         """Complete in-flight syncs at the end of training (default: nothing in flight)."""
         return []

@@ -136,6 +136,9 @@ class DiLoCo(OuterStrategy):
     def outer_parameters(self) -> list[torch.Tensor]:
         return self._outer
 
+    def next_sync_step(self, step: int) -> int:
+        return (step // self.config.inner_steps + 1) * self.config.inner_steps
+
     async def after_inner_step(self, step: int) -> list[OuterStepReport]:
         if step % self.config.inner_steps:
             return []

@@ -99,6 +99,9 @@ class EagerDiLoCo(AccountedStrategy):
         momentum = [s["momentum_buffer"] for s in self.outer_optimizer.state.values()]
         return tensor_bytes(self._outer) + tensor_bytes(momentum)
 
+    def next_sync_step(self, step: int) -> int:
+        return (step // self.config.inner_steps + 1) * self.config.inner_steps
+
     async def after_inner_step(self, step: int) -> list[OuterStepReport]:
         if step % self.config.inner_steps:
             return []

@@ -28,6 +28,9 @@ class NoComm(OuterStrategy):
     def completed_rounds(self) -> int:
         return 0
 
+    def next_sync_step(self, step: int) -> None:
+        return None
+
     async def after_inner_step(self, step: int) -> list[OuterStepReport]:
         return []
 

@@ -117,6 +117,9 @@ class NoLoCo(AccountedStrategy):
     def outer_state_bytes(self) -> int:
         return tensor_bytes(self._phi) + tensor_bytes(self._velocity)
 
+    def next_sync_step(self, step: int) -> int:
+        return (step // self.config.inner_steps + 1) * self.config.inner_steps
+
     async def after_inner_step(self, step: int) -> list[OuterStepReport]:
         if step % self.config.inner_steps:
             return []

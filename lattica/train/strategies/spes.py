@@ -136,6 +136,9 @@ class SPES(AccountedStrategy):
         super().attach_inner_optimizer(optimizer)
         self._apply_ownership()
 
+    def next_sync_step(self, step: int) -> int:
+        return (step // self.config.sync_every + 1) * self.config.sync_every
+
     async def after_inner_step(self, step: int) -> list[OuterStepReport]:
         if step % self.config.sync_every:
             return []

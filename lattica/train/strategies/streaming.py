@@ -100,6 +100,15 @@ def sync_due(step: int, fragment: int, *, inner_steps: int, fragments: int) -> b
     return step >= inner_steps and step % inner_steps == offset
 
 
+def next_sync_start(step: int, fragment: int, *, inner_steps: int, fragments: int) -> int:
+    """The first step after ``step`` at which fragment ``fragment`` starts a sync."""
+    offset = fragment * inner_steps // fragments
+    candidate = (step - offset) // inner_steps * inner_steps + offset + inner_steps
+    while candidate < inner_steps:  # the first sync of every fragment is at step >= H
+        candidate += inner_steps
+    return candidate
+
+
 @torch.no_grad()
 def mix_into_local(
     local: Sequence[torch.Tensor], outer: Sequence[torch.Tensor], mixing: float
@@ -163,6 +172,14 @@ class StreamingDiLoCo(AccountedStrategy):
 
     def evaluation_parameters(self) -> Sequence[torch.Tensor]:
         return self._outer
+
+    def next_sync_step(self, step: int) -> int:
+        """The next fragment sync to start or to apply."""
+        h, fragments = self.config.inner_steps, self.config.fragments
+        starts = [
+            next_sync_start(step, p, inner_steps=h, fragments=fragments) for p in range(fragments)
+        ]
+        return min([*starts, *(max(s.apply_at, step + 1) for s in self._pending)])
 
     async def after_inner_step(self, step: int) -> list[OuterStepReport]:
         for p in range(self.config.fragments):
