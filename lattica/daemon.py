@@ -89,6 +89,7 @@ class TrainingMetricsExporter:
         metrics = self.node.metrics
         task_status.started()
         last_round, last_round_at, last_step, last_step_at = 0, trio.current_time(), 0, trio.current_time()
+        accounted: dict[str, int] = {}
         while True:
             info = self.training.status()["training"]
             now = trio.current_time()
@@ -109,6 +110,10 @@ class TrainingMetricsExporter:
             progress = self.state.snapshot().get("progress", {})
             newest = max((p.get("round", 0) for p in progress.values() if isinstance(p.get("round"), int)), default=0)
             metrics.staleness_rounds.set(max(0, newest - rounds))
+            figures = self.training.accounting()
+            if figures:
+                metrics.set_accounting(figures, previous=accounted)
+                accounted = figures
             await trio.sleep(1.0)
 
 

@@ -136,6 +136,16 @@ def write_expert(doc: Doc, *, expert: str, owned: bool) -> None:
         del experts[expert]
 
 
+def write_owned_experts(doc: Doc, experts: Iterable[str]) -> None:
+    """Replace the writer's whole set of owned experts (one update for a new ownership map)."""
+    wanted = {_check_text("expert", e) for e in experts}
+    root = doc.get("experts", type=Map)
+    for expert in [k for k in root.keys() if k not in wanted]:
+        del root[expert]
+    for expert in sorted(wanted - set(root.keys())):
+        root[expert] = True
+
+
 def write_config(doc: Doc, config: Mapping[str, Any]) -> None:
     encoded = {}
     for key, value in config.items():

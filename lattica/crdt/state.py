@@ -174,6 +174,10 @@ class ReplicatedState:
             self.peer_id, lambda doc: documents.write_expert(doc, expert=expert, owned=owned)
         )
 
+    async def set_owned_experts(self, experts: list[str]) -> None:
+        """Replace the set of experts this node owns (SPES) in one write."""
+        await self._write(self.peer_id, lambda doc: documents.write_owned_experts(doc, experts))
+
     async def _write(self, doc_name: str, mutate: Callable[[Doc], None]) -> None:
         if self._log is None:
             raise LocalProtocolError("ReplicatedState.run() has not started")

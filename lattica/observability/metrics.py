@@ -60,6 +60,7 @@ class NodeMetrics:
         self._define_identity(peer_id=peer_id, run_id=run_id)
         self._define_network()
         self._define_training()
+        self._define_accounting()
         self._define_state()
 
     def _gauge(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> Gauge:
@@ -165,6 +166,49 @@ class NodeMetrics:
             CHECKPOINT_BUCKETS,
         )
         """``lattica_checkpoint_fetch_duration_seconds``."""
+
+    def _define_accounting(self) -> None:
+        self.strategy_bytes_sent = self._counter(
+            "strategy_bytes_sent",
+            "Encoded bytes the outer strategy put on the wire (all-reduces, exchanges).",
+        )
+        """``lattica_strategy_bytes_sent_total``."""
+        self.strategy_syncs = self._counter(
+            "strategy_syncs", "Communication units the outer strategy started (round, fragment)."
+        )
+        """``lattica_strategy_syncs_total``."""
+        self.sync_bytes = self._gauge("sync_bytes", "Bytes sent in this node's last sync.")
+        """``lattica_sync_bytes``."""
+        self.sync_peak_bytes = self._gauge(
+            "sync_peak_bytes", "Largest number of bytes this node sent in one sync."
+        )
+        """``lattica_sync_peak_bytes``: the largest burst on this node's link."""
+        self.optimizer_state_bytes = self._gauge(
+            "optimizer_state_bytes",
+            "Optimizer state held by this node: inner (e.g. AdamW moments) and outer "
+            "(outer weights, momentum).",
+            ("kind",),
+        )
+        """``lattica_optimizer_state_bytes{kind=inner|outer}``."""
+        self.parameter_bytes = self._gauge(
+            "parameter_bytes", "Model weights held by this node.", ("kind",)
+        )
+        """``lattica_parameter_bytes{kind=trainable|frozen}`` (SPES: foreign experts frozen)."""
+        for kind in ("inner", "outer"):
+            self.optimizer_state_bytes.labels(kind=kind)
+        for kind in ("trainable", "frozen"):
+            self.parameter_bytes.labels(kind=kind)
+
+    def set_accounting(self, figures: dict[str, int], *, previous: dict[str, int]) -> None:
+        """Copy a strategy's ``accounting()`` figures; ``previous`` advances the counters."""
+        self.strategy_bytes_sent.inc(max(0, figures["bytes_sent"] - previous.get("bytes_sent", 0)))
+        self.strategy_syncs.inc(max(0, figures["syncs"] - previous.get("syncs", 0)))
+        self.sync_bytes.set(figures["last_sync_bytes"])
+        self.sync_peak_bytes.set(figures["peak_sync_bytes"])
+        self.optimizer_state_bytes.labels(kind="inner").set(figures["inner_optimizer_state_bytes"])
+        self.optimizer_state_bytes.labels(kind="outer").set(figures["outer_state_bytes"])
+        self.parameter_bytes.labels(kind="trainable").set(figures["trainable_parameter_bytes"])
+        self.parameter_bytes.labels(kind="frozen").set(figures["frozen_parameter_bytes"])
 
     def _define_state(self) -> None:
         self.replicated_state_bytes = self._gauge(

@@ -119,7 +119,8 @@ class TrainingService:
             with trio.move_on_after(1.0):
                 await self.state.wait_changed()
         self.phase = "loading"
-        trainer = await trio.to_thread.run_sync(self._build_trainer)
+        ownership = self._expert_ownership()
+        trainer = await trio.to_thread.run_sync(self._build_trainer, ownership)
         self.trainer = trainer
         await self.state.update_member(device=trainer.device.describe())
         if await trio.to_thread.run_sync(trainer.resume):
@@ -135,6 +136,8 @@ class TrainingService:
             await self._join_running_swarm()
             self._wrap_strategy_for_catch_up()
         await self.state.update_member(role=_TRAINER)
+        if ownership is not None:
+            await ownership.publish()
         self.phase = "training"
         summary = await trainer.run()
         self.summary = dataclasses.asdict(summary)
@@ -154,13 +157,25 @@ class TrainingService:
             with trio.move_on_after(1.0):
                 await self.state.wait_changed()
 
-    def _build_trainer(self) -> Any:
+    def _expert_ownership(self) -> Any:
+        """SPES: expert ownership kept in the replicated state (None for other strategies)."""
+        if self.settings.strategy != "spes" or self.settings.task:
+            return None
+        from lattica.train.moe import MOE_PRESETS
+        from lattica.train.ownership import ReplicatedOwnership
+
+        return ReplicatedOwnership(
+            self.state, peer_id=self.peer_id, candidates=self._candidates,
+            num_experts=MOE_PRESETS[_moe_preset(self.settings.model)].num_experts,
+        )
+
+    def _build_trainer(self, ownership: Any = None) -> Any:
         from lattica.train.checkpoint import CheckpointStore
         from lattica.train.collective import StallGuardedCollective
         from lattica.train.data import DataConfig
         from lattica.train.device import select_device
         from lattica.train.schedule import ScheduleConfig
-        from lattica.train.strategies import create_strategy, strategy_class
+        from lattica.train.strategies import strategy_class
         from lattica.train.task import TaskContext, builtin_task, load_task
         from lattica.train.trainer import Trainer, TrainerConfig
 
@@ -184,9 +199,11 @@ class TrainingService:
         collective = StallGuardedCollective(
             self.tensors, progress=self.tensors.stats.total_received, stall_s=s.round_deadline_s
         )
-        strategy = create_strategy(
-            s.strategy, task.model, collective=collective, groups=self.coordinator,
-            config=self._strategy_config(strategy_class(s.strategy)),
+        cls = strategy_class(s.strategy)
+        extra = {} if ownership is None else {"ownership": ownership}
+        strategy = cls(  # type: ignore[call-arg]
+            task.model, collective=collective, groups=self.coordinator,
+            config=self._strategy_config(cls), **extra,
         )
         self.strategy = strategy
         total = s.rounds * s.inner_steps
@@ -408,6 +425,11 @@ class TrainingService:
         if self.summary:
             info["summary"] = self.summary
         return {"training": info}
+
+    def accounting(self) -> dict[str, int]:
+        """The strategy's traffic and memory figures (empty before it is built)."""
+        figures = getattr(self.strategy, "accounting", None)
+        return figures() if figures is not None else {}
 
     async def handle_control(self, request: Any) -> Any:
         if request.method == "train":

@@ -33,6 +33,12 @@ EXPECTED_FAMILIES = {
     "lattica_replicated_state_bytes",
     "lattica_rejected_updates",
     "lattica_checkpoint_fetch_duration_seconds",
+    "lattica_strategy_bytes_sent",
+    "lattica_strategy_syncs",
+    "lattica_sync_bytes",
+    "lattica_sync_peak_bytes",
+    "lattica_optimizer_state_bytes",
+    "lattica_parameter_bytes",
     "process_cpu_seconds",
     "process_resident_memory_bytes",
 }

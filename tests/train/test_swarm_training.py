@@ -1,4 +1,4 @@
-"""DiLoCo across real ``lattica join --train`` processes on loopback.
+"""DiLoCo (and SPES) across real ``lattica join --train`` processes on loopback.
 
 Every test starts its own daemons (tiny model, 5 inner steps, batch 4), waits on their control
 sockets and reads the outcome the way a user would: ``lattica status`` / ``lattica state``.
@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import re
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from lattica.testing.daemons import DaemonProcess, cli_json
+from lattica.testing.daemons import DaemonProcess, cli_json, free_port
 from lattica.testing.daemons import wait_for as _wait_for
 
 INNER_STEPS = 5
@@ -34,12 +35,15 @@ def _training(daemon: DaemonProcess) -> dict[str, Any]:
 
 
 def _trainer(
-    path: Path, *, rounds: int, min_peers: int, peers: tuple[str, ...] = (), env: dict[str, str] | None = None
+    path: Path, *, rounds: int, min_peers: int, peers: tuple[str, ...] = (), env: dict[str, str] | None = None,
+    strategy: str = "diloco", metrics_port: int | None = None,
 ) -> DaemonProcess:
     args = (
-        "--train", "--model", "tiny", "--device", "cpu", "--log-level", "info",
+        "--train", "--model", "tiny", "--device", "cpu", "--log-level", "info", "--strategy", strategy,
         "--rounds", str(rounds), "--inner-steps", str(INNER_STEPS), "--min-peers", str(min_peers),
     )
+    if metrics_port is not None:
+        args += ("--metrics-addr", f"127.0.0.1:{metrics_port}")
     return DaemonProcess(path, peers=peers, extra_args=args, env={**TRAIN_ENV, **(env or {})})
 
 
@@ -207,3 +211,84 @@ def test_a_peer_restarted_after_kill_9_rejoins_without_waiting_for_min_peers(swa
     infos = _wait_done([a, b], timeout=120)
     assert [i["rounds_completed"] for i in infos] == [rounds, rounds]
     assert len(_final_hashes([a, b], rounds=rounds)) == 1
+
+
+# -- SPES: expert ownership in the replicated state -----------------------------------------
+
+NUM_EXPERTS = 8  # tiny-moe
+
+
+def _expert_owners(data_dir: Path, live: set[str]) -> dict[int, list[str]] | None:
+    """expert -> claimants among ``live``, from one node's replica; None until it is complete."""
+    experts = cli_json("state", "--data-dir", str(data_dir))["experts"]
+    owners = {int(e): sorted(set(c) & live) for e, c in experts.items()}
+    if sorted(e for e, c in owners.items() if c) != list(range(NUM_EXPERTS)):
+        return None
+    return owners
+
+
+def test_owner_leaves_its_experts_are_reassigned_and_training_goes_on(swarm: Swarm) -> None:
+    rounds = 8
+    env = {"LATTICA_TRAIN_ROUND_DEADLINE_S": "3"}
+    port = free_port()
+    daemons = [
+        swarm.start("a", rounds=rounds, min_peers=3, env=env, strategy="spes", metrics_port=port),
+        *swarm.start_many(["b", "c"], rounds=rounds, min_peers=3, env=env, strategy="spes"),
+    ]
+    ids = {d.peer_id for d in daemons}
+    assert _wait_for(lambda: all(_training(d)["rounds_completed"] >= 2 for d in daemons), 90), [
+        d.log() for d in daemons
+    ]
+    before = _wait_for(lambda: _expert_owners(daemons[0].data_dir, ids), 15)
+    assert before, cli_json("state", "--data-dir", str(daemons[0].data_dir))
+    # one owner per expert, every node owns some (8 experts over 3 nodes: 3, 3, 2)
+    assert all(len(c) == 1 for c in before.values()), before
+    assert sorted(sum(1 for c in before.values() if c == [p]) for p in ids) == [2, 3, 3]
+
+    # not "a" (it exports metrics) and not the round coordinator (the lowest id)
+    victim = max(daemons[1:], key=lambda d: d.peer_id)
+    orphaned = sorted(e for e, c in before.items() if c == [victim.peer_id])
+    survivors = [d for d in daemons if d is not victim]
+    assert victim.stop() == 0, victim.log()  # SIGTERM: it writes "left" to the state
+
+    infos = _wait_done(survivors, timeout=120)
+    assert [i["rounds_completed"] for i in infos] == [rounds, rounds]
+    assert len(_final_hashes(survivors, rounds=rounds)) == 1
+
+    alive = {d.peer_id for d in survivors}
+    for d in survivors:
+        after = _wait_for(lambda d=d: _expert_owners(d.data_dir, alive), 15)
+        assert after, cli_json("state", "--data-dir", str(d.data_dir))
+        assert all(len(c) == 1 for c in after.values()), after
+        # survivors keep their experts; the victim's went to them, four each
+        assert all(after[e] == c for e, c in before.items() if e not in orphaned)
+        assert sorted(sum(1 for c in after.values() if c == [p]) for p in alive) == [4, 4]
+    # each orphan's new owner took the latest copy in the sync that reassigned it
+    taken = {
+        int(m.group(1))
+        for d in survivors
+        for m in re.finditer(r"expert (\d+) now owned here; latest copy from (\S+)", d.log())
+    }
+    assert set(orphaned) <= taken, [d.log() for d in survivors]
+    # per-node traffic and memory accounting reaches Prometheus
+    metrics = _scrape(port)
+    assert metrics["lattica_strategy_bytes_sent_total"] > 0
+    assert metrics["lattica_strategy_syncs_total"] >= 1
+    assert metrics["lattica_sync_peak_bytes"] > 0
+    assert metrics['lattica_optimizer_state_bytes{kind="inner"}'] > 0
+    # SPES: the experts a node does not own are frozen
+    assert metrics['lattica_parameter_bytes{kind="frozen"}'] > 0
+    assert metrics['lattica_parameter_bytes{kind="trainable"}'] > 0
+
+
+def _scrape(port: int) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return values

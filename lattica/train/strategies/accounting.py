@@ -10,6 +10,8 @@ NoLoCo group exchange), so ``peak_sync_bytes`` is the largest burst a node puts 
 Memory: ``optimizer_state_bytes`` adds the inner optimizer's state tensors (read from
 ``optimizer.state``, so lazily created state — e.g. none for frozen SPES experts — counts only
 once it exists) and the strategy's own outer state (outer weights, momentum buffers).
+``accounting()`` gathers these figures, plus the model's trainable and frozen parameter bytes,
+for the daemon's metrics (``lattica_strategy_*``, ``lattica_*_state_bytes``).
 """
 
 from __future__ import annotations
@@ -75,3 +77,17 @@ class AccountedStrategy(OuterStrategy):
     @property
     def optimizer_state_bytes(self) -> int:
         return optimizer_state_bytes(self.inner_optimizer) + self.outer_state_bytes
+
+    def accounting(self) -> dict[str, int]:
+        """This node's traffic and memory figures, as exported in the Prometheus metrics."""
+        params = list(self.model.parameters())
+        return {
+            "bytes_sent": self.traffic.bytes_sent,
+            "syncs": self.traffic.syncs,
+            "last_sync_bytes": self.traffic.last_sync_bytes,
+            "peak_sync_bytes": self.traffic.peak_sync_bytes,
+            "inner_optimizer_state_bytes": optimizer_state_bytes(self.inner_optimizer),
+            "outer_state_bytes": self.outer_state_bytes,
+            "trainable_parameter_bytes": tensor_bytes(p for p in params if p.requires_grad),
+            "frozen_parameter_bytes": tensor_bytes(p for p in params if not p.requires_grad),
+        }

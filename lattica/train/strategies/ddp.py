@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from lattica.train.collective import Collective
-from lattica.train.strategies.base import GroupProvider, OuterStepReport, OuterStrategy
+from lattica.train.strategies.accounting import AccountedStrategy
+from lattica.train.strategies.base import GroupProvider, OuterStepReport
 from lattica.train.strategies.traffic import allreduce_bytes
 
 
@@ -22,7 +23,7 @@ class DDPConfig:
     codec: str = "fp32"
 
 
-class DDP(OuterStrategy):
+class DDP(AccountedStrategy):
     name = "ddp"
     config_class = DDPConfig
     syncs_gradients = True
@@ -39,7 +40,6 @@ class DDP(OuterStrategy):
         self.config = config or DDPConfig()
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._synced = 0
-        self.bytes_sent = 0
 
     @property
     def completed_rounds(self) -> int:
@@ -49,7 +49,7 @@ class DDP(OuterStrategy):
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params]
         cpu_grads = [g.detach().to("cpu", torch.float32) for g in grads]
         group = tuple(await self.groups.group_for(f"step/{step}"))
-        self.bytes_sent += allreduce_bytes(cpu_grads, len(group), self.config.codec)
+        self.traffic.record_sync(allreduce_bytes(cpu_grads, len(group), self.config.codec))
         mean = await self.collective.allreduce(
             cpu_grads, group=group, tag=f"ddp/step/{step}", codec=self.config.codec
         )

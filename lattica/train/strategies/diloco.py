@@ -29,7 +29,8 @@ import torch
 
 from lattica.errors import BrokenError, PeerUnavailableError
 from lattica.train.collective import Collective
-from lattica.train.strategies.base import GroupProvider, OuterStepReport, OuterStrategy
+from lattica.train.strategies.accounting import AccountedStrategy, tensor_bytes
+from lattica.train.strategies.base import GroupProvider, OuterStepReport
 from lattica.train.strategies.traffic import allreduce_bytes
 
 
@@ -102,7 +103,7 @@ def nesterov_sgd(outer: list[torch.Tensor], lr: float, momentum: float) -> torch
     )
 
 
-class DiLoCo(OuterStrategy):
+class DiLoCo(AccountedStrategy):
     """Blocking DiLoCo: one all-reduce of the pseudo-gradient every ``inner_steps`` steps."""
 
     replicas_agree = True
@@ -128,6 +129,11 @@ class DiLoCo(OuterStrategy):
     @property
     def completed_rounds(self) -> int:
         return self._completed
+
+    @property
+    def outer_state_bytes(self) -> int:
+        momentum = [s["momentum_buffer"] for s in self.outer_optimizer.state.values()]
+        return tensor_bytes(self._outer) + tensor_bytes(momentum)
 
     @property
     def round(self) -> int:
@@ -164,6 +170,7 @@ class DiLoCo(OuterStrategy):
                 failure = str(exc)
                 continue
             self._apply(mean)
+            self.traffic.record_sync(sent)
             return OuterStepReport(
                 round=self._round - 1,
                 key=key,
@@ -171,6 +178,7 @@ class DiLoCo(OuterStrategy):
                 bytes_sent=sent,
                 seconds=time.monotonic() - started,
             )
+        self.traffic.record_sync(sent)
         return OuterStepReport(
             round=self._round - 1,
             key=key,

@@ -1,8 +1,10 @@
 """Who owns which expert in SPES: a pure, deterministic assignment and its source.
 
 Every member computes the same map from the same inputs, so ownership needs no extra round of
-messages: the daemon keeps the current map in the replicated state and advances it with
-``assign_experts(members, num_experts, previous=current)`` when a sync's member list changes.
+messages: after every completed sync the map advances with
+``assign_experts(members, num_experts, previous=current)`` over that sync's agreed members (the
+first sync: rule 1 over its members). The daemon publishes each node's part of the map in the
+replicated state (``lattica/train/ownership.py``).
 
 Rules (in this order):
 1. no previous map: sorted members take contiguous ranges, member i gets [i·k, (i+1)·k) with
@@ -59,6 +61,10 @@ class ExpertOwnership(Protocol):
         """The map in force now (used at start-up to freeze the experts this node does not own)."""
         ...
 
+    def adopt(self, owners: Mapping[int, str]) -> None:
+        """Continue from ``owners`` (the map of an adopted or restored outer state)."""
+        ...
+
     async def for_sync(self, key: str, members: Sequence[str]) -> Mapping[int, str]:
         """The map that holds after sync ``key`` whose participants are ``members``."""
         ...
@@ -76,6 +82,9 @@ class DerivedOwnership:
 
     def current(self) -> Mapping[int, str]:
         return dict(self._owners)
+
+    def adopt(self, owners: Mapping[int, str]) -> None:
+        self._owners = dict(owners)
 
     async def for_sync(self, key: str, members: Sequence[str]) -> Mapping[int, str]:
         self._owners = assign_experts(members, self.num_experts, previous=self._owners)

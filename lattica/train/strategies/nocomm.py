@@ -7,10 +7,11 @@ from typing import Any
 import torch
 
 from lattica.train.collective import Collective
-from lattica.train.strategies.base import GroupProvider, OuterStepReport, OuterStrategy
+from lattica.train.strategies.accounting import AccountedStrategy
+from lattica.train.strategies.base import GroupProvider, OuterStepReport
 
 
-class NoComm(OuterStrategy):
+class NoComm(AccountedStrategy):
     name = "nocomm"
     config_class = None
 

@@ -20,7 +20,9 @@ Every S inner steps (one sync, key ``round/r``):
    experts of the same layer (cosine similarity of the first weight matrix):
    θ_e ← θ_e + α_t·mean_{j∈N_e}(θ_j − θ_e), α_t = α_0·max(0, 1 − t/T_decay);
 4. the new ownership map takes effect: newly owned experts are unfrozen (and added to the
-   attached inner optimizer), newly foreign ones frozen and their optimizer state dropped.
+   attached inner optimizer), newly foreign ones frozen and their optimizer state dropped. A
+   newly owned expert was copied from its source in step 2 of this very sync, so its new owner
+   trains it from the latest copy. The first sync takes its map from its agreed members.
 
 After a completed sync all members hold bit-identical weights. Failure: if any part of the sync
 fails (a peer vanished), nothing is applied, the round is reported skipped, and the next sync
@@ -30,6 +32,7 @@ a node that left. The departed owner's progress since the last sync is lost; not
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -42,8 +45,15 @@ from lattica.errors import BrokenError, PeerUnavailableError, RemoteProtocolErro
 from lattica.train.moe import MoEGPT, dense_parameters, expert_parameters
 from lattica.train.strategies.accounting import AccountedStrategy
 from lattica.train.strategies.base import OuterStepReport
-from lattica.train.strategies.experts import DerivedOwnership, ExpertOwnership, experts_of
+from lattica.train.strategies.experts import (
+    DerivedOwnership,
+    ExpertOwnership,
+    assign_experts,
+    experts_of,
+)
 from lattica.train.strategies.traffic import allreduce_bytes, payload_bytes
+
+log = logging.getLogger(__name__)
 
 _SYNC_ERRORS = (PeerUnavailableError, BrokenError, RemoteProtocolError)
 
@@ -147,6 +157,11 @@ class SPES(AccountedStrategy):
     async def _sync(self, step: int, round_number: int) -> OuterStepReport:
         started, key = time.monotonic(), f"round/{round_number}"
         members = tuple(await self.groups.group_for(key))
+        if self._completed == 0:
+            # the first sync's agreed members fix the initial map (nodes that started with
+            # different views of the swarm would otherwise disagree on who sends what)
+            self.owners = assign_experts(members, self.model.config.num_experts)
+            self.ownership.adopt(self.owners)
         sources = {e: o if o in members else min(members) for e, o in self.owners.items()}
         dense_sent = allreduce_bytes(self._dense, len(members), self.config.codec)
         failure = ""
@@ -172,7 +187,11 @@ class SPES(AccountedStrategy):
             )
             for layer in self._layers:
                 merge_similar_experts(layer, neighbors=self.config.merge_neighbors, alpha=alpha)
+        owned_before = set(self.owned_experts)
         self.owners = dict(await self.ownership.for_sync(key, members))
+        for e in sorted(set(self.owned_experts) - owned_before):
+            # the copy applied above is the latest one: train it from there
+            log.info("expert %d now owned here; latest copy from %s", e, sources[e])
         self._apply_ownership()
         self._completed += 1
         self.traffic.record_sync(dense_sent + expert_sent)
@@ -265,6 +284,7 @@ class SPES(AccountedStrategy):
                 p.copy_(state["params"][name])
         self.owners = {int(e): str(o) for e, o in state["owners"].items()}
         self._completed = int(state["completed_rounds"])
+        self.ownership.adopt(self.owners)
         self._apply_ownership()
 
 
