@@ -73,6 +73,7 @@ class NodeConfig:
     max_backoff_s: float = 30.0
     peer_exchange: bool = True
     nat: bool = True
+    upnp: bool = False  # ask the LAN gateway (UPnP IGD) to forward the listen port
     dht: bool = True
     admins: tuple[str, ...] = ()
     secret_file: Path | None = None

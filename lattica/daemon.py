@@ -58,7 +58,10 @@ class DiscoveryExtension:
         from lattica.dht.discovery import RunDiscovery
 
         self.node = node
-        self.discovery = RunDiscovery(node.host, run_id=node.config.run_id, config=DHTConfig())
+        self.discovery = RunDiscovery(
+            node.host, run_id=node.config.run_id, config=DHTConfig(),
+            connect=lambda info: node.dial_peer(info.peer_id.to_base58(), [str(a) for a in info.addrs]),
+        )
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         # bootstrapping and the first lookups take network round trips: do not hold start-up

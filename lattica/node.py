@@ -6,6 +6,14 @@ backoff, and learns the rest of the run from peer exchange (and the DHT where en
 service is a child of one nursery; shutdown (``request_shutdown``, e.g. from SIGTERM) first
 tells connected peers goodbye, then cancels the nursery, then closes the host.
 
+Dialing: while no ``dialer`` is installed (start-up, ``--no-nat``) peers are dialed at their
+direct addresses with ``host.connect``. The NAT services install a path dialer (direct first,
+then the peer's ``/p2p-circuit`` relay addresses, then a hole punch to upgrade a relayed
+connection); from then on every dial — bootstrap redials, peer exchange, DHT run members,
+replicated-state members — goes through it with the peer's direct and relay addresses, so two
+peers behind NATs reach each other. Relay addresses are accepted only when they end in the
+peer's own id.
+
 Start-up fails with ``ConfigError`` — one line for the user — when a listen port is taken or
 no bootstrap peer answers within ``bootstrap_timeout_s``; after a successful start, losing the
 bootstrap peers only triggers reconnection attempts.
@@ -17,8 +25,8 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import multiaddr
 import trio
@@ -36,6 +44,7 @@ from lattica.net.access import AccessGate, RunAccess
 from lattica.net.addrs import dialable_addrs
 from lattica.net.host import build_host, stop_auto_connector
 from lattica.net.identity import peer_id_of
+from lattica.net.nat.addresses import conn_is_relayed
 from lattica.net.peer_exchange import (
     BYE_PROTOCOL,
     MAX_REPLY_BYTES,
@@ -52,8 +61,15 @@ log = logging.getLogger(__name__)
 _WATCH_INTERVAL_S = 0.5
 _PX_INTERVAL_S = 2.0
 _DIAL_TIMEOUT_S = 5.0
+_PATH_DIAL_TIMEOUT_S = 15.0  # direct (3 s) then up to three relays in turn
 _STREAM_TIMEOUT_S = 5.0
 _GOODBYE_BUDGET_S = 3.0  # SIGTERM must end the process within 5 s
+
+
+class PeerDialer(Protocol):
+    """Reaches a peer over the best path its addresses allow (``lattica.net.nat.Dialer``)."""
+
+    async def connect(self, peer_id: ID, addrs: Sequence[multiaddr.Multiaddr]) -> Any: ...
 
 
 class Node:
@@ -71,7 +87,8 @@ class Node:
         self.started_at = time.time()
         self.host: IHost | None = None
         self._shutdown = trio.Event()
-        self._dialing: set[str] = set()
+        self._dialing: dict[str, bool] = {}  # peer -> the dial in flight includes relay addrs
+        self.dialer: PeerDialer | None = None  # installed by the NAT services once they run
         # Services that need the running host are built from these factories once it exists;
         # each has run(task_status=...) and optionally status(), handle_control(), on_shutdown().
         self.service_factories: list[Callable[[Node], Any]] = []
@@ -171,19 +188,28 @@ class Node:
     async def _dial(self, info: PeerInfo) -> None:
         assert self.host is not None
         key = info.peer_id.to_base58()
-        if key in self._dialing:
+        relayed = any("/p2p-circuit" in str(a) for a in info.addrs)
+        inflight = self._dialing.get(key)
+        # one dial per peer, except that relay addresses heard while a direct-only dial waits
+        # on a silent NAT (seconds) get their own dial at once
+        if inflight is not None and (inflight or not relayed):
             return
-        self._dialing.add(key)
+        self._dialing[key] = relayed
         # our own backoff decides when to redial; py-libp2p's negative dial cache would
         # otherwise refuse a peer that came back on the same address
         unblock = getattr(self.host.get_network(), "unblock_peer", None)
         if unblock is not None:
             unblock(info.peer_id)
         try:
-            with trio.fail_after(_DIAL_TIMEOUT_S):
-                await self.host.connect(info)
+            if self.dialer is not None:
+                with trio.fail_after(_PATH_DIAL_TIMEOUT_S):
+                    await self.dialer.connect(info.peer_id, info.addrs)
+            else:
+                with trio.fail_after(_DIAL_TIMEOUT_S):
+                    await self.host.connect(info)
         finally:
-            self._dialing.discard(key)
+            if self._dialing.get(key) == relayed:
+                del self._dialing[key]
 
     async def _keep_connected(self, addr: str) -> None:
         """Redial a bootstrap peer whenever it is not connected, backing off exponentially."""
@@ -221,13 +247,19 @@ class Node:
                 addrs = self._peerstore_addrs(peer_id)
                 self.peer_book.learn(peer_id, addrs, now=time.time())
                 record = self.peer_book.get(peer_id)
-                if record is not None and record.path == "unknown":
-                    record.path = "direct"
+                if record is not None and record.path == "unknown" and self.dialer is None:
+                    record.path = "relayed" if self._only_relayed(peer_id) else "direct"
                 log.info("peer connected: %s", peer_id)
             for peer_id in gone:
                 log.info("peer disconnected: %s", peer_id)
             self.metrics.set_peers(r.path for r in self.peer_book.records() if r.connected)
             await trio.sleep(_WATCH_INTERVAL_S)
+
+    def _only_relayed(self, peer_id: str) -> bool:
+        assert self.host is not None
+        conns = self.host.get_network().connections.get(ID.from_base58(peer_id)) or []
+        conns = conns if isinstance(conns, list) else [conns]
+        return bool(conns) and all(conn_is_relayed(c) for c in conns)
 
     def _known_addrs(self, peer_id: str) -> list[str]:
         """Addresses to tell others for ``peer_id``; refreshed from identify as it arrives."""
@@ -249,13 +281,15 @@ class Node:
         return out
 
     async def _peer_exchange_loop(self) -> None:
-        while True:
-            async with trio.open_nursery() as nursery:
-                for peer_id in self.peer_book.connected_ids():
-                    nursery.start_soon(self._exchange_with, peer_id)
-            await trio.sleep(_PX_INTERVAL_S)
+        # dials of newly heard peers run beside the exchanges: a relayed dial takes seconds
+        async with trio.open_nursery() as dials:
+            while True:
+                async with trio.open_nursery() as nursery:
+                    for peer_id in self.peer_book.connected_ids():
+                        nursery.start_soon(self._exchange_with, peer_id, dials)
+                await trio.sleep(_PX_INTERVAL_S)
 
-    async def _exchange_with(self, peer_id: str) -> None:
+    async def _exchange_with(self, peer_id: str, dials: trio.Nursery) -> None:
         assert self.host is not None
         try:
             with trio.fail_after(_STREAM_TIMEOUT_S):
@@ -284,16 +318,33 @@ class Node:
         connected = self._connected_ids()
         for other, addrs in entries:
             rec = self.peer_book.learn(other, addrs, now=time.time())
-            if rec is None or other in connected or rec.left or not addrs:
+            if rec is None or other in connected or rec.left or not addrs or self._dialing.get(other):
                 continue
-            await self._dial_any(other, addrs)
+            dials.start_soon(self._dial_any, other, list(rec.addrs))
 
-    async def _dial_any(self, peer_id: str, addrs: list[str]) -> None:
+    async def _dial_any(self, peer_id: str, addrs: list[str]) -> bool:
+        maddrs = dial_addrs_for(peer_id, addrs, relayed=self.dialer is not None)
+        if not maddrs:
+            return False
         try:
-            maddrs = [multiaddr.Multiaddr(a.split("/p2p/")[0]) for a in addrs if "/p2p-circuit" not in a]
             await self._dial(PeerInfo(ID.from_base58(peer_id), maddrs))
         except Exception as exc:  # noqa: BLE001 - unreachable addresses are common and harmless
             log.debug("could not dial %s: %s", peer_id, _short_reason(exc))
+            return False
+        return peer_id in self._connected_ids()
+
+    async def dial_peer(self, peer_id: str, addrs: Sequence[str] = ()) -> bool:
+        """Connect to ``peer_id`` at ``addrs`` plus every address known for it (direct and
+        relayed); True when connected afterwards. For run members found in the DHT or the
+        replicated state."""
+        if peer_id == self.peer_id.to_base58():
+            return False
+        if peer_id in self._connected_ids():
+            return True
+        record = self.peer_book.learn(peer_id, list(addrs), now=time.time())
+        if record is None or record.left:
+            return False
+        return await self._dial_any(peer_id, list(record.addrs))
 
     async def _handle_px(self, stream: INetStream) -> None:
         peer_id = stream.muxed_conn.peer_id.to_base58()
@@ -372,6 +423,10 @@ class Node:
         if request.method == "id":
             return {"peer_id": self.peer_id.to_base58(), "addrs": self.dialable_addrs()}
         if request.method == "peers":
+            for extension in self.extensions:  # paths and RTTs as the connections are now
+                refresh = getattr(extension, "refresh_peer_table", None)
+                if refresh is not None:
+                    refresh()
             return [r.as_json() for r in self.peer_book.records()]
         if request.method == "shutdown":
             self.request_shutdown()
@@ -409,6 +464,30 @@ def _check_ports_free(listen: list[multiaddr.Multiaddr]) -> None:
             if exc.errno == 99 or exc.errno == 97:  # EADDRNOTAVAIL / EAFNOSUPPORT
                 raise ConfigError(f"cannot listen on {addr}: {exc.strerror}") from None
             raise ConfigError(f"cannot listen on {addr}: port {port} is in use") from None
+
+
+def dial_addrs_for(peer_id: str, addrs: Sequence[str], *, relayed: bool) -> list[multiaddr.Multiaddr]:
+    """The addresses worth dialing for ``peer_id``, as heard from peers (untrusted).
+
+    Direct addresses lose their ``/p2p/<id>`` suffix (the handshake proves the id); relay
+    addresses are kept whole and only when they end in ``peer_id`` — one naming another peer
+    would connect us to someone else. Unparsable addresses are skipped.
+    """
+    out: list[multiaddr.Multiaddr] = []
+    for text in addrs:
+        is_relay = "/p2p-circuit" in text
+        if is_relay and (not relayed or not text.endswith(f"/p2p-circuit/p2p/{peer_id}")):
+            continue
+        if not is_relay:
+            base, _, named = text.partition("/p2p/")
+            if named and named != peer_id:
+                continue
+            text = base
+        try:
+            out.append(multiaddr.Multiaddr(text))
+        except Exception:  # noqa: BLE001 - a malformed address from a peer is just skipped
+            continue
+    return out
 
 
 def _short_reason(exc: BaseException) -> str:

@@ -25,6 +25,7 @@ def join(args: argparse.Namespace) -> int:
         "data_dir": args.data_dir,
         "listen": tuple(args.listen) if args.listen else None,
         "announce": tuple(args.announce) if args.announce else None,
+        "upnp": args.upnp,
         "peers": tuple(args.peers) if args.peers else None,
         "peers_file": args.peers_file,
         "run_id": args.run_id,

@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--peers-file", type=Path, help="file with one bootstrap multiaddr per line")
     join.add_argument("--listen", action="append", metavar="MULTIADDR", help="listen address (repeatable; default all interfaces, port 4001)")
     join.add_argument("--announce", action="append", metavar="MULTIADDR", help="address to advertise instead (port-mapped containers)")
+    join.add_argument("--upnp", action="store_true", default=None, help="map the listen port on the LAN gateway with UPnP (default off)")
     join.add_argument("--run-id", help="id of the training run (default: 'default')")
     join.add_argument("--metrics-addr", help="HOST:PORT for Prometheus metrics, or 'off' (default 127.0.0.1:9400)")
     join.add_argument("--log-level", choices=("debug", "info", "warning", "error"))

@@ -37,6 +37,7 @@ NODE_KEYS: dict[str, str] = {
     "peer_exchange": "bool",
     "admins": "list",
     "nat": "bool",
+    "upnp": "bool",
     "dht": "bool",
 }
 TRAIN_KEYS: dict[str, str] = {

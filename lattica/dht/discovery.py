@@ -10,7 +10,8 @@ Members of run ``R`` provide the key ``/lattica/run/R`` (``keys.run_key``). The 
    so a live member never lapses while one that left disappears after the TTL);
 3. looks up the run's providers every ``lookup_interval`` (sooner, at a quarter of it,
    while it knows fewer than ``min_run_peers`` members) and connects to those it is not
-   connected to, up to ``max_run_peers``;
+   connected to, up to ``max_run_peers`` (through ``connect`` when given: the daemon's path
+   dialer, which also tries the member's relay addresses);
 4. expires stale records, republishes its own value records, and refreshes the routing
    table (a self-lookup) every ``table_refresh_interval``.
 
@@ -21,6 +22,7 @@ period. ``known_run_members`` is the result of the latest lookup (minus this nod
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 
 import trio
 from libp2p.abc import IHost
@@ -35,12 +37,14 @@ logger = logging.getLogger(__name__)
 
 
 class RunDiscovery:
-    def __init__(self, host: IHost, *, run_id: str, config: DHTConfig) -> None:
+    def __init__(self, host: IHost, *, run_id: str, config: DHTConfig,
+                 connect: Callable[[PeerInfo], Awaitable[object]] | None = None) -> None:
         self.run_id = validate_run_id(run_id)
         self._host = host
         self._config = config
         self._run_key = run_key(run_id)
         self.dht = LatticaDHT(host, config=config)
+        self._connect = connect or self.dht.connect
         self._members: dict[ID, PeerInfo] = {}
         self._changed = trio.Event()
         self.lookups_done = 0
@@ -111,7 +115,7 @@ class RunDiscovery:
             for info in members.values():
                 if info.peer_id not in connected and budget > 0:
                     budget -= 1
-                    nursery.start_soon(self.dht.connect, info)
+                    nursery.start_soon(self._connect, info)
         if members.keys() != self._members.keys():
             self._changed.set()
             self._changed = trio.Event()

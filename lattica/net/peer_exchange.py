@@ -27,8 +27,18 @@ MAX_REPLY_BYTES = 64 * 1024
 MAX_ADDR_LEN = 256
 
 
+MAX_RELAY_ADDRS = 3  # of the MAX_ADDRS: room kept for a NAT'd peer's /p2p-circuit addresses
+
+
 def px_reply(entries: list[tuple[str, list[str]]]) -> dict[str, Any]:
-    return {"peers": [{"id": pid, "addrs": addrs[:MAX_ADDRS]} for pid, addrs in entries[:MAX_PEERS]]}
+    return {"peers": [{"id": pid, "addrs": _pick_addrs(addrs)} for pid, addrs in entries[:MAX_PEERS]]}
+
+
+def _pick_addrs(addrs: list[str]) -> list[str]:
+    """Up to ``MAX_ADDRS``: the relay addresses (a NAT'd peer's only way in) and direct ones."""
+    relayed = [a for a in addrs if "/p2p-circuit" in a][:MAX_RELAY_ADDRS]
+    direct = [a for a in addrs if "/p2p-circuit" not in a][: MAX_ADDRS - len(relayed)]
+    return direct + relayed
 
 
 def parse_px_reply(obj: Any, *, peer_id: str) -> list[tuple[str, list[str]]]:

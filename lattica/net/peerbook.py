@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MAX_ADDRS_PER_PEER = 16
+MAX_CIRCUITS_PER_PEER = 4
 MAX_KNOWN_PEERS = 4096
 
 
@@ -23,6 +24,7 @@ class PeerRecord:
     last_change: float = 0.0
     left: bool = False
     path: str = "unknown"
+    relay: str | None = None  # the relay's peer id while the path is "relayed"
     rtt_ms: float | None = None
     bootstrap: bool = False
 
@@ -33,6 +35,7 @@ class PeerRecord:
             "connected": self.connected,
             "left": self.left,
             "path": self.path if self.connected else None,
+            "relay": self.relay if self.connected else None,
             "rtt_ms": self.rtt_ms if self.connected else None,
             "bootstrap": self.bootstrap,
             "since": self.last_change,
@@ -48,7 +51,12 @@ class PeerBook:
         return self._peers.get(peer_id)
 
     def learn(self, peer_id: str, addrs: list[str], *, now: float, bootstrap: bool = False) -> PeerRecord | None:
-        """Record addresses heard for ``peer_id``; returns None for self or when full."""
+        """Record addresses heard for ``peer_id``; returns None for self or when full.
+
+        Direct addresses accumulate. Relay (``/p2p-circuit``) addresses are replaced as a set
+        whenever some are heard: a peer's reservations move when a relay goes away, and a
+        dead relay's address must not linger in front of the live one.
+        """
         if peer_id == self.self_id:
             return None
         record = self._peers.get(peer_id)
@@ -56,9 +64,15 @@ class PeerBook:
             if len(self._peers) >= MAX_KNOWN_PEERS:
                 return None
             record = self._peers[peer_id] = PeerRecord(peer_id, first_seen=now, last_change=now)
+        direct = [a for a in record.addrs if not _is_circuit(a)]
+        circuits = [a for a in record.addrs if _is_circuit(a)]
+        heard_circuits = list(dict.fromkeys(a for a in addrs if _is_circuit(a)))
+        if heard_circuits:
+            circuits = heard_circuits[:MAX_CIRCUITS_PER_PEER]
         for addr in addrs:
-            if addr not in record.addrs and len(record.addrs) < MAX_ADDRS_PER_PEER:
-                record.addrs.append(addr)
+            if not _is_circuit(addr) and addr not in direct and len(direct) < MAX_ADDRS_PER_PEER:
+                direct.append(addr)
+        record.addrs = direct + circuits
         record.bootstrap = record.bootstrap or bootstrap
         return record
 
@@ -86,3 +100,7 @@ class PeerBook:
 
     def connected_ids(self) -> list[str]:
         return [r.peer_id for r in self.records() if r.connected]
+
+
+def _is_circuit(addr: str) -> bool:
+    return "/p2p-circuit" in addr

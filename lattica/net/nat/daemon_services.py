@@ -1,29 +1,42 @@
-"""NAT traversal inside the daemon: reachability, relay service, hole punching, path book.
+"""NAT traversal inside the daemon: reachability, relay service, path dialing, path book.
 
 Theory of operation: the node runs AutoNAT against its directly connected peers. While it is
 public it serves circuit relay v2 (with limits); once it is known to be private it keeps
 reservations on relays among its peers and advertises the ``/p2p-circuit`` addresses in its
-replicated membership record. The path book follows every connection (direct, hole-punched or
-relayed) and samples RTTs; the daemon's peer table shows both (``lattica peers``).
+replicated membership record, again whenever its reservations change (a relay went away).
+
+Every member's advertised addresses are copied from the replicated state into the node's
+peer book, so peer exchange passes a NAT'd peer's relay addresses on, and the node's
+``Dialer`` is installed as the node's dialer: direct first, then relayed, then a DCUtR hole
+punch (kept going for relayed peers). Live members that no connection reaches yet are dialed
+with their advertised addresses, with a per-member backoff. The path book follows every
+connection (direct, hole-punched or relayed, and through which relay) and samples RTTs; the
+daemon's peer table shows both (``lattica peers``).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
 from libp2p.peer.id import ID
 
+from lattica.net.nat.addresses import conn_is_relayed, is_circuit
 from lattica.net.nat.autonat import Reachability, ReachabilityService
+from lattica.net.nat.dialer import Dialer
 from lattica.net.nat.holepunch import HolePuncher
-from lattica.net.nat.paths import PathBook
+from lattica.net.nat.paths import Path, PathBook
 from lattica.net.nat.relay import RelayReservations, RelayServer
+from lattica.net.nat.upnp import PortMapper
 
 log = logging.getLogger(__name__)
 
 _SYNC_INTERVAL_S = 1.0
+_MEMBER_DIAL_BACKOFF_S = (2.0, 60.0)
+_MAX_MEMBER_ADDRS = 16
 
 
 class NatServices:
@@ -42,16 +55,26 @@ class NatServices:
         self.relay_server = RelayServer(host, serve="auto", reachability=self.reachability)
         self.hole_puncher = HolePuncher(host)
         self.paths = PathBook(host)
+        self.dialer = Dialer(host, relay=self.relay_server, paths=self.paths,
+                             holepuncher=self.hole_puncher)
         self.reservations: RelayReservations | None = None
+        self.port_mapper = _port_mapper(node.config) if getattr(node.config, "upnp", False) else None
         self._host = host
+        self._member_backoff: dict[str, tuple[float, float]] = {}  # peer -> (next try, pause)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
-            for service in (self.relay_server, self.hole_puncher, self.paths, self.reachability):
+            for service in (self.relay_server, self.hole_puncher, self.paths, self.dialer,
+                            self.reachability):
                 await nursery.start(service.run)
+            self.node.dialer = self.dialer
             task_status.started()
+            if self.port_mapper is not None:
+                nursery.start_soon(self._map_port, self.port_mapper)
             nursery.start_soon(self._follow_reachability, nursery)
             nursery.start_soon(self._copy_paths)
+            if self.state is not None:
+                nursery.start_soon(self._follow_members, nursery)
 
     async def _follow_reachability(self, nursery: trio.Nursery) -> None:
         while True:
@@ -60,15 +83,35 @@ class NatServices:
             if verdict == Reachability.PRIVATE and self.reservations is None:
                 self.reservations = RelayReservations(self._host)
                 await nursery.start(self.reservations.run)
+                nursery.start_soon(self._follow_reservations, self.reservations)
             if self.on_reachability is not None and verdict != Reachability.UNKNOWN:
                 # DHT server mode when publicly reachable, client mode behind NAT
                 await self.on_reachability(verdict == Reachability.PUBLIC)
             await self._publish()
 
+    async def _follow_reservations(self, reservations: RelayReservations) -> None:
+        while True:
+            addrs = await reservations.wait_change()
+            log.info("relay addresses: %s", ", ".join(str(a) for a in addrs) or "none")
+            await self._publish()
+
+    async def _map_port(self, mapper: PortMapper) -> None:
+        # discovery waits up to 3 s for a gateway: in the background, never holding start-up
+        async with trio.open_nursery() as nursery:
+            await nursery.start(mapper.run)
+            if mapper.external_addr is not None:
+                await self._publish()
+
+    def mapped_addrs(self) -> list[str]:
+        mapper = self.port_mapper
+        if mapper is None or mapper.external_addr is None:
+            return []
+        return [f"{mapper.external_addr}/p2p/{self.node.peer_id.to_base58()}"]
+
     async def _publish(self) -> None:
         if self.state is None:
             return
-        addrs = list(self.node.dialable_addrs()) + [str(a) for a in self.relay_addrs()]
+        addrs = [*self.node.dialable_addrs(), *self.mapped_addrs(), *(str(a) for a in self.relay_addrs())]
         try:
             await self.state.update_member(addrs=addrs, reachability=self._reachability_text())
         except Exception as exc:  # noqa: BLE001 - best effort; the next change retries
@@ -81,26 +124,95 @@ class NatServices:
         value = self.reachability.reachability
         return str(getattr(value, "value", value))
 
+    # -- run members: their advertised addresses, and dialing those not connected yet ---------
+
+    async def _follow_members(self, nursery: trio.Nursery) -> None:
+        assert self.state is not None
+        me = self.node.peer_id.to_base58()
+        while True:
+            members = self.state.snapshot().get("members", {})
+            live = set(self.state.live_members())
+            connected = {p.to_base58() for p in self._host.get_connected_peers()}
+            now = time.monotonic()
+            for peer_id, record in members.items():
+                addrs = _advertised_addrs(peer_id, record)
+                if peer_id == me or not addrs:
+                    continue
+                self.node.peer_book.learn(peer_id, addrs, now=time.time())
+                if peer_id in connected or peer_id not in live or (
+                    record.get("reachability") == "private" and not any(map(is_circuit, addrs))
+                ):  # a private member is reachable only through a relay: wait for its address
+                    self._member_backoff.pop(peer_id, None)
+                    continue
+                when, pause = self._member_backoff.get(peer_id, (now, _MEMBER_DIAL_BACKOFF_S[0]))
+                if when <= now:
+                    self._member_backoff[peer_id] = (now + pause, min(pause * 2, _MEMBER_DIAL_BACKOFF_S[1]))
+                    nursery.start_soon(self.node.dial_peer, peer_id)
+            await trio.sleep(_SYNC_INTERVAL_S)
+
+    # -- the peer table ------------------------------------------------------------------------
+
     async def _copy_paths(self) -> None:
         metrics = getattr(self.node, "metrics", None)
         while True:
-            for record in self.node.peer_book.records():
-                if not record.connected:
-                    continue
-                peer = ID.from_base58(record.peer_id)
-                path = self.paths.path(peer)
-                if path is not None:
-                    record.path = str(getattr(path, "value", path))
-                rtt = self.paths.rtt_ms(peer)
-                if rtt is not None:
-                    record.rtt_ms = round(rtt, 2)
+            self.refresh_peer_table()
             if metrics is not None and self.reservations is not None:
                 metrics.relay_reservations.set(len(self.relay_addrs()))
             await trio.sleep(_SYNC_INTERVAL_S)
+
+    def refresh_peer_table(self) -> None:
+        """Copy each connected peer's path (and relay) and RTT into the node's peer book."""
+        for record in self.node.peer_book.records():
+            if not record.connected:
+                continue
+            peer = ID.from_base58(record.peer_id)
+            path = self.paths.path(peer)
+            if path is not None:
+                record.path = str(getattr(path, "value", path))
+            record.relay = self._relay_in_use(peer) if path is Path.RELAYED else None
+            rtt = self.paths.rtt_ms(peer)
+            if rtt is not None:
+                record.rtt_ms = round(rtt, 2)
+
+    def _relay_in_use(self, peer: ID) -> str | None:
+        conns = self._host.get_network().connections.get(peer) or []
+        for conn in conns if isinstance(conns, list) else [conns]:
+            if conn_is_relayed(conn):
+                for addr in conn.get_transport_addresses() or []:
+                    head = str(addr).split("/p2p-circuit")[0]
+                    if "/p2p/" in head:
+                        return head.rsplit("/p2p/", 1)[1]
+        return None
 
     def status(self) -> dict[str, Any]:
         return {
             "reachability": self._reachability_text(),
             "relay_serving": bool(getattr(self.relay_server, "serving", False)),
             "relay_addrs": [str(a) for a in self.relay_addrs()],
+            "upnp": "off" if self.port_mapper is None else (self.mapped_addrs() or ["no gateway"])[0],
         }
+
+
+def _port_mapper(config: Any) -> PortMapper | None:
+    """A mapper for the first TCP listen port (UPnP maps one port; the daemon listens on one)."""
+    for addr in config.listen:
+        parts = str(addr).split("/")
+        if len(parts) >= 5 and parts[3] == "tcp" and 0 < int(parts[4]) < 65536:
+            return PortMapper(int(parts[4]))
+    return None
+
+
+def _advertised_addrs(peer_id: str, record: Any) -> list[str]:
+    """The addresses a member record advertises (peer-written, so checked): strings naming
+    that peer; relay addresses must end in its id."""
+    addrs = record.get("addrs") if isinstance(record, dict) else None
+    if not isinstance(addrs, list):
+        return []
+    out = []
+    for addr in addrs[:_MAX_MEMBER_ADDRS]:
+        if not isinstance(addr, str) or len(addr) > 512 or not addr.endswith(f"/p2p/{peer_id}"):
+            continue
+        if is_circuit(addr) and not addr.endswith(f"/p2p-circuit/p2p/{peer_id}"):
+            continue
+        out.append(addr)
+    return out

@@ -42,6 +42,14 @@ class _BoundedDCUtR(DCUtRProtocol):
     async def _auto_drive_loop(self) -> None:
         await trio.sleep_forever()
 
+    def busy_with(self, peer_id: ID) -> bool:
+        """A session with ``peer_id`` is running (ours or one the peer started)."""
+        return peer_id in self._in_progress
+
+    def allow_new_attempts(self, peer_id: ID) -> None:
+        """The library stops after 3 attempts per connection; our caller paces retries."""
+        self._hole_punch_attempts.pop(peer_id, None)
+
     async def _try_unilateral_upgrade(self, peer_id: ID) -> bool:
         return await self._verify_direct_connection(peer_id)
 
@@ -72,6 +80,8 @@ class HolePuncher:
         if rounds < 1 or round_timeout <= 0 or dial_timeout <= 0:
             raise ValueError("rounds, round_timeout and dial_timeout must be positive")
         self._host = host
+        self._rounds = rounds
+        self._round_timeout = round_timeout
         self.protocol = _BoundedDCUtR(host, rounds=rounds, round_timeout=round_timeout,
                                       dial_timeout=dial_timeout)
 
@@ -82,9 +92,25 @@ class HolePuncher:
             await trio.sleep_forever()
 
     async def upgrade(self, peer_id: ID) -> bool:
-        """Try to turn the relayed connection to ``peer_id`` into a direct one."""
+        """Try to turn the relayed connection to ``peer_id`` into a direct one.
+
+        When the peer is already punching towards us (both sides dialed each other over the
+        relay), join its session instead of starting a competing one: wait for it to end and
+        report whether a direct connection came of it.
+        """
         try:
+            if self.protocol.busy_with(peer_id):
+                with trio.move_on_after(self.session_budget):
+                    while self.protocol.busy_with(peer_id):
+                        await trio.sleep(0.05)
+                return await self.protocol._verify_direct_connection(peer_id)
+            self.protocol.allow_new_attempts(peer_id)
             return await self.protocol.initiate_hole_punch(peer_id)
         except Exception as exc:  # the library logs details; a failed punch is not fatal
             logger.info("hole punch to %s failed: %r", peer_id, exc)
             return False
+
+    @property
+    def session_budget(self) -> float:
+        """An upper bound on one session: the message exchange and every round."""
+        return 10.0 + self._rounds * self._round_timeout

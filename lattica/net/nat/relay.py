@@ -29,6 +29,7 @@ from typing import Literal
 
 import trio
 from libp2p.abc import IHost
+from libp2p.identity.identify_push.identify_push import push_identify_to_peers
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 from libp2p.relay.circuit_v2.pb.circuit_pb2 import HopMessage
@@ -90,21 +91,32 @@ class RelayServer:
                 if self._serve == "auto":
                     assert self._reachability is not None
                     while True:
-                        self._set_serving(self._reachability.reachability is Reachability.PUBLIC)
+                        if self._set_serving(self._reachability.reachability is Reachability.PUBLIC):
+                            await self._tell_peers()
                         await self._reachability.wait_change()
                 await trio.sleep_forever()
             finally:
                 self._set_serving(False)
 
-    def _set_serving(self, on: bool) -> None:
+    async def _tell_peers(self) -> None:
+        """Identify push: connected peers learn at once that we (no longer) serve HOP, so a
+        private one can reserve here without reconnecting."""
+        try:
+            with trio.move_on_after(5.0):
+                await push_identify_to_peers(self._host)
+        except Exception as exc:
+            logger.debug("identify push after relay change failed: %r", exc)
+
+    def _set_serving(self, on: bool) -> bool:
         if on == self.serving:
-            return
+            return False
         if on:
             self._host.set_stream_handler(HOP_PROTOCOL_ID, self.protocol._handle_hop_stream)
         else:
             self._host.remove_stream_handler(HOP_PROTOCOL_ID)
         self.serving = on
         logger.info("relay service %s", "on" if on else "off")
+        return True
 
 
 @dataclass(frozen=True)
