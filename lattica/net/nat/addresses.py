@@ -29,6 +29,39 @@ def conn_is_relayed(conn: INetConn | IMuxedConn) -> bool | None:
     return all(is_circuit(a) for a in addrs)
 
 
+_CONN_LAYERS = ("muxed_conn", "secured_conn", "conn", "read_writer", "read_write_closer",
+                "raw_conn", "_conn", "stream")
+
+
+def relay_of(conn: INetConn, own_id: str) -> str | None:
+    """The peer id of the relay carrying a relayed connection, or None.
+
+    A dialed circuit names the relay in its address (``/p2p/<relay>/p2p-circuit/...``).
+    py-libp2p 0.8.1 names *ourselves* there on the receiving side, so there we look under the
+    connection's layers for the stream it runs on: a stream on our connection to the relay.
+    """
+    for addr in _transport_addrs(conn):
+        head = str(addr).split("/p2p-circuit")[0]
+        if "/p2p/" in head and (named := head.rsplit("/p2p/", 1)[1]) != own_id:
+            return named
+    layer: object = conn
+    for _ in range(len(_CONN_LAYERS) + 2):
+        stream_conn = getattr(getattr(layer, "stream", None), "muxed_conn", None)
+        if stream_conn is not None and hasattr(stream_conn, "peer_id"):
+            return str(stream_conn.peer_id)
+        layer = next((getattr(layer, n) for n in _CONN_LAYERS[:-1] if getattr(layer, n, None) is not None), None)
+        if layer is None:
+            return None
+    return None
+
+
+def _transport_addrs(conn: INetConn) -> list[Multiaddr]:
+    try:
+        return list(conn.get_transport_addresses() or [])
+    except Exception:
+        return []
+
+
 def tcp_ip_port(addr: Multiaddr) -> tuple[str, int] | None:
     try:
         ip = addr.value_for_protocol("ip4")

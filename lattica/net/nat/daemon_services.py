@@ -24,7 +24,7 @@ from typing import Any
 import trio
 from libp2p.peer.id import ID
 
-from lattica.net.nat.addresses import conn_is_relayed, is_circuit
+from lattica.net.nat.addresses import conn_is_relayed, is_circuit, relay_of
 from lattica.net.nat.autonat import Reachability, ReachabilityService
 from lattica.net.nat.dialer import Dialer
 from lattica.net.nat.holepunch import HolePuncher
@@ -129,6 +129,8 @@ class NatServices:
     async def _follow_members(self, nursery: trio.Nursery) -> None:
         assert self.state is not None
         me = self.node.peer_id.to_base58()
+        # like peer exchange, dialing members is learning peers from others: off with it
+        dial = bool(getattr(self.node.config, "peer_exchange", True))
         while True:
             members = self.state.snapshot().get("members", {})
             live = set(self.state.live_members())
@@ -139,7 +141,7 @@ class NatServices:
                 if peer_id == me or not addrs:
                     continue
                 self.node.peer_book.learn(peer_id, addrs, now=time.time())
-                if peer_id in connected or peer_id not in live or (
+                if not dial or peer_id in connected or peer_id not in live or (
                     record.get("reachability") == "private" and not any(map(is_circuit, addrs))
                 ):  # a private member is reachable only through a relay: wait for its address
                     self._member_backoff.pop(peer_id, None)
@@ -176,12 +178,10 @@ class NatServices:
 
     def _relay_in_use(self, peer: ID) -> str | None:
         conns = self._host.get_network().connections.get(peer) or []
+        me = self.node.peer_id.to_base58()
         for conn in conns if isinstance(conns, list) else [conns]:
-            if conn_is_relayed(conn):
-                for addr in conn.get_transport_addresses() or []:
-                    head = str(addr).split("/p2p-circuit")[0]
-                    if "/p2p/" in head:
-                        return head.rsplit("/p2p/", 1)[1]
+            if conn_is_relayed(conn) and (relay := relay_of(conn, me)) is not None:
+                return relay
         return None
 
     def status(self) -> dict[str, Any]:
