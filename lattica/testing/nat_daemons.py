@@ -30,7 +30,7 @@ from lattica.testing.netlab import LabHost, LabProcess, NetLab
 PORT = 4001
 POLL_S = 0.1
 DIRECT_PATHS = ("direct", "hole-punched")
-TRAIN_ARGS = ("--train", "--model", "tiny", "--device", "cpu", "--rounds", "2",
+TRAIN_ARGS = ("--train", "--model", "tiny", "--device", "cpu", "--rounds", "4",
               "--inner-steps", "3", "--min-peers", "2")
 TRAIN_ENV = {"LATTICA_TRAIN_BATCH_SIZE": "4", "LATTICA_TRAIN_SEQ_LEN": "32",
              "LATTICA_TRAIN_WARMUP_STEPS": "1", "OMP_NUM_THREADS": "1"}
@@ -146,6 +146,14 @@ def follow_connection(result: ScenarioResult, observer: LabDaemon, target: str, 
             result.direct_s = round(time.monotonic() - t0, 3)
             result.path = entry.get("path")
     result.details["paths_seen"] = seen
+    if entry:  # the RTT is measured within about half a second of a (new) path
+        wait_until(lambda: observer.peer(target).get("rtt_ms") is not None, 5)
+
+
+def status_becomes(daemon: LabDaemon, key: str, value: Any, timeout: float = 15.0) -> Any:
+    """``daemon``'s ``status[key]`` once it equals ``value`` (or its last value after timeout)."""
+    found, _ = wait_until(lambda: daemon.status().get(key) == value, timeout)
+    return value if found else daemon.status().get(key)
 
 
 def _up(*daemons: LabDaemon) -> float:
@@ -174,6 +182,7 @@ def public_public(root: Path, *, before_teardown: Hook | None = None) -> Scenari
         t0 = _up(b)
         follow_connection(result, b, a.peer_id, t0=t0, timeout=20, want_direct=True)
         result.details["a_sees_b"] = a.peer(b.peer_id).get("path")
+        result.details["reachability_a"] = status_becomes(a, "reachability", "public")
         result.details["rtt_ms"] = b.peer(a.peer_id).get("rtt_ms")
         return _finish(result, before_teardown, a=a, b=b)
 
@@ -197,8 +206,8 @@ def nat_public(root: Path, *, before_teardown: Hook | None = None) -> ScenarioRe
         t0 = _up(p)
         follow_connection(result, p, b.peer_id, t0=t0, timeout=30, want_direct=True)
         result.details["b_sees_p"] = b.peer(p.peer_id).get("path")
-        result.details["reachability_b"] = b.status().get("reachability")
-        result.details["reachability_a"] = a.status().get("reachability")
+        result.details["reachability_b"] = status_becomes(b, "reachability", "private")
+        result.details["reachability_a"] = status_becomes(a, "reachability", "public")
         return _finish(result, before_teardown, a=a, b=b, p=p)
 
 
@@ -222,16 +231,19 @@ def nat_nat(root: Path, *, symmetric: bool, before_teardown: Hook | None = None)
         result.details["relay"] = entry.get("relay")
         result.details["rtt_ms"] = entry.get("rtt_ms")
         result.details["relay_is_a"] = entry.get("relay") == a.peer_id if entry.get("relay") else None
-        result.details["reachability"] = [b.status().get("reachability"), c.status().get("reachability")]
+        result.details["reachability"] = [status_becomes(d, "reachability", "private") for d in (b, c)]
         if symmetric and result.connected:
             def trained() -> Any:
+                # a round that starts before b and c are connected runs alone (nothing sent);
+                # wait for one they ran together
                 infos = [(d.status().get("training") or {}) for d in (b, c)]
-                return all(i.get("rounds_completed", 0) >= 1 for i in infos) and infos
+                return all((i.get("bytes_sent") or 0) > 0 for i in infos) and infos
 
             infos, train_s = wait_until(trained, 120)
             result.details["train_s"] = round(train_s, 1) if train_s is not None else None
-            result.details["rounds_completed"] = [i.get("rounds_completed") for i in infos or []]
-            result.details["bytes_sent"] = [i.get("bytes_sent") for i in infos or []]
+            infos = infos or [(d.status().get("training") or {}) for d in (b, c)]
+            result.details["rounds_completed"] = [i.get("rounds_completed") for i in infos]
+            result.details["bytes_sent"] = [i.get("bytes_sent") for i in infos]
             result.details["path_after_training"] = b.peer(c.peer_id).get("path")
         return _finish(result, before_teardown, a=a, b=b, c=c)
 

@@ -52,6 +52,7 @@ def test_public_public_direct(tmp_path):
         assert entry["path"] == "direct", entry
         assert entry["rtt_ms"] is not None, entry
         assert entry["rtt_ms"] > 0, entry
+        assert r.details["reachability_a"] == "public", r  # awaited by the scenario
         assert cli("status", d["a"].data_dir)["reachability"] == "public"
         assert cli("status", d["a"].data_dir)["upnp"] == "off"  # the default
         assert cli("status", d["b"].data_dir)["upnp"] == "no gateway"  # --upnp, none answered
@@ -64,6 +65,7 @@ def test_nat_public_both_directions(tmp_path):
         logs = nat_daemons.log_tail(tmp_path)
         # NAT -> public: the NAT'd daemon's outbound connection
         assert peer_via_cli(d["b"], d["a"].peer_id)["path"] == "direct", logs
+        assert r.details["reachability_b"] == "private", logs  # awaited by the scenario
         assert cli("status", d["b"].data_dir)["reachability"] == "private", logs
         assert cli("status", d["a"].data_dir)["reachability"] == "public", logs
         # public -> NAT: p reached b (which never dials anyone but a) through a's relay, and the
@@ -82,6 +84,7 @@ def test_nat_nat_relayed_then_hole_punched(tmp_path):
         logs = nat_daemons.log_tail(tmp_path)
         assert r.connected, (r, logs)
         assert r.direct_s is not None, (r, logs)
+        assert r.details["reachability"] == ["private", "private"], logs  # awaited by the scenario
         for me, other in (("b", "c"), ("c", "b")):
             assert cli("status", d[me].data_dir)["reachability"] == "private", logs
             entry = peer_via_cli(d[me], d[other].peer_id)

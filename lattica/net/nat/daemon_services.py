@@ -1,9 +1,11 @@
 """NAT traversal inside the daemon: reachability, relay service, path dialing, path book.
 
 Theory of operation: the node runs AutoNAT against its directly connected peers. While it is
-public it serves circuit relay v2 (with limits); once it is known to be private it keeps
+public it serves circuit relay v2 (with limits); once it is known to be private — or earlier,
+as soon as peers see it at an address that is not its own (behind a NAT) — it keeps
 reservations on relays among its peers and advertises the ``/p2p-circuit`` addresses in its
 replicated membership record, again whenever its reservations change (a relay went away).
+A PUBLIC verdict drops the reservations.
 
 Every member's advertised addresses are copied from the replicated state into the node's
 peer book, so peer exchange passes a NAT'd peer's relay addresses on, and the node's
@@ -24,7 +26,12 @@ from typing import Any
 import trio
 from libp2p.peer.id import ID
 
-from lattica.net.nat.addresses import conn_is_relayed, is_circuit, relay_of
+from lattica.net.nat.addresses import (
+    conn_is_relayed,
+    is_circuit,
+    predicted_external_addrs,
+    relay_of,
+)
 from lattica.net.nat.autonat import Reachability, ReachabilityService
 from lattica.net.nat.dialer import Dialer
 from lattica.net.nat.holepunch import HolePuncher
@@ -58,6 +65,7 @@ class NatServices:
         self.dialer = Dialer(host, relay=self.relay_server, paths=self.paths,
                              holepuncher=self.hole_puncher)
         self.reservations: RelayReservations | None = None
+        self._reservations_scope: trio.CancelScope | None = None
         self.port_mapper = _port_mapper(node.config) if getattr(node.config, "upnp", False) else None
         self._host = host
         self._member_backoff: dict[str, tuple[float, float]] = {}  # peer -> (next try, pause)
@@ -72,6 +80,7 @@ class NatServices:
             if self.port_mapper is not None:
                 nursery.start_soon(self._map_port, self.port_mapper)
             nursery.start_soon(self._follow_reachability, nursery)
+            nursery.start_soon(self._reserve_early, nursery)
             nursery.start_soon(self._copy_paths)
             if self.state is not None:
                 nursery.start_soon(self._follow_members, nursery)
@@ -80,14 +89,49 @@ class NatServices:
         while True:
             verdict = await self.reachability.wait_change()
             log.info("reachability: %s", verdict.value if hasattr(verdict, "value") else verdict)
-            if verdict == Reachability.PRIVATE and self.reservations is None:
-                self.reservations = RelayReservations(self._host)
-                await nursery.start(self.reservations.run)
-                nursery.start_soon(self._follow_reservations, self.reservations)
+            if verdict == Reachability.PRIVATE:
+                await self._start_reservations(nursery)
+            elif verdict == Reachability.PUBLIC:
+                self._stop_reservations()
             if self.on_reachability is not None and verdict != Reachability.UNKNOWN:
                 # DHT server mode when publicly reachable, client mode behind NAT
                 await self.on_reachability(verdict == Reachability.PUBLIC)
             await self._publish()
+
+    async def _reserve_early(self, nursery: trio.Nursery) -> None:
+        """Reserve as soon as peers see us at an address that is not ours (behind a NAT).
+
+        Such a node is almost always private, and the AutoNAT verdict takes a dial-back
+        timeout (3 s) to arrive, because the NAT silently drops the dial-back. Reserving
+        now lets peers reach us seconds sooner; a PUBLIC verdict drops the reservations.
+        """
+        while self.reservations is None and self.reachability.reachability is Reachability.UNKNOWN:
+            if predicted_external_addrs(self._host):
+                log.info("behind a NAT: reserving on relays before the AutoNAT verdict")
+                await self._start_reservations(nursery)
+                return
+            await trio.sleep(0.25)
+
+    async def _start_reservations(self, nursery: trio.Nursery) -> None:
+        if self.reservations is not None:
+            return
+        reservations = self.reservations = RelayReservations(self._host)
+        scope = self._reservations_scope = trio.CancelScope()
+
+        async def keep(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+            with scope:
+                async with trio.open_nursery() as inner:
+                    await inner.start(reservations.run)
+                    task_status.started()
+                    inner.start_soon(self._follow_reservations, reservations)
+
+        await nursery.start(keep)
+
+    def _stop_reservations(self) -> None:
+        if self._reservations_scope is not None:
+            log.info("publicly reachable: dropping relay reservations")
+            self._reservations_scope.cancel()
+        self.reservations = self._reservations_scope = None
 
     async def _follow_reservations(self, reservations: RelayReservations) -> None:
         while True:

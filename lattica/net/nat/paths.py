@@ -9,7 +9,7 @@ default ``best`` strategy prefers direct over relayed). The book is sampled ever
 ``sample_interval`` seconds (for ``wait_path`` and the change log), and ``path()`` / ``peers()``
 re-read the connections on every call, so a query never reports a path that has since
 changed. RTT is measured with libp2p ping over that connection, every ``rtt_interval``
-seconds; failures keep the last value.
+seconds (a new peer, or one whose path changed, within 0.5 s); failures keep the last value.
 """
 
 from __future__ import annotations
@@ -136,10 +136,18 @@ class PathBook:
             logger.info("path to %s is now %s", peer_id, new)
 
     async def _rtt_loop(self) -> None:
+        # every rtt_interval per peer; a new peer, or one whose path changed (a hole punch),
+        # is measured within half a second
+        due: dict[ID, tuple[float, Path]] = {}
         while True:
-            for peer_id in list(self._paths):
-                await self.measure_rtt(peer_id)
-            await trio.sleep(self._rtt_interval)
+            for peer_id, entry in list(self._paths.items()):
+                when, path = due.get(peer_id, (0.0, entry.path))
+                if trio.current_time() >= when or path != entry.path:
+                    due[peer_id] = (trio.current_time() + self._rtt_interval, entry.path)
+                    await self.measure_rtt(peer_id)
+            for peer_id in [p for p in due if p not in self._paths]:
+                del due[peer_id]
+            await trio.sleep(min(0.5, self._rtt_interval))
 
     async def measure_rtt(self, peer_id: ID) -> float | None:
         with trio.move_on_after(min(self._rtt_interval, 3.0)):
