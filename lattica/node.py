@@ -6,7 +6,7 @@ backoff, and learns the rest of the run from peer exchange (and the DHT where en
 service is a child of one nursery; shutdown (``request_shutdown``, e.g. from SIGTERM) first
 tells connected peers goodbye, then cancels the nursery, then closes the host.
 
-Dialing: while no ``dialer`` is installed (start-up, ``--no-nat``) peers are dialed at their
+Dialing: while no ``dialer`` is installed (start-up, or ``nat = false``) peers are dialed at their
 direct addresses with ``host.connect``. The NAT services install a path dialer (direct first,
 then the peer's ``/p2p-circuit`` relay addresses, then a hole punch to upgrade a relayed
 connection); from then on every dial — bootstrap redials, peer exchange, DHT run members,
@@ -44,7 +44,6 @@ from lattica.net.access import AccessGate, RunAccess
 from lattica.net.addrs import dialable_addrs
 from lattica.net.host import build_host, stop_auto_connector
 from lattica.net.identity import peer_id_of
-from lattica.net.nat.addresses import conn_is_relayed
 from lattica.net.peer_exchange import (
     BYE_PROTOCOL,
     MAX_REPLY_BYTES,
@@ -248,18 +247,12 @@ class Node:
                 self.peer_book.learn(peer_id, addrs, now=time.time())
                 record = self.peer_book.get(peer_id)
                 if record is not None and record.path == "unknown" and self.dialer is None:
-                    record.path = "relayed" if self._only_relayed(peer_id) else "direct"
+                    record.path = "direct"  # relayed connections exist only with the NAT services
                 log.info("peer connected: %s", peer_id)
             for peer_id in gone:
                 log.info("peer disconnected: %s", peer_id)
             self.metrics.set_peers(r.path for r in self.peer_book.records() if r.connected)
             await trio.sleep(_WATCH_INTERVAL_S)
-
-    def _only_relayed(self, peer_id: str) -> bool:
-        assert self.host is not None
-        conns = self.host.get_network().connections.get(ID.from_base58(peer_id)) or []
-        conns = conns if isinstance(conns, list) else [conns]
-        return bool(conns) and all(conn_is_relayed(c) for c in conns)
 
     def _known_addrs(self, peer_id: str) -> list[str]:
         """Addresses to tell others for ``peer_id``; refreshed from identify as it arrives."""

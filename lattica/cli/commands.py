@@ -159,7 +159,7 @@ def peers(args: argparse.Namespace) -> int:
         (
             short_id(p["peer_id"]),
             "yes" if p["connected"] else ("left" if p.get("left") else "no"),
-            p.get("path") or "-",
+            (f"relayed via {short_id(p['relay'])}" if p.get("relay") else p.get("path")) or "-",
             f"{p['rtt_ms']:.1f}" if p.get("rtt_ms") is not None else "-",
             (p["addrs"] or ["-"])[0],
         )
