@@ -149,7 +149,7 @@ class Trainer:
                 while self.step < self.config.total_steps:
                     await self.train_step()
                 for report in await self.strategy.finish():
-                    self._round_done(report)
+                    await self._round_done(report)
                 await self._evaluate_and_report()
                 nursery.cancel_scope.cancel()
         except BaseExceptionGroup as group:
@@ -180,7 +180,7 @@ class Trainer:
             await trio.to_thread.run_sync(self._inner_steps, self._next_stop())
         step = self.step
         for report in await self.strategy.after_inner_step(step):
-            self._round_done(report)
+            await self._round_done(report)
         if self.config.eval_every and step % self.config.eval_every == 0:
             await self._evaluate_and_report()
         elif step % self.config.log_every == 0:
@@ -245,7 +245,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ rounds, evaluation
 
-    def _round_done(self, report: OuterStepReport) -> None:
+    async def _round_done(self, report: OuterStepReport) -> None:
         self.bytes_sent += report.bytes_sent
         digest = state_digest = None
         if not report.skipped:
@@ -254,7 +254,10 @@ class Trainer:
                 digest = weights_hash(outer["params"])
                 state_digest = outer_state_hash(outer)
             if self.checkpoints is not None:
-                self.checkpoints.save(self.step, self.state_dict())
+                # written before the next inner step, in a thread: the event loop (syncs in
+                # flight, peers fetching state) keeps running during serialization and fsync
+                state = self.state_dict()
+                await trio.to_thread.run_sync(self.checkpoints.save, self.step, state)
         self.on_round(
             RoundCompleted(
                 step=self.step, report=report, weights_hash=digest, state_hash=state_digest

@@ -112,3 +112,45 @@ async def test_failed_average_falls_back_to_own_share():
     # round 1: g = -0.5 -> φ = 0.75; finish: mean unknown -> own/2 - own/2 = 0; b = -0.25
     # φ -= 0 + 0.5 * -0.25 -> 0.875 (momentum keeps moving)
     torch.testing.assert_close(model.weight, torch.tensor([[0.875]]))
+
+
+class SlowGroups(FixedGroups):
+    """Group agreement that, like the round coordinator, waits until the last member arrives."""
+
+    def __init__(self, members, arrived):
+        super().__init__(members)
+        self.arrived = arrived
+
+    async def group_for(self, key):
+        if key != "round/1":  # the first round has nothing to overlap: it may wait
+            await self.arrived.wait()
+        return await super().group_for(key)
+
+
+async def test_waiting_for_the_others_to_reach_a_round_does_not_stop_inner_steps():
+    peers = ["a", "b"]
+    group = InMemoryCollectiveGroup(peers)
+    arrived = trio.Event()
+    cfg = EagerDiLoCoConfig(inner_steps=2)
+    models = [scalar_model() for _ in peers]
+    strategies = [
+        EagerDiLoCo(m, collective=group.member(p), groups=SlowGroups(peers, arrived), config=cfg)
+        for m, p in zip(models, peers, strict=True)
+    ]
+    progress = [0, 0]
+
+    async def replica(i, nursery):
+        strategies[i].bind_nursery(nursery)
+        for step in range(1, 7):
+            await strategies[i].after_inner_step(step)
+            progress[i] = step
+
+    async with trio.open_nursery() as nursery:
+        for i in range(2):
+            nursery.start_soon(replica, i, nursery)
+        await trio.testing.wait_all_tasks_blocked()
+        # round 2's group is not agreed yet, yet both ran all of round 3: they wait for round
+        # 2's mean only at the end of round 3
+        assert progress == [5, 5]
+        arrived.set()
+    assert progress == [6, 6]

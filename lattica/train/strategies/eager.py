@@ -67,14 +67,16 @@ def eager_outer_gradient(
 
 @dataclass
 class _InFlight:
-    """An all-reduce running in the background; ``mean`` is None if it failed."""
+    """A group agreement and all-reduce running in the background; ``mean`` None if it failed."""
 
     round: int
     key: str
-    group: tuple[str, ...]
     own: list[torch.Tensor]
+    group: tuple[str, ...] = ()
+    grouped: trio.Event = field(default_factory=trio.Event)
     done: trio.Event = field(default_factory=trio.Event)
     mean: list[torch.Tensor] | None = None
+    bytes_sent: int = 0
     error: str = ""
 
 
@@ -122,29 +124,36 @@ class EagerDiLoCo(AccountedStrategy):
     async def _start(self, round_number: int, fresh: list[torch.Tensor]) -> _InFlight:
         if self.nursery is None:
             raise LocalProtocolError("EagerDiLoCo needs bind_nursery() before the first round")
-        key = f"round/{round_number}"
-        group = tuple(await self.groups.group_for(key))
-        flight = _InFlight(round=round_number, key=key, group=group, own=fresh)
-        sent = allreduce_bytes(fresh, len(group), self.config.codec)
-        self.traffic.record_sync(sent)
+        flight = _InFlight(round=round_number, key=f"round/{round_number}", own=fresh)
+        # agreeing on the group waits for the others to reach this round: in the background too
         self.nursery.start_soon(self._reduce, flight)
         return flight
 
     async def _reduce(self, flight: _InFlight) -> None:
         try:
+            flight.group = tuple(await self.groups.group_for(flight.key))
+            flight.grouped.set()
+            flight.bytes_sent = allreduce_bytes(flight.own, len(flight.group), self.config.codec)
+            self.traffic.record_sync(flight.bytes_sent)
             flight.mean = await self.collective.allreduce(
                 flight.own, group=flight.group, tag=f"eager/{flight.key}", codec=self.config.codec
             )
         except (PeerUnavailableError, BrokenError) as exc:
             flight.error = str(exc)
         finally:
+            flight.group = flight.group or (self.collective.peer_id,)
+            flight.grouped.set()
             flight.done.set()
 
     async def _apply_previous(
         self, previous: _InFlight | None, fresh: list[torch.Tensor], started: float
     ) -> OuterStepReport:
         """The outer step that consumes the previous round's mean (or our own share of it)."""
-        members = len(self._in_flight.group) if self._in_flight else 1
+        members = 1
+        if previous is None and self._in_flight is not None:
+            # the first round has nothing in flight to overlap: M is this round's group size
+            await self._in_flight.grouped.wait()
+            members = len(self._in_flight.group)
         zeros = [torch.zeros_like(t) for t in fresh]
         previous_own, previous_mean, error = zeros, zeros, ""
         if previous is not None:
@@ -166,7 +175,7 @@ class EagerDiLoCo(AccountedStrategy):
             round=previous.round if previous else 0,
             key=previous.key if previous else "round/0",
             group=previous.group if previous and previous.mean is not None else (),
-            bytes_sent=self.traffic.last_sync_bytes if self._in_flight else 0,
+            bytes_sent=previous.bytes_sent if previous else 0,
             seconds=time.monotonic() - started,
             skipped=bool(error),
             detail=error,

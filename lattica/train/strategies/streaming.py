@@ -122,8 +122,8 @@ def mix_into_local(
 class _FragmentSync:
     fragment: int
     key: str
-    group: tuple[str, ...]
     apply_at: int
+    group: tuple[str, ...] = ()
     done: trio.Event = field(default_factory=trio.Event)
     mean: list[torch.Tensor] | None = None
     error: str = ""
@@ -199,18 +199,19 @@ class StreamingDiLoCo(AccountedStrategy):
         k = self._syncs_started[fragment]
         self._syncs_started[fragment] += 1
         key = f"round/{k}/fragment/{fragment}"
-        group = tuple(await self.groups.group_for(key))
         indices = self.fragments[fragment]
         delta = pseudo_gradient(
             [self._outer[i] for i in indices], [self._inner[i] for i in indices]
         )
-        sync = _FragmentSync(fragment, key, group, apply_at=step + self.config.overlap_steps)
+        # the group is agreed in the background: it waits for the others to reach this sync
+        sync = _FragmentSync(fragment, key, apply_at=step + self.config.overlap_steps)
         self._pending.append(sync)
         self.nursery.start_soon(self._reduce, sync, delta)
 
     async def _reduce(self, sync: _FragmentSync, delta: list[torch.Tensor]) -> None:
         tag = f"streaming/{sync.key}"
         try:
+            sync.group = tuple(await self.groups.group_for(sync.key))
             if self.config.codec == "fp4":
                 sync.mean = await self._gather_fp4(delta, sync, tag)
             else:
