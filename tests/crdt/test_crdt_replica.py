@@ -192,3 +192,18 @@ def test_early_arrivals_are_buffered_within_bounds():
     for env in a.missing_for(b.state_vector()):  # anti-entropy fetches the rest
         b.receive(env)
     assert b.snapshot() == a.snapshot()
+
+
+def test_owned_experts_replace_the_writer_s_whole_set_in_one_update(pair):
+    a, b = pair
+    a.local_write(a.peer_id, lambda d: documents.write_owned_experts(d, ["0", "1", "2"]))
+    b.local_write(b.peer_id, lambda d: documents.write_owned_experts(d, ["3"]))
+    updates = a.local_write(a.peer_id, lambda d: documents.write_owned_experts(d, ["1", "2", "4"]))
+    assert len(updates) == 1
+    deliver_all(a, b)
+    deliver_all(b, a)
+    assert a.snapshot()["experts"] == b.snapshot()["experts"] == {
+        "1": [a.peer_id], "2": [a.peer_id], "3": [b.peer_id], "4": [a.peer_id]
+    }
+    with pytest.raises(ValueError, match="expert"):
+        a.local_write(a.peer_id, lambda d: documents.write_owned_experts(d, [""]))
