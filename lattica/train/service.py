@@ -322,6 +322,13 @@ class TrainingService:
             return reports
 
         strategy.after_inner_step = after_inner_step  # type: ignore[method-assign]
+        next_sync_step = strategy.next_sync_step
+
+        def next_stop(step: int) -> int | None:
+            # the trainer runs the steps up to the next sync in one go: stop at once when owed
+            return step + 1 if self._catch_up_owed else next_sync_step(step)
+
+        strategy.next_sync_step = next_stop  # type: ignore[method-assign]
 
     def _ran_alone(self, report: Any) -> bool:
         return not report.skipped and len(report.group) <= 1 and len(self._candidates()) > 1

@@ -227,7 +227,8 @@ def _expert_owners(data_dir: Path, live: set[str]) -> dict[int, list[str]] | Non
     return owners
 
 
-def test_owner_leaves_its_experts_are_reassigned_and_training_goes_on(swarm: Swarm) -> None:
+@pytest.mark.parametrize("leave", ["sigterm", "sigkill"])
+def test_owner_leaves_its_experts_are_reassigned_and_training_goes_on(swarm: Swarm, leave: str) -> None:
     rounds = 8
     env = {"LATTICA_TRAIN_ROUND_DEADLINE_S": "3"}
     port = free_port()
@@ -249,7 +250,10 @@ def test_owner_leaves_its_experts_are_reassigned_and_training_goes_on(swarm: Swa
     victim = max(daemons[1:], key=lambda d: d.peer_id)
     orphaned = sorted(e for e, c in before.items() if c == [victim.peer_id])
     survivors = [d for d in daemons if d is not victim]
-    assert victim.stop() == 0, victim.log()  # SIGTERM: it writes "left" to the state
+    if leave == "sigterm":
+        assert victim.stop() == 0, victim.log()  # it writes "left" to the state
+    else:
+        victim.kill()  # its lease expires
 
     infos = _wait_done(survivors, timeout=120)
     assert [i["rounds_completed"] for i in infos] == [rounds, rounds]
