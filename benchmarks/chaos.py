@@ -63,7 +63,7 @@ class Swarm:
     """N daemons, one per lab host; the first is everyone's bootstrap peer."""
 
     def __init__(self, lab: NetLab, root: Path, args: argparse.Namespace) -> None:
-        self.lab, self.rounds = lab, args.rounds
+        self.lab, self.rounds, self.deadline_s = lab, args.rounds, args.deadline_s
         train = (
             "--train", "--model", "tiny", "--device", "cpu", "--log-level", "info",
             "--rounds", str(args.rounds), "--inner-steps", str(args.inner_steps),
@@ -87,6 +87,8 @@ class Swarm:
         for d in self.daemons[1:]:
             d.wait_ready(120)
         self.addrs = [d.addr for d in self.daemons]
+        for i, d in enumerate(self.daemons):
+            _say(f"n{i} is {d.peer_id} at {self.hosts[i].ip}")
 
     def restart(self, i: int) -> None:
         """SIGKILL daemon ``i`` and start it again at once (same data dir, address, identity)."""
@@ -153,6 +155,8 @@ class _Chaos:
     def watch(self, swarm: Swarm, infos: list[dict[str, Any]], now: float) -> None:
         newest = max(_rounds(i) for i in infos)
         if newest > self.newest:
+            if now - self.last_advance > swarm.deadline_s:
+                _say(f"stall of {now - self.last_advance:.1f} s before round {newest}")
             self.newest, self.last_advance = newest, now
         elif newest < swarm.rounds:
             self.stall = max(self.stall, now - self.last_advance)
@@ -169,19 +173,29 @@ class _Chaos:
         partition = (self.kills + self.partitions + 1) % args.partition_every == 0
         if partition and self.cut is None and victims:
             victim = rng.choice(victims)
+            _say(f"cut n{victim} (round {self.newest})")
             swarm.lab.cut_link(swarm.hosts[victim])
             self.cut = (victim, time.monotonic() + args.partition_s)
             self.partitions += 1
         elif len(self.resuming) < args.max_restarting and victims:
             victim = rng.choice(victims)
+            _say(f"kill n{victim} (round {self.newest})")
             self.resuming[victim] = _rounds(_training(swarm.daemons[victim]))
             swarm.restart(victim)
             self.kills += 1
 
     def heal_due(self, swarm: Swarm, now: float) -> None:
         if self.cut is not None and now >= self.cut[1]:
+            _say(f"heal n{self.cut[0]}")
             swarm.lab.heal_link(swarm.hosts[self.cut[0]])
             self.cut = None
+
+
+_STARTED = time.monotonic()
+
+
+def _say(line: str) -> None:
+    print(f"{time.strftime('%H:%M:%S')} +{time.monotonic() - _STARTED:6.1f}s {line}", flush=True)
 
 
 def _wait_first_round(swarm: Swarm, timeout: float) -> None:

@@ -75,7 +75,7 @@ class DaemonProcess:
         for peer in self.peers:
             args += ["--peer", peer]
         self.log_path = self.data_dir / "daemon.log"
-        log = self.log_path.open("w")
+        log = self.log_path.open("a")  # a restarted daemon's log follows the one before
         env = {**os.environ, **(self.env or {})}
         command = lattica_command(*args)
         if self.netns is not None:  # `ip netns exec` execs the command: proc.pid is the daemon

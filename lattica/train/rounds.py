@@ -5,9 +5,11 @@ the replicated state's leases). Every candidate sends ``{"key", "run"}`` on
 ``/lattica/round/1.0.0`` to the *coordinator* — the candidate with the smallest peer id (itself,
 possibly). The coordinator collects ready peers for the key until every candidate is ready or
 ``deadline_s`` has passed since the first one arrived, then answers all of them with the same
-sorted group. A candidate the coordinator holds no connection to is not waited for: a killed
-peer keeps its lease for a few seconds, and waiting for it would stall every such round up to
-the deadline. A peer that arrives after the group is sealed gets the sealed group without
+sorted group. Only *responsive* candidates are waited for (by default: those we hold a
+connection to; the daemon also requires a lease renewal seen in the last few seconds): a killed
+peer keeps its lease for a few seconds and a silently cut one even keeps its connection, and
+waiting for either would stall the round up to the deadline. An unresponsive candidate is also
+skipped as coordinator, and an asker stops waiting for a coordinator that turns unresponsive. A peer that arrives after the group is sealed gets the sealed group without
 itself in it and syncs alone; the training service then catches it up by fetching the agreed
 outer weights. If the coordinator cannot be reached within ``_OPEN_TIMEOUT_S``, the next
 candidate by peer id is asked — so the deadline must be well above that, or peers that notice a
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import trio
@@ -30,7 +32,7 @@ from libp2p.abc import IHost, INetStream
 from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 
-from lattica.errors import LatticaError, RemoteProtocolError
+from lattica.errors import LatticaError, PeerUnavailableError, RemoteProtocolError
 from lattica.net.wire import read_message, write_message
 
 log = logging.getLogger(__name__)
@@ -62,12 +64,14 @@ class RoundCoordinator:
         run_id: str,
         candidates: Callable[[], Sequence[str]],
         deadline_s: float,
+        responsive: Callable[[str], bool] | None = None,
     ) -> None:
         self.host = host
         self.peer_id = peer_id
         self.run_id = run_id
         self.candidates = candidates
         self.deadline_s = deadline_s
+        self.responsive = responsive or self._connected
         self._syncs: OrderedDict[str, _PendingSync] = OrderedDict()
         self._nursery: trio.Nursery | None = None
 
@@ -81,8 +85,13 @@ class RoundCoordinator:
     def _candidates(self) -> list[str]:
         return sorted(set(self.candidates()) | {self.peer_id})
 
+    def _connected(self, peer: str) -> bool:
+        return any(p.to_base58() == peer for p in self.host.get_connected_peers())
+
     async def group_for(self, key: str) -> Sequence[str]:
         for coordinator in self._candidates():
+            if coordinator != self.peer_id and not self.responsive(coordinator):
+                continue
             try:
                 if coordinator == self.peer_id:
                     group = await self._join(key, self.peer_id)
@@ -105,14 +114,40 @@ class RoundCoordinator:
         try:
             # it seals at most a deadline after our request arrives; longer means it went silent
             with trio.fail_after(self.deadline_s + _OPEN_TIMEOUT_S):
-                await write_message(stream, {"key": key, "run": self.run_id}, peer_id=coordinator)
-                reply = await read_message(stream, max_size=_REPLY_BYTES, peer_id=coordinator)
+                reply = await self._while_responsive(coordinator, self._request, stream, coordinator, key)
         finally:
             await stream.close()
         group = reply.get("group") if isinstance(reply, dict) else None
         if not isinstance(group, list) or not all(isinstance(p, str) for p in group):
             raise RemoteProtocolError("malformed round reply", peer_id=coordinator)
         return tuple(group)
+
+    async def _request(self, stream: INetStream, coordinator: str, key: str) -> object:
+        await write_message(stream, {"key": key, "run": self.run_id}, peer_id=coordinator)
+        return await read_message(stream, max_size=_REPLY_BYTES, peer_id=coordinator)
+
+    async def _while_responsive(self, peer: str, fn: Callable[..., Awaitable[object]], *args: object) -> object:
+        """``await fn(*args)``, abandoned with ``PeerUnavailableError`` once ``peer`` turns
+        unresponsive (a coordinator cut off while we wait for its group)."""
+        result: object = None
+        with trio.CancelScope() as watched:
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._cancel_when_unresponsive, peer, watched)
+                    result = await fn(*args)
+                    nursery.cancel_scope.cancel()
+            except BaseExceptionGroup as group:  # fn's own failure, as itself
+                if len(group.exceptions) == 1:
+                    raise group.exceptions[0] from None
+                raise
+        if watched.cancelled_caught:
+            raise PeerUnavailableError("coordinator stopped responding", peer_id=peer)
+        return result
+
+    async def _cancel_when_unresponsive(self, peer: str, scope: trio.CancelScope) -> None:
+        while self.responsive(peer):
+            await trio.sleep(0.1)
+        scope.cancel()
 
     async def _join(self, key: str, peer: str) -> tuple[str, ...]:
         pending = self._syncs.get(key)
@@ -129,10 +164,9 @@ class RoundCoordinator:
         return pending.group
 
     def _awaited(self) -> set[str]:
-        """Candidates worth waiting for: a member we hold no connection to (killed, or gone
-        since its lease was last renewed) would only hold the round until the deadline."""
-        connected = {p.to_base58() for p in self.host.get_connected_peers()}
-        return {p for p in self._candidates() if p == self.peer_id or p in connected}
+        """Candidates worth waiting for: an unresponsive one (killed, cut off) would only hold
+        the round until the deadline."""
+        return {p for p in self._candidates() if p == self.peer_id or self.responsive(p)}
 
     async def _seal_when_ready(self, key: str, pending: _PendingSync) -> None:
         with trio.move_on_at(pending.first_arrival + self.deadline_s):

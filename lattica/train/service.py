@@ -38,6 +38,7 @@ _JOIN_ATTEMPTS = 3
 _REPAIR_RETRY_S = 2.0
 _HISTORY_ROUNDS = 64  # own outer-state hashes remembered per round (see ``repair_target``)
 _JOINING, _TRAINER = "joining", "trainer"  # member roles
+_SILENT_BEATS = 3.5  # heartbeat intervals without a lease renewal: unresponsive
 
 
 class TrainingService:
@@ -61,6 +62,7 @@ class TrainingService:
         self._catch_up_owed = False
         self._next_repair_at = 0.0
         self._served: Any = None  # ServedRounds, once the data plane runs
+        self._beats: dict[str, tuple[Any, float]] = {}  # peer -> (heartbeat, when it last changed)
 
     # -- service -------------------------------------------------------------------------
 
@@ -76,6 +78,7 @@ class TrainingService:
             run_id=self.node.config.run_id,
             candidates=self._candidates,
             deadline_s=self.settings.round_deadline_s,
+            responsive=self._responsive,
         )
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
@@ -90,6 +93,19 @@ class TrainingService:
         if self._agreed() is None:
             return self._live_with_role(_JOINING, _TRAINER)
         return self._live_with_role(_TRAINER)
+
+    def _responsive(self, peer: str) -> bool:
+        """Connected, and its lease renewals (one per heartbeat interval) still arrive: a peer
+        whose link was cut silently keeps its connection and its lease for seconds, but its
+        heartbeat stops moving at once."""
+        if not any(p.to_base58() == peer for p in self.node.host.get_connected_peers()):
+            return False
+        beat = (self.state.snapshot().get("members", {}).get(peer) or {}).get("heartbeat")
+        now, seen = time.monotonic(), self._beats.get(peer)
+        if seen is None or seen[0] != beat:
+            self._beats[peer] = (beat, now)
+            return True
+        return now - seen[1] < _SILENT_BEATS * self.state.config.lease.heartbeat_interval
 
     def _live_with_role(self, *roles: str) -> list[str]:
         members = self.state.snapshot().get("members", {})
@@ -388,7 +404,12 @@ class TrainingService:
             op = "exchange" if self.settings.strategy == "noloco" else "allreduce"
             self._observe("collective_seconds", event.report.seconds, op=op)
         if event.report.skipped:
+            log.info("sync %s skipped: %s", event.report.key, event.report.detail)
             return
+        log.info(
+            "sync %s done with %d member(s) in %.2f s", event.report.key, len(event.report.group),
+            event.report.seconds,
+        )
         self._rounds_done += 1
         self._remember(self.strategy.completed_rounds, event.state_hash)
         # a round run alone while others train is replaced by theirs (catch-up publishes that);
