@@ -26,7 +26,9 @@ class _Member:
         self.peer_id = coordinator.peer_id
 
 
-async def _members(nursery: trio.Nursery, *, deadline_s: float, count: int = 3) -> list[_Member]:
+async def _members(
+    nursery: trio.Nursery, *, deadline_s: float, count: int = 3, silent: set[str] | None = None
+) -> list[_Member]:
     """``count`` connected members, sorted by peer id (the first coordinates every key)."""
     ids: list[str] = []
     members = []
@@ -36,7 +38,8 @@ async def _members(nursery: trio.Nursery, *, deadline_s: float, count: int = 3) 
         peer_id = host.get_id().to_base58()
         ids.append(peer_id)
         coordinator = RoundCoordinator(
-            host, peer_id=peer_id, run_id="test-run", candidates=lambda: list(ids), deadline_s=deadline_s
+            host, peer_id=peer_id, run_id="test-run", candidates=lambda: list(ids), deadline_s=deadline_s,
+            responsive=None if silent is None else (lambda p: p not in silent),
         )
         await nursery.start(coordinator.run)
         members.append(_Member(host, scope, coordinator))
@@ -109,4 +112,40 @@ async def test_the_coordinator_does_not_wait_for_a_candidate_it_lost_the_connect
             groups = await _groups([coordinator, other], "round/0")
             assert set(groups.values()) == {(coordinator.peer_id, other.peer_id)}
             assert trio.current_time() - started < 15  # sealed when the connected ones were ready
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_silent_peer_is_neither_asked_nor_waited_for() -> None:
+    with trio.fail_after(40):
+        async with trio.open_nursery() as nursery:
+            silent: set[str] = set()
+            members = await _members(nursery, deadline_s=30.0, silent=silent)
+            cut, rest = members[0], members[1:]  # the would-be coordinator
+            silent.add(cut.peer_id)  # connected, but its lease renewals stopped arriving
+            started = trio.current_time()
+            groups = await _groups(rest, "round/0")
+            assert set(groups.values()) == {tuple(m.peer_id for m in rest)}
+            assert trio.current_time() - started < 15  # not held until the deadline
+            nursery.cancel_scope.cancel()
+
+
+async def test_askers_stop_waiting_for_a_coordinator_that_turns_silent() -> None:
+    with trio.fail_after(40):
+        async with trio.open_nursery() as nursery:
+            silent: set[str] = set()
+            members = await _members(nursery, deadline_s=30.0, silent=silent)
+            coordinator, rest = members[0], members[1:]
+            groups: dict[str, tuple[str, ...]] = {}
+
+            async def ask(member: _Member) -> None:
+                groups[member.peer_id] = tuple(await member.coordinator.group_for("round/0"))
+
+            started = trio.current_time()
+            async with trio.open_nursery() as asking:
+                for member in rest:
+                    asking.start_soon(ask, member)
+                await trio.sleep(1.0)  # both wait on the coordinator, which waits for itself
+                silent.add(coordinator.peer_id)
+            assert set(groups.values()) == {tuple(m.peer_id for m in rest)}
+            assert trio.current_time() - started < 15
             nursery.cancel_scope.cancel()
