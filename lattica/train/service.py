@@ -37,7 +37,7 @@ _CATCH_UP_WAIT_S = 5.0
 _JOIN_ATTEMPTS = 3
 _REPAIR_RETRY_S = 2.0
 _HISTORY_ROUNDS = 64  # own outer-state hashes remembered per round (see ``repair_target``)
-_JOINING, _TRAINER = "joining", "trainer"  # member roles
+_JOINING, _TRAINER, _DONE = "joining", "trainer", "done"  # member roles
 _SILENT_BEATS = 3.5  # heartbeat intervals without a lease renewal: unresponsive
 
 
@@ -159,6 +159,7 @@ class TrainingService:
         self.summary = dataclasses.asdict(summary)
         self.phase = "done"
         log.info("training finished: %s", self.summary)
+        await self.state.update_member(role=_DONE)  # no longer a round candidate
         if self.strategy.replicas_agree:
             await self._settle()
 
@@ -280,6 +281,9 @@ class TrainingService:
 
         rnd, digest, holders = agreed
         started = time.monotonic()
+        leave_rounds = self.phase == "training"  # nobody should wait for us while we fetch
+        if leave_rounds:
+            await self.state.update_member(role=_JOINING)
         try:
             with trio.fail_after(max(30.0, self.settings.round_deadline_s)):
                 fetch = fetch_of_round(self.tensors.fetch, rnd)
@@ -288,6 +292,9 @@ class TrainingService:
         except (LatticaError, trio.TooSlowError) as exc:
             log.warning("could not fetch outer state of round %d: %s", rnd, exc)
             return False
+        finally:
+            if leave_rounds:
+                await self.state.update_member(role=_TRAINER)
         self.trainer.adopt_outer_state(outer, step=int(outer.get("step", rnd * self.settings.inner_steps)))
         self._observe("checkpoint_fetch_seconds", time.monotonic() - started)
         self._history.clear()  # our rounds past this one were on another line
