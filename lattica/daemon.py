@@ -14,11 +14,12 @@ from lattica.node import Node
 class StateExtension:
     """The replicated run state as a daemon service: ``lattica state`` and membership."""
 
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: Node, *, role: str | None = None) -> None:
         from lattica.crdt import StateConfig
         from lattica.crdt.state import ReplicatedState
 
         self.node = node
+        self.role = role
         self.state = ReplicatedState(
             node.host, node.key_pair, data_dir=node.config.data_dir, run_id=node.config.run_id,
             config=StateConfig(admins=run_admins(node.config, node.peer_id.to_base58())),
@@ -27,7 +28,12 @@ class StateExtension:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             await nursery.start(self.state.run)
-            await self.state.update_member(addrs=self.node.dialable_addrs())
+            # a restarted node's record still holds the role of its previous life: replace it
+            # with the first write, before the training service gets to it
+            fields: dict[str, Any] = {"addrs": self.node.dialable_addrs()}
+            if self.role is not None:
+                fields["role"] = self.role
+            await self.state.update_member(**fields)
             task_status.started()
             nursery.start_soon(self._export_metrics)
 
@@ -139,7 +145,8 @@ def build_node(config: NodeConfig, key_pair: KeyPair, *, secret: bytes | None = 
     states: list[StateExtension] = []
 
     def make_state(n: Node) -> StateExtension:
-        states.append(StateExtension(n))
+        # a trainer is "joining" until its training service can sync (lattica.train.service)
+        states.append(StateExtension(n, role="joining" if config.train is not None else None))
         return states[0]
 
     node.service_factories.append(make_state)

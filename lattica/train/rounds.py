@@ -15,6 +15,10 @@ outer weights. If the coordinator cannot be reached within ``_OPEN_TIMEOUT_S``, 
 candidate by peer id is asked — so the deadline must be well above that, or peers that notice a
 dead coordinator at different times end up in different groups.
 
+A key ``<base>/retry/<n>`` (DiLoCo's second attempt after a failed all-reduce) is asked for only
+by the members of the attempt before it: when the coordinator knows that group (it sealed or
+received it), only those members are waited for, not every candidate.
+
 Invariants: a key is sealed once, so everyone who was answered got the same group; groups are
 sorted, so every member sees the same order; memory is bounded by keeping the last
 ``MAX_KEYS`` sealed keys.
@@ -23,6 +27,7 @@ sorted, so every member sees the same order; memory is bounded by keeping the la
 from __future__ import annotations
 
 import logging
+import re
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -43,6 +48,7 @@ MAX_KEY_LEN = 200
 _REQUEST_BYTES = 1024
 _REPLY_BYTES = 256 * 1024
 _OPEN_TIMEOUT_S = 3.0
+_RETRY = re.compile(r"^(.+)/retry/(\d+)$")
 
 
 @dataclass
@@ -73,6 +79,7 @@ class RoundCoordinator:
         self.deadline_s = deadline_s
         self.responsive = responsive or self._connected
         self._syncs: OrderedDict[str, _PendingSync] = OrderedDict()
+        self._groups: OrderedDict[str, tuple[str, ...]] = OrderedDict()  # groups we sealed or got
         self._nursery: trio.Nursery | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -103,8 +110,24 @@ class RoundCoordinator:
             except Exception as exc:  # noqa: BLE001 - libp2p raises many kinds on a dead peer
                 log.info("coordinator %s unavailable for %s: %r", coordinator, key, exc)
                 continue
+            self._learn(key, group)
             return group if self.peer_id in group else (self.peer_id,)
         return (self.peer_id,)
+
+    def _learn(self, key: str, group: Sequence[str]) -> None:
+        self._groups[key] = tuple(group)
+        while len(self._groups) > MAX_KEYS:
+            self._groups.popitem(last=False)
+
+    def _expected(self, key: str) -> set[str] | None:
+        """For a retry key, the members of the attempt before it, when we know that group."""
+        match = _RETRY.match(key)
+        if match is None:
+            return None
+        base, attempt = match.group(1), int(match.group(2))
+        previous = base if attempt <= 1 else f"{base}/retry/{attempt - 1}"
+        group = self._groups.get(previous)
+        return None if group is None else set(group)
 
     async def _ask(self, coordinator: str, key: str) -> tuple[str, ...]:
         # a coordinator that is gone must be given up on quickly, so that the next one in line
@@ -163,16 +186,19 @@ class RoundCoordinator:
         assert pending.group is not None
         return pending.group
 
-    def _awaited(self) -> set[str]:
+    def _awaited(self, key: str) -> set[str]:
         """Candidates worth waiting for: an unresponsive one (killed, cut off) would only hold
-        the round until the deadline."""
-        return {p for p in self._candidates() if p == self.peer_id or self.responsive(p)}
+        the round until the deadline; for a retry, only the previous attempt's members come."""
+        awaited = {p for p in self._candidates() if p == self.peer_id or self.responsive(p)}
+        expected = self._expected(key)
+        return awaited if expected is None else awaited & expected
 
     async def _seal_when_ready(self, key: str, pending: _PendingSync) -> None:
         with trio.move_on_at(pending.first_arrival + self.deadline_s):
-            while not self._awaited() <= pending.ready:
+            while not self._awaited(key) <= pending.ready:
                 await trio.sleep(0.05)
         pending.group = tuple(sorted(pending.ready))
+        self._learn(key, pending.group)
         pending.sealed.set()
         missing = set(self._candidates()) - pending.ready
         if missing:

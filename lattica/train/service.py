@@ -39,6 +39,7 @@ _REPAIR_RETRY_S = 2.0
 _HISTORY_ROUNDS = 64  # own outer-state hashes remembered per round (see ``repair_target``)
 _JOINING, _TRAINER, _DONE = "joining", "trainer", "done"  # member roles
 _SILENT_BEATS = 3.5  # heartbeat intervals without a lease renewal: unresponsive
+_SETTLE_BEATS = 3.0  # heartbeat intervals a peer seen silent must be heard before it is again
 
 
 class TrainingService:
@@ -63,6 +64,7 @@ class TrainingService:
         self._next_repair_at = 0.0
         self._served: Any = None  # ServedRounds, once the data plane runs
         self._beats: dict[str, tuple[Any, float]] = {}  # peer -> (heartbeat, when it last changed)
+        self._back_at: dict[str, float] = {}  # peer seen silent -> last time it was (settling)
 
     # -- service -------------------------------------------------------------------------
 
@@ -97,15 +99,20 @@ class TrainingService:
     def _responsive(self, peer: str) -> bool:
         """Connected, and its lease renewals (one per heartbeat interval) still arrive: a peer
         whose link was cut silently keeps its connection and its lease for seconds, but its
-        heartbeat stops moving at once."""
-        if not any(p.to_base58() == peer for p in self.node.host.get_connected_peers()):
-            return False
-        beat = (self.state.snapshot().get("members", {}).get(peer) or {}).get("heartbeat")
-        now, seen = time.monotonic(), self._beats.get(peer)
-        if seen is None or seen[0] != beat:
-            self._beats[peer] = (beat, now)
-            return True
-        return now - seen[1] < _SILENT_BEATS * self.state.config.lease.heartbeat_interval
+        heartbeat stops moving at once. A peer seen silent is not responsive again until it has
+        been heard for a few intervals: back from a cut or a restart it first catches up, and
+        rounds should not wait for that."""
+        now, interval = time.monotonic(), self.state.config.lease.heartbeat_interval
+        if any(p.to_base58() == peer for p in self.node.host.get_connected_peers()):
+            beat = (self.state.snapshot().get("members", {}).get(peer) or {}).get("heartbeat")
+            seen = self._beats.get(peer)
+            if seen is None or seen[0] != beat:
+                self._beats[peer] = seen = (beat, now)
+            if now - seen[1] < _SILENT_BEATS * interval:
+                back = self._back_at.get(peer)
+                return back is None or now - back >= _SETTLE_BEATS * interval
+        self._back_at[peer] = now  # silent: when heard again, it settles first
+        return False
 
     def _live_with_role(self, *roles: str) -> list[str]:
         members = self.state.snapshot().get("members", {})

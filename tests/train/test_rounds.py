@@ -149,3 +149,18 @@ async def test_askers_stop_waiting_for_a_coordinator_that_turns_silent() -> None
             assert set(groups.values()) == {tuple(m.peer_id for m in rest)}
             assert trio.current_time() - started < 15
             nursery.cancel_scope.cancel()
+
+
+async def test_a_retry_waits_only_for_the_members_of_the_failed_attempt() -> None:
+    with trio.fail_after(40):
+        async with trio.open_nursery() as nursery:
+            members = await _members(nursery, deadline_s=8.0)
+            pair, absent = members[:2], members[2]  # the third is training on, never asks
+            first = await _groups(pair, "round/0")  # sealed at the deadline, without it
+            assert set(first.values()) == {(pair[0].peer_id, pair[1].peer_id)}
+            started = trio.current_time()
+            retry = await _groups(pair, "round/0/retry/1")  # the all-reduce of round/0 failed
+            assert set(retry.values()) == {(pair[0].peer_id, pair[1].peer_id)}
+            assert trio.current_time() - started < 4  # not held for the absent one until the deadline
+            assert absent.peer_id not in retry[pair[0].peer_id]
+            nursery.cancel_scope.cancel()
