@@ -304,9 +304,9 @@ class TrainingService:
                 await self.state.update_member(role=_TRAINER)
         self.trainer.adopt_outer_state(outer, step=int(outer.get("step", rnd * self.settings.inner_steps)))
         self._observe("checkpoint_fetch_seconds", time.monotonic() - started)
-        self._history.clear()  # our rounds past this one were on another line
-        self._remember(self.strategy.completed_rounds, digest)
+        self._history = {self.strategy.completed_rounds: digest}  # rounds past it were another line
         await self._checkpoint_adopted()
+        self._remember(self.strategy.completed_rounds, digest)  # reported once durable
         log.info(
             "adopted outer state of round %d from %d holder(s) in %.2f s",
             rnd, len(holders), time.monotonic() - started,
@@ -457,7 +457,8 @@ class TrainingService:
             "strategy": self.settings.strategy,
             "replicas_agree": bool(self.strategy is not None and self.strategy.replicas_agree),
             "rounds_target": self.settings.rounds,
-            "rounds_completed": self.strategy.completed_rounds if self.strategy is not None else 0,
+            # rounds whose checkpoint is written: a kill never takes back a round reported here
+            "rounds_completed": self._mine[0],
             "bytes_sent": self._bytes_sent,
             "device": self.trainer.device.describe() if self.trainer is not None else None,
             **self.progress,
