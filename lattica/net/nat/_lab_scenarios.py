@@ -1,4 +1,8 @@
-"""The NAT lab scenarios, shared by ``tests/nat`` and ``benchmarks/nat_matrix.py``.
+"""The NAT lab scenarios with the small lab node (``tests/nat/test_scenarios.py``).
+
+They exercise the NAT services directly, without the daemon: quick checks of the mechanisms.
+The same scenarios with real ``lattica join`` daemons, which the benchmark measures, are in
+``lattica/testing/nat_daemons.py``.
 
 Each scenario builds its own topology in a fresh :class:`NetLab`, starts lab nodes, dials, and
 returns a :class:`ScenarioResult` measured from the nodes' own events. Everything is torn
