@@ -1,8 +1,11 @@
 """All-reduce of 4 processes x 100 MB fp32 on loopback: Lattica's data plane against gloo.
 
-Both sides reduce the same tensors (``randn`` from per-rank seeds) in the same run. Lattica
-runs its butterfly all-reduce between real peer processes over the encrypted fast path;
-``torch.distributed`` gloo runs ``all_reduce`` (sum, then divide) over unencrypted TCP.
+Both sides reduce the same tensors (``randn`` from per-rank seeds) in the same run, timed the
+same way: the input is ready before the clock starts, the group passes a barrier (gloo's
+``barrier``; for Lattica a one-element all-reduce), and the mean is written over the input
+(gloo's ``all_reduce`` then ``/= world``; Lattica's ``allreduce(out=[x])``). Lattica runs its
+butterfly all-reduce between real peer processes over the encrypted fast path; gloo runs over
+unencrypted TCP.
 
     .venv/bin/python benchmarks/allreduce.py [--peers 4] [--mb 100] [--reps 2]
 
@@ -78,7 +81,7 @@ def lattica_seconds(world: int, numel: int, reps: int) -> tuple[float, float, in
             n = 4096 if rep == 0 else numel
             cmds = [
                 {"op": "allreduce", "group": group, "tag": f"bench{rep}", "numel": n,
-                 "seed": 100 + i, "deadline_s": 300.0, "out": None}
+                 "seed": 100 + i, "deadline_s": 300.0, "out": None, "barrier": True, "inplace": True}
                 for i in range(world)
             ]
             replies = run_all(peers, cmds, timeout=400)

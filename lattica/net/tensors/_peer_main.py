@@ -7,7 +7,9 @@ commands, one per stdin line, answering each with one JSON line on stdout:
 - ``{"op": "connect", "addrs": [...]}``
 - ``{"op": "allreduce", "group": [...], "tag": str, "numel": int, "seed": int, "codec": str,
   "deadline_s": float, "out": path|null}``: the input is ``randn(numel)`` from ``seed``; the
-  result's raw fp32 bytes are written to ``out``.
+  result's raw fp32 bytes are written to ``out``. With ``"barrier": true`` the group first runs
+  a one-element all-reduce, so every member starts the timed one together (like gloo's barrier);
+  ``"inplace": true`` writes the mean over the input (like gloo's ``all_reduce``).
 - ``{"op": "send_then_hang", "group": [...], "tag": str, "numel": int, "seed": int}``: send the
   reduce-scatter parts of an all-reduce, report, and never finish it (a peer about to die).
 - ``{"op": "blob_send", "peer": id, "tag": str, "nbytes": int}`` / ``{"op": "blob_recv", ...}``:
@@ -46,12 +48,16 @@ def make_input(numel: int, seed: int) -> torch.Tensor:
 
 async def _allreduce(service: TensorService, cmd: dict) -> dict:
     x = make_input(cmd["numel"], cmd["seed"])
-    start, cpu_start = time.perf_counter(), time.process_time()
-    sent_before = service.stats.total_sent()
+    start = time.perf_counter()
     try:
         with trio.fail_after(cmd.get("deadline_s", 60.0)):
+            if cmd.get("barrier"):
+                await service.allreduce([torch.zeros(1)], group=cmd["group"], tag=cmd["tag"] + "/barrier")
+            start, cpu_start = time.perf_counter(), time.process_time()
+            sent_before = service.stats.total_sent()
             (out,) = await service.allreduce([x], group=cmd["group"], tag=cmd["tag"],
-                                             codec=cmd.get("codec", "fp32"))
+                                             codec=cmd.get("codec", "fp32"),
+                                             out=[x] if cmd.get("inplace") else None)
     except CollectiveAbortedError as exc:
         return {"ok": False, "error": "aborted", "failed_peers": list(exc.failed_peers),
                 "seconds": time.perf_counter() - start}

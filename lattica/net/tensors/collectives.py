@@ -29,6 +29,7 @@ from contextlib import AbstractContextManager, ExitStack
 from functools import partial
 from typing import Protocol
 
+import numpy as np
 import torch
 import trio
 
@@ -102,7 +103,15 @@ async def allreduce(
     transport: TensorTransport, tensors: Sequence[torch.Tensor], *, group: Sequence[str],
     tag: str, codec: str = "fp32", screen: ContributionScreen = DEFAULT_SCREEN,
     on_reject: Callable[[Rejection], None] | None = None,
+    out: Sequence[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
+    """The mean over ``group`` of each tensor: new tensors, or written into ``out`` (returned).
+
+    ``out`` holds one floating tensor per input, of the same shape; it may be ``tensors``
+    itself (in place). A single contiguous fp32 ``out`` is the result buffer itself, so a
+    caller that reuses it across rounds allocates nothing. On failure the contents of ``out``
+    are undefined — in place, the inputs too (keep a copy to retry).
+    """
     me = transport.peer_id
     _check_group(group, me)
     codecs.check_codec(codec)
@@ -111,27 +120,78 @@ async def allreduce(
     for t in tensors:
         if not t.dtype.is_floating_point:
             raise LocalProtocolError(f"allreduce needs floating tensors, got {t.dtype}")
+    if out is not None:
+        _check_out(out, tensors)
     flat = _flatten(tensors)
     n, rank = len(group), list(group).index(me)
     if n == 1:
-        return [t.detach().clone() for t in tensors]
+        if out is None:
+            return [t.detach().clone() for t in tensors]
+        _copy_results(out, list(tensors))
+        return list(out)
     bounds = _part_bounds(flat.numel(), n)
-    out = torch.empty(flat.numel(), dtype=torch.float32)
+    result = _result_buffer(out, flat)
+    # In place over one fp32 tensor the mean overwrites the input, part by part: the part
+    # sent to group[j] is overwritten only by what group[j] gathers back, which it sends after
+    # it received all of that part.
+    aliased = result.numel() > 0 and result.data_ptr() == flat.data_ptr()
     with ExitStack() as stack:
+        scratch = None
         if codec == "fp32":  # every incoming part can land in its final place, with no copy
-            _post_in_place(transport, stack, out, group, rank, bounds, tag)
-        rejected = await _reduce_scatter(transport, flat, out, group, rank, bounds, tag, codec, screen)
+            scratch = _post_in_place(transport, stack, result, group, rank, bounds, tag)
+        rejected = await _reduce_scatter(
+            transport, flat, result, group, rank, bounds, tag, codec, screen, scratch, aliased
+        )
         for rejection in rejected:
             if on_reject is not None:
                 on_reject(rejection)
-        await _all_gather(transport, out, group, rank, bounds, tag + "/ag", codec)
-    return _unflatten(out, tensors)
+        await _all_gather(transport, result, group, rank, bounds, tag + "/ag", codec)
+    means = _unflatten(result, tensors)
+    if out is None:
+        return means
+    if not (len(out) == 1 and out[0].data_ptr() == result.data_ptr()):
+        _copy_results(out, means)
+    return list(out)
 
 
-def _post_in_place(transport, stack: ExitStack, out, group, rank, bounds, tag) -> None:
-    """Post gathered parts into ``out`` and reduce-scatter parts into a leased scratch buffer."""
+def _check_out(out: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor]) -> None:
+    if len(out) != len(tensors):
+        raise LocalProtocolError(f"out has {len(out)} tensors for {len(tensors)} inputs")
+    for o, t in zip(out, tensors, strict=True):
+        if o.shape != t.shape or not o.dtype.is_floating_point:
+            raise LocalProtocolError(f"out tensor {tuple(o.shape)} {o.dtype} for input {tuple(t.shape)}")
+        if o.requires_grad and o.is_leaf:
+            raise LocalProtocolError("out cannot be a leaf that requires grad")
+
+
+def _result_buffer(out: Sequence[torch.Tensor] | None, flat: torch.Tensor) -> torch.Tensor:
+    """The flat fp32 buffer the mean is assembled in: ``out`` itself when it is one contiguous
+    fp32 tensor that is either the input's memory or does not overlap it, else a new one."""
+    if out is not None and len(out) == 1:
+        o = out[0]
+        if o.dtype == torch.float32 and o.is_contiguous() and o.numel() == flat.numel():
+            candidate = o.detach().view(-1)
+            if candidate.numel() == 0 or candidate.data_ptr() == flat.data_ptr():
+                return candidate
+            a, b = candidate.data_ptr(), flat.data_ptr()
+            size = flat.numel() * 4
+            if a + size <= b or b + size <= a:
+                return candidate
+    return torch.empty(flat.numel(), dtype=torch.float32)
+
+
+def _copy_results(out: Sequence[torch.Tensor], means: Sequence[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for o, m in zip(out, means, strict=True):
+            o.copy_(m)
+
+
+def _post_in_place(transport, stack: ExitStack, out, group, rank, bounds, tag) -> torch.Tensor | None:
+    """Post gathered parts into ``out`` and reduce-scatter parts into a leased scratch buffer
+    (one slot per member; this member's own slot stays free). Returns the scratch buffer."""
     lo, hi = bounds[rank]
     part_bytes = (hi - lo) * 4
+    scratch = None
     if part_bytes:
         scratch = stack.enter_context(transport.lease_scratch(part_bytes * len(group)))
         for j, peer in enumerate(group):
@@ -142,6 +202,7 @@ def _post_in_place(transport, stack: ExitStack, out, group, rank, bounds, tag) -
         a, b = bounds[j]
         if j != rank and b > a:
             _post(transport, stack, peer, tag + "/ag", j, codecs.byte_view(out[a:b]))
+    return scratch
 
 
 def _post(transport, stack: ExitStack, peer: str, tag: str, part: int, view: memoryview) -> None:
@@ -149,8 +210,14 @@ def _post(transport, stack: ExitStack, peer: str, tag: str, part: int, view: mem
     stack.callback(transport.post_receive, peer, tag, part, None)
 
 
-async def _reduce_scatter(transport, flat, out, group, rank, bounds, tag, codec, screen) -> list[Rejection]:
-    """Leave the screened mean of this member's part in ``out`` (as every receiver will decode it)."""
+async def _reduce_scatter(
+    transport, flat, out, group, rank, bounds, tag, codec, screen, scratch, aliased
+) -> list[Rejection]:
+    """Leave the screened mean of this member's part in ``out`` (as every receiver will decode it).
+
+    When ``out`` is ``flat`` (in place), the part sent to ``group[j]`` is overwritten only by
+    what ``group[j]`` gathers back, which it sends after it received all of that part.
+    """
     lo, hi = bounds[rank]
     received: dict[int, torch.Tensor] = {}
     phase = _Round(transport, tag + "/rs")
@@ -167,7 +234,17 @@ async def _reduce_scatter(transport, flat, out, group, rank, bounds, tag, codec,
                 nursery.start_soon(phase.guarded, peer, take, j)
 
     await phase.run(body)
-    received[rank] = _through(flat[lo:hi], codec)
+    own = _through(flat[lo:hi], codec)
+    if aliased and own.numel() and own.data_ptr() == out[lo:hi].data_ptr():
+        # The sum is written over this member's own contribution: keep a copy in its free slot.
+        part_bytes = (hi - lo) * 4
+        if scratch is not None:
+            slot = scratch[rank * part_bytes : (rank + 1) * part_bytes].view(torch.float32)
+            np.copyto(slot.numpy(), own.detach().numpy())  # on this thread (see screen.py)
+            own = slot
+        else:
+            own = own.clone()
+    received[rank] = own
     total = out[lo:hi]
     _, rejected = reduce_parts([received[j] for j in range(len(group))], list(group), screen, out=total)
     if codec != "fp32":

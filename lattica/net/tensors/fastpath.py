@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import socket
 import struct
+from collections.abc import Callable
 
 import trio
 from cryptography.exceptions import InvalidTag
@@ -116,13 +117,14 @@ class FastChannel:
 
         The returned view is only valid until the next call (its buffer is reused).
         """
-        data, _ = await self.receive_frame(None)
+        data, _ = await self.receive_frame(lambda: None)
         return data
 
-    async def receive_frame(self, into: memoryview | None) -> tuple[memoryview, bool]:
-        """Like ``receive_some``, but decrypts straight into ``into`` when the frame fits.
+    async def receive_frame(self, into: Callable[[], memoryview | None]) -> tuple[memoryview, bool]:
+        """Like ``receive_some``, but decrypts straight into the buffer ``into()`` returns (it
+        is asked once the frame has arrived, just before decryption) when the frame fits.
 
-        Returns the plaintext view and whether it is ``into[:n]``.
+        Returns the plaintext view and whether it is that buffer's first bytes.
         """
         header = await self._receive_exactly(_LEN.size, eof_ok=True)
         if header is None:
@@ -132,8 +134,9 @@ class FastChannel:
             raise RemoteProtocolError(f"fast frame of {length} bytes", peer_id=self.peer_id)
         sealed = await self._receive_exactly(length, eof_ok=False)
         n = length - _TAG_BYTES
-        direct = into is not None and n <= len(into)
-        out = into[:n] if direct else memoryview(self._plain_buf)[:n]
+        target = into()
+        direct = target is not None and n <= len(target)
+        out = target[:n] if direct else memoryview(self._plain_buf)[:n]
         try:
             self._recv_aead.decrypt_into(_nonce(self._recv_counter), sealed, None, out)
         except InvalidTag:

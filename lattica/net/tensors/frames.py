@@ -110,6 +110,12 @@ class FrameDecoder:
         self._buffer, self._target, self._filled = None, None, 0
         self._state = "payload"
 
+    def drop_payload(self) -> None:
+        """Write no more of the current payload anywhere: the rest of it is read and skipped,
+        and its ``Complete`` event carries no payload."""
+        if self._state == "payload":
+            self._buffer, self._target = None, None
+
     def payload_window(self) -> memoryview | None:
         """The unfilled rest of the accepted payload buffer, when the next bytes of the stream
         may be written there directly (nothing is buffered); else None."""

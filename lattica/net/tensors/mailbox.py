@@ -39,6 +39,7 @@ class Mailbox:
         self._parcels: dict[Key, Parcel] = {}
         self._arrived: dict[Key, trio.Event] = {}
         self._posted: dict[Key, memoryview] = {}
+        self._claimed: dict[Key, bool] = {}  # posted buffers being written: key -> withdrawn
 
     def __len__(self) -> int:
         return len(self._parcels)
@@ -76,14 +77,26 @@ class Mailbox:
         self._posted[key] = buffer
 
     def unpost(self, key: Key) -> None:
+        """Withdraw the offer. If a message is already being written into the buffer, the
+        writer sees ``revoked(key)`` before its next write and drops the rest of it."""
         self._posted.pop(key, None)
+        if key in self._claimed:
+            self._claimed[key] = True
 
     def claim_posted(self, key: Key, nbytes: int) -> memoryview | None:
         buffer = self._posted.get(key)
         if buffer is None or len(buffer) != nbytes:
             return None
         del self._posted[key]
+        self._claimed[key] = False
         return buffer
+
+    def revoked(self, key: Key) -> bool:
+        return self._claimed.get(key, False)
+
+    def end_claim(self, key: Key) -> None:
+        """The writer of a claimed buffer is done with it (complete, dropped or broken)."""
+        self._claimed.pop(key, None)
 
     def peer_lost(self, peer: str) -> None:
         """Wake everyone waiting on ``peer`` so they re-check its liveness now."""

@@ -30,6 +30,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -51,6 +52,7 @@ class ContributionScreen:
 
 
 DEFAULT_SCREEN = ContributionScreen()
+_BLOCK = 1 << 18  # fp32 elements (1 MiB): a block stays in cache through all its additions
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,12 +74,8 @@ def reduce_parts(
     if out is None:
         out = torch.empty(numel, dtype=torch.float32)
     plain = screen.max_norm_ratio is None and screen.clip_ratio is None and not screen.trim
-    if plain and parts:
-        # Sum first and check the sum: a NaN or an infinity in any part makes its element of
-        # the sum non-finite, so a finite sum proves every part finite in a single pass.
-        _sum_into(out, [p.to(torch.float32) for p in parts])
-        if math.isfinite(float(out.sum())):
-            return out.div_(len(parts)), []
+    if plain and parts and _plain_mean_into(out, [p.to(torch.float32) for p in parts]):
+        return out, []
     rejected: list[Rejection] = []
     finite: list[int] = []
     for i, part in enumerate(parts):
@@ -105,6 +103,41 @@ def reduce_parts(
         return out, rejected
     _sum_into(out, chosen)
     return out.div_(len(chosen)), rejected
+
+
+def _plain_mean_into(out: torch.Tensor, parts: Sequence[torch.Tensor]) -> bool:
+    """``out = (parts[0] + parts[1] + ...) / len(parts)`` if every part is finite, else False.
+
+    The sum is checked, not the parts: a NaN or an infinity in any part makes its element of
+    the sum non-finite, so a finite sum proves every part finite. It runs block by block, each
+    block staying in cache through all its additions, on this thread alone (numpy): the same
+    rounding as ``_sum_into`` and IEEE division, so the bits do not depend on the thread count,
+    and no intra-op worker threads are woken (on a loaded host they spin waiting for a core).
+    """
+    if not (out.is_contiguous() and all(p.is_contiguous() for p in parts)):
+        _sum_into(out, parts)
+        if not math.isfinite(float(out.sum())):
+            return False
+        out.div_(len(parts))
+        return True
+    o, ps = out.detach().numpy(), [p.detach().numpy() for p in parts]
+    total = 0.0
+    with np.errstate(over="ignore", invalid="ignore"):  # non-finite sums are handled below
+        for start in range(0, o.size, _BLOCK):
+            ob, pb = o[start : start + _BLOCK], [p[start : start + _BLOCK] for p in ps]
+            if len(pb) == 1:
+                np.copyto(ob, pb[0])
+            else:
+                np.add(pb[0], pb[1], out=ob)
+                for q in pb[2:]:
+                    np.add(ob, q, out=ob)
+            total += float(ob.sum())
+    if not math.isfinite(total):
+        return False
+    for start in range(0, o.size, _BLOCK):
+        ob = o[start : start + _BLOCK]
+        np.divide(ob, np.float32(len(parts)), out=ob)
+    return True
 
 
 def _sum_into(out: torch.Tensor, parts: Sequence[torch.Tensor]) -> None:

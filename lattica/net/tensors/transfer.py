@@ -44,7 +44,7 @@ from lattica.errors import (
 from lattica.net.identity import peer_id_of
 from lattica.net.tensors import codecs, collectives, fastpath, frames
 from lattica.net.tensors.limits import MemoryBudget, ScratchPool, TensorLimits
-from lattica.net.tensors.mailbox import Mailbox
+from lattica.net.tensors.mailbox import Key, Mailbox
 from lattica.net.tensors.screen import DEFAULT_SCREEN, ContributionScreen, Rejection
 from lattica.net.tensors.stats import TrafficStats
 from lattica.net.wire import read_message, write_message
@@ -153,11 +153,13 @@ class TensorService:
     # -- collectives and named tensors (the public surface) --------------------------------------
 
     async def allreduce(
-        self, tensors: Sequence[torch.Tensor], *, group: Sequence[str], tag: str, codec: str = "fp32"
+        self, tensors: Sequence[torch.Tensor], *, group: Sequence[str], tag: str, codec: str = "fp32",
+        out: Sequence[torch.Tensor] | None = None,
     ) -> list[torch.Tensor]:
+        """The mean over ``group``, new or written into ``out`` (see ``collectives.allreduce``)."""
         return await collectives.allreduce(
             self, tensors, group=group, tag=tag, codec=codec, screen=self.config.screen,
-            on_reject=self._score_down,
+            on_reject=self._score_down, out=out,
         )
 
     def _score_down(self, rejection: Rejection) -> None:
@@ -379,10 +381,22 @@ class TensorService:
         limits = self.config.limits
         decoder = frames.FrameDecoder(peer_id=peer, max_header=limits.max_header_bytes)
         reserved: int | None = None
+        posted: Key | None = None  # the message being written into a buffer its consumer posted
+
+        def window() -> memoryview | None:
+            """Where payload bytes may be written now. Checked after every wait and before
+            every write: a consumer that withdrew its buffer (its collective ended) gets no
+            more bytes in it — the rest of that message is read and dropped."""
+            nonlocal posted
+            if posted is not None and self.mailbox.revoked(posted):
+                decoder.drop_payload()
+                self.mailbox.end_claim(posted)
+                posted = None
+            return decoder.payload_window()
+
         try:
             while True:
-                window = decoder.payload_window() if path == "fast" else None
-                if window is not None:  # decrypt straight into the payload buffer
+                if path == "fast":  # decrypts straight into the payload buffer when it can
                     data, direct = await channel.receive_frame(window)
                 else:
                     data, direct = await channel.receive_some(), False
@@ -394,34 +408,47 @@ class TensorService:
                 if direct:
                     decoder.wrote_directly(len(data))
                 else:
+                    window()
                     decoder.feed(data)
                 while (event := decoder.next_event()) is not None:
                     if isinstance(event, frames.Incoming):
-                        reserved = self._admit(decoder, peer, event)
+                        reserved, posted = self._admit(decoder, peer, event)
                         continue
-                    if event.payload is None:
+                    if posted is not None:
+                        self.mailbox.end_claim(posted)
+                        posted = None
+                    if reserved is not None:
+                        self.budget.end_transfer(peer)
+                    if event.payload is None:  # refused, or its consumer is gone
+                        if reserved is not None:
+                            self.budget.release(peer, reserved)
+                        reserved = None
                         continue
-                    self.budget.end_transfer(peer)
                     reserved = None
                     self.stats.messages_received[(peer, path)] += 1
                     self._dispatch(peer, event)
         finally:
+            if posted is not None:
+                self.mailbox.end_claim(posted)
             if reserved is not None:
                 self.budget.end_transfer(peer)
                 self.budget.release(peer, reserved)
 
-    def _admit(self, decoder: frames.FrameDecoder, peer: str, incoming: frames.Incoming) -> int | None:
+    def _admit(
+        self, decoder: frames.FrameDecoder, peer: str, incoming: frames.Incoming
+    ) -> tuple[int | None, Key | None]:
+        """Reserve the message's bytes and choose its buffer; returns (reserved, posted key)."""
         size = incoming.payload_size
         refusal = self.budget.try_reserve(peer, size)
         if refusal is not None:
             log.warning("refusing %s/%d from %s: %s", incoming.tag, incoming.part, peer, refusal)
             self.stats.refused[peer] += 1
             decoder.discard()
-            return None
+            return None, None
         key = (incoming.tag, peer, incoming.part)
         posted = self.mailbox.claim_posted(key, size) if incoming.kind == "put" else None
         decoder.accept(posted if posted is not None else codecs.writable_buffer(size))
-        return size
+        return size, key if posted is not None else None
 
     def _dispatch(self, peer: str, event: frames.Complete) -> None:
         incoming, payload = event.incoming, event.payload
