@@ -136,7 +136,7 @@ class FastChannel:
         n = length - _TAG_BYTES
         target = into()
         direct = target is not None and n <= len(target)
-        out = target[:n] if direct else memoryview(self._plain_buf)[:n]
+        out = target[:n] if target is not None and direct else memoryview(self._plain_buf)[:n]
         try:
             self._recv_aead.decrypt_into(_nonce(self._recv_counter), sealed, None, out)
         except InvalidTag:

@@ -6,6 +6,7 @@ import multiaddr
 import pytest
 import torch
 import trio
+import trio.testing
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.peerinfo import info_from_p2p_addr
 
@@ -96,3 +97,78 @@ def test_budget_accounting_and_config_validation():
         TensorServiceConfig(fast_port=70000)
     with pytest.raises(ValueError, match="max_peer_bytes"):
         TensorLimits(max_total_bytes=1, max_peer_bytes=2)
+
+
+@pytest.mark.parametrize("into", ["input", "buffer", "pieces"])
+async def test_allreduce_writes_the_exact_mean_into_out(into):
+    gen = torch.Generator().manual_seed(7)
+    inputs = [[torch.randn(10_001, generator=gen), torch.randn(3, 2, generator=gen)] for _ in range(2)]
+    if into != "pieces":  # one flat fp32 tensor: the mean is assembled in ``out`` itself
+        inputs = [[x[0]] for x in inputs]
+    exact = [(a + b) / 2 for a, b in zip(*inputs, strict=True)]
+    keep = [[t.clone() for t in x] for x in inputs]
+    outs = [x if into != "buffer" else [torch.full_like(t, float("nan")) for t in x] for x in inputs]
+    results = {}
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            services = await _pair(nursery, TensorServiceConfig())
+            group = [s.peer_id for s in services]
+
+            async def one(i):
+                results[i] = await services[i].allreduce(inputs[i], group=group, tag="into", out=outs[i])
+
+            async with trio.open_nursery() as inner:
+                for i in range(2):
+                    inner.start_soon(one, i)
+            nursery.cancel_scope.cancel()
+    for i in range(2):
+        assert [r.data_ptr() for r in results[i]] == [o.data_ptr() for o in outs[i]]
+        for got, want in zip(outs[i], exact, strict=True):
+            assert torch.equal(got, want)
+        if into == "buffer":  # the inputs are untouched
+            assert all(torch.equal(a, b) for a, b in zip(inputs[i], keep[i], strict=True))
+
+
+class _ScriptedChannel:
+    """A fast channel whose frames the test hands over one by one."""
+
+    def __init__(self, frames_in: trio.MemoryReceiveChannel) -> None:
+        self._frames = frames_in
+
+    async def receive_frame(self, into):
+        piece = await self._frames.receive()
+        target = into()
+        if target is not None and len(piece) <= len(target):
+            target[: len(piece)] = piece
+            return target[: len(piece)], True
+        return memoryview(piece), False
+
+
+async def test_a_withdrawn_posted_buffer_gets_no_more_bytes():
+    # A collective that ends (aborted, deadline) withdraws its buffers; a message already being
+    # written into one must not touch it afterwards — it may be the caller's own tensor.
+    from lattica.net.tensors import codecs, frames
+
+    service = TensorService(build_host(create_new_key_pair()), create_new_key_pair(),
+                            config=TensorServiceConfig())
+    payload = torch.arange(2048, dtype=torch.float32)
+    spec, raw = codecs.encode(payload, "fp32")
+    header = frames.encode_put("t/ag", 1, [spec])
+    target = torch.full((2048,), -1.0)
+    service.post_receive("peer", "t/ag", 1, codecs.byte_view(target))
+    send, receive = trio.open_memory_channel(0)
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(service._read_messages, _ScriptedChannel(receive), "peer", "fast")
+            await send.send(header)
+            await send.send(bytes(raw[:4096]))  # the first half lands in the posted buffer
+            await trio.testing.wait_all_tasks_blocked()
+            assert torch.equal(target[:1024], payload[:1024])
+            service.post_receive("peer", "t/ag", 1, None)
+            await send.send(bytes(raw[4096:]))
+            await trio.testing.wait_all_tasks_blocked()
+            await send.send(b"")  # the channel ends cleanly between messages
+    assert torch.equal(target[1024:], torch.full((1024,), -1.0))
+    assert len(service.mailbox) == 0
+    assert service.budget.total == 0
+    assert not service.budget.transfers.get("peer")
