@@ -14,6 +14,8 @@ Streaming fragment). The output shows whether it did: ``<strategy>_comm_s`` is t
 time of one collective call (it includes waiting for the slowest peer to reach the sync) and
 ``<strategy>_window_s`` the mean inner-step time times the steps it may overlap. With a cap so
 low that communication outlasts the window, eager and streaming block too, by design.
+``<strategy>_step_ms`` is the mean inner step: overlapped communication competes with the inner
+steps for the cores (and the GIL), which makes them slower without counting as waiting.
 
     python benchmarks/overlap.py [--rate-mbit 20] [--steps 120] [--inner-steps 20] [--overlap-steps 5]
 
@@ -291,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
         out[f"{name}_wall_s"] = round(statistics.fmean(r["wall_s"] for r in rows), 2)
         out[f"{name}_bytes_per_peer"] = int(statistics.fmean(r["bytes_sent"] for r in rows))
         out[f"{name}_comm_s"] = round(statistics.fmean(r["comm_s"] for r in rows), 3)
+        # inner steps slow down when communication competes for the cores (and the GIL)
+        out[f"{name}_step_ms"] = round(1000 * statistics.fmean(r["step_s"] for r in rows), 1)
         if name != "diloco":
             out[f"{name}_window_s"] = round(_window_s(name, args, rows), 3)
     print(json.dumps(out))

@@ -120,10 +120,11 @@ class SPES(AccountedStrategy):
     ) -> None:
         super().__init__(model, collective=collective, groups=groups)
         self.config = config or SPESConfig()
+        self.num_experts: int = model.config.num_experts
         if ownership is None:
             if not self.config.members:
                 raise ValueError("SPES needs an ExpertOwnership source or SPESConfig.members")
-            ownership = DerivedOwnership(self.config.members, model.config.num_experts)
+            ownership = DerivedOwnership(self.config.members, self.num_experts)
         self.ownership = ownership
         self._experts = expert_parameters(model)
         self._dense = dense_parameters(model)
@@ -160,7 +161,7 @@ class SPES(AccountedStrategy):
         if self._completed == 0:
             # the first sync's agreed members fix the initial map (nodes that started with
             # different views of the swarm would otherwise disagree on who sends what)
-            self.owners = assign_experts(members, self.model.config.num_experts)
+            self.owners = assign_experts(members, self.num_experts)
             self.ownership.adopt(self.owners)
         sources = {e: o if o in members else min(members) for e, o in self.owners.items()}
         dense_sent = allreduce_bytes(self._dense, len(members), self.config.codec)
