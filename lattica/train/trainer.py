@@ -30,6 +30,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -78,12 +79,28 @@ class Progress:
 
 @dataclass(frozen=True)
 class RoundCompleted:
-    """An outer round was applied (or skipped) at inner step ``step``."""
+    """An outer round was applied (or skipped) at inner step ``step``.
+
+    The content hashes are computed from the outer state taken at that moment, on first access
+    only: hashing the whole outer state costs milliseconds, and a Streaming run completes a
+    fragment sync every H/P steps while the inner steps wait.
+    """
 
     step: int
     report: OuterStepReport
-    weights_hash: str | None  # of the outer weights: publish with the round number
-    state_hash: str | None = None  # of weights + outer optimizer state: what joiners verify
+    outer_state: dict[str, Any] | None = field(default=None, repr=False)  # None when skipped
+
+    @cached_property
+    def weights_hash(self) -> str | None:
+        """Of the outer weights: publish with the round number."""
+        params = (self.outer_state or {}).get("params")
+        return weights_hash(params) if params else None
+
+    @cached_property
+    def state_hash(self) -> str | None:
+        """Of weights + outer optimizer state: what joiners verify."""
+        params = (self.outer_state or {}).get("params")
+        return outer_state_hash(self.outer_state) if params and self.outer_state else None
 
 
 @dataclass(frozen=True)
@@ -247,21 +264,16 @@ class Trainer:
 
     async def _round_done(self, report: OuterStepReport) -> None:
         self.bytes_sent += report.bytes_sent
-        digest = state_digest = None
+        outer = None
         if not report.skipped:
-            outer = self.strategy.outer_state_dict()
-            if outer.get("params"):
-                digest = weights_hash(outer["params"])
-                state_digest = outer_state_hash(outer)
+            outer = self.strategy.outer_state_dict()  # a copy: later rounds do not change it
             if self.checkpoints is not None:
                 # written before the next inner step, in a thread: the event loop (syncs in
                 # flight, peers fetching state) keeps running during serialization and fsync
                 state = self.state_dict()
                 await trio.to_thread.run_sync(self.checkpoints.save, self.step, state)
         self.on_round(
-            RoundCompleted(
-                step=self.step, report=report, weights_hash=digest, state_hash=state_digest
-            )
+            RoundCompleted(step=self.step, report=report, outer_state=outer)
         )
 
     async def _evaluate_and_report(self) -> None:
