@@ -172,6 +172,55 @@ async def test_ddp_replicas_stay_identical_every_step(text_data):
     assert trainers[0].strategy.completed_rounds == 3
 
 
+async def test_ddp_is_diloco_with_one_inner_sgd_step_and_plain_outer_averaging(text_data):
+    """With inner plain SGD, H = 1, outer lr 1 and no momentum, DiLoCo's outer step is
+    φ − mean_m(lr·g_m): exactly the data-parallel update on the same per-worker batches."""
+
+    async def train(strategy, config):
+        peers = ("a", "b", "c")
+        network = InMemoryCollectiveGroup(list(peers))
+        trainers = []
+        for i, p in enumerate(peers):
+            task = builtin_task(
+                model=MICRO,
+                data=text_data,
+                batch_size=4,
+                eval_batches=1,
+                context=TaskContext(shard_index=i, num_shards=len(peers), seed=5),
+            )
+            task.optimizer = torch.optim.SGD(task.model.parameters(), lr=0.5)
+            outer = create_strategy(
+                strategy,
+                task.model,
+                collective=network.member(p),
+                groups=FixedGroups(peers),
+                config=config,
+            )
+            cfg = TrainerConfig(
+                total_steps=4,
+                eval_every=0,
+                grad_clip=0.0,
+                schedule=ScheduleConfig(lr=0.5, warmup_steps=2, total_steps=4),
+            )
+            trainers.append(Trainer(task, outer, cfg, device=CPU))
+        async with trio.open_nursery() as nursery:
+            for t in trainers:
+                nursery.start_soon(t.run)
+        return [list(t.model.parameters()) for t in trainers]
+
+    ddp = await train("ddp", None)
+    diloco = await train("diloco", DiLoCoConfig(inner_steps=1, outer_lr=1.0, outer_momentum=0.0))
+    initial = builtin_task(model=MICRO, data=text_data, eval_batches=1).model.parameters()
+    moved = False
+    for a, b, start in zip(ddp[0], diloco[0], initial, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+        moved |= not torch.equal(a, start)
+    assert moved
+    for replica in diloco[1:]:
+        for a, b in zip(diloco[0], replica, strict=True):
+            assert torch.equal(a, b)
+
+
 async def test_bad_batches_from_a_task_are_config_errors(text_data):
     network = InMemoryCollectiveGroup(["a"])
     model = torch.nn.Linear(2, 2)
