@@ -11,11 +11,18 @@ Adding a method: register its strategy in ``lattica.train.strategies.STRATEGIES`
 then carries ``<name>_loss``, ``<name>_bytes`` and ``<name>_vs_ddp``.
 
     python benchmarks/convergence.py [--data PATH] [--strategies ddp,nocomm,diloco] [--seed N]
+        [--steps 500] [--batch-size 8] [--context 128] [--lr 3e-3] [--warmup 50]
+        [--outer-lr 0.7] [--outer-momentum 0.9]
+
+Every method gets the same inner hyperparameters (AdamW, warmup + cosine over ``--steps``).
+``--outer-lr`` / ``--outer-momentum`` change only the two DiLoCo runs (``diloco``,
+``moe_diloco``), for sweeps; without them DiLoCo runs with its defaults η 0.7, μ 0.9.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -75,20 +82,28 @@ METHODS: dict[str, Method] = {
     "ddp": Method(strategy="ddp"),
     "nocomm": Method(strategy="nocomm"),
     "diloco": Method(strategy="diloco", config=DiLoCoConfig(inner_steps=SYNC_EVERY)),
-    "noloco": Method(strategy="noloco", config=NoLoCoConfig(inner_steps=SYNC_EVERY), evaluate_average=True),
+    "noloco": Method(
+        strategy="noloco", config=NoLoCoConfig(inner_steps=SYNC_EVERY), evaluate_average=True
+    ),
     # one-round-stale outer gradients are unstable with μ = 0.9 at this scale (val loss after
     # 200 steps: 3.68 with μ = 0.9, 2.65 with μ = 0.5; DiLoCo 2.43), so eager uses μ = 0.5
-    "eager": Method(strategy="eager", config=EagerDiLoCoConfig(inner_steps=SYNC_EVERY, outer_momentum=0.5)),
+    "eager": Method(
+        strategy="eager", config=EagerDiLoCoConfig(inner_steps=SYNC_EVERY, outer_momentum=0.5)
+    ),
     "streaming": Method(
         strategy="streaming",
-        config=StreamingDiLoCoConfig(inner_steps=SYNC_EVERY, fragments=2, overlap_steps=2, mixing=0.5),
+        config=StreamingDiLoCoConfig(
+            inner_steps=SYNC_EVERY, fragments=2, overlap_steps=2, mixing=0.5
+        ),
     ),
     "moe_diloco": Method(
         strategy="diloco", config=DiLoCoConfig(inner_steps=SYNC_EVERY), build_model=_tiny_moe
     ),
     "spes": Method(
         strategy="spes",
-        config=SPESConfig(sync_every=SYNC_EVERY, merge_every=100, merge_decay_steps=1000, members=PEERS),
+        config=SPESConfig(
+            sync_every=SYNC_EVERY, merge_every=100, merge_decay_steps=1000, members=PEERS
+        ),
         build_model=_tiny_moe,
     ),
 }
@@ -112,8 +127,7 @@ class FixedGroups:
         return self.members
 
 
-async def run_method(name: str, corpus, budget: Budget, seed: int) -> dict[str, float]:
-    method = METHODS[name]
+async def run_method(method: Method, corpus, budget: Budget, seed: int) -> dict[str, float]:
     peers = PEERS
     peaks = [0] * WORKERS
     network = InMemoryCollectiveGroup(peers)
@@ -226,6 +240,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--context", type=int, default=Budget.context, help="bytes per sequence")
     parser.add_argument("--warmup", type=int, default=Budget.warmup, help="inner warmup steps")
     parser.add_argument("--eval-batches", type=int, default=Budget.eval_batches)
+    parser.add_argument(
+        "--outer-lr", type=float, default=None, help="DiLoCo's outer lr η, for sweeps (0.7)"
+    )
+    parser.add_argument(
+        "--outer-momentum", type=float, default=None, help="DiLoCo's outer μ, for sweeps (0.9)"
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads per operation")
     return parser.parse_args(argv)
 
@@ -238,7 +258,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown strategies {unknown}; known: {sorted(METHODS)}", file=sys.stderr)
         return 2
     if args.steps < SYNC_EVERY or args.steps % SYNC_EVERY:
-        print(f"error: --steps must be a multiple of {SYNC_EVERY} (the sync period)", file=sys.stderr)
+        print(
+            f"error: --steps must be a multiple of {SYNC_EVERY} (the sync period)", file=sys.stderr
+        )
         return 2
     torch.set_num_threads(args.threads)
     budget = Budget(
@@ -260,10 +282,11 @@ def main(argv: list[str] | None = None) -> int:
         f"{WORKERS} workers x {budget.steps} steps x {budget.batch_size}x{budget.context} "
         f"tokens = {tokens} tokens per method, seed {args.seed}"
     )
+    methods = _with_outer(METHODS, args.outer_lr, args.outer_momentum)
     results: dict[str, dict[str, float]] = {}
     for name in names:
         started = time.monotonic()
-        results[name] = trio.run(run_method, name, corpus, budget, args.seed)
+        results[name] = trio.run(run_method, methods[name], corpus, budget, args.seed)
         results[name]["seconds"] = time.monotonic() - started
     print(f"{'method':<12}{'val loss':>10}{'spread':>9}{'MB sent/worker':>16}{'seconds':>9}")
     for name, r in results.items():
@@ -273,6 +296,21 @@ def main(argv: list[str] | None = None) -> int:
         )
     print(json.dumps(summary_json(results, args.seed, tokens)))
     return 0
+
+
+def _with_outer(
+    methods: dict[str, Method], lr: float | None, momentum: float | None
+) -> dict[str, Method]:
+    """``methods`` with DiLoCo's outer lr / momentum replaced where given (both DiLoCo runs)."""
+    changes = {k: v for k, v in (("outer_lr", lr), ("outer_momentum", momentum)) if v is not None}
+    if not changes:
+        return methods
+    return {
+        name: dataclasses.replace(m, config=dataclasses.replace(m.config, **changes))
+        if type(m.config) is DiLoCoConfig
+        else m
+        for name, m in methods.items()
+    }
 
 
 def summary_json(results: dict[str, dict[str, float]], seed: int, tokens: int) -> dict[str, Any]:
