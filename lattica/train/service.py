@@ -457,8 +457,7 @@ class TrainingService:
             "strategy": self.settings.strategy,
             "replicas_agree": bool(self.strategy is not None and self.strategy.replicas_agree),
             "rounds_target": self.settings.rounds,
-            # rounds whose checkpoint is written: a kill never takes back a round reported here
-            "rounds_completed": self._mine[0],
+            "rounds_completed": self.strategy.completed_rounds if self.strategy is not None else 0,
             "bytes_sent": self._bytes_sent,
             "device": self.trainer.device.describe() if self.trainer is not None else None,
             **self.progress,
