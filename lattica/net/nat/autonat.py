@@ -108,7 +108,10 @@ class ReachabilityService:
                 signature = current
                 if current[0]:
                     await self.check()
-                next_check = trio.current_time() + self._config.recheck_interval
+                # a round without any verdict (the peers' services were still starting, or
+                # the queries failed) is retried soon, not after the full recheck interval
+                retry = self._config.recheck_interval if self.verdicts else min(2.0, self._config.recheck_interval)
+                next_check = trio.current_time() + retry
             await trio.sleep(self._config.poll_interval)
 
     def _signature(self) -> tuple:
