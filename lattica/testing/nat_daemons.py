@@ -19,13 +19,12 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from lattica.control import client
 from lattica.errors import LatticaError
-from lattica.testing.netlab import LabHost, LabProcess, NetLab
+from lattica.testing.netlab import LabHost, LabProcess, NetLab, ScenarioResult
 
 PORT = 4001
 POLL_S = 0.1
@@ -35,17 +34,6 @@ TRAIN_ARGS = ("--train", "--model", "tiny", "--device", "cpu", "--rounds", "4",
 TRAIN_ENV = {"LATTICA_TRAIN_BATCH_SIZE": "4", "LATTICA_TRAIN_SEQ_LEN": "32",
              "LATTICA_TRAIN_WARMUP_STEPS": "1", "OMP_NUM_THREADS": "1"}
 QUIET_ENV = {"LATTICA_PEER_EXCHANGE": "false", "LATTICA_DHT": "false"}
-
-
-@dataclass
-class ScenarioResult:
-    scenario: str
-    direct_possible: bool
-    connected: bool = False
-    path: str | None = None
-    connect_s: float | None = None
-    direct_s: float | None = None
-    details: dict[str, Any] = field(default_factory=dict)
 
 
 class LabDaemon:

@@ -36,6 +36,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 NS_PREFIX = "ltnat-"
 _NS_RE = re.compile(r"^ltnat-(\d+)-")
@@ -190,6 +191,19 @@ class LabProcess:
             self.popen.wait(timeout=5)
         except subprocess.TimeoutExpired:
             pass
+
+
+@dataclass
+class ScenarioResult:
+    """What a NAT scenario measured (tests and ``benchmarks/nat_matrix.py``)."""
+
+    scenario: str
+    direct_possible: bool
+    connected: bool = False
+    path: str | None = None
+    connect_s: float | None = None
+    direct_s: float | None = None
+    details: dict[str, Any] = field(default_factory=dict)
 
 
 class NetLab:

@@ -14,23 +14,11 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
-from lattica.testing.netlab import LabHost, LabProcess, NetLab
+from lattica.testing.netlab import LabHost, LabProcess, NetLab, ScenarioResult
 
 PORT = 4001
 TIMEOUT = 12.0
-
-
-@dataclass
-class ScenarioResult:
-    scenario: str
-    direct_possible: bool
-    connected: bool = False
-    path: str | None = None
-    connect_s: float | None = None
-    direct_s: float | None = None
-    details: dict = field(default_factory=dict)
 
 
 def start_node(lab: NetLab, host: LabHost, *extra: str, log: str | None = None) -> LabProcess:
