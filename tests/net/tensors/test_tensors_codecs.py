@@ -85,7 +85,10 @@ def test_lossy_bounds_hold_for_arbitrary_values(values, codec):
     assert out.shape == t.shape
     if codec in ("int8", "int4") and values:
         steps = 254 if codec == "int8" else 14
-        assert (out - t).abs().max() <= t.abs().max() / steps * (1 + 1e-5)
+        # relative to the block's largest value; below float32's smallest normal number the
+        # scale itself is subnormal and only an absolute bound of that size holds
+        tiny = torch.finfo(torch.float32).tiny
+        assert (out - t).abs().max() <= t.abs().max() / steps * (1 + 1e-5) + tiny
 
 
 def test_quantizers_refuse_non_finite_input():
