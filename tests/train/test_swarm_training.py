@@ -164,7 +164,7 @@ def test_sigkilled_peer_does_not_stall_the_others(swarm: Swarm) -> None:
     elapsed = time.monotonic() - killed_at
     # at most: lease expiry (~6 s) plus a deadline and a retry per remaining round, plus slack
     assert elapsed < 6 + rounds * (2 * deadline_s + 2), elapsed
-    assert [i["rounds_completed"] for i in infos] == [rounds, rounds]
+    assert [i["rounds_completed"] for i in infos] == [rounds, rounds], [d.log()[-6000:] for d in survivors]
     assert len(_final_hashes(survivors, rounds=rounds)) == 1
 
 
@@ -209,7 +209,7 @@ def test_a_peer_restarted_after_kill_9_rejoins_without_waiting_for_min_peers(swa
     assert resumed, b.log()
     assert resumed["rounds_completed"] >= before  # no completed round lost
     infos = _wait_done([a, b], timeout=120)
-    assert [i["rounds_completed"] for i in infos] == [rounds, rounds]
+    assert [i["rounds_completed"] for i in infos] == [rounds, rounds], [d.log()[-6000:] for d in survivors]
     assert len(_final_hashes([a, b], rounds=rounds)) == 1
 
 
@@ -256,7 +256,7 @@ def test_owner_leaves_its_experts_are_reassigned_and_training_goes_on(swarm: Swa
         victim.kill()  # its lease expires
 
     infos = _wait_done(survivors, timeout=120)
-    assert [i["rounds_completed"] for i in infos] == [rounds, rounds]
+    assert [i["rounds_completed"] for i in infos] == [rounds, rounds], [d.log()[-6000:] for d in survivors]
     assert len(_final_hashes(survivors, rounds=rounds)) == 1
 
     alive = {d.peer_id for d in survivors}

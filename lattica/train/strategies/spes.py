@@ -25,9 +25,10 @@ Every S inner steps (one sync, key ``round/r``):
    trains it from the latest copy. The first sync takes its map from its agreed members.
 
 After a completed sync all members hold bit-identical weights. Failure: if any part of the sync
-fails (a peer vanished), nothing is applied, the round is reported skipped, and the next sync
-runs with the member list the ``GroupProvider`` then gives — which reassigns the experts of
-a node that left. The departed owner's progress since the last sync is lost; nothing else is.
+fails (a peer vanished), nothing is applied and the sync is retried with the group agreed for
+``round/N/retry/1`` (without the peer that failed it), whose member list reassigns the experts
+of a node that left; if the retry fails too, the round is reported skipped. The departed
+owner's progress since the last sync is lost; nothing else is.
 """
 
 from __future__ import annotations
@@ -69,8 +70,11 @@ class SPESConfig:
     merge_neighbors: int = 4
     codec: str = "fp32"
     members: tuple[str, ...] = field(default=())
+    max_attempts: int = 2  # a failed sync is retried once with the group agreed for the retry
 
     def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
         if self.sync_every < 1:
             raise ValueError(f"sync_every must be >= 1, got {self.sync_every}")
         if self.merge_every < 1 or self.merge_every % self.sync_every:
@@ -157,19 +161,27 @@ class SPES(AccountedStrategy):
 
     async def _sync(self, step: int, round_number: int) -> OuterStepReport:
         started, key = time.monotonic(), f"round/{round_number}"
-        members = tuple(await self.groups.group_for(key))
-        if self._completed == 0:
-            # the first sync's agreed members fix the initial map (nodes that started with
-            # different views of the swarm would otherwise disagree on who sends what)
-            self.owners = assign_experts(members, self.num_experts)
-            self.ownership.adopt(self.owners)
-        sources = {e: o if o in members else min(members) for e, o in self.owners.items()}
-        dense_sent = allreduce_bytes(self._dense, len(members), self.config.codec)
-        failure = ""
-        try:
-            dense_mean, copies, expert_sent = await self._exchange(members, sources, key)
-        except* _SYNC_ERRORS as group:
-            failure = "; ".join(str(e) for e in group.exceptions)
+        dense_sent, failure = 0, ""
+        for attempt in range(self.config.max_attempts):
+            # a retry agrees on a fresh group (without the peer that failed the first attempt)
+            attempt_key = key if attempt == 0 else f"{key}/retry/{attempt}"
+            members = tuple(await self.groups.group_for(attempt_key))
+            if self._completed == 0:
+                # the first sync's agreed members fix the initial map (nodes that started with
+                # different views of the swarm would otherwise disagree on who sends what)
+                self.owners = assign_experts(members, self.num_experts)
+                self.ownership.adopt(self.owners)
+            sources = {e: o if o in members else min(members) for e, o in self.owners.items()}
+            dense_sent += allreduce_bytes(self._dense, len(members), self.config.codec)
+            failure = ""
+            try:
+                dense_mean, copies, expert_sent = await self._exchange(
+                    members, sources, attempt_key
+                )
+            except* _SYNC_ERRORS as group:
+                failure = "; ".join(str(e) for e in group.exceptions)
+            if not failure:
+                break
         if failure:
             self.traffic.record_sync(dense_sent)
             return OuterStepReport(
