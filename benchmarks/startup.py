@@ -35,7 +35,9 @@ def bare_python_rss() -> float:
         [sys.executable, "-c", "import trio, sys; sys.stdout.write('ready\\n'); sys.stdout.flush(); sys.stdin.read()"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )
-    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    assert proc.stdout is not None
+    if proc.stdout.readline().strip() != "ready":
+        raise RuntimeError("the bare interpreter did not start")
     value = rss_mb(proc.pid)
     proc.communicate("", timeout=10)
     return value

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 from pathlib import Path
@@ -44,8 +45,9 @@ def test_precedence_flags_over_env_over_file(tmp_path):
     assert merged.run_id == "from-flag"
     assert merged.log_level == "error"
     assert merged.metrics_addr == "127.0.0.1:9500"
-    assert merged.train is not None and merged.train.rounds == 5
-    with pytest.raises(Exception):  # noqa: B017 - frozen dataclass
+    assert merged.train is not None
+    assert merged.train.rounds == 5
+    with pytest.raises(dataclasses.FrozenInstanceError):
         merged.run_id = "x"  # type: ignore[misc]
 
 

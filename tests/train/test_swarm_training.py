@@ -209,7 +209,7 @@ def test_a_peer_restarted_after_kill_9_rejoins_without_waiting_for_min_peers(swa
     assert resumed, b.log()
     assert resumed["rounds_completed"] >= before  # no completed round lost
     infos = _wait_done([a, b], timeout=120)
-    assert [i["rounds_completed"] for i in infos] == [rounds, rounds], [d.log()[-6000:] for d in survivors]
+    assert [i["rounds_completed"] for i in infos] == [rounds, rounds], [d.log()[-6000:] for d in (a, b)]
     assert len(_final_hashes([a, b], rounds=rounds)) == 1
 
 
