@@ -6,6 +6,7 @@ from typing import Any
 
 import trio
 from libp2p.crypto.keys import KeyPair
+from trio_typing import TaskStatus
 
 from lattica.config import NodeConfig
 from lattica.node import Node
@@ -25,7 +26,7 @@ class StateExtension:
             config=StateConfig(admins=run_admins(node.config, node.peer_id.to_base58())),
         )
 
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             await nursery.start(self.state.run)
             # a restarted node's record still holds the role of its previous life: replace it
@@ -69,7 +70,7 @@ class DiscoveryExtension:
             connect=lambda info: node.dial_peer(info.peer_id.to_base58(), [str(a) for a in info.addrs]),
         )
 
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         # bootstrapping and the first lookups take network round trips: do not hold start-up
         task_status.started()
         async with trio.open_nursery() as nursery:
@@ -94,7 +95,7 @@ class TrainingMetricsExporter:
     def __init__(self, node: Node, training: Any, state: Any) -> None:
         self.node, self.training, self.state = node, training, state
 
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         metrics = self.node.metrics
         task_status.started()
         last_round, last_round_at, last_step, last_step_at = 0, trio.current_time(), 0, trio.current_time()

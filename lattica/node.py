@@ -34,6 +34,7 @@ from libp2p.abc import IHost, INetStream
 from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
+from trio_typing import TaskStatus
 
 from lattica import __version__
 from lattica.config import NodeConfig, parse_host_port, parse_multiaddr
@@ -99,7 +100,7 @@ class Node:
     def request_shutdown(self) -> None:
         self._shutdown.set()
 
-    async def run(self, *, task_status: trio.TaskStatus[Node] = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: TaskStatus[Node] = trio.TASK_STATUS_IGNORED) -> None:
         listen = [parse_multiaddr(a, what="--listen") for a in self.config.listen]
         announce = [parse_multiaddr(a, what="--announce") for a in self.config.announce]
         _check_ports_free(listen)

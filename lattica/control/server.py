@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import trio
+from trio_typing import TaskStatus
 
 from lattica.control.protocol import (
     MAX_REQUEST_BYTES,
@@ -31,7 +32,7 @@ class ControlServer:
         self.path = path
         self._handler = handler
 
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         listener = await self._listen()
         try:
             async with trio.open_nursery() as nursery:

@@ -28,6 +28,7 @@ import trio
 from libp2p.abc import IHost
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
+from trio_typing import TaskStatus
 
 from lattica.dht.config import DHTConfig
 from lattica.dht.keys import content_key, run_key, validate_run_id
@@ -88,7 +89,7 @@ class RunDiscovery:
         await self._changed.wait()
 
     # -- service ----------------------------------------------------------------------------
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         await self._step("bootstrap", self.dht.bootstrap)
         await self._step("provide", self._provide)
         await self._step("lookup", self.refresh_members)

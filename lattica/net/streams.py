@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import trio
 from libp2p.abc import INetStream
+from trio_typing import TaskStatus
 
 from lattica.errors import BrokenError, RemoteProtocolError
 
@@ -25,7 +26,7 @@ class DrainingReader:
         self._error: Exception | None = None
         self._changed = trio.Event()
 
-    async def pump(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def pump(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Read until EOF; run this in a nursery next to the consumer."""
         task_status.started()
         try:

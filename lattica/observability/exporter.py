@@ -17,6 +17,7 @@ from http import HTTPStatus
 
 import trio
 from prometheus_client.exposition import choose_encoder
+from trio_typing import TaskStatus
 
 from lattica.observability.http_request import (
     BadRequest,
@@ -52,7 +53,7 @@ class MetricsServer:
         """The bound (host, port), set once ``run`` has started."""
 
     async def run(
-        self, *, task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED
+        self, *, task_status: TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED
     ) -> None:
         """Listen and serve until cancelled; ``task_status.started((host, port))`` once bound."""
         listeners = await trio.open_tcp_listeners(self._port, host=self._host)

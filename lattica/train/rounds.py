@@ -36,6 +36,7 @@ import trio
 from libp2p.abc import IHost, INetStream
 from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
+from trio_typing import TaskStatus
 
 from lattica.errors import LatticaError, PeerUnavailableError, RemoteProtocolError
 from lattica.net.wire import read_message, write_message
@@ -82,7 +83,7 @@ class RoundCoordinator:
         self._groups: OrderedDict[str, tuple[str, ...]] = OrderedDict()  # groups we sealed or got
         self._nursery: trio.Nursery | None = None
 
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         self.host.set_stream_handler(ROUND_PROTOCOL, self._handle)
         async with trio.open_nursery() as nursery:
             self._nursery = nursery

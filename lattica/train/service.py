@@ -27,6 +27,7 @@ import zlib
 from typing import Any
 
 import trio
+from trio_typing import TaskStatus
 
 from lattica.config import TrainSettings
 from lattica.errors import ConfigError, LatticaError
@@ -68,7 +69,7 @@ class TrainingService:
 
     # -- service -------------------------------------------------------------------------
 
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         from lattica.net.tensors.transfer import TensorService, TensorServiceConfig
         from lattica.train.rounds import RoundCoordinator
 

@@ -28,6 +28,7 @@ from libp2p.host.autonat.autonat import AutoNATService
 from libp2p.host.autonat.pb.autonat_pb2 import Message
 from libp2p.peer.id import ID
 from multiaddr import Multiaddr
+from trio_typing import TaskStatus
 
 from lattica.net.nat.addresses import conn_is_relayed, dialable_addrs, observed_ips
 
@@ -98,7 +99,7 @@ class ReachabilityService:
         await self._changed.wait()
         return self.reachability
 
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         signature: tuple = ()
         next_check = trio.current_time()

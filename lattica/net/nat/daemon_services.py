@@ -25,6 +25,7 @@ from typing import Any
 
 import trio
 from libp2p.peer.id import ID
+from trio_typing import TaskStatus
 
 from lattica.net.nat.addresses import (
     conn_is_relayed,
@@ -70,7 +71,7 @@ class NatServices:
         self._host = host
         self._member_backoff: dict[str, tuple[float, float]] = {}  # peer -> (next try, pause)
 
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             for service in (self.relay_server, self.hole_puncher, self.paths, self.dialer,
                             self.reachability):
@@ -118,7 +119,7 @@ class NatServices:
         reservations = self.reservations = RelayReservations(self._host)
         scope = self._reservations_scope = trio.CancelScope()
 
-        async def keep(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async def keep(*, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
             with scope:
                 async with trio.open_nursery() as inner:
                     await inner.start(reservations.run)

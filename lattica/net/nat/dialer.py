@@ -33,6 +33,7 @@ from libp2p.peer.id import ID
 from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
 from libp2p.relay.circuit_v2.transport import CircuitV2Transport
 from multiaddr import Multiaddr
+from trio_typing import TaskStatus
 
 from lattica.errors import PeerUnavailableError
 from lattica.net.nat.addresses import is_circuit
@@ -75,7 +76,7 @@ class Dialer:
         self._punching: set[ID] = set()
         self._next_punch: dict[ID, tuple[float, float]] = {}  # peer -> (when, pause after)
 
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             task_status.started()

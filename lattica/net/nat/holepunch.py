@@ -26,6 +26,7 @@ from libp2p.peer.id import ID
 from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol, _local_tcp_listen_addrs
 from libp2p.tools.anyio_service import background_trio_service
 from multiaddr import Multiaddr
+from trio_typing import TaskStatus
 
 from lattica.net.nat.addresses import is_circuit
 
@@ -85,7 +86,7 @@ class HolePuncher:
         self.protocol = _BoundedDCUtR(host, rounds=rounds, round_timeout=round_timeout,
                                       dial_timeout=dial_timeout)
 
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with background_trio_service(self.protocol):
             await self.protocol.event_started.wait()
             task_status.started()

@@ -23,6 +23,7 @@ import trio
 from libp2p.abc import IHost, INetConn
 from libp2p.host.ping import PingService
 from libp2p.peer.id import ID
+from trio_typing import TaskStatus
 
 from lattica.net.nat.addresses import conn_is_relayed
 
@@ -90,7 +91,7 @@ class PathBook:
         return current
 
     # -- service ---------------------------------------------------------------------------
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._rtt_loop)
             self.sample()

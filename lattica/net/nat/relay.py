@@ -40,6 +40,7 @@ from libp2p.relay.circuit_v2.resources import RelayLimits
 from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
 from libp2p.tools.anyio_service import background_trio_service
 from multiaddr import Multiaddr
+from trio_typing import TaskStatus
 
 from lattica.net.nat.addresses import conn_is_relayed, is_circuit
 from lattica.net.nat.autonat import Reachability, ReachabilityService
@@ -81,7 +82,7 @@ class RelayServer:
                                           allow_hop=False)
         self.serving = False
 
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with background_trio_service(self.protocol):
             await self.protocol.event_started.wait()
             try:
@@ -163,7 +164,7 @@ class RelayReservations:
         if all(r.peer_id != info.peer_id for r in self._static):
             self._static.append(info)
 
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         while True:
             await self.maintain()

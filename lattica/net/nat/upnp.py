@@ -13,6 +13,7 @@ import logging
 
 import trio
 from multiaddr import Multiaddr
+from trio_typing import TaskStatus
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +26,7 @@ class PortMapper:
         self._timeout = discover_timeout
         self.external_addr: Multiaddr | None = None
 
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         try:
             from libp2p.discovery.upnp.upnp import UpnpManager
         except ImportError:  # miniupnpc missing
