@@ -22,7 +22,7 @@ class StateExtension:
         self.node = node
         self.role = role
         self.state = ReplicatedState(
-            node.host, node.key_pair, data_dir=node.config.data_dir, run_id=node.config.run_id,
+            node.running_host, node.key_pair, data_dir=node.config.data_dir, run_id=node.config.run_id,
             config=StateConfig(admins=run_admins(node.config, node.peer_id.to_base58())),
         )
 
@@ -66,7 +66,7 @@ class DiscoveryExtension:
 
         self.node = node
         self.discovery = RunDiscovery(
-            node.host, run_id=node.config.run_id, config=DHTConfig(),
+            node.running_host, run_id=node.config.run_id, config=DHTConfig(),
             connect=lambda info: node.dial_peer(info.peer_id.to_base58(), [str(a) for a in info.addrs]),
         )
 

@@ -100,6 +100,17 @@ class Node:
     def request_shutdown(self) -> None:
         self._shutdown.set()
 
+    @property
+    def running_host(self) -> IHost:
+        """The libp2p host, which exists only while ``run`` is active.
+
+        Services are built from ``service_factories`` inside ``run``, after the host is up, so
+        they may rely on it; anything earlier is a programming error, not a peer's fault.
+        """
+        if self.host is None:
+            raise RuntimeError("the node's host exists only while Node.run is active")
+        return self.host
+
     async def run(self, *, task_status: TaskStatus[Node] = trio.TASK_STATUS_IGNORED) -> None:
         listen = [parse_multiaddr(a, what="--listen") for a in self.config.listen]
         announce = [parse_multiaddr(a, what="--announce") for a in self.config.announce]
@@ -374,11 +385,11 @@ class Node:
             await stream.close()
 
     async def _say_goodbye(self) -> None:
-        assert self.host is not None
+        host = self.running_host
 
         async def bye(peer_id: str) -> None:
             try:
-                stream = await self.host.new_stream(ID.from_base58(peer_id), [BYE_PROTOCOL])  # type: ignore[union-attr]
+                stream = await host.new_stream(ID.from_base58(peer_id), [BYE_PROTOCOL])
                 await write_message(stream, {"run": self.config.run_id}, peer_id=peer_id)
                 await read_message(stream, max_size=1024, peer_id=peer_id)  # the ack
                 await stream.close()

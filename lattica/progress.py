@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from typing import IO
 
 from rich.console import Console
@@ -134,16 +134,15 @@ class ProgressDisplay:
         bytes_received: int | None = None,
     ) -> None:
         """Record new values for ``node_label``; fields left at None keep their last value."""
-        given = {
-            "round": round,
-            "loss": loss,
-            "tokens_per_s": tokens_per_s,
-            "peers": peers,
-            "bytes_sent": bytes_sent,
-            "bytes_received": bytes_received,
-        }
         previous = self._nodes.get(node_label, NodeProgress())
-        current = replace(previous, **{k: v for k, v in given.items() if v is not None})
+        current = NodeProgress(
+            round=previous.round if round is None else round,
+            loss=previous.loss if loss is None else loss,
+            tokens_per_s=previous.tokens_per_s if tokens_per_s is None else tokens_per_s,
+            peers=previous.peers if peers is None else peers,
+            bytes_sent=previous.bytes_sent if bytes_sent is None else bytes_sent,
+            bytes_received=previous.bytes_received if bytes_received is None else bytes_received,
+        )
         self._nodes[node_label] = current
         if self._live is not None:
             self._refresh(self._live, force=False)

@@ -147,9 +147,10 @@ class AccessGate:
         self._open_unguarded = new_stream
         set_handler(AUTH_PROTOCOL, self._answer_challenge)
 
-        def guarded_set_stream_handler(protocol_id: TProtocol, handler: Handler) -> None:
+        # the same parameter names as IHost's, so keyword callers reach the guarded versions too
+        def guarded_set_stream_handler(protocol_id: TProtocol, stream_handler: Handler) -> None:
             self._guarded.add(str(protocol_id))
-            set_handler(protocol_id, self.wrap(handler, str(protocol_id)))
+            set_handler(protocol_id, self.wrap(stream_handler, str(protocol_id)))
 
         async def guarded_new_stream(peer_id: ID, protocol_ids: Sequence[TProtocol]) -> INetStream:
             stream = await new_stream(peer_id, protocol_ids)

@@ -9,15 +9,23 @@ so a lying or hostile peer costs at most ``max_size`` bytes of memory. Anything 
 from __future__ import annotations
 
 import struct
-from typing import Any
+from typing import Any, Protocol
 
 import msgpack
-from libp2p.abc import INetStream
 
 from lattica.errors import BrokenError, RemoteProtocolError
 
 _HEADER = struct.Struct(">I")
 DEFAULT_MAX_MESSAGE = 1 << 20
+
+
+class ByteStream(Protocol):
+    """All that framing needs of a stream: a libp2p ``INetStream`` or a wrapper around one
+    (``MeteredStream`` counts the bytes), so the codec does not care which it is given."""
+
+    async def read(self, n: int | None = None) -> bytes: ...
+
+    async def write(self, data: bytes) -> None: ...
 
 
 def encode_message(obj: Any) -> bytes:
@@ -32,7 +40,7 @@ def decode_body(body: bytes, *, peer_id: str | None = None) -> Any:
         raise RemoteProtocolError(f"malformed message: {exc}", peer_id=peer_id) from None
 
 
-async def read_exactly(stream: INetStream, n: int, *, peer_id: str | None = None) -> bytes:
+async def read_exactly(stream: ByteStream, n: int, *, peer_id: str | None = None) -> bytes:
     chunks: list[bytes] = []
     remaining = n
     while remaining:
@@ -52,7 +60,7 @@ async def read_exactly(stream: INetStream, n: int, *, peer_id: str | None = None
 
 
 async def read_message(
-    stream: INetStream, *, max_size: int = DEFAULT_MAX_MESSAGE, peer_id: str | None = None
+    stream: ByteStream, *, max_size: int = DEFAULT_MAX_MESSAGE, peer_id: str | None = None
 ) -> Any:
     """Read one framed message; raises ``RemoteProtocolError`` or ``BrokenError``."""
     (length,) = _HEADER.unpack(await read_exactly(stream, _HEADER.size, peer_id=peer_id))
@@ -63,7 +71,7 @@ async def read_message(
     return decode_body(await read_exactly(stream, length, peer_id=peer_id), peer_id=peer_id)
 
 
-async def write_message(stream: INetStream, obj: Any, *, peer_id: str | None = None) -> None:
+async def write_message(stream: ByteStream, obj: Any, *, peer_id: str | None = None) -> None:
     try:
         await stream.write(encode_message(obj))
     except Exception as exc:

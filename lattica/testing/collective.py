@@ -17,7 +17,6 @@ involves it raises ``PeerUnavailableError`` naming it.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -155,12 +154,9 @@ def _check_group(group: Sequence[str], me: str) -> frozenset[str]:
 
 
 def _check_shapes(deposits: dict[str, list[torch.Tensor]]) -> None:
-    shapes = defaultdict(set)
-    for tensors in deposits.values():
-        shapes["n"].add(len(tensors))
-        for i, t in enumerate(tensors):
-            shapes[i].add(tuple(t.shape))
-    if any(len(s) > 1 for s in shapes.values()):
+    # one layout per member: how many tensors, and each one's shape in order
+    layouts = {tuple(tuple(t.shape) for t in tensors) for tensors in deposits.values()}
+    if len(layouts) > 1:
         raise LocalProtocolError("members passed tensors of different shapes to one allreduce")
 
 

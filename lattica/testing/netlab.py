@@ -173,16 +173,16 @@ class LabProcess:
                 raise TimeoutError(f"{self.name}: no matching event in {timeout}s; "
                                    f"last events: {self.events[-5:]}")
             try:
-                event = self._queue.get(timeout=remaining)
+                received = self._queue.get(timeout=remaining)
             except queue.Empty:
                 continue
-            if event is None:
+            if received is None:
                 self._queue.put(None)
                 raise RuntimeError(f"{self.name} exited (rc={self.popen.poll()}); "
                                    f"last events: {self.events[-5:]}")
-            self.events.append(event)
-            if predicate(event):
-                return event
+            self.events.append(received)
+            if predicate(received):
+                return received
 
     def kill(self) -> None:
         if self.popen.poll() is None:
@@ -313,16 +313,17 @@ table inet lab_filter {{
     def spawn(self, host: LabHost, argv: Sequence[str], *, name: str | None = None,
               stderr_path: str | None = None) -> LabProcess:
         """Start ``argv`` inside ``host``'s namespace; its stdout must be JSON lines."""
-        stderr = open(stderr_path, "w") if stderr_path else subprocess.DEVNULL  # noqa: SIM115
+        stderr_file = open(stderr_path, "w") if stderr_path else None  # noqa: SIM115
         try:
             popen = subprocess.Popen(
                 ["ip", "netns", "exec", host.ns, *argv],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=stderr_file if stderr_file is not None else subprocess.DEVNULL,
                 text=True, bufsize=1,
             )
         finally:
-            if stderr_path:
-                stderr.close()
+            if stderr_file is not None:
+                stderr_file.close()
         process = LabProcess(name or host.name, popen)
         self.processes.append(process)
         return process

@@ -115,11 +115,17 @@ class MoEGPT(GPT):
 
     def __init__(self, config: MoEConfig) -> None:
         super().__init__(config, block=MoEBlock)  # type: ignore[arg-type]
+        # ``self.config`` is the same object, but GPT types it as the dense GPTConfig
+        self.moe_config = config
+
+    def moe_layers(self) -> list[MoEFeedForward]:
+        """Each layer's mixture of experts, in order (every block of this model is a MoEBlock)."""
+        return [block.moe for block in self.blocks if isinstance(block, MoEBlock)]
 
     @property
     def aux_loss(self) -> torch.Tensor:
         """Sum over layers of the load-balancing term of the last forward."""
-        return sum((b.moe.aux_loss for b in self.blocks), torch.zeros(()))
+        return sum((moe.aux_loss for moe in self.moe_layers()), torch.zeros(()))
 
 
 def build_moe_model(config: MoEConfig | str, *, seed: int = 0) -> MoEGPT:
@@ -145,9 +151,9 @@ def build_moe_model(config: MoEConfig | str, *, seed: int = 0) -> MoEGPT:
 
 def expert_parameters(model: MoEGPT) -> dict[int, list[nn.Parameter]]:
     """Expert index -> its parameters in every layer (the unit SPES assigns to an owner)."""
-    grouped: dict[int, list[nn.Parameter]] = {e: [] for e in range(model.config.num_experts)}
-    for block in model.blocks:
-        for e, expert in enumerate(block.moe.experts):
+    grouped: dict[int, list[nn.Parameter]] = {e: [] for e in range(model.moe_config.num_experts)}
+    for moe in model.moe_layers():
+        for e, expert in enumerate(moe.experts):
             grouped[e].extend(expert.parameters())
     return grouped
 

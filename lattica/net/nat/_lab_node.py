@@ -17,6 +17,7 @@ import logging
 import os
 import sys
 import time
+from typing import Literal
 
 import multiaddr
 import trio
@@ -90,7 +91,8 @@ class LabNode:
         self.host = build_host(create_new_key_pair(), listen_addrs=[self.listen])
         self.reachability = ReachabilityService(self.host, config=AutoNATConfig())
         limits = RelayLimitsConfig(reservation_ttl=args.reservation_ttl)
-        serve = {"on": True, "off": False, "auto": "auto"}[args.relay_serve]
+        relay_serve: dict[str, bool | Literal["auto"]] = {"on": True, "off": False, "auto": "auto"}
+        serve = relay_serve[args.relay_serve]
         self.relay = RelayServer(self.host, limits=limits, serve=serve,
                                  reachability=self.reachability)
         self.reservations = RelayReservations(

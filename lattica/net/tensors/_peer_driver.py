@@ -60,8 +60,9 @@ class PeerProcess:
     def close(self) -> None:
         self.kill()  # the peer keeps no state worth a graceful shutdown
         for pipe in (self.proc.stdin, self.proc.stdout):
-            with contextlib.suppress(Exception):
-                pipe.close()
+            if pipe is not None:
+                with contextlib.suppress(Exception):
+                    pipe.close()
         self.stderr.close()
 
 

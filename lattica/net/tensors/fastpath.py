@@ -126,13 +126,13 @@ class FastChannel:
 
         Returns the plaintext view and whether it is that buffer's first bytes.
         """
-        header = await self._receive_exactly(_LEN.size, eof_ok=True)
+        header = await self._receive_or_eof(_LEN.size)
         if header is None:
             return memoryview(b""), False
         (length,) = _LEN.unpack(header)
         if not _TAG_BYTES < length <= self._frame_bytes + _TAG_BYTES:
             raise RemoteProtocolError(f"fast frame of {length} bytes", peer_id=self.peer_id)
-        sealed = await self._receive_exactly(length, eof_ok=False)
+        sealed = await self._receive_exactly(length)
         n = length - _TAG_BYTES
         target = into()
         direct = target is not None and n <= len(target)
@@ -144,7 +144,14 @@ class FastChannel:
         self._recv_counter += 1
         return out, direct
 
-    async def _receive_exactly(self, n: int, *, eof_ok: bool) -> memoryview | None:
+    async def _receive_exactly(self, n: int) -> memoryview:
+        view = await self._receive_or_eof(n)
+        if view is None:  # the peer closed where a frame had to continue
+            raise BrokenError(f"fast channel ended mid-frame (0/{n})", peer_id=self.peer_id)
+        return view
+
+    async def _receive_or_eof(self, n: int) -> memoryview | None:
+        """``n`` bytes, or None when the peer closed cleanly before sending any of them."""
         view = memoryview(self._recv_buf)[:n]
         got = 0
         while got < n:
@@ -155,7 +162,7 @@ class FastChannel:
                 raise BrokenError(f"fast channel broken: {exc!r}", peer_id=self.peer_id) from None
             if k == 0:
                 self._closed = True
-                if got == 0 and eof_ok:
+                if got == 0:
                     return None
                 raise BrokenError(f"fast channel ended mid-frame ({got}/{n})", peer_id=self.peer_id)
             got += k

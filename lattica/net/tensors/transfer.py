@@ -253,9 +253,10 @@ class TensorService:
         size = len(header) + sum(len(p) for p in payloads)
         channel = await self._fast_channel(peer)
         if channel is not None:
+            pieces: tuple[bytes | memoryview, ...] = (header, *payloads)
             async with channel.send_lock:
                 try:
-                    for piece in (header, *payloads):
+                    for piece in pieces:
                         await channel.send_all(piece)
                 except BaseException as exc:
                     channel.abort()  # never leave half a message on a channel
@@ -274,8 +275,9 @@ class TensorService:
         except Exception as exc:
             raise PeerUnavailableError(f"cannot open a tensor stream: {exc!r}", peer_id=peer) from None
         channel = _StreamChannel(stream, peer, self.config.stream_chunk_bytes)
+        pieces: tuple[bytes | memoryview, ...] = (header, *payloads)
         try:
-            for piece in (header, *payloads):
+            for piece in pieces:
                 await channel.send_all(piece)
             await stream.close()
         except BaseException as exc:

@@ -90,7 +90,7 @@ def nesterov_outer_step(
 def outer_copy(model: torch.nn.Module) -> tuple[list[str], list[torch.Tensor], list[torch.Tensor]]:
     """Parameter names, the live (inner) parameters, and an fp32 CPU copy: the outer weights φ."""
     named = list(model.named_parameters())
-    inner = [p for _, p in named]
+    inner: list[torch.Tensor] = [p for _, p in named]
     return [n for n, _ in named], inner, [p.detach().to("cpu", torch.float32, copy=True) for p in inner]
 
 

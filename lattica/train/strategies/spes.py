@@ -124,7 +124,7 @@ class SPES(AccountedStrategy):
     ) -> None:
         super().__init__(model, collective=collective, groups=groups)
         self.config = config or SPESConfig()
-        self.num_experts: int = model.config.num_experts
+        self.num_experts = model.moe_config.num_experts
         if ownership is None:
             if not self.config.members:
                 raise ValueError("SPES needs an ExpertOwnership source or SPESConfig.members")
@@ -133,7 +133,7 @@ class SPES(AccountedStrategy):
         self._experts = expert_parameters(model)
         self._dense = dense_parameters(model)
         self._layers = [
-            [list(expert.parameters()) for expert in block.moe.experts] for block in model.blocks
+            [list(expert.parameters()) for expert in moe.experts] for moe in model.moe_layers()
         ]
         self.owners: dict[int, str] = dict(ownership.current())
         self._completed = 0
