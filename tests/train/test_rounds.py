@@ -137,17 +137,15 @@ async def test_askers_stop_waiting_for_a_coordinator_that_turns_silent() -> None
             silent: set[str] = set()
             members = await _members(nursery, deadline_s=30.0, silent=silent)
             coordinator, rest = members[0], members[1:]
-            groups: dict[str, tuple[str, ...]] = {}
 
-            async def ask(member: _Member) -> None:
-                groups[member.peer_id] = tuple(await member.coordinator.group_for("round/0"))
-
-            started = trio.current_time()
-            async with trio.open_nursery() as asking:
-                for member in rest:
-                    asking.start_soon(ask, member)
+            async def turn_silent() -> None:
                 await trio.sleep(1.0)  # both wait on the coordinator, which waits for itself
                 silent.add(coordinator.peer_id)
+
+            started = trio.current_time()
+            async with trio.open_nursery() as silencing:
+                silencing.start_soon(turn_silent)
+                groups = await _groups(rest, "round/0")
             assert set(groups.values()) == {tuple(m.peer_id for m in rest)}
             assert trio.current_time() - started < 15
             nursery.cancel_scope.cancel()

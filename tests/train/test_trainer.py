@@ -39,8 +39,13 @@ def _trainer(
     strategy="diloco",
     config=DILOCO3,
     shard=0,
+    lr=3e-3,
+    plain_sgd=False,
+    eval_every=4,
+    grad_clip=1.0,
     **kwargs,
 ):
+    """A trainer of the micro GPT; ``plain_sgd`` swaps the inner AdamW for SGD at ``lr``."""
     network = network or InMemoryCollectiveGroup(list(peers))
     task = builtin_task(
         model=MICRO,
@@ -49,6 +54,8 @@ def _trainer(
         eval_batches=2,
         context=TaskContext(shard_index=shard, num_shards=len(peers), seed=5),
     )
+    if plain_sgd:
+        task.optimizer = torch.optim.SGD(task.model.parameters(), lr=lr)
     outer = create_strategy(
         strategy,
         task.model,
@@ -58,9 +65,10 @@ def _trainer(
     )
     cfg = TrainerConfig(
         total_steps=steps,
-        eval_every=4,
+        eval_every=eval_every,
+        grad_clip=grad_clip,
         log_every=2,
-        schedule=ScheduleConfig(lr=3e-3, warmup_steps=2, total_steps=schedule_steps or steps),
+        schedule=ScheduleConfig(lr=lr, warmup_steps=2, total_steps=schedule_steps or steps),
     )
     return Trainer(task, outer, cfg, device=CPU, **kwargs)
 
@@ -179,30 +187,23 @@ async def test_ddp_is_diloco_with_one_inner_sgd_step_and_plain_outer_averaging(t
     async def train(strategy, config):
         peers = ("a", "b", "c")
         network = InMemoryCollectiveGroup(list(peers))
-        trainers = []
-        for i, p in enumerate(peers):
-            task = builtin_task(
-                model=MICRO,
-                data=text_data,
-                batch_size=4,
-                eval_batches=1,
-                context=TaskContext(shard_index=i, num_shards=len(peers), seed=5),
-            )
-            task.optimizer = torch.optim.SGD(task.model.parameters(), lr=0.5)
-            outer = create_strategy(
-                strategy,
-                task.model,
-                collective=network.member(p),
-                groups=FixedGroups(peers),
+        trainers = [
+            _trainer(
+                text_data,
+                steps=4,
+                peers=peers,
+                me=p,
+                network=network,
+                shard=i,
+                strategy=strategy,
                 config=config,
-            )
-            cfg = TrainerConfig(
-                total_steps=4,
+                lr=0.5,
+                plain_sgd=True,
                 eval_every=0,
                 grad_clip=0.0,
-                schedule=ScheduleConfig(lr=0.5, warmup_steps=2, total_steps=4),
             )
-            trainers.append(Trainer(task, outer, cfg, device=CPU))
+            for i, p in enumerate(peers)
+        ]
         async with trio.open_nursery() as nursery:
             for t in trainers:
                 nursery.start_soon(t.run)
