@@ -8,7 +8,13 @@ Theory of operation
    autocast, backward, clip + ``optimizer.step()`` — one after the other up to the next step at
    which the trio thread has something to do: the strategy's ``next_sync_step`` (an outer round,
    a fragment to send or apply), a progress report, a validation or the end;
-2. on the trio thread: ``await strategy.after_inner_step(step)`` for the last of those steps;
+2. on the trio thread: ``await strategy.after_inner_step(step)`` for the last of those steps —
+   unless the strategy did that step's sync in the worker thread (``sync_in_thread``: tensor
+   math only; Streaming's fragment snapshot and the apply of a mean, waited for there if it is
+   late), in which case the worker goes on to the next such step. Rounds completed there are
+   recorded (``on_round``) when the trio thread next takes a step, with the outer state of
+   their moment; with a checkpoint store every sync is taken on the trio thread, since a
+   round's checkpoint must be written before the next inner step;
 3. gradient-syncing strategies (``strategy.syncs_gradients``, e.g. the DDP baseline) instead run
    one step at a time: forward/backward in a thread, ``await strategy.before_optimizer_step``,
    the optimizer step in a thread, ``after_inner_step``.
@@ -151,6 +157,7 @@ class Trainer:
         self.last_val_loss: float | None = None
         self._window_tokens, self._window_start = 0, time.monotonic()
         self._rate = 0.0
+        self._done_in_thread: list[RoundCompleted] = []  # by the worker, recorded on trio
         # plain data that the caller keeps with every checkpoint (e.g. the daemon's history of
         # outer-state hashes); numbers, strings and containers only
         self.annotations: dict[str, Any] = {}
@@ -195,6 +202,9 @@ class Trainer:
             self.step, self.last_loss = step, loss
         else:
             await trio.to_thread.run_sync(self._inner_steps, self._next_stop())
+        done_in_thread, self._done_in_thread = self._done_in_thread, []
+        for round_event in done_in_thread:
+            await self._record_round(round_event)
         step = self.step
         for report in await self.strategy.after_inner_step(step):
             await self._round_done(report)
@@ -204,23 +214,52 @@ class Trainer:
             self._report()
 
     def _next_stop(self) -> int:
-        """The next step after which the trio thread has work: a sync, a report or the end."""
+        """The next step after which the strategy or the trainer has work: a sync, a report or
+        the end."""
+        sync = self.strategy.next_sync_step(self.step)
+        return self._own_stop() if sync is None else min(self._own_stop(), max(sync, self.step + 1))
+
+    def _own_stop(self) -> int:
+        """The next step after which the trainer itself needs the trio thread: a report, a
+        validation or the end."""
         step, config = self.step, self.config
         stops = [config.total_steps, _next_multiple(step, config.log_every)]
         if config.eval_every:
             stops.append(_next_multiple(step, config.eval_every))
-        sync = self.strategy.next_sync_step(step)
-        if sync is not None:
-            stops.append(max(sync, step + 1))
         return min(stops)
 
     def _inner_steps(self, last: int) -> None:
-        """Worker thread: inner steps ``self.step + 1 .. last`` (stops early when cancelled)."""
+        """Worker thread: inner steps ``self.step + 1 ..`` up to the next step the trio thread
+        must take (``last``, or later when the strategy syncs in this thread; stops early when
+        cancelled)."""
+        own_stop = self._own_stop()  # the trio thread takes it: the strategy's turn is there
         while self.step < last:
             trio.from_thread.check_cancelled()
             self._set_lr(self.step)
             self.last_loss = self._whole_step()
             self.step += 1
+            if self.step == last < own_stop and self._sync_in_thread():
+                last = self._next_stop()
+
+    def _sync_in_thread(self) -> bool:
+        """Worker thread, at a sync step: let the strategy do it here; False when the trio
+        thread must take the step.
+
+        Not with a checkpoint store: every completed round is checkpointed before the next
+        inner step, on the trio thread. Rounds completed here are recorded, with the outer
+        state of that moment, when the trio thread next takes a step.
+        """
+        if self.checkpoints is not None:
+            return False
+        reports = self.strategy.sync_in_thread(self.step)
+        if reports is None:
+            return False
+        for report in reports:
+            outer = None if report.skipped else self.strategy.outer_state_dict()
+            self._done_in_thread.append(
+                RoundCompleted(step=self.step, report=report, outer_state=outer)
+            )
+        return True
 
     def _set_lr(self, step: int) -> None:
         """The learning rate of inner step ``step + 1`` (the schedule counts from 0)."""
@@ -263,18 +302,19 @@ class Trainer:
     # ------------------------------------------------------------------ rounds, evaluation
 
     async def _round_done(self, report: OuterStepReport) -> None:
-        self.bytes_sent += report.bytes_sent
         outer = None
         if not report.skipped:
             outer = self.strategy.outer_state_dict()  # a copy: later rounds do not change it
-            if self.checkpoints is not None:
-                # written before the next inner step, in a thread: the event loop (syncs in
-                # flight, peers fetching state) keeps running during serialization and fsync
-                state = self.state_dict()
-                await trio.to_thread.run_sync(self.checkpoints.save, self.step, state)
-        self.on_round(
-            RoundCompleted(step=self.step, report=report, outer_state=outer)
-        )
+        await self._record_round(RoundCompleted(step=self.step, report=report, outer_state=outer))
+
+    async def _record_round(self, event: RoundCompleted) -> None:
+        self.bytes_sent += event.report.bytes_sent
+        if event.outer_state is not None and self.checkpoints is not None:
+            # written before the next inner step, in a thread: the event loop (syncs in
+            # flight, peers fetching state) keeps running during serialization and fsync
+            state = self.state_dict()
+            await trio.to_thread.run_sync(self.checkpoints.save, self.step, state)
+        self.on_round(event)
 
     async def _evaluate_and_report(self) -> None:
         if self.task.val_batches:

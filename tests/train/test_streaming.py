@@ -1,3 +1,4 @@
+import pytest
 import torch
 import trio
 
@@ -70,7 +71,26 @@ async def run(models, strategies, steps, drift):
             nursery.start_soon(replica, i, nursery)
 
 
-async def test_two_workers_match_hand_computed_fragment_trajectories():
+async def run_in_worker_thread(models, strategies, steps, drift):
+    """As ``run``, with every step's sync done by ``sync_in_thread`` in a worker thread."""
+
+    async def replica(i, nursery):
+        strategies[i].bind_nursery(nursery)
+        for step in range(1, steps + 1):
+            with torch.no_grad():
+                for p in models[i].parameters():
+                    p.add_(drift[i])
+            await trio.to_thread.run_sync(strategies[i].sync_in_thread, step)
+        await strategies[i].finish()
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            for i in range(len(models)):
+                nursery.start_soon(replica, i, nursery)
+
+
+@pytest.mark.parametrize("runner", [run, run_in_worker_thread])
+async def test_two_workers_match_hand_computed_fragment_trajectories(runner):
     peers = ["a", "b"]
     group = InMemoryCollectiveGroup(peers)
     cfg = StreamingDiLoCoConfig(
@@ -88,7 +108,7 @@ async def test_two_workers_match_hand_computed_fragment_trajectories():
         StreamingDiLoCo(m, collective=group.member(p), groups=FixedGroups(peers), config=cfg)
         for m, p in zip(models, peers, strict=True)
     ]
-    await run(models, strategies, steps=4, drift=[1.0, 3.0])
+    await runner(models, strategies, steps=4, drift=[1.0, 3.0])
     # fragment 0 syncs at 2 (mean Δ -4) and applies at 3: θ̃ = 6, θ = (4.5, 7.5);
     #   syncs again at 4 (Δ = 6 - (5.5, 10.5), mean -2), applied by finish: θ̃ = 10,
     #   θ = (7.75, 10.25)
@@ -127,6 +147,71 @@ async def test_three_gpt_replicas_share_outer_weights_at_a_fraction_of_the_peak(
     assert strategies[0].traffic.peak_sync_bytes <= diloco_peak / cfg.fragments
     # the local weights were pulled toward the shared outer weights, not identical to them
     assert not torch.equal(next(models[0].parameters()), outers[0][0])
+
+
+async def test_syncs_in_the_worker_thread_are_bit_identical_to_the_trio_thread():
+    peers = ["a", "b", "c"]
+    cfg = StreamingDiLoCoConfig(inner_steps=4, fragments=2, overlap_steps=1)
+    gpt = GPTConfig(n_layer=2, d_model=16, n_head=2, context=8)
+    drift = [0.01, -0.02, 0.03]
+    outcomes = []
+    for runner in (run, run_in_worker_thread):
+        group = InMemoryCollectiveGroup(peers)
+        models = [build_model(gpt, seed=0) for _ in peers]
+        strategies = [
+            StreamingDiLoCo(m, collective=group.member(p), groups=FixedGroups(peers), config=cfg)
+            for m, p in zip(models, peers, strict=True)
+        ]
+        await runner(models, strategies, steps=13, drift=drift)
+        outcomes.append(
+            [
+                [*m.parameters(), *s.evaluation_parameters()]
+                for m, s in zip(models, strategies, strict=True)
+            ]
+        )
+        assert all(s.completed_rounds == 2 and s.traffic.syncs == 5 for s in strategies)
+    on_trio, in_thread = outcomes
+    for a, b in zip(on_trio, in_thread, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+async def test_a_worker_waiting_for_a_late_mean_is_released_by_cancellation():
+    group = InMemoryCollectiveGroup(["a", "b"])
+    cfg = StreamingDiLoCoConfig(inner_steps=2, fragments=2, overlap_steps=1, block_size=2)
+    strategy = StreamingDiLoCo(
+        TwoScalarBlocks(), collective=group.member("a"), groups=FixedGroups(["a", "b"]), config=cfg
+    )
+
+    async def cancel_soon(nursery):
+        await trio.sleep(0.2)
+        nursery.cancel_scope.cancel()
+
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            strategy.bind_nursery(nursery)
+            assert await trio.to_thread.run_sync(strategy.sync_in_thread, 1) == []
+            assert await trio.to_thread.run_sync(strategy.sync_in_thread, 2) == []  # sent
+            nursery.start_soon(cancel_soon, nursery)
+            # "b" never sends: the worker waits for the mean due at step 3 until the cancel
+            reports = await trio.to_thread.run_sync(strategy.sync_in_thread, 3)
+    assert [r.skipped for r in reports] == [True]
+    assert all(x.item() == 0.0 for x in strategy.evaluation_parameters())
+
+
+async def test_a_fragment_applied_at_its_own_sync_step_works_in_the_worker_thread():
+    peers = ["a", "b"]
+    cfg = StreamingDiLoCoConfig(inner_steps=2, fragments=2, overlap_steps=0)  # τ = 0
+    outcomes = []
+    for runner in (run, run_in_worker_thread):
+        group = InMemoryCollectiveGroup(peers)
+        models = [TwoScalarBlocks(), TwoScalarBlocks()]
+        strategies = [
+            StreamingDiLoCo(m, collective=group.member(p), groups=FixedGroups(peers), config=cfg)
+            for m, p in zip(models, peers, strict=True)
+        ]
+        await runner(models, strategies, steps=5, drift=[1.0, 3.0])
+        outcomes.append([p.item() for m in models for p in m.parameters()])
+    assert outcomes[0] == outcomes[1]
 
 
 async def test_dead_peer_skips_the_fragment_without_stalling():

@@ -281,3 +281,37 @@ async def test_cancelling_stops_the_worker_between_steps(text_data):
     assert 0 < stopped_at < 100_000
     await trio.sleep(0.3)
     assert trainer.step == stopped_at  # the worker thread did not go on after the cancel
+
+
+async def test_streaming_syncs_in_the_worker_thread_give_the_trio_thread_result(text_data, tmp_path):
+    from lattica.train.strategies.streaming import StreamingDiLoCoConfig
+
+    config = StreamingDiLoCoConfig(inner_steps=4, fragments=2, overlap_steps=1)
+    peers = ("a", "b")
+    runs = {}
+    # with a checkpoint store every sync is taken on the trio thread; without, in the worker
+    # thread whenever its mean has arrived
+    for path in ("trio", "worker"):
+        network = InMemoryCollectiveGroup(list(peers))
+        rounds = {p: [] for p in peers}
+        trainers = [
+            _trainer(
+                text_data, steps=14, peers=peers, me=p, network=network, strategy="streaming",
+                config=config, shard=i, on_round=rounds[p].append,
+                checkpoints=CheckpointStore(tmp_path / p, keep=1) if path == "trio" else None,
+            )
+            for i, p in enumerate(peers)
+        ]
+        async with trio.open_nursery() as nursery:
+            for t in trainers:
+                nursery.start_soon(t.run)
+        runs[path] = (trainers, rounds)
+    (on_trio, trio_rounds), (in_worker, worker_rounds) = runs["trio"], runs["worker"]
+    for a, b in zip(on_trio, in_worker, strict=True):
+        for x, y in zip(a.model.parameters(), b.model.parameters(), strict=True):
+            assert torch.equal(x, y)
+        assert a.bytes_sent == b.bytes_sent > 0
+    for p in peers:  # fragment syncs start at 4, 6, 8, 10, 12, 14 and apply one step later
+        assert [r.step for r in trio_rounds[p]] == [r.step for r in worker_rounds[p]]
+        assert [r.step for r in worker_rounds[p]] == [5, 7, 9, 11, 13, 14]
+        assert [r.weights_hash for r in trio_rounds[p]] == [r.weights_hash for r in worker_rounds[p]]

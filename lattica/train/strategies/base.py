@@ -8,6 +8,10 @@ A strategy decides from the step number whether it syncs now:
 - eager / streaming: it starts communication in ``self.nursery`` and applies the result some
   steps later, so inner steps keep running while tensors are on the wire.
 
+A strategy whose per-sync work between two steps is tensor math only (Streaming: snapshot a
+fragment to send, apply a mean that has arrived) may also do it in the worker thread, through
+``sync_in_thread``: the inner steps then go on without handing off to the event loop.
+
 Strategies see the network only through a ``Collective`` and learn who takes part in a sync from
 a ``GroupProvider`` (the daemon answers from the replicated state; tests answer with a fixed
 list). All tensor math lives in pure functions next to each strategy, tested without any I/O.
@@ -96,6 +100,19 @@ class OuterStrategy(ABC):
         next step, is always correct.
         """
         return step + 1
+
+    def sync_in_thread(self, step: int) -> list[OuterStepReport] | None:
+        """Worker thread, after inner step ``step`` (a step ``next_sync_step`` named): do this
+        step's sync work here instead of in ``after_inner_step``.
+
+        Returns the syncs completed now, or ``None`` when the trio thread must take this step:
+        then nothing was done and the trainer calls ``after_inner_step(step)`` as usual. Only
+        tensors may be touched here: communication is started on the trio thread with
+        ``trio.lowlevel.TrioToken.run_sync_soon`` (which does not wait), and a result may be
+        waited for only on a thread event that its trio task sets however it ends, so that
+        cancelling the trainer's nursery releases the worker. The default: never.
+        """
+        return None
 
     async def finish(self) -> list[OuterStepReport]:
         """Complete in-flight syncs at the end of training (default: nothing in flight)."""

@@ -21,10 +21,18 @@ codec name goes through ``Collective.allreduce`` with that codec (e.g. the data 
 (``PeerUnavailableError``/``BrokenError``, or a peer's payload has the wrong shape:
 ``RemoteProtocolError``) that fragment's sync is skipped — θ̃_p stays and the
 next sync of the fragment covers both periods.
+
+Where the work runs: the snapshot of Δ_p (1.) and the outer step with mixing (2.–3.) are tensor
+math between two inner steps; quantizing, sending and averaging run on the trio thread. The
+trainer lets ``sync_in_thread`` do the tensor math in its worker thread, which hands the
+exchange to the event loop without waiting and goes on with the next inner step; a mean that
+has not arrived by step s + τ is waited for in that thread. The inner steps never hand off to
+the event loop for a fragment.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -125,6 +133,7 @@ class _FragmentSync:
     apply_at: int
     group: tuple[str, ...] = ()
     done: trio.Event = field(default_factory=trio.Event)
+    arrived: threading.Event = field(default_factory=threading.Event)  # ``done``, for the worker
     mean: list[torch.Tensor] | None = None
     error: str = ""
     bytes_sent: int = 0
@@ -155,6 +164,7 @@ class StreamingDiLoCo(AccountedStrategy):
             for indices in self.fragments
         ]
         self._pending: list[_FragmentSync] = []
+        self._token: trio.lowlevel.TrioToken | None = None
         self._syncs_started = [0] * self.config.fragments
         self._completed = 0
 
@@ -182,20 +192,39 @@ class StreamingDiLoCo(AccountedStrategy):
         return min([*starts, *(max(s.apply_at, step + 1) for s in self._pending)])
 
     async def after_inner_step(self, step: int) -> list[OuterStepReport]:
-        for p in range(self.config.fragments):
-            if sync_due(
-                step, p, inner_steps=self.config.inner_steps, fragments=self.config.fragments
-            ):
-                await self._start(p, step)
+        for fragment in self._starting(step):
+            self._launch(self._begin(fragment, step))
         due = [s for s in self._pending if s.apply_at <= step]
         return [await self._apply(s) for s in due]
+
+    def sync_in_thread(self, step: int) -> list[OuterStepReport]:
+        """The same work as ``after_inner_step``, in the worker thread.
+
+        The fragment snapshot and the outer step are the same tensor math on the same values in
+        the same order, so the result is bit-identical. The exchange is handed to the event
+        loop without waiting for it; a mean that is due and has not arrived is waited for here,
+        until its exchange ends (it ends when the trainer's nursery is cancelled, too).
+        """
+        if self._token is None:
+            raise LocalProtocolError("StreamingDiLoCo needs bind_nursery() before the first sync")
+        for fragment in self._starting(step):
+            self._token.run_sync_soon(self._launch, self._begin(fragment, step))
+        due = [s for s in self._pending if s.apply_at <= step]
+        return [self._apply_once_arrived(s) for s in due]
+
+    def bind_nursery(self, nursery: trio.Nursery) -> None:
+        super().bind_nursery(nursery)
+        self._token = trio.lowlevel.current_trio_token()
 
     async def finish(self) -> list[OuterStepReport]:
         return [await self._apply(s) for s in list(self._pending)]
 
-    async def _start(self, fragment: int, step: int) -> None:
-        if self.nursery is None:
-            raise LocalProtocolError("StreamingDiLoCo needs bind_nursery() before the first sync")
+    def _starting(self, step: int) -> list[int]:
+        h, fragments = self.config.inner_steps, self.config.fragments
+        return [p for p in range(fragments) if sync_due(step, p, inner_steps=h, fragments=fragments)]
+
+    def _begin(self, fragment: int, step: int) -> tuple[_FragmentSync, list[torch.Tensor]]:
+        """Number the fragment's sync and snapshot its pseudo-gradient (tensors only)."""
         k = self._syncs_started[fragment]
         self._syncs_started[fragment] += 1
         key = f"round/{k}/fragment/{fragment}"
@@ -203,10 +232,16 @@ class StreamingDiLoCo(AccountedStrategy):
         delta = pseudo_gradient(
             [self._outer[i] for i in indices], [self._inner[i] for i in indices]
         )
-        # the group is agreed in the background: it waits for the others to reach this sync
         sync = _FragmentSync(fragment, key, apply_at=step + self.config.overlap_steps)
         self._pending.append(sync)
-        self.nursery.start_soon(self._reduce, sync, delta)
+        return sync, delta
+
+    def _launch(self, begun: tuple[_FragmentSync, list[torch.Tensor]]) -> None:
+        """Trio thread: exchange in the background (the group is agreed there too: it waits for
+        the others to reach this sync)."""
+        if self.nursery is None:
+            raise LocalProtocolError("StreamingDiLoCo needs bind_nursery() before the first sync")
+        self.nursery.start_soon(self._reduce, *begun)
 
     async def _reduce(self, sync: _FragmentSync, delta: list[torch.Tensor]) -> None:
         tag = f"streaming/{sync.key}"
@@ -224,6 +259,7 @@ class StreamingDiLoCo(AccountedStrategy):
             sync.error = str(exc)
         finally:
             sync.done.set()
+            sync.arrived.set()
 
     async def _gather_fp4(
         self, delta: list[torch.Tensor], sync: _FragmentSync, tag: str
@@ -260,6 +296,15 @@ class StreamingDiLoCo(AccountedStrategy):
     async def _apply(self, sync: _FragmentSync) -> OuterStepReport:
         started = time.monotonic()
         await sync.done.wait()
+        return self._apply_arrived(sync, started=started)
+
+    def _apply_once_arrived(self, sync: _FragmentSync) -> OuterStepReport:
+        started = time.monotonic()
+        sync.arrived.wait()
+        return self._apply_arrived(sync, started=started)
+
+    def _apply_arrived(self, sync: _FragmentSync, *, started: float) -> OuterStepReport:
+        """Outer Nesterov step of the fragment with the arrived mean, then mixing (tensors only)."""
         self._pending.remove(sync)
         indices = self.fragments[sync.fragment]
         if sync.mean is not None:
