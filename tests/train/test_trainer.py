@@ -315,3 +315,19 @@ async def test_streaming_syncs_in_the_worker_thread_give_the_trio_thread_result(
         assert [r.step for r in trio_rounds[p]] == [r.step for r in worker_rounds[p]]
         assert [r.step for r in worker_rounds[p]] == [5, 7, 9, 11, 13, 14]
         assert [r.weights_hash for r in trio_rounds[p]] == [r.weights_hash for r in worker_rounds[p]]
+
+
+async def test_cancelling_releases_a_worker_waiting_for_a_late_streaming_mean(text_data):
+    from lattica.train.strategies.streaming import StreamingDiLoCoConfig
+
+    # "b" never trains: the mean of the first fragment sync never arrives
+    trainer = _trainer(
+        text_data, steps=1000, peers=("a", "b"), strategy="streaming",
+        config=StreamingDiLoCoConfig(inner_steps=4, fragments=2, overlap_steps=1),
+    )
+    trainer.config = TrainerConfig(total_steps=1000, eval_every=0, log_every=1000)
+    with trio.fail_after(20):
+        with trio.move_on_after(2.0) as waiting:
+            await trainer.run()
+    assert waiting.cancelled_caught
+    assert trainer.step == 5  # the sync of step 4 is due at 5: the worker waited there
