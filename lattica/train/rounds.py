@@ -50,6 +50,14 @@ _REQUEST_BYTES = 1024
 _REPLY_BYTES = 256 * 1024
 _OPEN_TIMEOUT_S = 3.0
 _RETRY = re.compile(r"^(.+)/retry/(\d+)$")
+_ROUND = re.compile(r"^round/(\d+)(?:/retry/\d+)?$")  # blocking strategies' keys, in round order
+
+
+def round_of(key: str) -> int | None:
+    """The round number of a blocking round key (``round/N``, ``round/N/retry/k``), else None
+    (keys such as ``round/N/fragment/f`` of overlapping syncs are not ordered this way)."""
+    match = _ROUND.match(key)
+    return None if match is None else int(match.group(1))
 
 
 @dataclass
@@ -81,6 +89,7 @@ class RoundCoordinator:
         self.responsive = responsive or self._connected
         self._syncs: OrderedDict[str, _PendingSync] = OrderedDict()
         self._groups: OrderedDict[str, tuple[str, ...]] = OrderedDict()  # groups we sealed or got
+        self._asked_round: OrderedDict[str, int] = OrderedDict()  # peer -> round of its latest request
         self._nursery: trio.Nursery | None = None
 
     async def run(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -174,6 +183,7 @@ class RoundCoordinator:
         scope.cancel()
 
     async def _join(self, key: str, peer: str) -> tuple[str, ...]:
+        self._note_round(key, peer)
         pending = self._syncs.get(key)
         if pending is None:
             pending = self._syncs[key] = _PendingSync(first_arrival=trio.current_time())
@@ -187,10 +197,30 @@ class RoundCoordinator:
         assert pending.group is not None
         return pending.group
 
+    def _note_round(self, key: str, peer: str) -> None:
+        rnd = round_of(key)
+        if rnd is None:
+            return
+        self._asked_round[peer] = rnd
+        self._asked_round.move_to_end(peer)
+        while len(self._asked_round) > MAX_KEYS:
+            self._asked_round.popitem(last=False)
+
+    def _moved_on(self, peer: str, key: str) -> bool:
+        """Whether ``peer``'s latest request was for a later round than ``key``'s: a blocking
+        strategy never asks for an older round again, so waiting for it would only hold the
+        round until the deadline (a peer that restarted behind asks for its round again)."""
+        rnd, asked = round_of(key), self._asked_round.get(peer)
+        return rnd is not None and asked is not None and asked > rnd
+
     def _awaited(self, key: str) -> set[str]:
         """Candidates worth waiting for: an unresponsive one (killed, cut off) would only hold
-        the round until the deadline; for a retry, only the previous attempt's members come."""
-        awaited = {p for p in self._candidates() if p == self.peer_id or self.responsive(p)}
+        the round until the deadline, and so would one already asking for a later round; for a
+        retry, only the previous attempt's members come."""
+        awaited = {
+            p for p in self._candidates()
+            if (p == self.peer_id or self.responsive(p)) and not self._moved_on(p, key)
+        }
         expected = self._expected(key)
         return awaited if expected is None else awaited & expected
 
@@ -203,7 +233,10 @@ class RoundCoordinator:
         pending.sealed.set()
         missing = set(self._candidates()) - pending.ready
         if missing:
-            log.info("sync %s sealed without %d late peer(s)", key, len(missing))
+            log.info(
+                "sync %s sealed with %d peer(s) after %.2f s, without %d late peer(s)", key,
+                len(pending.group), trio.current_time() - pending.first_arrival, len(missing),
+            )
 
     async def _handle(self, stream: INetStream) -> None:
         peer = stream.muxed_conn.peer_id.to_base58()

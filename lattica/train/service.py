@@ -31,16 +31,22 @@ from trio_typing import TaskStatus
 
 from lattica.config import TrainSettings
 from lattica.errors import ConfigError, LatticaError
+from lattica.train.membership import RecentTrainers
 
 log = logging.getLogger(__name__)
 
-_CATCH_UP_WAIT_S = 5.0
+_CATCH_UP_WAIT_S = 5.0  # after a round run alone: the others' result of it is on its way
+# after a skipped round: the members of the failed attempt skipped it too (a collective fails for
+# all its members), so only a peer in another group may have completed it; waiting long for that
+# holds up a whole swarm whose round failed
+_SKIPPED_WAIT_S = 1.0
 _JOIN_ATTEMPTS = 3
 _REPAIR_RETRY_S = 2.0
 _HISTORY_ROUNDS = 64  # own outer-state hashes remembered per round (see ``repair_target``)
 _JOINING, _TRAINER, _DONE = "joining", "trainer", "done"  # member roles
 _SILENT_BEATS = 3.5  # heartbeat intervals without a lease renewal: unresponsive
 _SETTLE_BEATS = 3.0  # heartbeat intervals a peer seen silent must be heard before it is again
+_VANISHED_S = 60.0  # a connected trainer whose lease ran out (a cut link) still counts this long
 
 
 class TrainingService:
@@ -61,11 +67,12 @@ class TrainingService:
         self._rounds_done = 0
         self._mine: tuple[int, str | None] = (0, None)  # completed rounds, outer state hash
         self._history: dict[int, str] = {}  # our outer-state hash of recent rounds, on one line
-        self._catch_up_owed = False
+        self._catch_up_owed: float | None = None  # how long to wait for the others' state
         self._next_repair_at = 0.0
         self._served: Any = None  # ServedRounds, once the data plane runs
         self._beats: dict[str, tuple[Any, float]] = {}  # peer -> (heartbeat, when it last changed)
         self._back_at: dict[str, float] = {}  # peer seen silent -> last time it was (settling)
+        self._recent = RecentTrainers(peer_id=self.peer_id, memory_s=_VANISHED_S)
 
     # -- service -------------------------------------------------------------------------
 
@@ -102,7 +109,7 @@ class TrainingService:
         whose link was cut silently keeps its connection and its lease for seconds, but its
         heartbeat stops moving at once. A peer seen silent is not responsive again until it has
         been heard for a few intervals: back from a cut or a restart it first catches up, and
-        rounds should not wait for that."""
+        rounds should not wait for that — unless it is not behind us."""
         now, interval = time.monotonic(), self.state.config.lease.heartbeat_interval
         if any(p.to_base58() == peer for p in self.node.host.get_connected_peers()):
             beat = (self.state.snapshot().get("members", {}).get(peer) or {}).get("heartbeat")
@@ -111,9 +118,18 @@ class TrainingService:
                 self._beats[peer] = seen = (beat, now)
             if now - seen[1] < _SILENT_BEATS * interval:
                 back = self._back_at.get(peer)
-                return back is None or now - back >= _SETTLE_BEATS * interval
+                return back is None or now - back >= _SETTLE_BEATS * interval or self._not_behind(peer)
         self._back_at[peer] = now  # silent: when heard again, it settles first
         return False
+
+    def _not_behind(self, peer: str) -> bool:
+        """Whether ``peer`` published at least the rounds we completed: it needs no catching up.
+        Seen from a peer whose own link was cut, every other peer went silent and comes back;
+        they are ahead of it, and it must not take them for stragglers (it would seal rounds
+        without them, alone)."""
+        record = self.state.snapshot().get("progress", {}).get(peer) or {}
+        rnd = record.get("round")
+        return type(rnd) is int and rnd >= self._mine[0] > 0
 
     def _live_with_role(self, *roles: str) -> list[str]:
         members = self.state.snapshot().get("members", {})
@@ -343,13 +359,15 @@ class TrainingService:
         async def after_inner_step(step: int) -> list[Any]:
             # catching up and repairing run here, before this step's sync and after the trainer
             # checkpointed the previous round: a kill during a fetch never loses a completed round
-            if self._catch_up_owed:
-                self._catch_up_owed = False
-                await self._catch_up()
+            if self._catch_up_owed is not None:
+                wait_s, self._catch_up_owed = self._catch_up_owed, None
+                await self._catch_up(wait_s)
             await self._repair_if_diverged()
             reports = await original(step)
-            if any(report.skipped or self._ran_alone(report) for report in reports):
-                self._catch_up_owed = True
+            if any(self._ran_alone(report) for report in reports):
+                self._catch_up_owed = _CATCH_UP_WAIT_S
+            elif any(report.skipped for report in reports):
+                self._catch_up_owed = _SKIPPED_WAIT_S
             return reports
 
         strategy.after_inner_step = after_inner_step  # type: ignore[method-assign]
@@ -357,16 +375,26 @@ class TrainingService:
 
         def next_stop(step: int) -> int | None:
             # the trainer runs the steps up to the next sync in one go: stop at once when owed
-            return step + 1 if self._catch_up_owed else next_sync_step(step)
+            return step + 1 if self._catch_up_owed is not None else next_sync_step(step)
 
         strategy.next_sync_step = next_stop  # type: ignore[method-assign]
 
     def _ran_alone(self, report: Any) -> bool:
-        return not report.skipped and len(report.group) <= 1 and len(self._candidates()) > 1
+        others = self._others_train()  # looked at every round: the memory must predate a cut
+        return not report.skipped and len(report.group) <= 1 and others
 
-    async def _catch_up(self) -> None:
+    def _others_train(self) -> bool:
+        """Whether other trainers take part in the run, counting for a while those whose lease
+        ran out while we stay connected (see ``membership.py``: seen from a cut-off peer, every
+        lease runs out)."""
+        connected = {p.to_base58() for p in self.node.host.get_connected_peers()}
+        members = self.state.snapshot().get("members", {})
+        self._recent.observe(members, self.state.live_members(), connected, time.monotonic())
+        return bool(self._recent.others()) or len(self._candidates()) > 1
+
+    async def _catch_up(self, wait_s: float) -> None:
         """After a round we skipped or ran alone: wait (briefly) for the others' result of it."""
-        with trio.move_on_after(_CATCH_UP_WAIT_S):
+        with trio.move_on_after(wait_s):
             while True:
                 agreed = self._agreed()
                 if agreed is not None and (agreed[0], agreed[1]) != self._mine and agreed[0] >= self._mine[0]:

@@ -9,7 +9,7 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.peerinfo import info_from_p2p_addr
 
 from lattica.net.host import build_host
-from lattica.train.rounds import RoundCoordinator
+from lattica.train.rounds import RoundCoordinator, round_of
 
 LOOPBACK = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]
 
@@ -164,3 +164,34 @@ async def test_a_retry_waits_only_for_the_members_of_the_failed_attempt() -> Non
             assert trio.current_time() - started < 4  # not held for the absent one until the deadline
             assert absent.peer_id not in retry[pair[0].peer_id]
             nursery.cancel_scope.cancel()
+
+
+async def test_a_round_does_not_wait_for_peers_already_asking_for_a_later_one() -> None:
+    with trio.fail_after(40):
+        async with trio.open_nursery() as nursery:
+            members = await _members(nursery, deadline_s=30.0)
+            coordinator, ahead, behind = members
+            later: dict[str, tuple[str, ...]] = {}
+
+            async def ask_later(member: _Member) -> None:
+                later[member.peer_id] = tuple(await member.coordinator.group_for("round/6"))
+
+            async with trio.open_nursery() as asking:
+                for member in (coordinator, ahead):
+                    asking.start_soon(ask_later, member)
+                while len(getattr(coordinator.coordinator._syncs.get("round/6"), "ready", ())) < 2:
+                    await trio.sleep(0.05)  # both wait for the third in round 6
+                started = trio.current_time()
+                # the third is behind: nobody else comes to round 5, so it is not held there
+                assert tuple(await behind.coordinator.group_for("round/5")) == (behind.peer_id,)
+                assert trio.current_time() - started < 15
+                await behind.coordinator.group_for("round/6")
+            assert set(later.values()) == {tuple(m.peer_id for m in members)}
+            nursery.cancel_scope.cancel()
+
+
+def test_round_keys_are_ordered_only_for_blocking_rounds() -> None:
+    assert round_of("round/12") == 12
+    assert round_of("round/12/retry/1") == 12
+    assert round_of("round/12/fragment/2") is None
+    assert round_of("step/3") is None

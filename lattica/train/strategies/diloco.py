@@ -20,6 +20,7 @@ skipped — φ stays, θ keeps training, and the next round's Δ covers both rou
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,6 +34,8 @@ from lattica.train.strategies.accounting import AccountedStrategy, tensor_bytes
 from lattica.train.strategies.base import GroupProvider, OuterStepReport
 from lattica.train.strategies.traffic import allreduce_bytes
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True, kw_only=True)
 class DiLoCoConfig:
@@ -40,7 +43,7 @@ class DiLoCoConfig:
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     codec: str = "fp32"
-    max_attempts: int = 2
+    max_attempts: int = 3
 
     def __post_init__(self) -> None:
         if self.inner_steps < 1:
@@ -168,6 +171,7 @@ class DiLoCo(AccountedStrategy):
                 )
             except (PeerUnavailableError, BrokenError) as exc:
                 failure = str(exc)
+                log.info("sync %s attempt %d with %s failed: %s", key, attempt, ", ".join(group), exc)
                 continue
             self._apply(mean)
             self.traffic.record_sync(sent)

@@ -1,0 +1,74 @@
+"""RecentTrainers: a cut-off peer still knows that others train; killed, finished or departed ones do not count."""
+
+from __future__ import annotations
+
+import pytest
+
+from lattica.train.membership import RecentTrainers
+
+
+def _trainers(*peers: str) -> dict[str, dict[str, object]]:
+    return {p: {"role": "trainer"} for p in peers}
+
+
+def test_connected_trainers_whose_leases_ran_out_are_remembered_for_a_while() -> None:
+    recent = RecentTrainers(peer_id="me", memory_s=60)
+    members = _trainers("me", "a", "b")
+    recent.observe(members, ["me", "a", "b"], {"a", "b"}, now=0.0)
+    assert recent.others() == {"a", "b"}
+    # our link was cut: every other lease ran out, but no connection broke
+    recent.observe(members, ["me"], {"a", "b"}, now=10.0)
+    assert recent.others() == {"a", "b"}
+    recent.observe(members, ["me"], {"a", "b"}, now=61.0)
+    assert recent.others() == set()
+
+
+def test_killed_trainers_are_forgotten_once_their_lease_ran_out() -> None:
+    recent = RecentTrainers(peer_id="me", memory_s=60)
+    members = _trainers("me", "a", "b")
+    recent.observe(members, ["me", "a", "b"], {"a", "b"}, now=0.0)
+    recent.observe(members, ["me", "a", "b"], {"b"}, now=1.0)  # a killed: connection gone, lease not yet
+    assert recent.others() == {"a", "b"}
+    recent.observe(members, ["me", "b"], {"b"}, now=6.0)
+    assert recent.others() == {"b"}
+
+
+def test_a_peer_alone_from_the_start_has_no_others() -> None:
+    recent = RecentTrainers(peer_id="me", memory_s=60)
+    recent.observe(_trainers("me"), ["me"], set(), now=0.0)
+    assert recent.others() == set()
+
+
+def test_finished_members_are_forgotten_at_once() -> None:
+    recent = RecentTrainers(peer_id="me", memory_s=60)
+    recent.observe(_trainers("me", "a"), ["me", "a"], {"a"}, now=0.0)
+    recent.observe({**_trainers("me"), "a": {"role": "done"}}, ["me", "a"], {"a"}, now=1.0)
+    assert recent.others() == set()
+
+
+def test_a_member_catching_up_still_counts_until_the_memory_runs_out() -> None:
+    recent = RecentTrainers(peer_id="me", memory_s=60)
+    recent.observe(_trainers("me", "a"), ["me", "a"], {"a"}, now=0.0)
+    joining = {**_trainers("me"), "a": {"role": "joining"}}  # fetching a state to catch up
+    recent.observe(joining, ["me", "a"], {"a"}, now=30.0)
+    assert recent.others() == {"a"}
+    recent.observe(joining, ["me", "a"], {"a"}, now=61.0)
+    assert recent.others() == set()
+
+
+def test_a_peer_that_never_trained_does_not_count() -> None:
+    recent = RecentTrainers(peer_id="me", memory_s=60)
+    recent.observe({**_trainers("me"), "a": {"role": "joining"}}, ["me", "a"], {"a"}, now=0.0)
+    assert recent.others() == set()
+
+
+def test_a_member_that_left_is_forgotten_at_once() -> None:
+    recent = RecentTrainers(peer_id="me", memory_s=60)
+    recent.observe(_trainers("me", "a"), ["me", "a"], {"a"}, now=0.0)
+    recent.observe({**_trainers("me"), "a": {"role": "trainer", "left": True}}, ["me"], {"a"}, now=1.0)
+    assert recent.others() == set()
+
+
+def test_memory_must_not_be_negative() -> None:
+    with pytest.raises(ValueError, match="memory_s"):
+        RecentTrainers(peer_id="me", memory_s=-1)

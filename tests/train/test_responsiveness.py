@@ -1,0 +1,84 @@
+"""TrainingService's view of which peers are responsive: heartbeats, settling, and who is behind."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from lattica.config import TrainSettings
+from lattica.crdt.liveness import LeasePolicy
+from lattica.train import service as service_module
+from lattica.train.service import TrainingService
+
+
+class _Id:
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def to_base58(self) -> str:
+        return self.text
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> _Clock:
+    clock = _Clock()
+    monkeypatch.setattr(service_module.time, "monotonic", clock)
+    return clock
+
+
+def _service(snapshot: dict[str, Any], connected: list[str]) -> TrainingService:
+    host = SimpleNamespace(get_connected_peers=lambda: [_Id(p) for p in connected])
+    node = SimpleNamespace(peer_id=_Id("me"), host=host)
+    state = SimpleNamespace(snapshot=lambda: snapshot, config=SimpleNamespace(lease=LeasePolicy()))
+    return TrainingService(node, state, TrainSettings())
+
+
+def _beat(snapshot: dict[str, Any], peer: str, beat: int) -> None:
+    snapshot["members"][peer] = {"role": "trainer", "heartbeat": beat}
+
+
+def test_a_peer_back_from_silence_settles_before_it_is_waited_for(clock: _Clock) -> None:
+    snapshot: dict[str, Any] = {"members": {}, "progress": {"a": {"round": 7}}}
+    service = _service(snapshot, ["a"])
+    service._mine = (9, "h")
+    _beat(snapshot, "a", 1)
+    assert service._responsive("a")
+    clock.now += 4.0  # no lease renewal for 4 heartbeats: silent
+    assert not service._responsive("a")
+    _beat(snapshot, "a", 2)  # heard again, but behind us: it catches up first
+    clock.now += 1.0
+    assert not service._responsive("a")
+    _beat(snapshot, "a", 3)
+    clock.now += 3.0
+    assert service._responsive("a")
+
+
+def test_peers_that_are_not_behind_need_no_settling(clock: _Clock) -> None:
+    # seen from a peer whose own link was cut: everyone went silent, and everyone is ahead
+    snapshot: dict[str, Any] = {"members": {}, "progress": {"a": {"round": 7}}}
+    service = _service(snapshot, ["a"])
+    service._mine = (5, "h")
+    _beat(snapshot, "a", 1)
+    assert service._responsive("a")
+    clock.now += 4.0
+    assert not service._responsive("a")
+    _beat(snapshot, "a", 2)
+    clock.now += 0.5
+    assert service._responsive("a")
+
+
+def test_a_disconnected_peer_is_not_responsive(clock: _Clock) -> None:
+    snapshot: dict[str, Any] = {"members": {}, "progress": {}}
+    service = _service(snapshot, [])
+    _beat(snapshot, "a", 1)
+    assert not service._responsive("a")
