@@ -1,4 +1,5 @@
-"""TrainingService's view of which peers are responsive: heartbeats, settling, and who is behind."""
+"""TrainingService's view of its peers: who is responsive (heartbeats, settling, who is behind) and
+whether a round of one was run alone."""
 
 from __future__ import annotations
 
@@ -36,10 +37,13 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> _Clock:
     return clock
 
 
-def _service(snapshot: dict[str, Any], connected: list[str]) -> TrainingService:
+def _service(snapshot: dict[str, Any], connected: list[str], live: list[str] | None = None) -> TrainingService:
     host = SimpleNamespace(get_connected_peers=lambda: [_Id(p) for p in connected])
     node = SimpleNamespace(peer_id=_Id("me"), host=host)
-    state = SimpleNamespace(snapshot=lambda: snapshot, config=SimpleNamespace(lease=LeasePolicy()))
+    state = SimpleNamespace(
+        snapshot=lambda: snapshot, config=SimpleNamespace(lease=LeasePolicy()),
+        live_members=lambda: list(live if live is not None else ["me"]),
+    )
     return TrainingService(node, state, TrainSettings())
 
 
@@ -82,3 +86,24 @@ def test_a_disconnected_peer_is_not_responsive(clock: _Clock) -> None:
     service = _service(snapshot, [])
     _beat(snapshot, "a", 1)
     assert not service._responsive("a")
+
+
+def test_a_round_of_one_after_our_link_was_cut_was_run_alone(clock: _Clock) -> None:
+    snapshot: dict[str, Any] = {"members": {"me": {"role": "trainer"}, "a": {"role": "trainer"}}, "progress": {}}
+    live = ["a", "me"]
+    service = _service(snapshot, ["a"], live)
+    assert not service._ran_alone(SimpleNamespace(skipped=False, group=("a", "me")))  # a full round
+    live.remove("a")  # cut off: a's lease runs out here, but no connection broke
+    clock.now += 6.0
+    assert service._ran_alone(SimpleNamespace(skipped=False, group=("me",)))
+
+
+def test_a_round_of_one_after_the_others_were_killed_is_the_runs_round(clock: _Clock) -> None:
+    snapshot: dict[str, Any] = {"members": {"me": {"role": "trainer"}, "a": {"role": "trainer"}}, "progress": {}}
+    live, connected = ["a", "me"], ["a"]
+    service = _service(snapshot, connected, live)
+    assert not service._ran_alone(SimpleNamespace(skipped=False, group=("a", "me")))
+    connected.remove("a")  # killed: its connection dropped, then its lease ran out
+    live.remove("a")
+    clock.now += 6.0
+    assert not service._ran_alone(SimpleNamespace(skipped=False, group=("me",)))
