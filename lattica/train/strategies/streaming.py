@@ -299,6 +299,7 @@ class StreamingDiLoCo(AccountedStrategy):
         return self._apply_arrived(sync, started=started)
 
     def _apply_once_arrived(self, sync: _FragmentSync) -> OuterStepReport:
+        """Worker thread: ``_apply``, waiting on the thread event that ``_reduce`` sets."""
         started = time.monotonic()
         sync.arrived.wait()
         return self._apply_arrived(sync, started=started)
