@@ -1,7 +1,11 @@
 """Convergence vs communication: DDP, no communication and DiLoCo on a tiny byte-level GPT.
 
 Four in-process workers start from identical weights and each trains on its own shard of the
-corpus with the same token budget for every method. Communication goes through the in-memory
+corpus with the same token budget for every method. By default those are the seed's fresh
+weights. With ``--warm-start-steps N`` they come from a shared pretraining of N steps (ordinary
+single-worker training on the whole train stream), the setting of the DiLoCo paper's main
+experiments; DDP and DiLoCo are then also compared from fresh weights (``scratch_*`` keys), so
+both regimes are on record in the same run. Communication goes through the in-memory
 collective, whose per-worker byte counter counts what a butterfly all-reduce really sends
 (2 (N-1)/N of the fp32 payload per sync). Validation loss is in nats per byte: the mean over the
 workers' replicas, evaluated on each strategy's evaluation weights.
@@ -12,7 +16,7 @@ then carries ``<name>_loss``, ``<name>_bytes`` and ``<name>_vs_ddp``.
 
     python benchmarks/convergence.py [--data PATH] [--strategies ddp,nocomm,diloco] [--seed N]
         [--steps 500] [--batch-size 8] [--context 128] [--lr 3e-3] [--warmup 50]
-        [--outer-lr 0.7] [--outer-momentum 0.9]
+        [--outer-lr 0.7] [--outer-momentum 0.9] [--warm-start-steps 0]
 
 Every method gets the same inner hyperparameters (AdamW, warmup + cosine over ``--steps``).
 ``--outer-lr`` / ``--outer-momentum`` change only the two DiLoCo runs (``diloco``,
@@ -60,6 +64,9 @@ from lattica.train.trainer import Trainer, TrainerConfig
 WORKERS = 4
 PEERS = tuple(f"worker-{i}" for i in range(WORKERS))
 SYNC_EVERY = 50  # H: inner steps between two syncs of DiLoCo and its variants
+WARM_START_STEPS = 0  # steps of shared pretraining every method starts from (0: fresh weights)
+WARM_SEED_OFFSET = 7919  # the pretraining draws its own batches, not worker 0's
+SCRATCH_METHODS = ("ddp", "diloco")  # also compared from the seed's fresh weights
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -127,7 +134,45 @@ class FixedGroups:
         return self.members
 
 
-async def run_method(method: Method, corpus, budget: Budget, seed: int) -> dict[str, float]:
+async def warm_start(
+    build: Callable[[int], torch.nn.Module], corpus, budget: Budget, seed: int, steps: int
+) -> dict[str, torch.Tensor]:
+    """Weights after ``steps`` steps of ordinary single-worker training on the whole train stream.
+
+    Every method then starts from these same weights: the shared pretrained checkpoint that the
+    DiLoCo paper's main experiments start from. The run is the trainer with the ``nocomm``
+    strategy (plain AdamW, warmup + cosine over ``steps``), the same batch shape as the methods.
+    """
+    model = build(seed)
+    sampler = BatchSampler(
+        corpus.train,
+        BatchConfig(
+            batch_size=budget.batch_size, context=budget.context, seed=seed + WARM_SEED_OFFSET
+        ),
+    )
+    task = Task(model=model, train_batches=iter(sampler), val_batches=[], sampler=sampler)
+    strategy = create_strategy(
+        "nocomm", model, collective=InMemoryCollectiveGroup(("warm",)).member("warm"),
+        groups=FixedGroups(("warm",)),
+    )
+    config = TrainerConfig(
+        total_steps=steps,
+        eval_every=0,
+        log_every=steps,
+        schedule=ScheduleConfig(lr=budget.lr, warmup_steps=budget.warmup, total_steps=steps),
+    )
+    await Trainer(task, strategy, config, device=select_device("cpu")).run()
+    return {name: t.detach().clone() for name, t in model.state_dict().items()}
+
+
+async def run_method(
+    method: Method,
+    corpus,
+    budget: Budget,
+    seed: int,
+    initial: dict[str, torch.Tensor] | None = None,
+) -> dict[str, float]:
+    """Train ``method`` on four workers from ``initial`` (else from the seed's fresh weights)."""
     peers = PEERS
     peaks = [0] * WORKERS
     network = InMemoryCollectiveGroup(peers)
@@ -150,6 +195,8 @@ async def run_method(method: Method, corpus, budget: Budget, seed: int) -> dict[
             ),
         )
         model = method.build_model(seed)
+        if initial is not None:
+            model.load_state_dict(initial)
         task = Task(model=model, train_batches=iter(sampler), val_batches=val, sampler=sampler)
         strategy = create_strategy(
             method.strategy,
@@ -246,6 +293,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--outer-momentum", type=float, default=None, help="DiLoCo's outer μ, for sweeps (0.9)"
     )
+    parser.add_argument(
+        "--warm-start-steps",
+        type=int,
+        default=WARM_START_STEPS,
+        help="steps of shared single-worker pretraining every method starts from (0: from scratch)",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads per operation")
     return parser.parse_args(argv)
 
@@ -283,19 +336,41 @@ def main(argv: list[str] | None = None) -> int:
         f"tokens = {tokens} tokens per method, seed {args.seed}"
     )
     methods = _with_outer(METHODS, args.outer_lr, args.outer_momentum)
+    initial: dict[Callable[[int], torch.nn.Module], dict[str, torch.Tensor]] = {}
+    if args.warm_start_steps > 0:
+        for build in dict.fromkeys(methods[name].build_model for name in names):
+            started = time.monotonic()
+            initial[build] = trio.run(
+                warm_start, build, corpus, budget, args.seed, args.warm_start_steps
+            )
+            print(
+                f"warm start: {args.warm_start_steps} single-worker steps "
+                f"in {time.monotonic() - started:.1f} s"
+            )
     results: dict[str, dict[str, float]] = {}
     for name in names:
-        started = time.monotonic()
-        results[name] = trio.run(run_method, methods[name], corpus, budget, args.seed)
-        results[name]["seconds"] = time.monotonic() - started
-    print(f"{'method':<12}{'val loss':>10}{'spread':>9}{'MB sent/worker':>16}{'seconds':>9}")
+        method = methods[name]
+        results[name] = _timed(method, corpus, budget, args.seed, initial.get(method.build_model))
+    if initial:  # the headline pair again from fresh weights, so both regimes are on record
+        for name in (n for n in SCRATCH_METHODS if n in names):
+            results[f"scratch_{name}"] = _timed(methods[name], corpus, budget, args.seed, None)
+    print(f"{'method':<16}{'val loss':>10}{'spread':>9}{'MB sent/worker':>16}{'seconds':>9}")
     for name, r in results.items():
         print(
-            f"{name:<12}{r['loss']:>10.4f}{r['loss_spread']:>9.4f}"
+            f"{name:<16}{r['loss']:>10.4f}{r['loss_spread']:>9.4f}"
             f"{r['bytes'] / 1e6:>16.2f}{r['seconds']:>9.1f}"
         )
-    print(json.dumps(summary_json(results, args.seed, tokens)))
+    summary = summary_json(results, args.seed, tokens)
+    summary["warm_start_steps"] = args.warm_start_steps
+    print(json.dumps(summary))
     return 0
+
+
+def _timed(method: Method, corpus, budget: Budget, seed: int, initial) -> dict[str, float]:
+    started = time.monotonic()
+    result = trio.run(run_method, method, corpus, budget, seed, initial)
+    result["seconds"] = time.monotonic() - started
+    return result
 
 
 def _with_outer(
@@ -319,6 +394,8 @@ def summary_json(results: dict[str, dict[str, float]], seed: int, tokens: int) -
         out[f"{name}_loss"] = round(r["loss"], 5)
         out[f"{name}_bytes"] = int(r["bytes"])
     for name, r in results.items():
+        if name.startswith("scratch_"):
+            continue
         out[f"{name}_peak_sync_bytes"] = int(r["peak_sync_bytes"])
         out[f"{name}_optimizer_state_bytes"] = int(r["optimizer_state_bytes"])
         if "avg_weights_loss" in r:
@@ -343,9 +420,13 @@ def summary_json(results: dict[str, dict[str, float]], seed: int, tokens: int) -
             / results["moe_diloco"]["optimizer_state_bytes"],
             5,
         )
+    if "scratch_ddp" in results and "scratch_diloco" in results:
+        out["scratch_diloco_vs_ddp"] = round(
+            results["scratch_diloco"]["loss"] / results["scratch_ddp"]["loss"], 5
+        )
     ddp = results.get("ddp")
     for name, r in results.items():
-        if ddp is not None and name != "ddp":
+        if ddp is not None and name != "ddp" and not name.startswith("scratch_"):
             out[f"{name}_vs_ddp"] = round(r["loss"] / ddp["loss"], 5)
             if r["bytes"]:
                 out[f"ddp_bytes_vs_{name}"] = round(ddp["bytes"] / r["bytes"], 2)
