@@ -228,10 +228,12 @@ class RoundCoordinator:
         with trio.move_on_at(pending.first_arrival + self.deadline_s):
             while not self._awaited(key) <= pending.ready:
                 await trio.sleep(0.05)
-        pending.group = tuple(sorted(pending.ready))
+        # a peer that went silent after it asked (its link was cut while we waited) would only
+        # stall the all-reduce until the stall guard gives up; it is answered like a late peer
+        pending.group = tuple(sorted(p for p in pending.ready if p == self.peer_id or self.responsive(p)))
         self._learn(key, pending.group)
         pending.sealed.set()
-        missing = set(self._candidates()) - pending.ready
+        missing = set(self._candidates()) - set(pending.group)
         if missing:
             log.info(
                 "sync %s sealed with %d peer(s) after %.2f s, without %d late peer(s)", key,

@@ -195,3 +195,26 @@ def test_round_keys_are_ordered_only_for_blocking_rounds() -> None:
     assert round_of("round/12/retry/1") == 12
     assert round_of("round/12/fragment/2") is None
     assert round_of("step/3") is None
+
+
+async def test_a_peer_that_goes_silent_after_asking_is_left_out_of_the_group() -> None:
+    with trio.fail_after(40):
+        async with trio.open_nursery() as nursery:
+            silent: set[str] = set()
+            members = await _members(nursery, deadline_s=3.0, silent=silent)
+            coordinator, cut, absent = members  # the third never asks: sealed at the deadline
+            groups: dict[str, tuple[str, ...]] = {}
+
+            async def ask(member: _Member) -> None:
+                groups[member.peer_id] = tuple(await member.coordinator.group_for("round/0"))
+
+            async with trio.open_nursery() as asking:
+                for member in (coordinator, cut):
+                    asking.start_soon(ask, member)
+                while len(getattr(coordinator.coordinator._syncs.get("round/0"), "ready", ())) < 2:
+                    await trio.sleep(0.05)
+                silent.add(cut.peer_id)  # its link is cut while the round waits for the third
+            assert groups[coordinator.peer_id] == (coordinator.peer_id,)
+            assert groups[cut.peer_id] == (cut.peer_id,)
+            assert absent.peer_id not in groups
+            nursery.cancel_scope.cancel()
