@@ -17,7 +17,7 @@ low that communication outlasts the window, eager and streaming block too, by de
 ``<strategy>_step_ms`` is the mean inner step: overlapped communication competes with the inner
 steps for the cores (and the GIL), which makes them slower without counting as waiting.
 
-    python benchmarks/overlap.py [--rate-mbit 20] [--steps 120] [--inner-steps 20] [--overlap-steps 5]
+    python benchmarks/overlap.py [--rate-mbit 20] [--steps 240] [--inner-steps 40] [--overlap-steps 5]
 
 Needs root, ``ip`` and ``nft`` (the lab); without them it says so and exits with status 2.
 The last line printed is one JSON object.
@@ -254,8 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--ip", default="127.0.0.1", help=argparse.SUPPRESS)
     parser.add_argument("--rate-mbit", type=float, default=20.0, help="egress cap per peer")
-    parser.add_argument("--steps", type=int, default=120, help="inner steps per strategy")
-    parser.add_argument("--inner-steps", type=int, default=20, help="H")
+    parser.add_argument("--steps", type=int, default=240, help="inner steps per strategy")
+    parser.add_argument("--inner-steps", type=int, default=40, help="H")
     parser.add_argument("--overlap-steps", type=int, default=5, help="Streaming's tau")
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
     parser.add_argument("--log-dir", default="", help="write each peer's stderr here")

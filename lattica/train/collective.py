@@ -49,14 +49,21 @@ class StallGuardedCollective:
     while an operation is in flight, the operation is cancelled and ``PeerUnavailableError`` is
     raised, which every strategy treats as a failed sync (retry with a fresh group, or skip).
     A large transfer that keeps moving is never cut short, however long it takes.
+
+    With ``alive`` (peer id -> whether it is still heard: connected, heartbeat arriving), a stall
+    of only ``lost_stall_s`` is enough when a member of the operation is known silent: there is
+    nothing to wait for, and the retry starts that much sooner.
     """
 
     def __init__(
-        self, inner: Collective, *, progress: Callable[[], int], stall_s: float, poll_s: float = 0.25
+        self, inner: Collective, *, progress: Callable[[], int], stall_s: float, poll_s: float = 0.25,
+        alive: Callable[[str], bool] | None = None, lost_stall_s: float = 1.0,
     ) -> None:
-        if stall_s <= 0 or poll_s <= 0:
-            raise ValueError("StallGuardedCollective stall_s and poll_s must be positive")
+        if stall_s <= 0 or poll_s <= 0 or lost_stall_s <= 0:
+            raise ValueError("StallGuardedCollective stall_s, poll_s and lost_stall_s must be positive")
         self.inner, self.progress, self.stall_s, self.poll_s = inner, progress, stall_s, poll_s
+        self.alive, self.lost_stall_s = alive, min(lost_stall_s, stall_s)
+        self._why = ""
 
     @property
     def peer_id(self) -> str:
@@ -65,20 +72,22 @@ class StallGuardedCollective:
     async def allreduce(
         self, tensors: Sequence[torch.Tensor], *, group: Sequence[str], tag: str, codec: str = "fp32"
     ) -> list[torch.Tensor]:
-        return await self._guarded(self.inner.allreduce, tensors, group=group, tag=tag, codec=codec)
+        return await self._guarded(self.inner.allreduce, tensors, members=group, group=group, tag=tag, codec=codec)
 
     async def exchange(
         self, tensors: Sequence[torch.Tensor], *, peer: str, tag: str, codec: str = "fp32"
     ) -> list[torch.Tensor]:
-        return await self._guarded(self.inner.exchange, tensors, peer=peer, tag=tag, codec=codec)
+        return await self._guarded(self.inner.exchange, tensors, members=(peer,), peer=peer, tag=tag, codec=codec)
 
     async def _guarded(
-        self, op: Callable[..., Awaitable[list[torch.Tensor]]], /, *args: Any, **kwargs: Any
+        self, op: Callable[..., Awaitable[list[torch.Tensor]]], /, *args: Any, members: Sequence[str],
+        **kwargs: Any,
     ) -> list[torch.Tensor]:
         result: list[torch.Tensor] | None = None
+        others = [p for p in members if p != self.peer_id]
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._cancel_when_stalled, nursery.cancel_scope)
+                nursery.start_soon(self._cancel_when_stalled, nursery.cancel_scope, others)
                 result = await op(*args, **kwargs)
                 nursery.cancel_scope.cancel()
         except BaseExceptionGroup as group:  # the operation's own failure, as itself
@@ -86,14 +95,23 @@ class StallGuardedCollective:
                 raise group.exceptions[0] from None
             raise
         if result is None:
-            raise PeerUnavailableError(f"collective {kwargs['tag']!r} made no progress for {self.stall_s:g} s")
+            raise PeerUnavailableError(f"collective {kwargs['tag']!r} made no progress ({self._why})")
         return result
 
-    async def _cancel_when_stalled(self, scope: trio.CancelScope) -> None:
+    async def _cancel_when_stalled(self, scope: trio.CancelScope, others: Sequence[str]) -> None:
         seen, since = self.progress(), trio.current_time()
-        while trio.current_time() - since < self.stall_s:
+        while True:
             await trio.sleep(self.poll_s)
             now = self.progress()
             if now != seen:
                 seen, since = now, trio.current_time()
+            stalled = trio.current_time() - since
+            if stalled >= self.stall_s:
+                self._why = f"for {self.stall_s:g} s"
+                break
+            if stalled >= self.lost_stall_s and self.alive is not None:
+                lost = [p for p in others if not self.alive(p)]
+                if lost:
+                    self._why = f"for {stalled:.1f} s, {len(lost)} member(s) silent"
+                    break
         scope.cancel()

@@ -17,7 +17,16 @@ dead coordinator at different times end up in different groups.
 
 A key ``<base>/retry/<n>`` (DiLoCo's second attempt after a failed all-reduce) is asked for only
 by the members of the attempt before it: when the coordinator knows that group (it sealed or
-received it), only those members are waited for, not every candidate.
+received it), only those members are waited for, not every candidate; its askers, who all know
+that group, pick their coordinator among its members.
+
+Peers can disagree for a moment about who is responsive (a peer back from a restart or a cut is
+heard by some before others), and then about who coordinates: a coordinator C would wait for a
+lower candidate L that is coordinating a group of its own, and L for C's askers, both until the
+deadline, each sealing a part of the round. So the lower id wins as soon as anyone notices: a
+coordinator that sees a responsive candidate below itself while a key is pending answers its
+askers ``{"redirect": L}`` and they (and C itself) ask L. Redirects only go down in peer id, so
+they end.
 
 Invariants: a key is sealed once, so everyone who was answered got the same group; groups are
 sorted, so every member sees the same order; memory is bounded by keeping the last
@@ -65,7 +74,14 @@ class _PendingSync:
     first_arrival: float
     ready: set[str] = field(default_factory=set)
     group: tuple[str, ...] | None = None
+    redirect: str | None = None  # a lower candidate coordinates this key instead
     sealed: trio.Event = field(default_factory=trio.Event)
+
+
+class _Redirected(Exception):
+    def __init__(self, coordinator: str) -> None:
+        super().__init__(f"redirected to {coordinator}")
+        self.coordinator = coordinator
 
 
 class RoundCoordinator:
@@ -106,14 +122,20 @@ class RoundCoordinator:
         return any(p.to_base58() == peer for p in self.host.get_connected_peers())
 
     async def group_for(self, key: str) -> Sequence[str]:
-        for coordinator in self._candidates():
-            if coordinator != self.peer_id and not self.responsive(coordinator):
-                continue
+        tried: set[str] = set()
+        redirect: str | None = None
+        while (coordinator := self._next_coordinator(key, tried, redirect)) is not None:
+            tried.add(coordinator)
+            redirected_to, redirect = redirect, None
             try:
                 if coordinator == self.peer_id:
                     group = await self._join(key, self.peer_id)
                 else:
-                    group = await self._ask(coordinator, key)
+                    group = await self._ask(coordinator, key, vouched=coordinator == redirected_to)
+            except _Redirected as exc:
+                log.info("coordinator %s for %s redirects to %s", coordinator, key, exc.coordinator)
+                redirect = exc.coordinator
+                continue
             except (LatticaError, OSError, trio.TooSlowError) as exc:
                 log.info("coordinator %s unavailable for %s: %s", coordinator, key, exc)
                 continue
@@ -123,6 +145,22 @@ class RoundCoordinator:
             self._learn(key, group)
             return group if self.peer_id in group else (self.peer_id,)
         return (self.peer_id,)
+
+    def _next_coordinator(self, key: str, tried: set[str], redirect: str | None) -> str | None:
+        """The coordinator to ask next: the one we were redirected to, else the lowest responsive
+        candidate not tried yet — looked up afresh after every failure, so a peer that became
+        responsive meanwhile (back from a restart) is not passed over. For a retry key, the
+        members of the previous attempt when we know them: every asker knows them."""
+        if redirect is not None and redirect not in tried and redirect in self._candidates():
+            return redirect
+        pool = self._candidates()
+        expected = self._expected(key)
+        if expected is not None and self.peer_id in expected:
+            pool = sorted(expected & set(pool))
+        for coordinator in pool:
+            if coordinator not in tried and (coordinator == self.peer_id or self.responsive(coordinator)):
+                return coordinator
+        return None
 
     def _learn(self, key: str, group: Sequence[str]) -> None:
         self._groups[key] = tuple(group)
@@ -139,17 +177,24 @@ class RoundCoordinator:
         group = self._groups.get(previous)
         return None if group is None else set(group)
 
-    async def _ask(self, coordinator: str, key: str) -> tuple[str, ...]:
+    async def _ask(self, coordinator: str, key: str, *, vouched: bool = False) -> tuple[str, ...]:
+        """``vouched``: another coordinator sent us here, having found it responsive; we may not
+        have heard it long enough to say so ourselves, so we give up on it only when our
+        connection to it drops (or at the time limit)."""
         # a coordinator that is gone must be given up on quickly, so that the next one in line
         # still collects everyone within the deadline; one that answers may hold us until it seals
         with trio.fail_after(_OPEN_TIMEOUT_S):
             stream = await self.host.new_stream(ID.from_base58(coordinator), [ROUND_PROTOCOL])
+        alive = self._connected if vouched else self.responsive
         try:
             # it seals at most a deadline after our request arrives; longer means it went silent
             with trio.fail_after(self.deadline_s + _OPEN_TIMEOUT_S):
-                reply = await self._while_responsive(coordinator, self._request, stream, coordinator, key)
+                reply = await self._while_alive(alive, coordinator, self._request, stream, coordinator, key)
         finally:
             await stream.close()
+        redirect = reply.get("redirect") if isinstance(reply, dict) else None
+        if isinstance(redirect, str) and len(redirect) <= MAX_KEY_LEN and redirect < coordinator:
+            raise _Redirected(redirect)
         group = reply.get("group") if isinstance(reply, dict) else None
         if not isinstance(group, list) or not all(isinstance(p, str) for p in group):
             raise RemoteProtocolError("malformed round reply", peer_id=coordinator)
@@ -159,14 +204,16 @@ class RoundCoordinator:
         await write_message(stream, {"key": key, "run": self.run_id}, peer_id=coordinator)
         return await read_message(stream, max_size=_REPLY_BYTES, peer_id=coordinator)
 
-    async def _while_responsive(self, peer: str, fn: Callable[..., Awaitable[object]], *args: object) -> object:
-        """``await fn(*args)``, abandoned with ``PeerUnavailableError`` once ``peer`` turns
-        unresponsive (a coordinator cut off while we wait for its group)."""
+    async def _while_alive(
+        self, alive: Callable[[str], bool], peer: str, fn: Callable[..., Awaitable[object]], *args: object
+    ) -> object:
+        """``await fn(*args)``, abandoned with ``PeerUnavailableError`` once ``alive(peer)`` turns
+        false (a coordinator cut off while we wait for its group)."""
         result: object = None
         with trio.CancelScope() as watched:
             try:
                 async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._cancel_when_unresponsive, peer, watched)
+                    nursery.start_soon(self._cancel_when_dead, alive, peer, watched)
                     result = await fn(*args)
                     nursery.cancel_scope.cancel()
             except BaseExceptionGroup as group:  # fn's own failure, as itself
@@ -177,8 +224,8 @@ class RoundCoordinator:
             raise PeerUnavailableError("coordinator stopped responding", peer_id=peer)
         return result
 
-    async def _cancel_when_unresponsive(self, peer: str, scope: trio.CancelScope) -> None:
-        while self.responsive(peer):
+    async def _cancel_when_dead(self, alive: Callable[[str], bool], peer: str, scope: trio.CancelScope) -> None:
+        while alive(peer):
             await trio.sleep(0.1)
         scope.cancel()
 
@@ -191,9 +238,11 @@ class RoundCoordinator:
                 self._syncs.popitem(last=False)
             assert self._nursery is not None, "RoundCoordinator.run must be started first"
             self._nursery.start_soon(self._seal_when_ready, key, pending)
-        if pending.group is None:
+        if pending.group is None and pending.redirect is None:
             pending.ready.add(peer)
         await pending.sealed.wait()
+        if pending.redirect is not None:
+            raise _Redirected(pending.redirect)
         assert pending.group is not None
         return pending.group
 
@@ -213,6 +262,13 @@ class RoundCoordinator:
         rnd, asked = round_of(key), self._asked_round.get(peer)
         return rnd is not None and asked is not None and asked > rnd
 
+    def _fell_behind(self, key: str) -> bool:
+        """Whether our own latest request was for a round at least two before ``key``'s: we are
+        catching up (back from a cut) and will not ask for ``key`` soon; one round behind is
+        ordinary (the others finished their inner steps first)."""
+        rnd, asked = round_of(key), self._asked_round.get(self.peer_id)
+        return rnd is not None and asked is not None and rnd - asked >= 2
+
     def _awaited(self, key: str) -> set[str]:
         """Candidates worth waiting for: an unresponsive one (killed, cut off) would only hold
         the round until the deadline, and so would one already asking for a later round; for a
@@ -221,12 +277,33 @@ class RoundCoordinator:
             p for p in self._candidates()
             if (p == self.peer_id or self.responsive(p)) and not self._moved_on(p, key)
         }
+        if self._fell_behind(key):
+            awaited.discard(self.peer_id)
         expected = self._expected(key)
         return awaited if expected is None else awaited & expected
+
+    def _outranked(self, key: str) -> str | None:
+        """A responsive candidate below us, which coordinates ``key`` for whoever sees it: the
+        lowest such. For a retry key, only members of the previous attempt count (its askers
+        pick among them)."""
+        pool = set(self._candidates())
+        expected = self._expected(key)
+        if expected is not None:
+            pool &= expected
+        lower = sorted(p for p in pool if p < self.peer_id and self.responsive(p))
+        return lower[0] if lower else None
 
     async def _seal_when_ready(self, key: str, pending: _PendingSync) -> None:
         with trio.move_on_at(pending.first_arrival + self.deadline_s):
             while not self._awaited(key) <= pending.ready:
+                lower = self._outranked(key)
+                if lower is not None:
+                    # everyone who asked us goes there (so do we); a later request starts afresh
+                    pending.redirect = lower
+                    if self._syncs.get(key) is pending:
+                        del self._syncs[key]
+                    pending.sealed.set()
+                    return
                 await trio.sleep(0.05)
         # a peer that went silent after it asked (its link was cut while we waited) would only
         # stall the all-reduce until the stall guard gives up; it is answered like a late peer
@@ -248,8 +325,11 @@ class RoundCoordinator:
                 key = request.get("key") if isinstance(request, dict) else None
                 if not isinstance(key, str) or len(key) > MAX_KEY_LEN or request.get("run") != self.run_id:
                     raise RemoteProtocolError("malformed round request", peer_id=peer)
-                group = await self._join(key, peer)
-                await write_message(stream, {"group": list(group)}, peer_id=peer)
+                try:
+                    reply: dict[str, object] = {"group": list(await self._join(key, peer))}
+                except _Redirected as exc:
+                    reply = {"redirect": exc.coordinator}
+                await write_message(stream, reply, peer_id=peer)
         except Exception as exc:  # noqa: BLE001 - one bad request ends one stream
             log.debug("round request from %s failed: %r", peer, exc)
         finally:

@@ -95,7 +95,17 @@ class TrainingService:
             await nursery.start(self.tensors.run)
             await nursery.start(self.coordinator.run)
             task_status.started()
+            nursery.start_soon(self._watch_members)
             nursery.start_soon(self._train_guarded)
+
+    async def _watch_members(self) -> None:
+        """Keep ``RecentTrainers`` current from the start, not only at round ends: a peer
+        restarted just before its link is cut must remember who trained before the cut, or its
+        first round, run cut off, looks like a round of the whole run (published, and followed
+        by more at once)."""
+        while True:
+            self._others_train()
+            await trio.sleep(1.0)
 
     def _candidates(self) -> list[str]:
         """The candidates of a round: live trainers ready to sync. Before the first round is
@@ -110,17 +120,30 @@ class TrainingService:
         heartbeat stops moving at once. A peer seen silent is not responsive again until it has
         been heard for a few intervals: back from a cut or a restart it first catches up, and
         rounds should not wait for that — unless it is not behind us."""
-        now, interval = time.monotonic(), self.state.config.lease.heartbeat_interval
-        if any(p.to_base58() == peer for p in self.node.host.get_connected_peers()):
-            beat = (self.state.snapshot().get("members", {}).get(peer) or {}).get("heartbeat")
-            seen = self._beats.get(peer)
-            if seen is None or seen[0] != beat:
-                self._beats[peer] = seen = (beat, now)
-            if now - seen[1] < _SILENT_BEATS * interval:
-                back = self._back_at.get(peer)
-                return back is None or now - back >= _SETTLE_BEATS * interval or self._not_behind(peer)
-        self._back_at[peer] = now  # silent: when heard again, it settles first
+        if not self._alive(peer):
+            return False
+        back = self._back_at.get(peer)
+        interval = self.state.config.lease.heartbeat_interval
+        return back is None or time.monotonic() - back >= _SETTLE_BEATS * interval or self._not_behind(peer)
+
+    def _alive(self, peer: str) -> bool:
+        """Connected, and its lease renewals still arrive (see ``_responsive``)."""
+        connected = any(p.to_base58() == peer for p in self.node.host.get_connected_peers())
+        if connected and self._heard(peer):
+            return True
+        self._back_at[peer] = time.monotonic()  # silent: when heard again, it settles first
         return False
+
+    def _heard(self, peer: str) -> bool:
+        """Its lease renewals (one per heartbeat interval) still arrive, through whichever peer
+        relays the state: a member cut off or killed stops renewing for everyone, whereas one
+        we have just not dialled yet is still heard."""
+        now, interval = time.monotonic(), self.state.config.lease.heartbeat_interval
+        beat = (self.state.snapshot().get("members", {}).get(peer) or {}).get("heartbeat")
+        seen = self._beats.get(peer)
+        if seen is None or seen[0] != beat:
+            self._beats[peer] = seen = (beat, now)
+        return now - seen[1] < _SILENT_BEATS * interval
 
     def _not_behind(self, peer: str) -> bool:
         """Whether ``peer`` published at least the rounds we completed: it needs no catching up.
@@ -238,7 +261,8 @@ class TrainingService:
         # a member that goes silent inside a sync (link cut, frozen) breaks no connection: the
         # guard aborts a sync whose data plane received nothing for a round deadline
         collective = StallGuardedCollective(
-            self.tensors, progress=self.tensors.stats.total_received, stall_s=s.round_deadline_s
+            self.tensors, progress=self.tensors.stats.total_received, stall_s=s.round_deadline_s,
+            alive=self._heard,
         )
         cls = strategy_class(s.strategy)
         extra = {} if ownership is None else {"ownership": ownership}

@@ -71,3 +71,25 @@ async def test_the_operations_own_failure_surfaces_as_itself(autojump_clock) -> 
 def test_the_guard_needs_positive_times() -> None:
     with pytest.raises(ValueError, match="positive"):
         StallGuardedCollective(_Wire(chunks=1, every=1.0), progress=lambda: 0, stall_s=0)
+
+
+async def test_a_member_known_silent_aborts_the_sync_sooner(autojump_clock) -> None:
+    wire = _Wire(chunks=10, every=0.5, silent_after=3)  # silent after 1.5 s
+    guard = StallGuardedCollective(
+        wire, progress=lambda: wire.received, stall_s=5.0, alive=lambda peer: peer != "b", lost_stall_s=1.0
+    )
+    started = trio.current_time()
+    with pytest.raises(PeerUnavailableError, match="1 member"):
+        await guard.allreduce([torch.ones(2)], group=["me", "b", "c"], tag="round/3")
+    assert wire.cancelled
+    assert 1.5 + 1 <= trio.current_time() - started <= 1.5 + 1 + 0.5
+
+
+async def test_a_silent_member_does_not_cut_a_transfer_that_keeps_moving(autojump_clock) -> None:
+    # "b" is silent to us, but bytes keep arriving (others relay): never more than 1 s still
+    wire = _Wire(chunks=8, every=0.75)
+    guard = StallGuardedCollective(
+        wire, progress=lambda: wire.received, stall_s=5.0, alive=lambda peer: peer != "b", lost_stall_s=1.0
+    )
+    result = await guard.allreduce([torch.ones(2)], group=["me", "b"], tag="round/3")
+    assert torch.equal(result[0], torch.full((2,), 2.0))

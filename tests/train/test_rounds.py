@@ -28,9 +28,11 @@ class _Member:
 
 
 async def _members(
-    nursery: trio.Nursery, *, deadline_s: float, count: int = 3, silent: set[str] | None = None
+    nursery: trio.Nursery, *, deadline_s: float, count: int = 3, silent: set[str] | None = None,
+    silent_for: dict[str, set[str]] | None = None,
 ) -> list[_Member]:
-    """``count`` connected members, sorted by peer id (the first coordinates every key)."""
+    """``count`` connected members, sorted by peer id (the first coordinates every key).
+    ``silent``: peers no one finds responsive; ``silent_for[me]``: peers ``me`` alone does not."""
     ids: list[str] = []
     members = []
     for _ in range(count):
@@ -40,7 +42,7 @@ async def _members(
         ids.append(peer_id)
         coordinator = RoundCoordinator(
             host, peer_id=peer_id, run_id="test-run", candidates=lambda: list(ids), deadline_s=deadline_s,
-            responsive=None if silent is None else (lambda p: p not in silent),
+            responsive=_view(peer_id, silent, silent_for),
         )
         await nursery.start(coordinator.run)
         members.append(_Member(host, scope, coordinator))
@@ -48,6 +50,12 @@ async def _members(
         for other in members[i + 1 :]:
             await member.host.connect(info_from_p2p_addr(other.host.get_addrs()[0]))
     return sorted(members, key=lambda m: m.peer_id)
+
+
+def _view(me: str, silent: set[str] | None, silent_for: dict[str, set[str]] | None):
+    if silent is None and silent_for is None:
+        return None
+    return lambda p: p not in (silent or set()) and p not in (silent_for or {}).get(me, set())
 
 
 async def _groups(members: list[_Member], key: str) -> dict[str, tuple[str, ...]]:
@@ -218,3 +226,50 @@ async def test_a_peer_that_goes_silent_after_asking_is_left_out_of_the_group() -
             assert groups[cut.peer_id] == (cut.peer_id,)
             assert absent.peer_id not in groups
             nursery.cancel_scope.cancel()
+
+
+async def test_a_coordinator_that_sees_a_lower_one_redirects_its_askers_there() -> None:
+    with trio.fail_after(40):
+        async with trio.open_nursery() as nursery:
+            silent_for: dict[str, set[str]] = {}
+            members = await _members(nursery, deadline_s=20.0, silent_for=silent_for)
+            low, middle, high = members
+            # the highest does not hear the lowest yet (back from a restart): it asks the middle
+            # one, which hears the lowest and would otherwise wait for it until the deadline
+            silent_for[high.peer_id] = {low.peer_id}
+            started = trio.current_time()
+            groups = await _groups(members, "round/0")
+            assert set(groups.values()) == {tuple(m.peer_id for m in members)}
+            assert trio.current_time() - started < 10  # one group, not two halves at the deadline
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_coordinator_catching_up_does_not_hold_a_later_round_for_itself() -> None:
+    with trio.fail_after(40):
+        async with trio.open_nursery() as nursery:
+            members = await _members(nursery, deadline_s=20.0)
+            coordinator, rest = members[0], members[1:]
+            await _groups(members, "round/3")  # everyone at round 3
+            # the others went on to round 6 while the coordinator was cut off; it is catching up
+            started = trio.current_time()
+            groups = await _groups(rest, "round/6")
+            assert set(groups.values()) == {tuple(m.peer_id for m in rest)}
+            assert trio.current_time() - started < 10
+            nursery.cancel_scope.cancel()
+
+
+def test_the_next_coordinator_is_looked_up_afresh_after_each_failure() -> None:
+    ids = ["a", "b", "c"]
+    silent = {"a"}
+    rounds = RoundCoordinator(
+        None, peer_id="c", run_id="r", candidates=lambda: ids, deadline_s=5.0,  # type: ignore[arg-type]
+        responsive=lambda p: p not in silent,
+    )
+    assert rounds._next_coordinator("round/1", set(), None) == "b"
+    silent.clear()  # "a" is heard again while we asked "b", which failed
+    assert rounds._next_coordinator("round/1", {"b"}, None) == "a"
+    assert rounds._next_coordinator("round/1", {"a", "b"}, None) == "c"
+    assert rounds._next_coordinator("round/1", {"a", "b", "c"}, None) is None
+    assert rounds._next_coordinator("round/1", {"c"}, "b") == "b"  # redirected
+    rounds._learn("round/1", ("b", "c"))  # a retry asks among the failed attempt's members
+    assert rounds._next_coordinator("round/1/retry/1", set(), None) == "b"
