@@ -259,7 +259,7 @@ def run_undisturbed(root: Path, args: argparse.Namespace) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, default=6)
-    parser.add_argument("--rounds", type=int, default=150)
+    parser.add_argument("--rounds", type=int, default=240)
     parser.add_argument("--inner-steps", type=int, default=10)
     parser.add_argument("--deadline-s", type=float, default=5.0)
     parser.add_argument("--kill-every", type=float, default=3.0, help="seconds between disturbances")
@@ -267,7 +267,7 @@ def main() -> None:
     parser.add_argument("--partition-s", type=float, default=8.0)
     parser.add_argument("--max-restarting", type=int, default=2, help="peers restarting at once, at most")
     parser.add_argument("--calm-rounds", type=int, default=3, help="no disturbance in the last rounds")
-    parser.add_argument("--timeout-s", type=float, default=300.0, help="per phase")
+    parser.add_argument("--timeout-s", type=float, default=600.0, help="per phase")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-undisturbed", action="store_true")
     parser.add_argument("--keep-dir", type=Path, default=None, help="keep data dirs and logs here")

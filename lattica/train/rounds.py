@@ -96,6 +96,7 @@ class RoundCoordinator:
         candidates: Callable[[], Sequence[str]],
         deadline_s: float,
         responsive: Callable[[str], bool] | None = None,
+        published_round: Callable[[str], int | None] | None = None,
     ) -> None:
         self.host = host
         self.peer_id = peer_id
@@ -103,6 +104,8 @@ class RoundCoordinator:
         self.candidates = candidates
         self.deadline_s = deadline_s
         self.responsive = responsive or self._connected
+        self.published_round = published_round
+        self._failed: dict[str, float] = {}  # coordinator -> when asking it last failed
         self._syncs: OrderedDict[str, _PendingSync] = OrderedDict()
         self._groups: OrderedDict[str, tuple[str, ...]] = OrderedDict()  # groups we sealed or got
         self._asked_round: OrderedDict[str, int] = OrderedDict()  # peer -> round of its latest request
@@ -138,9 +141,11 @@ class RoundCoordinator:
                 continue
             except (LatticaError, OSError, trio.TooSlowError) as exc:
                 log.info("coordinator %s unavailable for %s: %s", coordinator, key, exc)
+                self._failed[coordinator] = trio.current_time()
                 continue
             except Exception as exc:  # noqa: BLE001 - libp2p raises many kinds on a dead peer
                 log.info("coordinator %s unavailable for %s: %r", coordinator, key, exc)
+                self._failed[coordinator] = trio.current_time()
                 continue
             self._learn(key, group)
             return group if self.peer_id in group else (self.peer_id,)
@@ -157,10 +162,36 @@ class RoundCoordinator:
         expected = self._expected(key)
         if expected is not None and self.peer_id in expected:
             pool = sorted(expected & set(pool))
+        behind = self._behind()
         for coordinator in pool:
-            if coordinator not in tried and (coordinator == self.peer_id or self.responsive(coordinator)):
+            if coordinator in tried:
+                continue
+            if coordinator == self.peer_id or (self._can_coordinate(coordinator) and coordinator not in behind):
                 return coordinator
         return None
+
+    def _can_coordinate(self, peer: str) -> bool:
+        """Responsive, and asking it did not just fail (its connection may not have dropped yet)."""
+        failed = self._failed.get(peer)
+        if failed is not None and trio.current_time() - failed < self.deadline_s:
+            return False
+        return self.responsive(peer)
+
+    def _behind(self) -> set[str]:
+        """Candidates catching up: their published round is two or more behind the newest
+        candidate's (or they have published none while others have). They neither coordinate
+        nor are waited for: a peer back from a restart or a cut fetches the run's state first,
+        which takes rounds, and a group held for it — or by it, as coordinator — waits that long.
+        Relative to the newest, so a round every replica skipped (keys move on, completed
+        rounds do not) shifts nobody."""
+        if self.published_round is None:
+            return set()
+        rounds = {p: self.published_round(p) for p in self._candidates()}
+        known = [r for r in rounds.values() if r is not None]
+        if not known:
+            return set()
+        newest = max(known)
+        return {p for p, r in rounds.items() if p != self.peer_id and (r is None or newest - r >= 2)}
 
     def _learn(self, key: str, group: Sequence[str]) -> None:
         self._groups[key] = tuple(group)
@@ -279,6 +310,7 @@ class RoundCoordinator:
         }
         if self._fell_behind(key):
             awaited.discard(self.peer_id)
+        awaited -= self._behind()
         expected = self._expected(key)
         return awaited if expected is None else awaited & expected
 
@@ -290,7 +322,8 @@ class RoundCoordinator:
         expected = self._expected(key)
         if expected is not None:
             pool &= expected
-        lower = sorted(p for p in pool if p < self.peer_id and self.responsive(p))
+        behind = self._behind()
+        lower = sorted(p for p in pool if p < self.peer_id and p not in behind and self._can_coordinate(p))
         return lower[0] if lower else None
 
     async def _seal_when_ready(self, key: str, pending: _PendingSync) -> None:

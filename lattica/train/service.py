@@ -89,6 +89,7 @@ class TrainingService:
             candidates=self._candidates,
             deadline_s=self.settings.round_deadline_s,
             responsive=self._responsive,
+            published_round=self._published_round,
         )
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
@@ -102,10 +103,14 @@ class TrainingService:
         """Keep ``RecentTrainers`` current from the start, not only at round ends: a peer
         restarted just before its link is cut must remember who trained before the cut, or its
         first round, run cut off, looks like a round of the whole run (published, and followed
-        by more at once)."""
+        by more at once). And look at every member's heartbeat twice per interval: a change is
+        timed when it is seen, and one seen late makes a silent member look alive for longer."""
         while True:
             self._others_train()
-            await trio.sleep(1.0)
+            for peer in self.state.live_members():
+                if peer != self.peer_id:
+                    self._heard(peer)  # a heartbeat's change is timed when we look
+            await trio.sleep(0.5)
 
     def _candidates(self) -> list[str]:
         """The candidates of a round: live trainers ready to sync. Before the first round is
@@ -144,6 +149,11 @@ class TrainingService:
         if seen is None or seen[0] != beat:
             self._beats[peer] = seen = (beat, now)
         return now - seen[1] < _SILENT_BEATS * interval
+
+    def _published_round(self, peer: str) -> int | None:
+        record = self.state.snapshot().get("progress", {}).get(peer) or {}
+        rnd = record.get("round")
+        return rnd if type(rnd) is int else None
 
     def _not_behind(self, peer: str) -> bool:
         """Whether ``peer`` published at least the rounds we completed: it needs no catching up.
@@ -383,10 +393,16 @@ class TrainingService:
         async def after_inner_step(step: int) -> list[Any]:
             # catching up and repairing run here, before this step's sync and after the trainer
             # checkpointed the previous round: a kill during a fetch never loses a completed round
+            adopted = False
             if self._catch_up_owed is not None:
                 wait_s, self._catch_up_owed = self._catch_up_owed, None
-                await self._catch_up(wait_s)
-            await self._repair_if_diverged()
+                adopted = await self._catch_up(wait_s)
+            adopted = await self._repair_if_diverged() or adopted
+            if adopted:
+                # the trainer now stands at the adopted state's step, whose round already ran:
+                # syncing for ``step`` too would run one round more than the steps (and every
+                # replica that later adopts our state would inherit that offset)
+                return []
             reports = await original(step)
             if any(self._ran_alone(report) for report in reports):
                 self._catch_up_owed = _CATCH_UP_WAIT_S
@@ -416,16 +432,19 @@ class TrainingService:
         self._recent.observe(members, self.state.live_members(), connected, time.monotonic())
         return bool(self._recent.others()) or len(self._candidates()) > 1
 
-    async def _catch_up(self, wait_s: float) -> None:
-        """After a round we skipped or ran alone: wait (briefly) for the others' result of it."""
+    async def _catch_up(self, wait_s: float) -> bool:
+        """After a round we skipped or ran alone: wait (briefly) for the others' result of it.
+        True when a state was adopted."""
         with trio.move_on_after(wait_s):
             while True:
                 agreed = self._agreed()
                 if agreed is not None and (agreed[0], agreed[1]) != self._mine and agreed[0] >= self._mine[0]:
                     if await self._adopt(agreed):
                         await self._publish_round()
-                    return
+                        return True
+                    return False
                 await self.state.wait_changed()
+        return False
 
     async def _repair_if_diverged(self) -> bool:
         """Adopt the state most live peers hold when ours is not on it (see ``repair_target``);

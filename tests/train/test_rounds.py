@@ -273,3 +273,23 @@ def test_the_next_coordinator_is_looked_up_afresh_after_each_failure() -> None:
     assert rounds._next_coordinator("round/1", {"c"}, "b") == "b"  # redirected
     rounds._learn("round/1", ("b", "c"))  # a retry asks among the failed attempt's members
     assert rounds._next_coordinator("round/1/retry/1", set(), None) == "b"
+
+
+def test_a_candidate_catching_up_neither_coordinates_nor_is_waited_for() -> None:
+    ids = ["a", "b", "c", "d"]
+    published = {"a": 7, "b": 9, "c": 10, "d": 10}  # "a" is back from a restart, fetching
+    rounds = RoundCoordinator(
+        None, peer_id="c", run_id="r", candidates=lambda: ids, deadline_s=5.0,  # type: ignore[arg-type]
+        published_round=published.get,
+    )
+    rounds.responsive = lambda p: True
+    assert rounds._behind() == {"a"}
+    assert rounds._next_coordinator("round/10", set(), None) == "b"  # one behind: an ordinary lag
+    assert rounds._awaited("round/10") == {"b", "c", "d"}
+    assert rounds._outranked("round/10") == "b"
+    published["a"] = 10  # caught up
+    assert rounds._next_coordinator("round/10", set(), None) == "a"
+    del published["b"]  # a record not published yet while others have: not up to date
+    assert rounds._behind() == {"b"}
+    published.clear()  # the start of a run: nobody has published, nobody is behind
+    assert rounds._behind() == set()
