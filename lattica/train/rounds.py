@@ -26,7 +26,8 @@ lower candidate L that is coordinating a group of its own, and L for C's askers,
 deadline, each sealing a part of the round. So the lower id wins as soon as anyone notices: a
 coordinator that sees a responsive candidate below itself while a key is pending answers its
 askers ``{"redirect": L}`` and they (and C itself) ask L. Redirects only go down in peer id, so
-they end.
+they end. Given the published rounds, a candidate two or more behind the newest (fetching the
+run's state) is not waited for, and only candidates with the newest published round coordinate.
 
 Invariants: a key is sealed once, so everyone who was answered got the same group; groups are
 sorted, so every member sees the same order; memory is bounded by keeping the last
@@ -162,7 +163,7 @@ class RoundCoordinator:
         expected = self._expected(key)
         if expected is not None and self.peer_id in expected:
             pool = sorted(expected & set(pool))
-        behind = self._behind()
+        behind = self._behind(1)
         for coordinator in pool:
             if coordinator in tried:
                 continue
@@ -177,21 +178,23 @@ class RoundCoordinator:
             return False
         return self.responsive(peer)
 
-    def _behind(self) -> set[str]:
-        """Candidates catching up: their published round is two or more behind the newest
-        candidate's (or they have published none while others have). They neither coordinate
-        nor are waited for: a peer back from a restart or a cut fetches the run's state first,
-        which takes rounds, and a group held for it — or by it, as coordinator — waits that long.
-        Relative to the newest, so a round every replica skipped (keys move on, completed
-        rounds do not) shifts nobody."""
+    def _behind(self, rounds: int = 2) -> set[str]:
+        """Candidates whose published round is ``rounds`` or more behind the newest candidate's
+        (or who published none while others have). Two behind: catching up (back from a
+        restart or a cut, fetching the run's state, which takes rounds) — not waited for; one
+        behind is the ordinary lag of a peer still finishing the previous sync. A coordinator
+        must be fully up to date: a peer that just fetched the state of the round before (the
+        others finished one more meanwhile) then coordinated the next round, which it reached
+        only 5 s later. Relative to the newest, so a round every replica skipped (keys move on,
+        completed rounds do not) shifts nobody."""
         if self.published_round is None:
             return set()
-        rounds = {p: self.published_round(p) for p in self._candidates()}
-        known = [r for r in rounds.values() if r is not None]
+        published = {p: self.published_round(p) for p in self._candidates()}
+        known = [r for r in published.values() if r is not None]
         if not known:
             return set()
         newest = max(known)
-        return {p for p, r in rounds.items() if p != self.peer_id and (r is None or newest - r >= 2)}
+        return {p for p, r in published.items() if p != self.peer_id and (r is None or newest - r >= rounds)}
 
     def _learn(self, key: str, group: Sequence[str]) -> None:
         self._groups[key] = tuple(group)
@@ -322,7 +325,7 @@ class RoundCoordinator:
         expected = self._expected(key)
         if expected is not None:
             pool &= expected
-        behind = self._behind()
+        behind = self._behind(1)
         lower = sorted(p for p in pool if p < self.peer_id and p not in behind and self._can_coordinate(p))
         return lower[0] if lower else None
 

@@ -248,7 +248,7 @@ async def test_a_coordinator_catching_up_does_not_hold_a_later_round_for_itself(
     with trio.fail_after(40):
         async with trio.open_nursery() as nursery:
             members = await _members(nursery, deadline_s=20.0)
-            coordinator, rest = members[0], members[1:]
+            rest = members[1:]  # the first coordinates
             await _groups(members, "round/3")  # everyone at round 3
             # the others went on to round 6 while the coordinator was cut off; it is catching up
             started = trio.current_time()
@@ -284,11 +284,13 @@ def test_a_candidate_catching_up_neither_coordinates_nor_is_waited_for() -> None
     )
     rounds.responsive = lambda p: True
     assert rounds._behind() == {"a"}
-    assert rounds._next_coordinator("round/10", set(), None) == "b"  # one behind: an ordinary lag
-    assert rounds._awaited("round/10") == {"b", "c", "d"}
-    assert rounds._outranked("round/10") == "b"
+    assert rounds._awaited("round/10") == {"b", "c", "d"}  # one behind: an ordinary lag
+    # but only the up-to-date coordinate: "c" (itself) is the lowest of them
+    assert rounds._next_coordinator("round/10", set(), None) == "c"
+    assert rounds._outranked("round/10") is None
     published["a"] = 10  # caught up
     assert rounds._next_coordinator("round/10", set(), None) == "a"
+    assert rounds._outranked("round/10") == "a"
     del published["b"]  # a record not published yet while others have: not up to date
     assert rounds._behind() == {"b"}
     published.clear()  # the start of a run: nobody has published, nobody is behind
