@@ -27,7 +27,8 @@ deadline, each sealing a part of the round. So the lower id wins as soon as anyo
 coordinator that sees a responsive candidate below itself while a key is pending answers its
 askers ``{"redirect": L}`` and they (and C itself) ask L. Redirects only go down in peer id, so
 they end. Given the published rounds, a candidate two or more behind the newest (fetching the
-run's state) is not waited for, and only candidates with the newest published round coordinate.
+run's state) is not waited for, and only candidates at least at the round most have published
+coordinate.
 
 Invariants: a key is sealed once, so everyone who was answered got the same group; groups are
 sorted, so every member sees the same order; memory is bounded by keeping the last
@@ -179,22 +180,25 @@ class RoundCoordinator:
         return self.responsive(peer)
 
     def _behind(self, rounds: int = 2) -> set[str]:
-        """Candidates whose published round is ``rounds`` or more behind the newest candidate's
-        (or who published none while others have). Two behind: catching up (back from a
-        restart or a cut, fetching the run's state, which takes rounds) — not waited for; one
-        behind is the ordinary lag of a peer still finishing the previous sync. A coordinator
-        must be fully up to date: a peer that just fetched the state of the round before (the
-        others finished one more meanwhile) then coordinated the next round, which it reached
-        only 5 s later. Relative to the newest, so a round every replica skipped (keys move on,
+        """Candidates whose published round is ``rounds`` or more behind the swarm's (or who
+        published none while others have). Two behind: catching up (back from a restart or a
+        cut, fetching the run's state, which takes rounds) — not waited for; one behind is the
+        ordinary lag of a peer still finishing the previous sync. A coordinator must be up to
+        date: a peer that just fetched the state of the round before (the others finished one
+        more meanwhile) then coordinated the next round, which it reached only 5 s later.
+
+        The swarm's round is the one at least half the candidates have published, not the
+        newest: measured against a lone peer ahead, everyone else looked behind and it sealed
+        its rounds alone at once. Relative, so a round every replica skipped (keys move on,
         completed rounds do not) shifts nobody."""
         if self.published_round is None:
             return set()
         published = {p: self.published_round(p) for p in self._candidates()}
-        known = [r for r in published.values() if r is not None]
+        known = sorted((r for r in published.values() if r is not None), reverse=True)
         if not known:
             return set()
-        newest = max(known)
-        return {p for p, r in published.items() if p != self.peer_id and (r is None or newest - r >= rounds)}
+        swarm = known[(len(known) - 1) // 2]
+        return {p for p, r in published.items() if p != self.peer_id and (r is None or swarm - r >= rounds)}
 
     def _learn(self, key: str, group: Sequence[str]) -> None:
         self._groups[key] = tuple(group)

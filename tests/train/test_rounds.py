@@ -293,5 +293,9 @@ def test_a_candidate_catching_up_neither_coordinates_nor_is_waited_for() -> None
     assert rounds._outranked("round/10") == "a"
     del published["b"]  # a record not published yet while others have: not up to date
     assert rounds._behind() == {"b"}
+    published.update(b=9)
+    published.update(a=14)  # one peer ahead (running alone): the others are not behind it
+    assert rounds._behind() == set()
+    assert rounds._next_coordinator("round/10", set(), None) == "a"
     published.clear()  # the start of a run: nobody has published, nobody is behind
     assert rounds._behind() == set()
