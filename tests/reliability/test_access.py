@@ -148,7 +148,10 @@ async def test_a_non_member_is_refused_on_every_protocol_and_a_member_is_served(
             async with trio.open_nursery() as pair:
                 for m in (a, b):
                     pair.start_soon(partial(m.tensors.allreduce, [torch.ones(64)], group=sorted(ids[:2]), tag="ok"))
-            # asked from above: a coordinator with a responsive peer below it would redirect there
+            # the run's candidates are its members; asked from above: a coordinator with a
+            # responsive candidate below it would redirect there
+            for m in (a, b):
+                m.rounds.candidates = lambda: sorted(ids[:2])
             low, high = sorted((a, b), key=lambda m: m.peer_id)
             reply = await _request(high, low.peer_id, ROUND_PROTOCOL, {"key": "k1", "run": "guarded"})
             assert isinstance(reply, dict)
