@@ -63,7 +63,6 @@ class StallGuardedCollective:
             raise ValueError("StallGuardedCollective stall_s, poll_s and lost_stall_s must be positive")
         self.inner, self.progress, self.stall_s, self.poll_s = inner, progress, stall_s, poll_s
         self.alive, self.lost_stall_s = alive, min(lost_stall_s, stall_s)
-        self._why = ""
 
     @property
     def peer_id(self) -> str:
@@ -85,9 +84,10 @@ class StallGuardedCollective:
     ) -> list[torch.Tensor]:
         result: list[torch.Tensor] | None = None
         others = [p for p in members if p != self.peer_id]
+        why: list[str] = []  # per operation: eager and Streaming syncs overlap
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._cancel_when_stalled, nursery.cancel_scope, others)
+                nursery.start_soon(self._cancel_when_stalled, nursery.cancel_scope, others, why)
                 result = await op(*args, **kwargs)
                 nursery.cancel_scope.cancel()
         except BaseExceptionGroup as group:  # the operation's own failure, as itself
@@ -95,10 +95,10 @@ class StallGuardedCollective:
                 raise group.exceptions[0] from None
             raise
         if result is None:
-            raise PeerUnavailableError(f"collective {kwargs['tag']!r} made no progress ({self._why})")
+            raise PeerUnavailableError(f"collective {kwargs['tag']!r} made no progress ({''.join(why)})")
         return result
 
-    async def _cancel_when_stalled(self, scope: trio.CancelScope, others: Sequence[str]) -> None:
+    async def _cancel_when_stalled(self, scope: trio.CancelScope, others: Sequence[str], why: list[str]) -> None:
         seen, since = self.progress(), trio.current_time()
         while True:
             await trio.sleep(self.poll_s)
@@ -107,11 +107,11 @@ class StallGuardedCollective:
                 seen, since = now, trio.current_time()
             stalled = trio.current_time() - since
             if stalled >= self.stall_s:
-                self._why = f"for {self.stall_s:g} s"
+                why.append(f"for {self.stall_s:g} s")
                 break
             if stalled >= self.lost_stall_s and self.alive is not None:
                 lost = [p for p in others if not self.alive(p)]
                 if lost:
-                    self._why = f"for {stalled:.1f} s, {len(lost)} member(s) silent"
+                    why.append(f"for {stalled:.1f} s, {len(lost)} member(s) silent")
                     break
         scope.cancel()

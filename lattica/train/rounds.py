@@ -26,9 +26,9 @@ lower candidate L that is coordinating a group of its own, and L for C's askers,
 deadline, each sealing a part of the round. So the lower id wins as soon as anyone notices: a
 coordinator that sees a responsive candidate below itself while a key is pending answers its
 askers ``{"redirect": L}`` and they (and C itself) ask L. Redirects only go down in peer id, so
-they end. Given the published rounds, a candidate two or more behind the newest (fetching the
-run's state) is not waited for, and only candidates at least at the round most have published
-coordinate.
+they end. Given the published rounds, a candidate two or more behind the round at least half
+the candidates have published (it is fetching the run's state) is not waited for, and only
+candidates at that round or later coordinate.
 
 Invariants: a key is sealed once, so everyone who was answered got the same group; groups are
 sorted, so every member sees the same order; memory is bounded by keeping the last

@@ -160,9 +160,8 @@ class TrainingService:
         Seen from a peer whose own link was cut, every other peer went silent and comes back;
         they are ahead of it, and it must not take them for stragglers (it would seal rounds
         without them, alone)."""
-        record = self.state.snapshot().get("progress", {}).get(peer) or {}
-        rnd = record.get("round")
-        return type(rnd) is int and rnd >= self._mine[0] > 0
+        rnd = self._published_round(peer)
+        return rnd is not None and rnd >= self._mine[0] > 0
 
     def _live_with_role(self, *roles: str) -> list[str]:
         members = self.state.snapshot().get("members", {})

@@ -107,3 +107,33 @@ def test_a_round_of_one_after_the_others_were_killed_is_the_runs_round(clock: _C
     live.remove("a")
     clock.now += 6.0
     assert not service._ran_alone(SimpleNamespace(skipped=False, group=("me",)))
+
+
+class _Strategy:
+    def __init__(self) -> None:
+        self.synced: list[int] = []
+
+    async def after_inner_step(self, step: int) -> list[Any]:
+        self.synced.append(step)
+        return []
+
+    def next_sync_step(self, step: int) -> int:
+        return step + 10
+
+
+async def test_no_sync_for_the_old_step_after_a_state_was_adopted_there() -> None:
+    service = _service({"members": {}, "progress": {}}, connected=[])
+    service.strategy = strategy = _Strategy()
+    adopting = [True]
+
+    async def repair() -> bool:
+        return adopting[0]
+
+    service._repair_if_diverged = repair  # type: ignore[method-assign]
+    service._wrap_strategy_for_catch_up()
+    # the adopted state's round already ran; the trainer moved to its step
+    assert await strategy.after_inner_step(10) == []
+    assert strategy.synced == []
+    adopting[0] = False
+    await strategy.after_inner_step(20)
+    assert strategy.synced == [20]
