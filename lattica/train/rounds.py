@@ -26,8 +26,14 @@ lower candidate L that is coordinating a group of its own, and L for C's askers,
 deadline, each sealing a part of the round. So the lower id wins as soon as anyone notices: a
 coordinator that sees a responsive candidate below itself while a key is pending answers its
 askers ``{"redirect": L}`` and they (and C itself) ask L. Redirects only go down in peer id, so
-they end. Given the published rounds, a candidate two or more behind the round at least half
-the candidates have published (it is fetching the run's state) is not waited for, and only
+they end. A coordinator that redirected us is not given up on: when the peer it named fails (it
+died, and we noticed before the redirecting one did), we ask the redirecting one again after a
+short pause — its view catches up within ``_OPEN_TIMEOUT_S`` — rather than coordinating alone
+while it waits for us (two survivors of a dead coordinator sealed a 1-member round each). One
+that keeps naming a failed peer for a whole deadline counts as failed itself.
+
+Given the published rounds, a candidate two or more behind the round at least half the
+candidates have published (it is fetching the run's state) is not waited for, and only
 candidates at that round or later coordinate.
 
 Invariants: a key is sealed once, so everyone who was answered got the same group; groups are
@@ -49,7 +55,7 @@ from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 from trio_typing import TaskStatus
 
-from lattica.errors import LatticaError, PeerUnavailableError, RemoteProtocolError
+from lattica.errors import PeerUnavailableError, RemoteProtocolError
 from lattica.net.wire import read_message, write_message
 
 log = logging.getLogger(__name__)
@@ -60,6 +66,7 @@ MAX_KEY_LEN = 200
 _REQUEST_BYTES = 1024
 _REPLY_BYTES = 256 * 1024
 _OPEN_TIMEOUT_S = 3.0
+_STALE_REDIRECT_PAUSE_S = 0.25
 _RETRY = re.compile(r"^(.+)/retry/(\d+)$")
 _ROUND = re.compile(r"^round/(\d+)(?:/retry/\d+)?$")  # blocking strategies' keys, in round order
 
@@ -78,6 +85,37 @@ class _PendingSync:
     group: tuple[str, ...] | None = None
     redirect: str | None = None  # a lower candidate coordinates this key instead
     sealed: trio.Event = field(default_factory=trio.Event)
+
+
+@dataclass
+class _CoordinatorSearch:
+    """One ``group_for``'s way to its coordinator, without I/O: whose ask failed, where we were
+    last sent, and since when a coordinator keeps sending us to a peer that already failed."""
+
+    patience_s: float
+    failed: set[str] = field(default_factory=set)
+    redirect: str | None = None
+    stale_since: dict[str, float] = field(default_factory=dict)
+
+    def take_redirect(self) -> str | None:
+        redirect, self.redirect = self.redirect, None
+        return redirect
+
+    def on_failure(self, coordinator: str) -> None:
+        self.failed.add(coordinator)
+
+    def on_redirect(self, coordinator: str, to: str, now: float) -> bool:
+        """Follow a redirect; True when it names a peer that failed us, and the redirecting
+        coordinator should be asked again after a pause (or, past the patience, counts as
+        failed — then False)."""
+        if to not in self.failed:
+            self.redirect = to
+            return False
+        first = self.stale_since.setdefault(coordinator, now)
+        if now - first >= self.patience_s:
+            self.failed.add(coordinator)
+            return False
+        return True
 
 
 class _Redirected(Exception):
@@ -127,11 +165,12 @@ class RoundCoordinator:
         return any(p.to_base58() == peer for p in self.host.get_connected_peers())
 
     async def group_for(self, key: str) -> Sequence[str]:
-        tried: set[str] = set()
-        redirect: str | None = None
-        while (coordinator := self._next_coordinator(key, tried, redirect)) is not None:
-            tried.add(coordinator)
-            redirected_to, redirect = redirect, None
+        search = _CoordinatorSearch(patience_s=self.deadline_s)
+        while True:
+            redirected_to = search.take_redirect()
+            coordinator = self._next_coordinator(key, search.failed, redirected_to)
+            if coordinator is None:
+                return (self.peer_id,)
             try:
                 if coordinator == self.peer_id:
                     group = await self._join(key, self.peer_id)
@@ -139,26 +178,26 @@ class RoundCoordinator:
                     group = await self._ask(coordinator, key, vouched=coordinator == redirected_to)
             except _Redirected as exc:
                 log.info("coordinator %s for %s redirects to %s", coordinator, key, exc.coordinator)
-                redirect = exc.coordinator
-                continue
-            except (LatticaError, OSError, trio.TooSlowError) as exc:
-                log.info("coordinator %s unavailable for %s: %s", coordinator, key, exc)
-                self._failed[coordinator] = trio.current_time()
+                if search.on_redirect(coordinator, exc.coordinator, trio.current_time()):
+                    await trio.sleep(_STALE_REDIRECT_PAUSE_S)  # its view of the failed peer lags ours
+                elif coordinator in search.failed:
+                    self._failed[coordinator] = trio.current_time()
                 continue
             except Exception as exc:  # noqa: BLE001 - libp2p raises many kinds on a dead peer
                 log.info("coordinator %s unavailable for %s: %r", coordinator, key, exc)
+                search.on_failure(coordinator)
                 self._failed[coordinator] = trio.current_time()
                 continue
             self._learn(key, group)
             return group if self.peer_id in group else (self.peer_id,)
-        return (self.peer_id,)
 
-    def _next_coordinator(self, key: str, tried: set[str], redirect: str | None) -> str | None:
+    def _next_coordinator(self, key: str, failed: set[str], redirect: str | None) -> str | None:
         """The coordinator to ask next: the one we were redirected to, else the lowest responsive
-        candidate not tried yet — looked up afresh after every failure, so a peer that became
-        responsive meanwhile (back from a restart) is not passed over. For a retry key, the
+        candidate whose ask has not failed (one that only redirected us may be asked again) —
+        looked up afresh after every failure, so a peer that became responsive meanwhile (back
+        from a restart) is not passed over. For a retry key, the
         members of the previous attempt when we know them: every asker knows them."""
-        if redirect is not None and redirect not in tried and redirect in self._candidates():
+        if redirect is not None and redirect not in failed and redirect in self._candidates():
             return redirect
         pool = self._candidates()
         expected = self._expected(key)
@@ -166,7 +205,7 @@ class RoundCoordinator:
             pool = sorted(expected & set(pool))
         behind = self._behind(1)
         for coordinator in pool:
-            if coordinator in tried:
+            if coordinator in failed:
                 continue
             if coordinator == self.peer_id or (self._can_coordinate(coordinator) and coordinator not in behind):
                 return coordinator

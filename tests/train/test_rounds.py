@@ -9,7 +9,7 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.peerinfo import info_from_p2p_addr
 
 from lattica.net.host import build_host
-from lattica.train.rounds import RoundCoordinator, round_of
+from lattica.train.rounds import ROUND_PROTOCOL, RoundCoordinator, _CoordinatorSearch, round_of
 
 LOOPBACK = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]
 
@@ -299,3 +299,51 @@ def test_a_candidate_catching_up_neither_coordinates_nor_is_waited_for() -> None
     assert rounds._next_coordinator("round/10", set(), None) == "a"
     published.clear()  # the start of a run: nobody has published, nobody is behind
     assert rounds._behind() == set()
+
+
+async def test_survivors_of_a_coordinator_that_dies_while_asked_meet_in_one_round() -> None:
+    """The lowest peer dies while both survivors ask for a round, and they notice at different
+    times: the middle one still asks it, the highest already does not. The middle one redirects
+    the highest there; both asks then fail. The highest must come back to the middle one (it only
+    redirected, it did not fail) instead of syncing alone while the middle one waits for it."""
+    with trio.fail_after(40):
+        async with trio.open_nursery() as nursery:
+            silent_for: dict[str, set[str]] = {}
+            members = await _members(nursery, deadline_s=4.0, silent_for=silent_for)
+            dying, middle, high = members
+            dying.coordinator.host.set_stream_handler(ROUND_PROTOCOL, _dies_after(1.0))
+            silent_for[high.peer_id] = {dying.peer_id}  # the highest already saw it go
+            groups = await _groups([middle, high], "round/0")
+            assert set(groups.values()) == {(middle.peer_id, high.peer_id)}
+            nursery.cancel_scope.cancel()
+
+
+def _dies_after(seconds: float):
+    """A round handler that reads the request and drops the stream ``seconds`` later unanswered,
+    as a coordinator whose process dies while it is being asked."""
+
+    async def handle(stream) -> None:
+        await trio.sleep(seconds)
+        await stream.reset()
+
+    return handle
+
+
+def test_a_coordinator_that_only_redirected_is_asked_again() -> None:
+    ids = ["a", "b", "c"]
+    rounds = RoundCoordinator(
+        None, peer_id="c", run_id="r", candidates=lambda: ids, deadline_s=5.0,  # type: ignore[arg-type]
+        responsive=lambda p: p != "a",  # "c" already saw "a" go; "b" has not yet
+    )
+    search = _CoordinatorSearch(patience_s=5.0)
+    assert rounds._next_coordinator("round/1", search.failed, search.take_redirect()) == "b"
+    assert not search.on_redirect("b", "a", now=0.0)  # "b" still hears "a": we follow
+    assert rounds._next_coordinator("round/1", search.failed, search.take_redirect()) == "a"
+    search.on_failure("a")  # it is dead
+    # "b" only redirected: it is next again, not ourselves alone (a split round)
+    assert rounds._next_coordinator("round/1", search.failed, search.take_redirect()) == "b"
+    assert search.on_redirect("b", "a", now=1.0)  # its view lags: ask it again after a pause
+    assert rounds._next_coordinator("round/1", search.failed, search.take_redirect()) == "b"
+    assert search.on_redirect("b", "a", now=3.0)
+    assert not search.on_redirect("b", "a", now=6.0)  # a whole deadline of it: "b" failed too
+    assert rounds._next_coordinator("round/1", search.failed, search.take_redirect()) == "c"
