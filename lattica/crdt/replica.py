@@ -10,10 +10,24 @@ envelopes needed to bring anyone else up to ``have``: either everything from seq
 
 - an envelope is applied only after its signature, writer key and write permission checked;
 - a stream's envelopes are applied in seq order; early arrivals wait in a small bounded
-  buffer (or are dropped and fetched again by anti-entropy);
-- a second copy of an applied seq is a replay: counted, never applied twice; a *different*
-  envelope under an applied seq is an equivocation (``conflict``) and is rejected;
-- a full snapshot at seq ``n`` supersedes every earlier envelope of its stream.
+  buffer for at most ``pending_ttl`` (``tick(now)`` expires them) or are dropped and fetched
+  again by anti-entropy;
+- a second copy of an applied seq is a replay: counted, never applied twice;
+- a writer's table is bounded (``max_streams``): when it is full, the stream of the oldest
+  writer the owner does not trust (``trusted``: seen on a live connection, an admin, ourselves)
+  is evicted, and that writer's envelopes are refused until it becomes trusted, so throwaway
+  keys cannot lock real members out, nor make anti-entropy fetch them again and again.
+
+Equivocation
+------------
+Two validly signed envelopes of one writer under the same ``(doc, seq)`` with different content
+are a proof that the writer equivocated (sent different histories to different peers, which
+would otherwise never converge: each replica keeps the first it saw). Whoever sees the pair
+*bans* the writer: every document and stream of it is dropped, its later envelopes are refused
+(``banned``), and the pair is kept as *evidence*. ``missing_for`` sends the evidence to every
+peer whose state vector still lists the writer, which then sees the pair and bans it too — so
+every honest replica ends without the writer's content, whichever history it saw first. The
+evidence is part of ``retained()`` (and so of the durable log): a restart bans again.
 
 Anti-entropy is two pure functions: ``state_vector()`` (stream -> have) and
 ``missing_for(vector)`` (the envelopes a peer with that vector lacks). Yjs updates commute
@@ -23,7 +37,8 @@ whatever the delivery order.
 
 from __future__ import annotations
 
-from collections import Counter
+import hashlib
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +66,8 @@ class ReplicaLimits:
     max_streams: int = 4096
     max_pending_per_stream: int = 64
     max_pending_total: int = 1024
+    pending_ttl: float = 30.0  # seconds an early arrival waits for its predecessors
+    max_banned: int = 1024  # equivocating writers remembered (each needs two signed envelopes)
     snapshot_every: int = 128
 
     def __post_init__(self) -> None:
@@ -63,6 +80,10 @@ class ReplicaLimits:
             raise ValueError("max_stream_bytes must be >= max_snapshot_bytes")
         if self.max_pending_per_stream < 0 or self.max_pending_total < 0:
             raise ValueError("pending buffer sizes must be >= 0")
+        if not self.pending_ttl > 0:
+            raise ValueError("pending_ttl must be positive")
+        if self.max_banned < 1:
+            raise ValueError("max_banned must be >= 1")
         if self.snapshot_every < 2:
             raise ValueError("snapshot_every must be >= 2")
 
@@ -71,7 +92,7 @@ class ReplicaLimits:
 class _Stream:
     have: int = 0
     retained: list[Envelope] = field(default_factory=list)
-    pending: dict[int, Envelope] = field(default_factory=dict)
+    pending: dict[int, tuple[Envelope, float]] = field(default_factory=dict)  # seq -> (env, arrival)
 
     def retained_bytes(self) -> int:
         return sum(len(env.update) for env in self.retained)
@@ -84,10 +105,17 @@ class _Stream:
 
 
 StreamKey = tuple[str, str]
+_SeqKey = tuple[str, str, int]  # doc, writer, seq
+_MAX_LOOSE = 256  # envelopes seen but not held, kept to spot an equivocation among them
+_MAX_EVICTED = 16_384  # evicted writers remembered (refused until trusted)
 
 
 class Replica:
-    """One node's copy of the run state; feed it envelopes, ask it what peers miss."""
+    """One node's copy of the run state; feed it envelopes, ask it what peers miss.
+
+    ``trusted(writer)`` says whether the owner has seen ``writer`` prove itself (a live,
+    authenticated connection); only untrusted writers' streams are evicted when the table is full.
+    """
 
     def __init__(
         self,
@@ -96,17 +124,24 @@ class Replica:
         key_pair: KeyPair,
         admins: Iterable[str],
         limits: ReplicaLimits | None = None,
+        trusted: Callable[[str], bool] | None = None,
     ) -> None:
         self.run_id = run_id
         self.key_pair = key_pair
         self.peer_id = ID.from_pubkey(key_pair.public_key).to_base58()
         self.admins = frozenset(admins)
         self.limits = limits or ReplicaLimits()
+        self.trusted = trusted or (lambda writer: False)
         self.accepted = 0
         self.rejected: Counter[str] = Counter()
         self._docs: dict[str, Doc] = {}
         self._streams: dict[StreamKey, _Stream] = {}
         self._pending_total = 0  # early arrivals buffered over all streams
+        self._now = 0.0  # the owner's clock, as of the last ``tick``
+        self._evicted: OrderedDict[str, None] = OrderedDict()  # writers refused until trusted
+        self._banned: OrderedDict[str, tuple[Envelope, Envelope]] = OrderedDict()  # -> evidence
+        self._new_evidence: list[Envelope] = []  # evidence not yet handed to ``take_new_evidence``
+        self._loose: OrderedDict[_SeqKey, Envelope] = OrderedDict()  # seen, not held
 
     # -- local writes --------------------------------------------------------------------------
 
@@ -168,29 +203,61 @@ class Replica:
             raise RejectedUpdate("oversized", f"{len(env.update)} bytes > {cap}", peer_id=from_peer)
         verify_envelope(env, run=self.run_id, peer_id=from_peer)
         self._check_permission(env, from_peer)
-        stream = self._streams.get(env.stream)
-        if stream is None:
-            if len(self._streams) >= self.limits.max_streams:
-                raise RejectedUpdate("too_many_writers", "stream table full", peer_id=from_peer)
-            stream = self._stream(env.stream)
+        if env.writer in self._banned:
+            raise RejectedUpdate("banned", f"{env.writer} equivocated", peer_id=from_peer)
+        self._check_equivocation(env, from_peer)
+        stream = self._admit(env, from_peer)
         if env.seq <= stream.have:
             return self._replay(stream, env, from_peer)
         if env.seq > stream.have + 1 and not env.full:
-            if (
-                len(stream.pending) < self.limits.max_pending_per_stream
-                and self._pending_total < self.limits.max_pending_total
-                and env.seq not in stream.pending
-            ):
-                stream.pending[env.seq] = env
-                self._pending_total += 1
+            self._buffer(stream, env)
             return []
         applied = [self._apply(stream, env, from_peer)]
         while (nxt := stream.pending.get(stream.have + 1)) is not None:
-            applied.append(self._apply(stream, nxt, from_peer))
+            applied.append(self._apply(stream, nxt[0], from_peer))
         before = len(stream.pending)
         stream.pending = {s: e for s, e in stream.pending.items() if s > stream.have}
         self._pending_total -= before - len(stream.pending)
         return applied
+
+    def _admit(self, env: Envelope, from_peer: str | None) -> _Stream:
+        """The envelope's stream, making room for a new writer by evicting an untrusted one."""
+        stream = self._streams.get(env.stream)
+        if stream is not None:
+            return stream
+        if env.writer in self._evicted:
+            if not self._protected(env.writer):
+                raise RejectedUpdate("evicted", f"{env.writer} has not proven itself", peer_id=from_peer)
+            del self._evicted[env.writer]
+        if len(self._streams) >= self.limits.max_streams and not self._evict_one():
+            raise RejectedUpdate("too_many_writers", "stream table full", peer_id=from_peer)
+        return self._stream(env.stream)
+
+    def _protected(self, writer: str) -> bool:
+        return writer == self.peer_id or writer in self.admins or self.trusted(writer)
+
+    def _evict_one(self) -> bool:
+        """Drop the streams of the oldest writer we do not trust; False when every writer is."""
+        for _, writer in self._streams:  # insertion order: the oldest first
+            if not self._protected(writer):
+                self._forget_writer(writer)
+                self._evicted[writer] = None
+                while len(self._evicted) > _MAX_EVICTED:
+                    self._evicted.popitem(last=False)
+                return True
+        return False
+
+    def _buffer(self, stream: _Stream, env: Envelope) -> None:
+        if env.seq in stream.pending:  # the same envelope again (a different one is caught above)
+            return
+        if (
+            len(stream.pending) < self.limits.max_pending_per_stream
+            and self._pending_total < self.limits.max_pending_total
+        ):
+            stream.pending[env.seq] = (env, self._now)
+            self._pending_total += 1
+        else:
+            self._remember_loose(env)
 
     def _check_permission(self, env: Envelope, from_peer: str | None) -> None:
         if env.doc == env.writer:
@@ -202,9 +269,8 @@ class Replica:
         )
 
     def _replay(self, stream: _Stream, env: Envelope, from_peer: str | None) -> list[Envelope]:
-        known = stream.find(env.seq)
-        if known is not None and known != env:
-            raise RejectedUpdate("conflict", f"two different updates for seq {env.seq}", peer_id=from_peer)
+        if stream.find(env.seq) is None:
+            self._remember_loose(env)  # compacted away: compare it with the next copy instead
         raise RejectedUpdate("replay", f"seq {env.seq} already applied", peer_id=from_peer)
 
     def _apply(self, stream: _Stream, env: Envelope, from_peer: str | None) -> Envelope:
@@ -218,32 +284,118 @@ class Replica:
         self.accepted += 1
         return env
 
+    # -- equivocation --------------------------------------------------------------------------
+
+    def _check_equivocation(self, env: Envelope, from_peer: str | None) -> None:
+        """Ban ``env.writer`` if another signed envelope of it holds the same (doc, seq)."""
+        other = self._copy_of(env)
+        if other is None or other == env:
+            return
+        self._ban(env.writer, (other, env))
+        raise RejectedUpdate(
+            "equivocation", f"{env.writer} signed two different updates for seq {env.seq}", peer_id=from_peer
+        )
+
+    def _copy_of(self, env: Envelope) -> Envelope | None:
+        stream = self._streams.get(env.stream)
+        if stream is not None:
+            held = stream.find(env.seq) or (stream.pending.get(env.seq) or (None, 0.0))[0]
+            if held is not None:
+                return held
+        return self._loose.get((env.doc, env.writer, env.seq))
+
+    def _remember_loose(self, env: Envelope) -> None:
+        self._loose[(env.doc, env.writer, env.seq)] = env
+        while len(self._loose) > _MAX_LOOSE:
+            self._loose.popitem(last=False)
+
+    def _ban(self, writer: str, evidence: tuple[Envelope, Envelope]) -> None:
+        self._forget_writer(writer)
+        self._loose = OrderedDict((k, e) for k, e in self._loose.items() if k[1] != writer)
+        ordered = tuple(sorted(evidence, key=lambda e: (e.sig, e.update)))  # the same pair everywhere
+        self._banned[writer] = (ordered[0], ordered[1])
+        self._new_evidence.extend(ordered)
+        while len(self._banned) > self.limits.max_banned:
+            self._banned.popitem(last=False)
+
+    def _forget_writer(self, writer: str) -> None:
+        for key in [k for k in self._streams if k[1] == writer]:
+            self._pending_total -= len(self._streams.pop(key).pending)
+            self._docs.pop(key[0], None)
+            if key[0] == CONFIG_DOC:  # shared by the admins: rebuilt from the others' streams
+                config = self._doc(CONFIG_DOC)
+                for other in sorted(k for k in self._streams if k[0] == CONFIG_DOC):
+                    for env in self._streams[other].retained:
+                        config.apply_update(env.update)
+
+    def banned(self) -> list[str]:
+        """Writers banned for equivocating, in the order they were caught."""
+        return list(self._banned)
+
+    def take_new_evidence(self) -> list[Envelope]:
+        """Evidence envelopes of bans since the last call (the owner persists them)."""
+        evidence, self._new_evidence = self._new_evidence, []
+        return evidence
+
+    # -- time ----------------------------------------------------------------------------------
+
+    def tick(self, now: float) -> int:
+        """Advance the owner's clock to ``now`` (seconds, monotonic); drop early arrivals that
+        waited longer than ``pending_ttl``. Returns how many were dropped."""
+        self._now = now
+        dropped = 0
+        for stream in self._streams.values():
+            stale = [s for s, (_, at) in stream.pending.items() if now - at > self.limits.pending_ttl]
+            for seq in stale:
+                del stream.pending[seq]
+            dropped += len(stale)
+        self._pending_total -= dropped
+        return dropped
+
+    def pending_count(self) -> int:
+        return self._pending_total
+
     # -- anti-entropy --------------------------------------------------------------------------
 
     def state_vector(self) -> list[list[Any]]:
-        return [[doc, writer, s.have] for (doc, writer), s in sorted(self._streams.items()) if s.have]
+        """``[[doc, writer, have, head], ...]``: ``head`` names the envelope at ``have``, so two
+        replicas that hold different envelopes under the same seqs (a fork) can tell."""
+        return [
+            [doc, writer, s.have, _digest(s.retained[-1])]
+            for (doc, writer), s in sorted(self._streams.items()) if s.have and s.retained
+        ]
 
     def missing_for(self, vector: Iterable[Any]) -> list[Envelope]:
-        """Envelopes a replica whose ``state_vector()`` is ``vector`` lacks (unknown rows ignored)."""
-        theirs = parse_state_vector(vector)
+        """Envelopes a replica whose ``state_vector()`` is ``vector`` lacks (unknown rows ignored),
+        our envelope at its head where the two differ (it proves the fork to the other side), and
+        the evidence against every banned writer it still holds."""
+        theirs = _parse_rows(vector)
         missing: list[Envelope] = []
         for key, stream in sorted(self._streams.items()):
-            their_have = theirs.get(key, 0)
+            their_have, their_head = theirs.get(key, (0, None))
+            ours_there = stream.find(their_have) if their_head is not None else None
+            if ours_there is not None and _digest(ours_there) != their_head:
+                missing.append(ours_there)
             if stream.have > their_have:
                 missing.extend(env for env in stream.retained if env.seq > their_have)
+        for writer in sorted({w for (_, w), (have, _) in theirs.items() if have and w in self._banned}):
+            missing.extend(self._banned[writer])
         return missing
 
     def wants_from(self, vector: Iterable[Any]) -> bool:
-        """Whether a replica with ``vector`` holds something we lack."""
+        """Whether a replica with ``vector`` holds something we lack (and would take)."""
         return any(
             have > (self._streams[key].have if key in self._streams else 0)
             for key, have in parse_state_vector(vector).items()
+            if key[1] not in self._banned and (key[1] not in self._evicted or self._protected(key[1]))
         )
 
     # -- reading -------------------------------------------------------------------------------
 
     def retained(self) -> list[Envelope]:
-        return [env for _, s in sorted(self._streams.items()) for env in s.retained]
+        """What a replica needs to rebuild this one: every stream, then the evidence of bans."""
+        streams = [env for _, s in sorted(self._streams.items()) for env in s.retained]
+        return streams + [env for pair in self._banned.values() for env in pair]
 
     def state_bytes(self) -> int:
         return sum(s.retained_bytes() for s in self._streams.values())
@@ -251,6 +403,9 @@ class Replica:
     def have(self, doc: str, writer: str) -> int:
         stream = self._streams.get((doc, writer))
         return stream.have if stream else 0
+
+    def writers(self) -> set[str]:
+        return {writer for _, writer in self._streams}
 
     def snapshot(self) -> dict[str, Any]:
         writer_docs = {name: doc for name, doc in self._docs.items() if name != CONFIG_DOC}
@@ -262,6 +417,9 @@ class Replica:
             "updates_rejected": dict(sorted(self.rejected.items())),
             "state_bytes": self.state_bytes(),
             "streams": len(self._streams),
+            "pending": self._pending_total,
+            "banned_writers": len(self._banned),
+            "evicted_writers": len(self._evicted),
         }
 
     # -- internals -----------------------------------------------------------------------------
@@ -287,19 +445,29 @@ class Replica:
             stream.retained.append(env)
 
 
+def _digest(env: Envelope) -> str:
+    """A short name for an envelope (its Ed25519 signature is deterministic in its content)."""
+    return hashlib.sha256(env.sig).hexdigest()[:16]
+
+
 def parse_state_vector(vector: Any, *, max_rows: int = 100_000) -> Mapping[StreamKey, int]:
-    """Untrusted ``[[doc, writer, have], ...]`` -> mapping; malformed rows are skipped."""
-    result: dict[StreamKey, int] = {}
+    """Untrusted ``[[doc, writer, have(, head)], ...]`` -> mapping; malformed rows are skipped."""
+    return {key: have for key, (have, _) in _parse_rows(vector, max_rows=max_rows).items()}
+
+
+def _parse_rows(vector: Any, *, max_rows: int = 100_000) -> dict[StreamKey, tuple[int, str | None]]:
+    result: dict[StreamKey, tuple[int, str | None]] = {}
     if not isinstance(vector, list | tuple):
         return result
     for row in list(vector)[:max_rows]:
         if (
             isinstance(row, list | tuple)
-            and len(row) == 3
+            and len(row) in (3, 4)
             and isinstance(row[0], str)
             and isinstance(row[1], str)
             and type(row[2]) is int
             and row[2] >= 0
         ):
-            result[(row[0], row[1])] = row[2]
+            head = row[3] if len(row) == 4 and isinstance(row[3], str) and len(row[3]) <= 64 else None
+            result[(row[0], row[1])] = (row[2], head)
     return result

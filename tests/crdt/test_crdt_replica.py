@@ -123,13 +123,14 @@ def test_oversized_and_malformed_wire_input():
         a.local_write(a.peer_id, lambda d: documents.write_member(d, {"device": "x" * 500, "addrs": ["y" * 500] * 3}))
 
 
-def test_equivocation_is_a_conflict(pair):
+def test_a_second_signed_update_under_one_seq_is_an_equivocation(pair):
     a, b = pair
     (env,) = a.local_write(a.peer_id, lambda d: documents.write_expert(d, expert="e", owned=True))
     b.receive(env)
     other = sign_envelope(a.key_pair, run=RUN, doc=a.peer_id, seq=1, full=False, update=b"\x00\x00")
-    with pytest.raises(RejectedUpdate, match="conflict"):
+    with pytest.raises(RejectedUpdate, match="equivocation"):
         b.receive(other)
+    assert b.banned() == [a.peer_id]
 
 
 def test_out_of_order_arrivals_wait_for_their_predecessor(pair):
