@@ -13,7 +13,10 @@ commands, one per stdin line, answering each with one JSON line on stdout:
 - ``{"op": "send_then_hang", "group": [...], "tag": str, "numel": int, "seed": int}``: send the
   reduce-scatter parts of an all-reduce, report, and never finish it (a peer about to die).
 - ``{"op": "blob_send", "peer": id, "tag": str, "nbytes": int}`` / ``{"op": "blob_recv", ...}``:
-  one raw uint8 tensor and a tiny acknowledgement back; the sender reports the round trip.
+  one raw uint8 tensor and a tiny acknowledgement back; the sender reports the round trip and
+  both report their process CPU seconds (the receiver's from ``blob_post``). The sender reuses
+  one pre-touched tensor per size; ``{"op": "blob_post", ...}`` (before the send) lets the
+  payload land in one reused, pre-touched buffer per size, like a collective's posted receive.
 - ``{"op": "stats"}``, ``{"op": "quit"}``.
 """
 
@@ -87,18 +90,37 @@ async def _send_then_hang(service: TensorService, cmd: dict) -> None:
     await trio.sleep_forever()
 
 
+_BLOBS: dict[tuple[str, int], torch.Tensor] = {}
+_CPU_FROM: dict[str, float] = {}  # blob tag -> process CPU time when its buffer was posted
+
+
+def _blob(role: str, nbytes: int) -> torch.Tensor:
+    """One tensor per role and size, reused across reps, its pages touched before any timing."""
+    if (role, nbytes) not in _BLOBS:
+        _BLOBS[(role, nbytes)] = torch.ones(nbytes, dtype=torch.uint8)
+    return _BLOBS[(role, nbytes)]
+
+
 async def _blob_send(service: TensorService, cmd: dict) -> dict:
-    blob = torch.ones(cmd["nbytes"], dtype=torch.uint8)
-    start = time.perf_counter()
+    blob = _blob("send", cmd["nbytes"])
+    start, cpu_start = time.perf_counter(), time.process_time()
     await service.send(cmd["peer"], cmd["tag"], [blob], codec="raw")
     await service.receive(cmd["peer"], cmd["tag"] + "/ack")
-    return {"ok": True, "seconds": time.perf_counter() - start}
+    return {"ok": True, "seconds": time.perf_counter() - start, "cpu_s": time.process_time() - cpu_start}
+
+
+def _blob_post(service: TensorService, cmd: dict) -> dict:
+    buffer = codecs.encode(_blob("recv", cmd["nbytes"]), "raw")[1]
+    service.post_receive(cmd["peer"], cmd["tag"], 0, buffer)
+    _CPU_FROM[cmd["tag"]] = time.process_time()
+    return {"ok": True}
 
 
 async def _blob_recv(service: TensorService, cmd: dict) -> dict:
+    cpu_start = _CPU_FROM.pop(cmd["tag"], time.process_time())
     ((_, blob),) = await service.receive(cmd["peer"], cmd["tag"])
     await service.send(cmd["peer"], cmd["tag"] + "/ack", [torch.zeros(1)])
-    return {"ok": True, "nbytes": blob.numel()}
+    return {"ok": True, "nbytes": blob.numel(), "cpu_s": time.process_time() - cpu_start}
 
 
 async def _serve(fast: bool) -> None:
@@ -124,6 +146,8 @@ async def _serve(fast: bool) -> None:
                 await _send_then_hang(service, cmd)
             elif op == "blob_send":
                 _reply(await _blob_send(service, cmd))
+            elif op == "blob_post":
+                _reply(_blob_post(service, cmd))
             elif op == "blob_recv":
                 _reply(await _blob_recv(service, cmd))
             elif op == "stats":
