@@ -7,8 +7,9 @@ below it receives these dataclasses, already checked. Each ``__post_init__`` rai
 
 from __future__ import annotations
 
+import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import multiaddr
@@ -18,6 +19,11 @@ from lattica.errors import ConfigError
 DEFAULT_PORT = 4001
 DEFAULT_LISTEN = (f"/ip4/0.0.0.0/tcp/{DEFAULT_PORT}", f"/ip6/::/tcp/{DEFAULT_PORT}")
 DEFAULT_METRICS_ADDR = "127.0.0.1:9400"
+DEFAULT_INNER_STEPS = 50  # H: inner steps per outer round, for every strategy, the CLI and the demo
+AGGREGATIONS = ("mean", "trimmed_mean", "median")
+# sockaddr_un.sun_path holds 108 bytes on Linux, including the terminating NUL
+MAX_UNIX_SOCKET_PATH = 107
+_LISTEN_HOSTS = ("ip4", "ip6", "dns", "dns4", "dns6")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 _RUN_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 
@@ -86,8 +92,10 @@ class NodeConfig:
         for text in self.listen:
             addr = parse_multiaddr(text, what="--listen")
             protocols = [p.name for p in addr.protocols()]
-            if protocols[:1] not in (["ip4"], ["ip6"]) or "tcp" not in protocols:
-                raise ConfigError(f"--listen must be /ip4|ip6/<addr>/tcp/<port>, got {text!r}")
+            if len(protocols) != 2 or protocols[0] not in _LISTEN_HOSTS or protocols[1] != "tcp":
+                raise ConfigError(
+                    f"--listen must be /ip4|ip6|dns/<host>/tcp/<port> and nothing more, got {text!r}"
+                )
         for text in self.announce:
             parse_multiaddr(text, what="--announce")
         for text in self.peers:
@@ -104,6 +112,12 @@ class NodeConfig:
             parse_host_port(self.metrics_addr, what="--metrics-addr")
         if self.log_level not in LOG_LEVELS:
             raise ConfigError(f"log level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+        socket_path = str(self.control_socket).encode()
+        if len(socket_path) > MAX_UNIX_SOCKET_PATH:
+            raise ConfigError(
+                f"data dir {self.data_dir} is too long for its control socket ({len(socket_path)} bytes, "
+                f"at most {MAX_UNIX_SOCKET_PATH}); use a shorter --data-dir"
+            )
         if not 0 < self.bootstrap_timeout_s <= 3600:
             raise ConfigError("bootstrap timeout must be in (0, 3600] seconds")
         if not 0 < self.max_backoff_s <= 3600:
@@ -116,26 +130,34 @@ class NodeConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class TrainSettings:
-    """What a training member of a run does; the run config in the replicated state wins."""
+    """What a training member of a run does.
+
+    Every field reaches the trainer or the chosen strategy (``lattica.train.settings_map``); a
+    strategy setting left ``None`` keeps that strategy's own default, and one set for a strategy
+    that does not use it is refused there.
+    """
 
     strategy: str = "diloco"
     model: str = "tiny"
     data: str = "stdlib"
     task: str | None = None
-    inner_steps: int = 50
+    inner_steps: int = DEFAULT_INNER_STEPS
     rounds: int = 10
     batch_size: int = 16
     seq_len: int = 128
     inner_lr: float = 3e-3
     warmup_steps: int = 20
     outer_lr: float | None = None  # None: the strategy's own default (DiLoCo: 0.7)
-    outer_momentum: float | None = None  # None: the strategy's own default (DiLoCo: 0.9)
+    outer_momentum: float | None = None  # None: the strategy's own default (DiLoCo: 0.9, NoLoCo: 0.5)
     round_deadline_s: float = 60.0
     min_peers: int = 1
     seed: int = 0
     device: str = "auto"
     keep_checkpoints: int = 3
-    extra: dict[str, object] = field(default_factory=dict)
+    # how the owner of each part of an all-reduce combines the members' contributions
+    aggregation: str = "mean"
+    trim: int = 1  # trimmed_mean: values dropped at each end of every coordinate
+    max_norm_ratio: float | None = 10.0  # refuse a contribution above this x the median norm; None: off
 
     def __post_init__(self) -> None:
         positive = {
@@ -145,19 +167,39 @@ class TrainSettings:
             "seq_len": self.seq_len,
             "min_peers": self.min_peers,
             "keep_checkpoints": self.keep_checkpoints,
+            "trim": self.trim,
         }
         for name, value in positive.items():
-            if not isinstance(value, int) or value <= 0:
+            if not _is_int(value) or value <= 0:
                 raise ConfigError(f"train.{name} must be a positive integer, got {value!r}")
+        for name in ("warmup_steps", "seed"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 0:
+                raise ConfigError(f"train.{name} must be an integer >= 0, got {value!r}")
         for name in ("inner_lr", "outer_lr", "round_deadline_s"):
             value = getattr(self, name)
             if name == "outer_lr" and value is None:
                 continue
-            if not isinstance(value, int | float) or not value > 0:
-                raise ConfigError(f"train.{name} must be a positive number, got {value!r}")
-        if self.outer_momentum is not None and not 0 <= self.outer_momentum < 1:
+            if not _is_finite(value) or not value > 0:
+                raise ConfigError(f"train.{name} must be a finite positive number, got {value!r}")
+        if self.outer_momentum is not None and not (_is_finite(self.outer_momentum) and 0 <= self.outer_momentum < 1):
             raise ConfigError(f"train.outer_momentum must be in [0, 1), got {self.outer_momentum!r}")
-        if self.warmup_steps < 0:
-            raise ConfigError("train.warmup_steps must be >= 0")
+        if self.max_norm_ratio is not None and not (_is_finite(self.max_norm_ratio) and self.max_norm_ratio >= 1):
+            raise ConfigError(f"train.max_norm_ratio must be a finite number >= 1 (or off), got {self.max_norm_ratio!r}")
+        if self.aggregation not in AGGREGATIONS:
+            raise ConfigError(f"train.aggregation must be one of {', '.join(AGGREGATIONS)}, got {self.aggregation!r}")
+        if self.aggregation == "trimmed_mean" and self.min_peers <= 2 * self.trim:
+            raise ConfigError(
+                f"train.aggregation trimmed_mean with trim = {self.trim} needs at least {2 * self.trim + 1} "
+                f"contributions; set min_peers >= {2 * self.trim + 1} (it is {self.min_peers})"
+            )
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"train.device must be auto, cpu or cuda, got {self.device!r}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_finite(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)

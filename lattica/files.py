@@ -17,6 +17,8 @@ def read_capped(path: Path, *, what: str, max_bytes: int, private: bool = False)
     """The bytes of ``path``; ``private`` files must not be accessible to group or others."""
     try:
         mode = path.stat().st_mode
+        if stat.S_ISDIR(mode):
+            raise ConfigError(f"{what} {path} is a directory, not a file")
         if private and mode & (stat.S_IRWXG | stat.S_IRWXO):
             raise ConfigError(
                 f"{what} {path} has mode {stat.S_IMODE(mode):04o}; it must be 0600 (run: chmod 600 {path})"

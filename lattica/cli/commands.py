@@ -17,9 +17,12 @@ from lattica.errors import DaemonNotRunningError
 
 def join(args: argparse.Namespace) -> int:
     from lattica.cli.logs import configure_logging
+    from lattica.cli.preflight import check_metrics_host, prepare_data_dir
     from lattica.cli.settings import build_node_config
+    from lattica.config import parse_host_port
     from lattica.net.access import read_secret_file
     from lattica.net.identity import load_or_create_identity
+    from lattica.train.settings_check import check_settings
 
     flags = {
         "data_dir": args.data_dir,
@@ -53,6 +56,12 @@ def join(args: argparse.Namespace) -> int:
         environ=os.environ,
         with_training=args.train,
     )
+    # everything that can be checked here fails now, as one line, before anything is started
+    prepare_data_dir(config.data_dir)
+    if config.metrics_addr is not None:
+        check_metrics_host(parse_host_port(config.metrics_addr, what="--metrics-addr")[0])
+    if config.train is not None:
+        check_settings(config.train)
     secret = read_secret_file(config.secret_file) if config.secret_file is not None else None
     configure_logging(config.log_level)
     key_pair = load_or_create_identity(config.data_dir)
@@ -93,6 +102,7 @@ def _announce_started(node: Any) -> None:
 
 
 def identity(args: argparse.Namespace) -> int:
+    from lattica.cli.preflight import prepare_data_dir
     from lattica.cli.settings import build_node_config
     from lattica.net.addrs import dialable_addrs
     from lattica.net.identity import load_or_create_identity, peer_id_of
@@ -108,6 +118,7 @@ def identity(args: argparse.Namespace) -> int:
             "announce": tuple(args.announce) if args.announce else None,
         }
         config = build_node_config(flags=flags, config_path=args.config, environ=_env_without_train())
+        prepare_data_dir(config.data_dir)
         key_pair = load_or_create_identity(config.data_dir)
         peer_id = peer_id_of(key_pair).to_base58()
         if config.announce:

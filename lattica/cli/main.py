@@ -16,6 +16,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from lattica.config import DEFAULT_INNER_STEPS
 from lattica.errors import LatticaError
 
 EXIT_ERROR = 1
@@ -54,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--model", help="built-in model preset (e.g. tiny)")
     join.add_argument("--data", help="'stdlib' (default corpus), a text file or folder, .jsonl, .bin, or hf:NAME")
     join.add_argument("--task", help="user task entry point package.module:function")
-    join.add_argument("--inner-steps", type=int, help="inner steps per outer round (H)")
+    join.add_argument("--inner-steps", type=int, help=f"inner steps per outer round (H, default {DEFAULT_INNER_STEPS})")
     join.add_argument("--rounds", type=int, help="outer rounds to train")
     join.add_argument("--min-peers", type=int, help="peers (including this one) needed before training starts")
     join.add_argument("--device", choices=("auto", "cpu", "cuda"))
@@ -80,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="train a local swarm of daemons on the built-in corpus")
     demo.add_argument("--nodes", type=int, default=4)
     demo.add_argument("--rounds", type=int, default=6)
-    demo.add_argument("--inner-steps", type=int, default=30)
+    demo.add_argument("--inner-steps", type=int, default=DEFAULT_INNER_STEPS, help=f"H (default {DEFAULT_INNER_STEPS})")
     demo.add_argument("--strategy", default="diloco")
     demo.add_argument("--model", default="tiny")
     demo.add_argument("--workdir", type=Path, help="where the nodes keep their data dirs (default: a temp dir)")

@@ -6,13 +6,14 @@ validated once, into the frozen dataclasses of ``lattica.config``.
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import tomllib
 from collections.abc import Mapping
 from dataclasses import fields
 from pathlib import Path
-from typing import Any
+from typing import Any, get_type_hints
 
 from lattica.config import DEFAULT_PORT, NodeConfig, TrainSettings
 from lattica.errors import ConfigError
@@ -22,31 +23,38 @@ ENV_PREFIX = "LATTICA_"
 MAX_CONFIG_BYTES = 1 << 20
 MAX_PEERS_FILE_BYTES = 1 << 20
 
-# key -> kind; "list" values come from TOML arrays, repeated flags, or comma-separated env vars
-NODE_KEYS: dict[str, str] = {
-    "data_dir": "path",
-    "listen": "list",
-    "announce": "list",
-    "peers": "list",
-    "peers_file": "path",
-    "run_id": "str",
-    "metrics_addr": "str",
-    "log_level": "str",
-    "bootstrap_timeout_s": "float",
-    "max_backoff_s": "float",
-    "peer_exchange": "bool",
-    "admins": "list",
-    "nat": "bool",
-    "upnp": "bool",
-    "dht": "bool",
+# key -> kind; "list" values come from TOML arrays, repeated flags, or comma-separated env vars;
+# "float?" also takes "off"/"none" for None. Derived from the config dataclasses, so a field
+# cannot be missing here; ``peers_file`` is the CLI's own (its lines are added to ``peers``).
+_KINDS: dict[object, str] = {
+    int: "int",
+    float: "float",
+    str: "str",
+    bool: "bool",
+    Path: "path",
+    tuple[str, ...]: "list",
+    float | None: "float?",
+    str | None: "str",
+    Path | None: "path",
 }
-TRAIN_KEYS: dict[str, str] = {
-    f.name: {"int": "int", "float": "float", "float | None": "float", "str": "str", "str | None": "str", "bool": "bool"}.get(
-        str(f.type), "str"
-    )
-    for f in fields(TrainSettings)
-    if f.name != "extra"
-}
+_CLI_ONLY_KEYS = {"peers_file": "path"}
+
+
+def _keys_of(cls: type, *, skip: tuple[str, ...] = ()) -> dict[str, str]:
+    hints = get_type_hints(cls)
+    out: dict[str, str] = {}
+    for f in fields(cls):
+        if f.name in skip:
+            continue
+        kind = _KINDS.get(hints[f.name])
+        if kind is None:
+            raise TypeError(f"{cls.__name__}.{f.name}: no config-file kind for {hints[f.name]!r}")
+        out[f.name] = kind
+    return out
+
+
+NODE_KEYS: dict[str, str] = {**_keys_of(NodeConfig, skip=("train",)), **_CLI_ONLY_KEYS}
+TRAIN_KEYS: dict[str, str] = _keys_of(TrainSettings)
 
 
 def default_data_dir() -> Path:
@@ -75,13 +83,21 @@ def _coerce(key: str, kind: str, value: Any, source: str) -> Any:
                 raise TypeError
             return Path(value).expanduser()
         if kind == "int":
-            if isinstance(value, bool):
+            # TOML 1.5 or an env "1.5" is refused, not truncated
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+                return int(value)
+            raise TypeError
+        if kind in ("float", "float?"):
+            if kind == "float?" and isinstance(value, str) and value.strip().lower() in ("off", "none"):
+                return None
+            if isinstance(value, bool) or not isinstance(value, int | float | str):
                 raise TypeError
-            return int(value)
-        if kind == "float":
-            if isinstance(value, bool):
-                raise TypeError
-            return float(value)
+            number = float(value)
+            if not math.isfinite(number):
+                raise ValueError
+            return number
         if kind == "bool":
             if isinstance(value, bool):
                 return value
@@ -92,7 +108,10 @@ def _coerce(key: str, kind: str, value: Any, source: str) -> Any:
             raise TypeError
         return value
     except (TypeError, ValueError):
-        raise ConfigError(f"{source}: {key} has an invalid value {value!r} (expected {kind})") from None
+        expected = {"int": "an integer", "float": "a finite number", "float?": "a finite number or 'off'"}
+        raise ConfigError(
+            f"{source}: {key} has an invalid value {value!r} (expected {expected.get(kind, kind)})"
+        ) from None
 
 
 def _layer(data: Mapping[str, Any], keys: dict[str, str], source: str, prefix: str = "") -> dict[str, Any]:

@@ -30,7 +30,7 @@ import trio
 from trio_typing import TaskStatus
 
 from lattica.config import TrainSettings
-from lattica.errors import ConfigError, LatticaError
+from lattica.errors import LatticaError
 from lattica.train.membership import RecentTrainers
 
 log = logging.getLogger(__name__)
@@ -79,9 +79,11 @@ class TrainingService:
     async def run(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         from lattica.net.tensors.transfer import TensorService, TensorServiceConfig
         from lattica.train.rounds import RoundCoordinator
+        from lattica.train.strategy_settings import contribution_screen
 
         host = self.node.host
-        self.tensors = TensorService(host, self.node.key_pair, config=TensorServiceConfig())
+        screen = contribution_screen(self.settings)
+        self.tensors = TensorService(host, self.node.key_pair, config=TensorServiceConfig(screen=screen))
         self.coordinator = RoundCoordinator(
             host,
             peer_id=self.peer_id,
@@ -249,6 +251,7 @@ class TrainingService:
         from lattica.train.device import select_device
         from lattica.train.schedule import ScheduleConfig
         from lattica.train.strategies import strategy_class
+        from lattica.train.strategy_settings import strategy_config
         from lattica.train.task import TaskContext, builtin_task, load_task
         from lattica.train.trainer import Trainer, TrainerConfig
 
@@ -277,7 +280,8 @@ class TrainingService:
         extra = {} if ownership is None else {"ownership": ownership}
         strategy = cls(  # type: ignore[call-arg]
             task.model, collective=collective, groups=self.coordinator,
-            config=self._strategy_config(cls), **extra,
+            config=strategy_config(s, members=tuple(sorted(self._live_with_role(_JOINING, _TRAINER)))),
+            **extra,
         )
         self.strategy = strategy
         total = s.rounds * s.inner_steps
@@ -294,23 +298,6 @@ class TrainingService:
             on_progress=self._on_progress,
             on_round=self._on_round,
         )
-
-    def _strategy_config(self, cls: Any) -> Any:
-        """The strategy's config from the run settings; unset values keep its own defaults."""
-        config_cls = getattr(cls, "config_class", None)
-        if config_cls is None:
-            return None
-        s = self.settings
-        wanted: dict[str, Any] = {
-            "inner_steps": s.inner_steps,
-            "sync_every": s.inner_steps,  # SPES: dense average + expert copy every S steps
-            "merge_every": s.inner_steps * max(1, round(500 / s.inner_steps)),  # SPES warm-up: ~500 steps
-            "outer_lr": s.outer_lr,
-            "outer_momentum": s.outer_momentum,
-            "members": tuple(sorted(self._live_with_role(_JOINING, _TRAINER))),  # SPES: initial expert owners
-        }
-        names = {f.name for f in dataclasses.fields(config_cls)}
-        return config_cls(**{k: v for k, v in wanted.items() if k in names and v is not None})
 
     # -- joining and catching up ---------------------------------------------------------------
 
@@ -565,13 +552,7 @@ def _moe_preset(model: str) -> str:
 
 
 def check_settings(settings: TrainSettings) -> None:
-    """Fail at start-up, as one line, on a strategy or model name that does not exist."""
-    from lattica.train.model import preset
-    from lattica.train.strategies import strategy_class
+    """Fail at start-up, as one line, on settings that cannot run (see ``settings_check``)."""
+    from lattica.train.settings_check import check_settings as check
 
-    try:
-        strategy_class(settings.strategy)
-        if settings.task is None:
-            preset(settings.model)
-    except (ValueError, KeyError) as exc:
-        raise ConfigError(str(exc).strip("'\"")) from None
+    check(settings)

@@ -100,7 +100,7 @@ def builtin_task(
 
 def load_task(spec: str, context: TaskContext) -> Task:
     """Import ``package.module:function``, call it with ``context`` and validate the ``Task``."""
-    function = _resolve(spec)
+    function = resolve_task(spec)
     try:
         task = function(context)
     except ConfigError:
@@ -110,7 +110,8 @@ def load_task(spec: str, context: TaskContext) -> Task:
     return validate_task(task, spec)
 
 
-def _resolve(spec: str) -> Callable[[TaskContext], Task]:
+def resolve_task(spec: str) -> Callable[[TaskContext], Task]:
+    """The task function named by ``spec``, imported but not called (``ConfigError`` if none)."""
     if not isinstance(spec, str) or not _SPEC.match(spec):
         raise ConfigError(f"task {spec!r} must look like 'package.module:function'")
     module_name, _, attr = spec.partition(":")

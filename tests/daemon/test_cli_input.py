@@ -140,3 +140,161 @@ def test_peers_file_is_read(tmp_path):
     peers.write_text(f"# bootstrap\n{addr}\n\n")
     config = build_node_config(flags={"data_dir": tmp_path, "peers_file": Path(peers)}, config_path=None, environ={})
     assert config.peers == (addr,)
+
+
+# -- every bad input a newcomer meets is one line ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("toml", "env", "message"),
+    [
+        ("[train]\nrounds = 1.5\n", {}, "expected an integer"),
+        ("[train]\ninner_steps = 2.0\n", {}, "expected an integer"),
+        ("", {"LATTICA_TRAIN_ROUNDS": "1.5"}, "expected an integer"),
+        ("[train]\ninner_lr = inf\n", {}, "finite"),
+        ("[train]\nround_deadline_s = nan\n", {}, "finite"),
+        ("[train]\nouter_lr = inf\n", {}, "finite"),
+        ("", {"LATTICA_TRAIN_INNER_LR": "inf"}, "finite"),
+        ("", {"LATTICA_TRAIN_ROUND_DEADLINE_S": "nan"}, "finite"),
+        ("bootstrap_timeout_s = inf\n", {}, "finite"),
+        ('listen = ["/ip4/127.0.0.1/tcp/4001/ws"]\n', {}, "nothing more"),
+        ('listen = ["/ip4/127.0.0.1/udp/4001/tcp/4002"]\n', {}, "nothing more"),
+        ('listen = ["/ip4/127.0.0.1/udp/4001/quic-v1"]\n', {}, "nothing more"),
+        ("[train]\nextra = 1\n", {}, "unknown key"),
+        ('[train]\naggregation = "vote"\n', {}, "aggregation"),
+        ('[train]\naggregation = "trimmed_mean"\nmin_peers = 2\n', {}, "at least 3 contributions"),
+        ("[train]\nmax_norm_ratio = 0.5\n", {}, "max_norm_ratio"),
+    ],
+)
+def test_values_are_never_truncated_or_infinite(tmp_path, toml, env, message):
+    config = tmp_path / "node.toml"
+    config.write_text(toml)
+    with pytest.raises(ConfigError, match=message):
+        build_node_config(flags={"data_dir": tmp_path}, config_path=config, environ=env)
+
+
+def test_dns_listen_addresses_are_accepted(tmp_path):
+    config = build_node_config(
+        flags={"data_dir": tmp_path, "listen": ("/dns4/localhost/tcp/4001",)}, config_path=None, environ={}
+    )
+    assert config.listen == ("/dns4/localhost/tcp/4001",)
+
+
+def test_data_dir_that_is_a_file_one_line(tmp_path):
+    target = tmp_path / "file"
+    target.write_text("x")
+    line = _one_line_error(run_cli("join", "--data-dir", str(target), "--metrics-addr", "off"))
+    assert "not a directory" in line
+    line = _one_line_error(run_cli("id", "--data-dir", str(target)))
+    assert "not a directory" in line
+
+
+def test_data_dir_that_cannot_be_created_one_line(tmp_path):
+    (tmp_path / "file").write_text("x")
+    line = _one_line_error(run_cli("join", "--data-dir", str(tmp_path / "file" / "sub"), "--metrics-addr", "off"))
+    assert "cannot create data dir" in line
+
+
+def test_read_only_data_dir_one_line():
+    # sysfs refuses new files even to root (a chmod would not stop root)
+    line = _one_line_error(run_cli("join", "--data-dir", "/sys", "--metrics-addr", "off"))
+    assert "not writable" in line
+
+
+def test_data_dir_too_long_for_the_control_socket_one_line(tmp_path):
+    deep = tmp_path / ("d" * 110)
+    line = _one_line_error(run_cli("join", "--data-dir", str(deep), "--metrics-addr", "off"))
+    assert "too long for its control socket" in line
+    assert "None" not in line
+
+
+@pytest.mark.parametrize(
+    ("addr", "message"),
+    [("no-such-host.invalid:9400", "cannot be resolved"), ("192.0.2.1:9400", "not an address of this machine")],
+)
+def test_metrics_host_unresolvable_or_not_local_one_line(tmp_path, addr, message):
+    line = _one_line_error(
+        run_cli("join", "--data-dir", str(tmp_path), "--listen", f"/ip4/127.0.0.1/tcp/{free_port()}", "--metrics-addr", addr)
+    )
+    assert message in line
+
+
+def test_key_file_that_is_a_directory_says_so(tmp_path):
+    (tmp_path / "identity.key").mkdir(mode=0o755)
+    line = _one_line_error(run_cli("id", "--data-dir", str(tmp_path)))
+    assert "is a directory" in line
+    assert "mode" not in line
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--data", "/no/such/corpus.txt"), "does not exist"),
+        (("--task", "no_such_module_xyz:make"), "cannot import task module"),
+        (("--task", "json:no_such_function"), "has no attribute"),
+        (("--strategy", "streaming", "--inner-steps", "51"), "fragments"),
+    ],
+)
+def test_bad_training_input_fails_the_start(tmp_path, args, message):
+    """Refused before the daemon serves: no control socket, one line, non-zero exit."""
+    line = _one_line_error(
+        run_cli(
+            "join", "--data-dir", str(tmp_path), "--listen", f"/ip4/127.0.0.1/tcp/{free_port()}",
+            "--metrics-addr", "off", "--train", *args, timeout=60,
+        )
+    )
+    assert message in line
+    assert not (tmp_path / "control.sock").exists()
+
+
+# -- access control from the config file and the environment -------------------------------------
+
+
+PEER = "12D3KooWLPjuyv6YW6BhdcJpQRuyXwy1xzPuGGtPkYkvaifCC3fs"
+
+
+def test_every_config_field_is_a_config_file_key(tmp_path):
+    """The accepted keys come from the dataclasses: each field can be set from TOML."""
+    from lattica.cli.settings import NODE_KEYS, TRAIN_KEYS
+    from lattica.config import TrainSettings
+
+    assert set(NODE_KEYS) == {f.name for f in dataclasses.fields(NodeConfig)} - {"train"} | {"peers_file"}
+    assert set(TRAIN_KEYS) == {f.name for f in dataclasses.fields(TrainSettings)}
+
+
+def test_access_control_from_toml_and_env(tmp_path):
+    secret = tmp_path / "run.secret"
+    secret.write_text("s" * 32)
+    secret.chmod(0o600)
+    config = tmp_path / "node.toml"
+    config.write_text(f'secret_file = "{secret}"\nallow_peers = ["{PEER}"]\n')
+    merged = build_node_config(flags={"data_dir": tmp_path}, config_path=config, environ={})
+    assert merged.secret_file == secret
+    assert merged.allow_peers == (PEER,)
+    env = {"LATTICA_SECRET_FILE": str(secret), "LATTICA_ALLOW_PEERS": f"{PEER},{PEER}"}
+    merged = build_node_config(flags={"data_dir": tmp_path}, config_path=None, environ=env)
+    assert merged.secret_file == secret
+    assert merged.allow_peers == (PEER, PEER)
+    with pytest.raises(ConfigError, match="peer id"):
+        build_node_config(flags={"data_dir": tmp_path}, config_path=None, environ={"LATTICA_ALLOW_PEERS": "nope"})
+
+
+def test_daemon_reads_the_secret_named_in_its_config_file(tmp_path):
+    from lattica.testing.daemons import DaemonProcess
+
+    secret = tmp_path / "run.secret"
+    secret.write_text("s" * 32)
+    secret.chmod(0o600)
+    config = tmp_path / "node.toml"
+    config.write_text(f'secret_file = "{secret}"\nallow_peers = ["{PEER}"]\n')
+    daemon = DaemonProcess(tmp_path / "d", extra_args=("--config", str(config))).start()
+    try:
+        status = daemon.wait_ready(timeout=60)
+        assert status["access"]["mode"] == "allowlist+secret"
+    finally:
+        daemon.stop()
+    secret.chmod(0o644)  # the daemon reads it itself, with the same checks as --secret-file
+    line = _one_line_error(
+        run_cli("join", "--data-dir", str(tmp_path / "d"), "--config", str(config), "--metrics-addr", "off")
+    )
+    assert "0600" in line

@@ -17,7 +17,7 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.peerinfo import info_from_p2p_addr
 
 from lattica.net.host import build_host
-from lattica.net.tensors.screen import ContributionScreen, reduce_parts
+from lattica.net.tensors.screen import PLAIN_MEAN, ContributionScreen, reduce_parts
 from lattica.net.tensors.transfer import TensorService, TensorServiceConfig
 from lattica.testing.collective import InMemoryCollectiveGroup
 from lattica.train.model import GPTConfig, build_model, lm_loss
@@ -74,14 +74,47 @@ def test_the_mean_lands_in_the_given_buffer() -> None:
         assert torch.equal(out, reduce_parts(parts, PEERS, screen)[0])
 
 
-def test_outliers_by_norm_are_excluded_only_when_asked() -> None:
+def test_outliers_by_norm_are_excluded_by_default_and_can_be_turned_off() -> None:
     parts = _parts([1, 1], [1.2, 0.8], [0.9, 1.1], [1e6, 1e6])
-    mean, rejected = reduce_parts(parts, PEERS)
+    mean, rejected = reduce_parts(parts, PEERS)  # DEFAULT_SCREEN: 10x the median norm
+    assert [r.peer for r in rejected] == ["d"]
+    torch.testing.assert_close(mean, torch.tensor([1.0333333, 0.9666667]))
+    mean, rejected = reduce_parts(parts, PEERS, PLAIN_MEAN)
     assert rejected == []
     assert mean[0] > 1e5
     mean, rejected = reduce_parts(parts, PEERS, ContributionScreen(max_norm_ratio=4))
     assert [r.peer for r in rejected] == ["d"]
-    torch.testing.assert_close(mean, torch.tensor([1.0333333, 0.9666667]))
+
+
+def test_a_finite_1e30_update_is_refused_by_default() -> None:
+    parts = _parts([1, -1], [1.1, -0.9], [0.8, -1.2])
+    parts.append(parts[0] * 1e30)
+    mean, rejected = reduce_parts(parts, PEERS)
+    assert [r.peer for r in rejected] == ["d"]
+    torch.testing.assert_close(mean, torch.tensor([0.9666667, -1.0333333]))
+
+
+def test_two_contributions_have_no_majority_to_screen_by_norm() -> None:
+    mean, rejected = reduce_parts(_parts([1, 1], [100, 100]), ["a", "b"])
+    assert rejected == []
+    assert torch.equal(mean, torch.tensor([50.5, 50.5]))
+
+
+def test_coordinate_wise_median() -> None:
+    parts = _parts([1, 9], [2, 1], [3, 2], [1e3, -1e3])
+    median, rejected = reduce_parts(parts, PEERS, ContributionScreen(median=True))
+    assert rejected == []
+    assert torch.equal(median, torch.tensor([2.0, 1.0]))  # the lower middle value of four
+    two, _ = reduce_parts(parts[:2], PEERS[:2], ContributionScreen(median=True))
+    assert torch.equal(two, torch.tensor([1.5, 5.0]))
+
+
+def test_a_trimmed_mean_that_cannot_trim_says_so(caplog) -> None:
+    parts = _parts([1, 1], [3, 3])
+    with caplog.at_level("WARNING", logger="lattica.net.tensors.screen"):
+        mean, _ = reduce_parts(parts, ["a", "b"], ContributionScreen(trim=2))
+    assert torch.equal(mean, torch.tensor([2.0, 2.0]))
+    assert "needs at least 5 contributions, got 2" in caplog.text
 
 
 def test_clipping_and_trimmed_mean_bound_one_member_s_influence() -> None:
@@ -103,6 +136,10 @@ def test_screen_config_is_validated() -> None:
         ContributionScreen(max_norm_ratio=0.5)
     with pytest.raises(ValueError, match="negative"):
         ContributionScreen(trim=-1)
+    with pytest.raises(ValueError, match="finite"):
+        ContributionScreen(max_norm_ratio=float("inf"))
+    with pytest.raises(ValueError, match="not both"):
+        ContributionScreen(trim=1, median=True)
 
 
 # -- the real data plane ---------------------------------------------------------------------

@@ -10,11 +10,18 @@ slices count:
    by the decoder). Any such value makes the sum of the slices non-finite, so with the default
    screen the owner sums first and checks that sum in one pass; only when it is not finite are
    the slices checked one by one and summed again without the excluded ones;
-2. ``max_norm_ratio``: with at least three finite slices, one whose L2 norm exceeds
-   ``max_norm_ratio`` x the median norm is excluded as an outlier;
+2. ``max_norm_ratio`` (10 in ``DEFAULT_SCREEN``): with at least three finite slices, one whose
+   L2 norm exceeds ``max_norm_ratio`` x the median norm is excluded as an outlier. The median is
+   an honest member's norm while most members are honest, so one member's scaled-up update
+   (x1e30, or a diverged replica) is refused, whatever its direction. With two slices there is
+   no majority to tell which one is the outlier, and nothing is excluded by norm;
 3. then, optionally, robust aggregation of what is left: ``clip_ratio`` scales every slice
    down to at most ``clip_ratio`` x the median norm, ``trim`` drops the ``trim`` largest and
-   smallest values of every coordinate (a coordinate-wise trimmed mean).
+   smallest values of every coordinate (a coordinate-wise trimmed mean), ``median`` takes the
+   coordinate-wise median (the lower middle value for an even count; of two slices, their
+   mean). A trimmed mean of at most
+   ``2 * trim`` slices cannot drop anything: it falls back to the mean of what is left and
+   logs a warning once per group size.
 
 The mean of the accepted slices is what the owner then sends to everyone, so every replica
 still receives the same bits; an excluded member's slice simply does not count, and the owner
@@ -26,6 +33,7 @@ the part is zero (no update).
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,25 +41,38 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ContributionScreen:
-    """What an owner accepts; the default only refuses non-finite contributions."""
+    """What an owner accepts; ``ContributionScreen()`` only refuses non-finite contributions."""
 
     max_norm_ratio: float | None = None
     clip_ratio: float | None = None
     trim: int = 0
+    median: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_norm_ratio", "clip_ratio"):
             value = getattr(self, name)
-            if value is not None and not value >= 1.0:
-                raise ValueError(f"{name} must be at least 1, got {value!r}")
+            if value is not None and not (math.isfinite(value) and value >= 1.0):
+                raise ValueError(f"{name} must be a finite number of at least 1, got {value!r}")
         if self.trim < 0:
             raise ValueError("trim cannot be negative")
+        if self.median and self.trim:
+            raise ValueError("choose the median or a trimmed mean, not both")
+
+    @property
+    def plain(self) -> bool:
+        return self.max_norm_ratio is None and self.clip_ratio is None and not self.trim and not self.median
 
 
-DEFAULT_SCREEN = ContributionScreen()
+# what a daemon uses unless ``[train]`` says otherwise: non-finite and scaled-up updates refused
+DEFAULT_MAX_NORM_RATIO = 10.0
+DEFAULT_SCREEN = ContributionScreen(max_norm_ratio=DEFAULT_MAX_NORM_RATIO)
+PLAIN_MEAN = ContributionScreen()
+_warned_trim: set[tuple[int, int]] = set()  # (contributions, trim) already warned about
 _BLOCK = 1 << 18  # fp32 elements (1 MiB): a block stays in cache through all its additions
 
 
@@ -73,8 +94,7 @@ def reduce_parts(
     numel = parts[0].numel() if parts else 0
     if out is None:
         out = torch.empty(numel, dtype=torch.float32)
-    plain = screen.max_norm_ratio is None and screen.clip_ratio is None and not screen.trim
-    if plain and parts and _plain_mean_into(out, [p.to(torch.float32) for p in parts]):
+    if screen.plain and parts and _plain_mean_into(out, [p.to(torch.float32) for p in parts]):
         return out, []
     rejected: list[Rejection] = []
     finite: list[int] = []
@@ -97,10 +117,19 @@ def reduce_parts(
     if screen.clip_ratio is not None:
         bound = screen.clip_ratio * _median(norms[i] for i in accepted)
         chosen = [p * min(1.0, bound / norms[i]) if norms[i] > 0 else p for p, i in zip(chosen, accepted, strict=True)]
+    if screen.median and len(chosen) > 2:
+        out.copy_(torch.stack(chosen).median(dim=0).values)
+        return out, rejected
     if screen.trim and len(chosen) > 2 * screen.trim:
         stacked = torch.stack(chosen).sort(dim=0).values
         torch.mean(stacked[screen.trim : len(chosen) - screen.trim], dim=0, out=out)
         return out, rejected
+    if screen.trim and (len(chosen), screen.trim) not in _warned_trim:
+        _warned_trim.add((len(chosen), screen.trim))
+        log.warning(
+            "trimmed mean (trim %d) needs at least %d contributions, got %d: taking their plain mean",
+            screen.trim, 2 * screen.trim + 1, len(chosen),
+        )
     _sum_into(out, chosen)
     return out.div_(len(chosen)), rejected
 

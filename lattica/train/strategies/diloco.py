@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from lattica.config import DEFAULT_INNER_STEPS
 from lattica.errors import BrokenError, PeerUnavailableError
 from lattica.train.collective import Collective
 from lattica.train.strategies.accounting import AccountedStrategy, tensor_bytes
@@ -39,7 +40,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, kw_only=True)
 class DiLoCoConfig:
-    inner_steps: int = 500
+    inner_steps: int = DEFAULT_INNER_STEPS
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     codec: str = "fp32"

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import trio
 
+from lattica.config import DEFAULT_INNER_STEPS
 from lattica.errors import BrokenError, LocalProtocolError, PeerUnavailableError
 from lattica.train.strategies.accounting import AccountedStrategy, tensor_bytes
 from lattica.train.strategies.base import OuterStepReport
@@ -38,7 +39,7 @@ from lattica.train.strategies.traffic import allreduce_bytes
 
 @dataclass(frozen=True, kw_only=True)
 class EagerDiLoCoConfig:
-    inner_steps: int = 500
+    inner_steps: int = DEFAULT_INNER_STEPS
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     codec: str = "fp32"

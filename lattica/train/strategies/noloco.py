@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import trio
 
+from lattica.config import DEFAULT_INNER_STEPS
 from lattica.errors import PeerUnavailableError
 from lattica.train.strategies.accounting import AccountedStrategy, tensor_bytes
 from lattica.train.strategies.base import OuterStepReport
@@ -39,7 +40,7 @@ from lattica.train.strategies.traffic import payload_bytes
 class NoLoCoConfig:
     """Author defaults: n = 2, H = 50, η = γ = 0.7, μ = 0.5."""
 
-    inner_steps: int = 50
+    inner_steps: int = DEFAULT_INNER_STEPS
     group_size: int = 2
     outer_lr: float = 0.7
     gamma: float = 0.7

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 import trio
 
+from lattica.config import DEFAULT_INNER_STEPS
 from lattica.errors import BrokenError, PeerUnavailableError, RemoteProtocolError
 from lattica.train.moe import MoEGPT, dense_parameters, expert_parameters
 from lattica.train.strategies.accounting import AccountedStrategy
@@ -61,9 +62,10 @@ _SYNC_ERRORS = (PeerUnavailableError, BrokenError, RemoteProtocolError)
 
 @dataclass(frozen=True, kw_only=True)
 class SPESConfig:
-    """Defaults follow the authors' cluster script (S = 100, α_0 = 0.05 every 500 steps)."""
+    """Defaults follow the authors' cluster script (α_0 = 0.05 every 500 steps), except S: the
+    run-wide H (``DEFAULT_INNER_STEPS``; the authors use 100)."""
 
-    sync_every: int = 100
+    sync_every: int = DEFAULT_INNER_STEPS  # S, the H of SPES
     merge_every: int = 500
     merge_alpha: float = 0.05
     merge_decay_steps: int = 20000

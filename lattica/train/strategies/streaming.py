@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import trio
 
+from lattica.config import DEFAULT_INNER_STEPS
 from lattica.errors import (
     BrokenError,
     LocalProtocolError,
@@ -61,7 +62,7 @@ from lattica.train.strategies.traffic import allreduce_bytes, payload_bytes
 
 @dataclass(frozen=True, kw_only=True)
 class StreamingDiLoCoConfig:
-    inner_steps: int = 100
+    inner_steps: int = DEFAULT_INNER_STEPS
     fragments: int = 2
     overlap_steps: int = 2
     mixing: float = 0.5

@@ -1,0 +1,93 @@
+"""From the run settings (``TrainSettings``) to the chosen strategy's own config.
+
+Each strategy lists, in ``ROUTES``, which run setting fills which field of its config — an
+explicit table, not matching by name: NoLoCo's outer momentum is its ``momentum``, SPES's H is
+its ``sync_every``. A strategy setting that is set (not ``None``) for a strategy without a route
+for it is refused with a line naming the setting and the strategy, so nothing a user writes is
+silently dropped. The other run settings (model, data, rounds, learning-rate schedule, device,
+aggregation, ...) belong to the trainer and the data plane, for every strategy;
+``contribution_screen`` maps the aggregation settings onto the data plane's screen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from lattica.config import TrainSettings
+from lattica.errors import ConfigError
+from lattica.net.tensors.screen import ContributionScreen
+
+# run setting -> config field, per strategy
+ROUTES: dict[str, Mapping[str, str]] = {
+    "diloco": {"inner_steps": "inner_steps", "outer_lr": "outer_lr", "outer_momentum": "outer_momentum"},
+    "eager": {"inner_steps": "inner_steps", "outer_lr": "outer_lr", "outer_momentum": "outer_momentum"},
+    "streaming": {"inner_steps": "inner_steps", "outer_lr": "outer_lr", "outer_momentum": "outer_momentum"},
+    "noloco": {"inner_steps": "inner_steps", "outer_lr": "outer_lr", "outer_momentum": "momentum"},
+    "spes": {"inner_steps": "sync_every"},
+    "ddp": {},  # averages gradients every step: H only sets the trainer's round length
+    "nocomm": {},
+}
+# settings that only a strategy uses; ``inner_steps`` is also the trainer's round length
+STRATEGY_SETTINGS = ("inner_steps", "outer_lr", "outer_momentum")
+_TRAINER_TOO = ("inner_steps",)
+_SPES_WARMUP_STEPS = 500  # SPES merges similar experts about every 500 steps, a multiple of S
+
+
+def check_strategy_settings(settings: TrainSettings) -> None:
+    """Refuse a strategy setting that the chosen strategy would not use."""
+    routes = _routes(settings.strategy)
+    for name in STRATEGY_SETTINGS:
+        if name in routes or name in _TRAINER_TOO or getattr(settings, name) is None:
+            continue
+        users = sorted(s for s, r in ROUTES.items() if name in r)
+        raise ConfigError(
+            f"train.{name} is not used by strategy {settings.strategy!r} (only by {', '.join(users)}); remove it"
+        )
+
+
+def strategy_config(settings: TrainSettings, *, members: tuple[str, ...] = ()) -> Any:
+    """The config of ``settings.strategy`` (None for a strategy without one); unset settings
+    keep the strategy's own defaults. ``members``: SPES's initial expert owners."""
+    check_strategy_settings(settings)
+    from lattica.train.strategies import strategy_class
+
+    config_cls = getattr(strategy_class(settings.strategy), "config_class", None)
+    if config_cls is None:
+        return None
+    values: dict[str, Any] = {}
+    for setting, field_name in _routes(settings.strategy).items():
+        value = getattr(settings, setting)
+        if value is not None:
+            values[field_name] = value
+    derive = _DERIVED.get(settings.strategy)
+    if derive is not None:
+        values.update(derive(settings, members))
+    try:
+        return config_cls(**values)
+    except ValueError as exc:
+        raise ConfigError(f"strategy {settings.strategy!r}: {exc}") from None
+
+
+def contribution_screen(settings: TrainSettings) -> ContributionScreen:
+    """How the owner of each part of an all-reduce combines contributions (``screen.py``)."""
+    return ContributionScreen(
+        max_norm_ratio=settings.max_norm_ratio,
+        trim=settings.trim if settings.aggregation == "trimmed_mean" else 0,
+        median=settings.aggregation == "median",
+    )
+
+
+def _spes_derived(settings: TrainSettings, members: tuple[str, ...]) -> dict[str, Any]:
+    h = settings.inner_steps
+    return {"merge_every": h * max(1, round(_SPES_WARMUP_STEPS / h)), "members": members}
+
+
+_DERIVED: dict[str, Callable[[TrainSettings, tuple[str, ...]], dict[str, Any]]] = {"spes": _spes_derived}
+
+
+def _routes(strategy: str) -> Mapping[str, str]:
+    try:
+        return ROUTES[strategy]
+    except KeyError:
+        raise ConfigError(f"unknown strategy {strategy!r}; choose one of {sorted(ROUTES)}") from None
