@@ -298,3 +298,15 @@ def test_daemon_reads_the_secret_named_in_its_config_file(tmp_path):
         run_cli("join", "--data-dir", str(tmp_path / "d"), "--config", str(config), "--metrics-addr", "off")
     )
     assert "0600" in line
+
+
+def test_a_setting_the_strategy_does_not_use_fails_the_start(tmp_path):
+    config = tmp_path / "node.toml"
+    config.write_text('[train]\nstrategy = "ddp"\nouter_momentum = 0.5\n')
+    line = _one_line_error(
+        run_cli(
+            "join", "--data-dir", str(tmp_path), "--config", str(config), "--metrics-addr", "off",
+            "--listen", f"/ip4/127.0.0.1/tcp/{free_port()}", timeout=60,
+        )
+    )
+    assert "train.outer_momentum is not used by strategy 'ddp'" in line
