@@ -33,7 +33,7 @@ import trio
 from libp2p.abc import IHost, INetStream
 from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID
-from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
+from libp2p.peer.peerinfo import PeerInfo
 from trio_typing import TaskStatus
 
 from lattica import __version__
@@ -42,9 +42,10 @@ from lattica.control.protocol import ControlRequest
 from lattica.control.server import ControlServer
 from lattica.errors import ConfigError, LatticaError, LocalProtocolError
 from lattica.net.access import AccessGate, RunAccess
-from lattica.net.addrs import dialable_addrs
-from lattica.net.host import build_host, stop_auto_connector
+from lattica.net.addrs import dialable_addrs, peer_info_from_addr
+from lattica.net.host import AnnouncementWatcher, build_host, circuit_addr_for, stop_auto_connector
 from lattica.net.identity import peer_id_of
+from lattica.net.nat.circuit import dial_circuit
 from lattica.net.peer_exchange import (
     BYE_PROTOCOL,
     MAX_REPLY_BYTES,
@@ -126,6 +127,9 @@ class Node:
             host.set_stream_handler(PX_PROTOCOL, self._handle_px)
             host.set_stream_handler(BYE_PROTOCOL, self._handle_bye)
             async with trio.open_nursery() as nursery:
+                # protocols registered later (DHT, state, training) and relay addresses
+                # reach the peers that identified us before: identify push
+                await nursery.start(AnnouncementWatcher(host).run)
                 if self.config.metrics_addr is not None:
                     metrics_host, metrics_port = parse_host_port(
                         self.config.metrics_addr, what="--metrics-addr"
@@ -169,7 +173,10 @@ class Node:
         if not self.config.peers:
             return
         for peer in self.config.peers:
-            info = info_from_p2p_addr(multiaddr.Multiaddr(peer))
+            try:
+                info = peer_info_from_addr(peer)
+            except ValueError as exc:
+                raise ConfigError(f"--peer: {exc}") from None
             self.peer_book.learn(info.peer_id.to_base58(), [peer], now=time.time(), bootstrap=True)
         errors: dict[str, str] = {}
         with trio.move_on_after(self.config.bootstrap_timeout_s):
@@ -188,7 +195,7 @@ class Node:
         )
 
     async def _try_dial_addr(self, addr: str, errors: dict[str, str]) -> bool:
-        info = info_from_p2p_addr(multiaddr.Multiaddr(addr))
+        info = peer_info_from_addr(addr)
         try:
             await self._dial(info)
         except Exception as exc:  # noqa: BLE001 - any dial failure is reported the same way
@@ -215,6 +222,8 @@ class Node:
             if self.dialer is not None:
                 with trio.fail_after(_PATH_DIAL_TIMEOUT_S):
                     await self.dialer.connect(info.peer_id, info.addrs)
+            elif relayed:  # a relay address before the NAT services run (a --peer)
+                await self._dial_without_dialer(info)
             else:
                 with trio.fail_after(_DIAL_TIMEOUT_S):
                     await self.host.connect(info)
@@ -222,9 +231,33 @@ class Node:
             if self._dialing.get(key) == relayed:
                 del self._dialing[key]
 
+    async def _dial_without_dialer(self, info: PeerInfo) -> None:
+        """Direct addresses first, then each relay address in turn (``host.connect`` refuses
+        ``/p2p-circuit``)."""
+        assert self.host is not None
+        direct = [a for a in info.addrs if "/p2p-circuit" not in str(a)]
+        failure: Exception | None = None
+        if direct:
+            try:
+                with trio.fail_after(_DIAL_TIMEOUT_S):
+                    await self.host.connect(PeerInfo(info.peer_id, direct))
+                return
+            except Exception as exc:  # noqa: BLE001 - the relay addresses may still work
+                failure = exc
+        for addr in info.addrs:
+            if "/p2p-circuit" not in str(addr):
+                continue
+            try:
+                with trio.fail_after(_DIAL_TIMEOUT_S * 2):
+                    await dial_circuit(self.host, addr)
+                return
+            except Exception as exc:  # noqa: BLE001 - try the next relay
+                failure = exc
+        raise failure if failure is not None else LocalProtocolError("no address to dial")
+
     async def _keep_connected(self, addr: str) -> None:
         """Redial a bootstrap peer whenever it is not connected, backing off exponentially."""
-        info = info_from_p2p_addr(multiaddr.Multiaddr(addr))
+        info = peer_info_from_addr(addr)
         key = info.peer_id.to_base58()
         delay = 1.0
         while True:
@@ -281,7 +314,11 @@ class Node:
         out = []
         for a in addrs:
             text = str(a)
-            if "/tcp/" in text and "/p2p-circuit" not in text:
+            if "/p2p-circuit" in text:  # identify's relay addresses (no trailing id)
+                circuit = circuit_addr_for(text, peer_id)
+                if circuit is not None:
+                    out.append(circuit)
+            elif "/tcp/" in text:
                 out.append(text if "/p2p/" in text else f"{text}/p2p/{peer_id}")
         return out
 
@@ -475,13 +512,16 @@ def dial_addrs_for(peer_id: str, addrs: Sequence[str], *, relayed: bool) -> list
     """The addresses worth dialing for ``peer_id``, as heard from peers (untrusted).
 
     Direct addresses lose their ``/p2p/<id>`` suffix (the handshake proves the id); relay
-    addresses are kept whole and only when they end in ``peer_id`` — one naming another peer
-    would connect us to someone else. Unparsable addresses are skipped.
+    addresses are kept whole and only when they end in ``peer_id`` (or in ``/p2p-circuit``, as
+    identify and DHT records carry them; ``peer_id`` is then appended) — one naming another
+    peer would connect us to someone else. Unparsable addresses are skipped.
     """
     out: list[multiaddr.Multiaddr] = []
     for text in addrs:
         is_relay = "/p2p-circuit" in text
-        if is_relay and (not relayed or not text.endswith(f"/p2p-circuit/p2p/{peer_id}")):
+        if is_relay:  # identify and DHT records carry them without the trailing id
+            text = circuit_addr_for(text, peer_id) or ""
+        if is_relay and (not relayed or not text):
             continue
         if not is_relay:
             base, _, named = text.partition("/p2p/")

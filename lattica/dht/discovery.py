@@ -13,7 +13,10 @@ Members of run ``R`` provide the key ``/lattica/run/R`` (``keys.run_key``). The 
    connected to, up to ``max_run_peers`` (through ``connect`` when given: the daemon's path
    dialer, which also tries the member's relay addresses);
 4. expires stale records, republishes its own value records, and refreshes the routing
-   table (a self-lookup) every ``table_refresh_interval``.
+   table (a self-lookup) every ``table_refresh_interval``;
+5. provides again at once when the addresses it advertises change (a relay reservation came
+   or went): a provider record carries the addresses of its announcement, so a DHT server
+   would otherwise hand out a NAT'd member's private address until the next reprovide.
 
 Every step tolerates failure: a lookup or provide that fails is logged and retried next
 period. ``known_run_members`` is the result of the latest lookup (minus this node).
@@ -35,6 +38,8 @@ from lattica.dht.keys import content_key, run_key, validate_run_id
 from lattica.dht.node import LatticaDHT
 
 logger = logging.getLogger(__name__)
+
+_ADDR_POLL_S = 1.0
 
 
 class RunDiscovery:
@@ -104,6 +109,7 @@ class RunDiscovery:
             nursery.start_soon(
                 self._every, self._config.table_refresh_interval, "refresh", self.dht.bootstrap
             )
+            nursery.start_soon(self._reprovide_on_new_addrs)
 
     async def refresh_members(self) -> None:
         """One provider lookup for the run key; connect to members we are not connected to."""
@@ -126,6 +132,15 @@ class RunDiscovery:
     async def _provide(self) -> None:
         if self.dht.is_server or self._host.get_connected_peers():
             await self.dht.provide(self._run_key)
+
+    async def _reprovide_on_new_addrs(self) -> None:
+        advertised = {str(a) for a in self._host.get_addrs()}
+        while True:
+            await trio.sleep(_ADDR_POLL_S)
+            current = {str(a) for a in self._host.get_addrs()}
+            if current != advertised:
+                advertised = current
+                await self._step("provide", self._provide)
 
     async def _expire(self) -> None:
         self.dht.expire_records()

@@ -13,6 +13,7 @@ import struct
 from collections.abc import Iterable, Sequence
 
 import multiaddr
+from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 
 _SIOCGIFADDR = 0x8915
 
@@ -74,3 +75,22 @@ def dialable_addrs(
 
 def strip_peer_id(addrs: Sequence[str]) -> list[str]:
     return [a.split("/p2p/")[0] for a in addrs]
+
+
+def peer_info_from_addr(text: str) -> PeerInfo:
+    """The peer a full address names, and the address to dial it at.
+
+    ``/ip4/…/tcp/…/p2p/<id>`` -> ``<id>`` at ``/ip4/…/tcp/…`` (as ``info_from_p2p_addr``).
+    A relay address ``…/p2p/<relay>/p2p-circuit/p2p/<id>`` names ``<id>`` and is kept whole:
+    the relay is asked for that final id (``lattica.net.nat.circuit``). ValueError when the
+    address names no peer.
+    """
+    if "/p2p-circuit" in text:
+        from lattica.net.nat.circuit import parse_circuit_addr
+
+        circuit = parse_circuit_addr(text)
+        return PeerInfo(circuit.peer_id, [multiaddr.Multiaddr(text)])
+    try:
+        return info_from_p2p_addr(multiaddr.Multiaddr(text))
+    except Exception as exc:  # noqa: BLE001 - multiaddr and libp2p raise several kinds
+        raise ValueError(f"not a peer address (…/p2p/<peer id>): {text[:200]} ({exc})") from None

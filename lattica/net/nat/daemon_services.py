@@ -4,7 +4,9 @@ Theory of operation: the node runs AutoNAT against its directly connected peers.
 public it serves circuit relay v2 (with limits); once it is known to be private — or earlier,
 as soon as peers see it at an address that is not its own (behind a NAT) — it keeps
 reservations on relays among its peers and advertises the ``/p2p-circuit`` addresses in its
-replicated membership record, again whenever its reservations change (a relay went away).
+replicated membership record and in what the host tells every libp2p peer (identify's listen
+addresses, pushed on change; signed peer records; DHT provider records), again whenever its
+reservations change (a relay went away).
 A PUBLIC verdict drops the reservations.
 
 Every member's advertised addresses are copied from the replicated state into the node's
@@ -27,6 +29,7 @@ import trio
 from libp2p.peer.id import ID
 from trio_typing import TaskStatus
 
+from lattica.net.host import LatticaHost
 from lattica.net.nat.addresses import (
     conn_is_relayed,
     is_circuit,
@@ -154,6 +157,10 @@ class NatServices:
         return [f"{mapper.external_addr}/p2p/{self.node.peer_id.to_base58()}"]
 
     async def _publish(self) -> None:
+        if isinstance(self._host, LatticaHost):
+            # identify (pushed on change), signed peer records and DHT provider records
+            # carry them to any libp2p peer, not only to Lattica members
+            self._host.set_circuit_addrs(self.relay_addrs())
         if self.state is None:
             return
         addrs = [*self.node.dialable_addrs(), *self.mapped_addrs(), *(str(a) for a in self.relay_addrs())]

@@ -1,0 +1,66 @@
+"""Relay (``/p2p-circuit``) addresses: parsing them, and one relayed dial.
+
+A relay address names two peers: ``<relay transport addr>/p2p/<relay>/p2p-circuit/p2p/<peer>``.
+The dialer connects to the relay, asks it (circuit relay v2 HOP CONNECT) for a circuit to the
+peer, which must hold a reservation there, and runs the usual security and muxer upgrade over
+that circuit. The final ``/p2p/<peer>`` is what the relay is asked for, so it must stay on the
+address: py-libp2p's ``info_from_p2p_addr`` moves it into the peer id and leaves an address
+that the relay transport refuses ("Missing /p2p/<peerID> at the end of circuit Multiaddr").
+
+``dial_circuit`` is for dials made before (or without) the NAT services' path ``Dialer``:
+the bootstrap peers of a node that was given a relay address with ``--peer``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from libp2p.abc import IHost, INetConn
+from libp2p.peer.id import ID
+from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
+from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
+from libp2p.relay.circuit_v2.transport import CircuitV2Transport
+from multiaddr import Multiaddr
+
+
+@dataclass(frozen=True)
+class CircuitAddr:
+    relay_id: ID
+    peer_id: ID
+    relay_addr: str  # the relay's own address, ending in /p2p/<relay>
+
+
+def parse_circuit_addr(text: str) -> CircuitAddr:
+    """Split ``…/p2p/<relay>/p2p-circuit/p2p/<peer>``; ValueError when it is not one."""
+    head, sep, tail = text.partition("/p2p-circuit")
+    if not sep or "/p2p-circuit" in tail:
+        raise ValueError(f"not a relay address (one /p2p-circuit): {text[:200]}")
+    if "/p2p/" not in head:
+        raise ValueError(f"relay address names no relay before /p2p-circuit: {text[:200]}")
+    if not tail.startswith("/p2p/") or "/" in tail[len("/p2p/"):]:
+        raise ValueError(f"relay address must end in /p2p-circuit/p2p/<peer id>: {text[:200]}")
+    try:
+        relay_id = ID.from_base58(head.rsplit("/p2p/", 1)[1])
+        peer_id = ID.from_base58(tail[len("/p2p/"):])
+        Multiaddr(text)
+    except Exception as exc:  # noqa: BLE001 - any parse failure is the same bad address
+        raise ValueError(f"bad relay address {text[:200]}: {exc}") from None
+    if relay_id == peer_id:
+        raise ValueError(f"relay address names the same peer as relay and target: {text[:200]}")
+    return CircuitAddr(relay_id=relay_id, peer_id=peer_id, relay_addr=head)
+
+
+def relay_transport(host: IHost) -> CircuitV2Transport:
+    """A circuit transport for dialing only (no reservations, no HOP service)."""
+    protocol = CircuitV2Protocol(host, allow_hop=False)
+    return CircuitV2Transport(host, protocol, RelayConfig(roles=RelayRole.STOP))
+
+
+async def dial_circuit(host: IHost, addr: Multiaddr, transport: CircuitV2Transport | None = None) -> INetConn:
+    """Connect to the peer named at the end of ``addr`` through the relay it names."""
+    unblock = getattr(host.get_network(), "unblock_peer", None)
+    circuit = parse_circuit_addr(str(addr))
+    if unblock is not None:  # our callers pace redials; the swarm's negative cache must not
+        unblock(circuit.relay_id)
+        unblock(circuit.peer_id)
+    return await (transport or relay_transport(host)).dial(addr)
