@@ -229,3 +229,86 @@ async def test_diloco_keeps_learning_with_a_nan_and_a_huge_member() -> None:
     assert torch.isfinite(torch.tensor(last))
     assert last < 0.5 * first, (first, last)
     assert {r.peer for r in network.rejections} == {"c", "d"}
+
+
+# -- the daemon's default screen, with real peers -------------------------------------------------
+
+
+class _FixedGroup:
+    def __init__(self, members):
+        self.members = tuple(members)
+
+    async def group_for(self, key):
+        return self.members
+
+
+async def _diloco_round_with_a_scaled_member(screen: ContributionScreen) -> tuple[dict, str, dict]:
+    """Three DiLoCo members on real loopback data planes; one multiplies its weights by 1e30
+    before the round. Returns the models by peer, the scaler's id, and the data planes."""
+    models: dict[str, torch.nn.Module] = {}
+    with trio.fail_after(90):
+        async with trio.open_nursery() as nursery:
+            services = []
+            for _ in range(3):
+                key_pair = create_new_key_pair()
+                host = build_host(key_pair)
+                await nursery.start(_run_host, host)
+                service = TensorService(host, key_pair, config=TensorServiceConfig(screen=screen))
+                await nursery.start(service.run)
+                services.append((host, service))
+            for i, (host, _) in enumerate(services):
+                for other, _ in services[i + 1 :]:
+                    await host.connect(info_from_p2p_addr(other.get_addrs()[0]))
+            group = sorted(s.peer_id for _, s in services)
+            by_id = {s.peer_id: s for _, s in services}
+            evil = group[2]
+            strategies = {}
+            for peer in group:
+                torch.manual_seed(0)
+                models[peer] = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+                strategies[peer] = DiLoCo(
+                    models[peer], collective=by_id[peer], groups=_FixedGroup(group),
+                    config=DiLoCoConfig(inner_steps=2),
+                )
+            for step in (1, 2):
+                for i, peer in enumerate(group):  # an honest inner step each
+                    gen = torch.Generator().manual_seed(100 * i + step)
+                    x = torch.randn(32, 16, generator=gen)
+                    loss = torch.nn.functional.mse_loss(models[peer](x), x.sum(1, keepdim=True))
+                    loss.backward()
+                    with torch.no_grad():
+                        for p in models[peer].parameters():
+                            p -= 0.05 * p.grad
+                            p.grad = None
+                if step == 2:
+                    with torch.no_grad():  # finite, and 1e30 times too large
+                        for p in models[evil].parameters():
+                            p.mul_(1e30)
+                async with trio.open_nursery() as members:
+                    for peer in group:
+                        members.start_soon(strategies[peer].after_inner_step, step)
+            nursery.cancel_scope.cancel()
+    return models, evil, by_id
+
+
+async def test_a_1e30_update_from_a_real_peer_does_not_reach_the_weights_by_default() -> None:
+    from lattica.config import TrainSettings
+    from lattica.train.strategy_settings import contribution_screen
+
+    models, evil, services = await _diloco_round_with_a_scaled_member(contribution_screen(TrainSettings()))
+    honest = [p for p in models if p != evil]
+    for a, b in zip(models[honest[0]].parameters(), models[honest[1]].parameters(), strict=True):
+        assert torch.equal(a, b)
+    weights = torch.cat([p.detach().flatten() for p in models[honest[0]].parameters()])
+    assert torch.isfinite(weights).all()
+    assert weights.abs().max() < 10  # the initial weights are within 1; one outer step moves them little
+    for peer in honest:
+        assert services[peer].stats.rejected_contributions[evil] >= 1
+
+
+async def test_without_the_norm_screen_the_1e30_update_reaches_the_weights() -> None:
+    """The control: the same round with the plain mean (what the daemon did before)."""
+    models, evil, _ = await _diloco_round_with_a_scaled_member(PLAIN_MEAN)
+    honest = next(p for p in models if p != evil)
+    weights = torch.cat([p.detach().flatten() for p in models[honest].parameters()])
+    assert not (torch.isfinite(weights).all() and weights.abs().max() < 10)
