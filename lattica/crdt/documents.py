@@ -4,7 +4,8 @@ Every writer (peer id) owns one pycrdt document named after its peer id; admins 
 the shared ``config`` document. A writer's document holds these root maps:
 
 - ``member``      its membership record: addrs, device, throughput, reachability, lease,
-                  heartbeat count, left flag;
+                  heartbeat count, left flag, and ``peers``: the peers that proved themselves to
+                  it on a live connection (its vouches, see ``liveness.py``);
 - ``progress``    its current outer round and weights hash;
 - ``completed``   round -> weights hash of its last completed rounds;
 - ``checkpoints`` ``"<round>|<hash>|<holder>"`` -> True (a flat set, merge-friendly);
@@ -26,6 +27,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from pycrdt import Doc, Map
+
+from lattica.crdt.liveness import MAX_VOUCHES, vouches
 
 CONFIG_DOC = "config"
 MEMBER_FIELDS = ("addrs", "device", "throughput", "reachability", "role")
@@ -103,6 +106,12 @@ def write_lease(doc: Doc, *, lease_expires_ms: int, heartbeat: int, left: bool =
     member["lease_expires_ms"] = encode_int(lease_expires_ms)
     member["heartbeat"] = encode_int(heartbeat)
     member["left"] = left
+
+
+def write_vouches(doc: Doc, peers: Iterable[str]) -> None:
+    """The peers that proved themselves to the writer (sorted, at most ``MAX_VOUCHES``)."""
+    clean = sorted({_check_text("peer", p) for p in peers})[:MAX_VOUCHES]
+    doc.get("member", type=Map)["peers"] = clean
 
 
 def write_progress(doc: Doc, *, round: int, weights_hash: str) -> None:
@@ -192,6 +201,7 @@ def read_member(doc: Doc) -> dict[str, Any] | None:
         "lease_expires_ms": decode_int(raw.get("lease_expires_ms")) or 0,
         "heartbeat": decode_int(raw.get("heartbeat")) or 0,
         "left": raw.get("left") is True,
+        "peers": vouches(raw),
     }
 
 

@@ -17,6 +17,14 @@ The service wraps a sans-IO ``Replica`` with three kinds of I/O:
   connections (and ``notify_peer_connected``). A peer that misbehaves is backed off.
 - **Liveness.** A heartbeat task renews our lease; ``leave()`` writes ``left`` and pushes it
   to every connected peer at once.
+- **Proof of presence.** A completed sync session proves that its peer is connected under the
+  key it claims (Noise) and was admitted by the access gate (the sync protocol is guarded): the
+  peer is *proven* for a lease. The heartbeat also writes the proven peers into our record (our
+  vouches). ``live_members`` counts only verified writers (``liveness.verified_writers``), so
+  records signed by throwaway keys that never connected are not members, whatever lease they
+  claim; the replica evicts such writers first when its table is full.
+- **Equivocation.** A writer caught signing two histories is banned by the replica; the
+  evidence is persisted with the log and sent to peers that still hold the writer.
 """
 
 from __future__ import annotations
@@ -36,14 +44,16 @@ from pycrdt import Doc
 from lattica.crdt import documents, sync
 from lattica.crdt.config import StateConfig
 from lattica.crdt.envelope import Envelope, RejectedUpdate
-from lattica.crdt.liveness import live_members
+from lattica.crdt.liveness import MAX_VOUCHES, is_live, live_members, verified_writers
 from lattica.crdt.log import AppendLog
 from lattica.crdt.replica import Replica
 from lattica.errors import BrokenError, LocalProtocolError, RemoteError, RemoteProtocolError
 
 log = logging.getLogger(__name__)
 
-_BENIGN_REJECTIONS = frozenset({"replay"})
+# not the relaying peer's fault: an honest peer relays a writer it has not caught or proven yet
+_BENIGN_REJECTIONS = frozenset({"replay", "equivocation", "banned", "evicted"})
+_MAX_PROVEN = 4096
 
 
 def _now_ms() -> int:
@@ -68,7 +78,8 @@ class ReplicatedState:
         self.peer_id = ID.from_pubkey(key_pair.public_key).to_base58()
         admins = self.config.admins or (self.peer_id,)
         self._replica = Replica(
-            run_id=run_id, key_pair=key_pair, admins=admins, limits=self.config.limits
+            run_id=run_id, key_pair=key_pair, admins=admins, limits=self.config.limits,
+            trusted=self._trusted,
         )
         self._log_path = state_log_path(Path(data_dir), run_id)
         self._log: AppendLog | None = None
@@ -81,6 +92,8 @@ class ReplicatedState:
         self._retry_at: dict[str, float] = {}  # outbound sessions that failed
         self._penalized_until: dict[str, float] = {}  # peers that sent bad input
         self._heartbeat = 0
+        self._proven: dict[str, float] = {}  # peer -> trio time of its last completed sync session
+        self._vouched: list[str] | None = None  # the proven peers our record lists
         self._left = False
         self._nursery: trio.Nursery | None = None
         self.torn_bytes_at_open = 0
@@ -106,6 +119,7 @@ class ReplicatedState:
                 self._log.close()
 
     async def _open_log(self) -> None:
+        self._replica.tick(trio.current_time())
         opened, records = await trio.to_thread.run_sync(AppendLog.open, self._log_path)
         self._log = opened
         self.torn_bytes_at_open = opened.torn_bytes
@@ -117,6 +131,7 @@ class ReplicatedState:
             except RejectedUpdate as exc:
                 if exc.reason not in _BENIGN_REJECTIONS:
                     log.warning("state log %s: skipped a record: %s", self._log_path, exc)
+        self._replica.take_new_evidence()  # it came from the log
         member = self._replica.snapshot()["members"].get(self.peer_id)
         self._heartbeat = member["heartbeat"] if member else 0
         self._bump()
@@ -134,10 +149,15 @@ class ReplicatedState:
         self._heartbeat += 1
         expires = self.config.lease.lease_expiry_ms(_now_ms())
         beat = self._heartbeat
-        await self._write(
-            self.peer_id,
-            lambda doc: documents.write_lease(doc, lease_expires_ms=expires, heartbeat=beat),
-        )
+        vouched = sorted(self.proven_peers())[:MAX_VOUCHES]
+        changed, self._vouched = vouched != self._vouched, vouched
+
+        def renew(doc: Doc) -> None:
+            documents.write_lease(doc, lease_expires_ms=expires, heartbeat=beat)
+            if changed:
+                documents.write_vouches(doc, vouched)
+
+        await self._write(self.peer_id, renew)
 
     async def leave(self) -> None:
         """Mark ourselves as left and push that to every connected peer (bounded by sync_timeout)."""
@@ -210,9 +230,42 @@ class ReplicatedState:
         return self._snapshot_cache[1]
 
     def live_members(self, now_ms: int | None = None) -> list[str]:
-        skew_ms = int(self.config.lease.clock_skew * 1000)
+        """Verified members (see ``verified``) whose lease covers ``now_ms``."""
         when = _now_ms() if now_ms is None else now_ms
-        return live_members(self.snapshot()["members"], now_ms=when, clock_skew_ms=skew_ms)
+        return live_members(self.snapshot()["members"], now_ms=when, verified=self.verified(), **self._lease_margins())
+
+    def verified(self) -> set[str]:
+        """Writers that count as members for us: ourselves, peers that proved themselves to us
+        on a live connection, and peers enough of those vouch for (``liveness.verified_writers``)."""
+        return verified_writers(
+            self.snapshot()["members"], me=self.peer_id, proven=self.proven_peers(), now_ms=_now_ms(),
+            **self._lease_margins(),
+        )
+
+    def unverified_claims(self) -> list[str]:
+        """Writers whose record claims a lease (however long) but who are not verified."""
+        members, now, verified = self.snapshot()["members"], _now_ms(), self.verified()
+        return sorted(peer for peer, record in members.items() if peer not in verified and is_live(record, now_ms=now))
+
+    def proven_peers(self) -> set[str]:
+        """Peers with a completed sync session within the last lease."""
+        since = trio.current_time() - self.config.lease.lease
+        return {peer for peer, at in self._proven.items() if at >= since}
+
+    def _lease_margins(self) -> dict[str, int]:
+        lease = self.config.lease
+        return {"clock_skew_ms": int(lease.clock_skew * 1000), "max_ahead_ms": lease.max_ahead_ms}
+
+    def _trusted(self, writer: str) -> bool:
+        """Never evicted from a full table: peers that proved themselves to us (in this run of
+        the process) or that our members vouch for."""
+        return writer in self._proven or writer in self.verified()
+
+    def _mark_proven(self, peer: str) -> None:
+        self._proven.pop(peer, None)
+        self._proven[peer] = trio.current_time()
+        while len(self._proven) > _MAX_PROVEN:
+            del self._proven[next(iter(self._proven))]
 
     def counters(self) -> dict[str, Any]:
         counters = self._replica.counters()
@@ -224,6 +277,8 @@ class ReplicatedState:
         return {
             **self.snapshot(),
             "live": self.live_members(),
+            "unverified": self.unverified_claims(),
+            "banned": self._replica.banned(),
             "node": {"peer_id": self.peer_id, "run_id": self.run_id, **self.counters()},
         }
 
@@ -260,9 +315,12 @@ class ReplicatedState:
             except RejectedUpdate as exc:
                 if exc.reason not in _BENIGN_REJECTIONS:
                     failure = failure or exc
-        if applied:
+        evidence = self._replica.take_new_evidence()
+        if evidence:
+            log.warning("state sync: banned %s: signed two different histories", evidence[0].writer)
+        if applied or evidence:
             async with self._log_lock:
-                await self._persist(applied)
+                await self._persist(applied + evidence)
             self._bump()
         if failure is not None:
             raise failure
@@ -290,6 +348,7 @@ class ReplicatedState:
         while True:
             for peer_id in self.host.get_connected_peers():
                 self._ensure_peer(peer_id.to_base58())
+            self._replica.tick(trio.current_time())
             await trio.sleep(self.config.peer_poll_interval)
 
     def _connected(self, peer: str) -> bool:
@@ -328,6 +387,7 @@ class ReplicatedState:
                     await sync.initiate(stream, self, peer_id=peer)
                 finally:
                     await _close_quietly(stream)
+            self._mark_proven(peer)
             return True
         except RemoteProtocolError as exc:
             log.warning("state sync: dropping bad input from %s: %s", peer, exc)
@@ -347,6 +407,7 @@ class ReplicatedState:
         try:
             with trio.fail_after(self.config.sync_timeout):
                 await sync.respond(stream, self, peer_id=peer)
+            self._mark_proven(peer)
         except RemoteProtocolError as exc:
             log.warning("state sync: dropping bad input from %s: %s", peer, exc)
             self._penalized_until[peer] = trio.current_time() + self.config.max_backoff

@@ -1,0 +1,114 @@
+"""Membership against a hostile member, on real libp2p hosts: throwaway keys and equivocation."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+from crdt_helpers import peer_of
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.peer.peerinfo import info_from_p2p_addr
+from test_crdt_service import LOOPBACK, connect, p2p_addr, running_node, wait_for
+
+from lattica.crdt import documents
+from lattica.crdt.envelope import Envelope
+from lattica.crdt.replica import Replica
+from lattica.crdt.sync import SYNC_PROTOCOL, hello
+from lattica.net.host import build_host
+from lattica.net.wire import read_message, write_message
+
+RUN = "svc"
+FAR_LEASE_MS = 2_085_000_000_000  # 2036
+
+
+def phantom_envelopes(*, vouch_for: list[str] = ()) -> tuple[str, list[Envelope]]:
+    """A throwaway key's record: a trainer with a lease until 2036, at round 999."""
+    replica = Replica(run_id=RUN, key_pair=create_new_key_pair(), admins=())
+    me = replica.peer_id
+    envs = replica.local_write(me, lambda d: documents.write_member(d, {"role": "trainer", "addrs": ["/ip4/10.9.9.9/tcp/1"]}))
+    envs += replica.local_write(me, lambda d: documents.write_lease(d, lease_expires_ms=FAR_LEASE_MS, heartbeat=1))
+    envs += replica.local_write(me, lambda d: documents.write_progress(d, round=999, weights_hash="f" * 64))
+    if vouch_for:
+        envs += replica.local_write(me, lambda d: documents.write_vouches(d, vouch_for))
+    return me, envs
+
+
+async def push(host, target, envelopes: list[Envelope]) -> None:
+    """One sync session from ``host`` that offers ``envelopes`` to ``target``."""
+    stream = await host.new_stream(target.host.get_id(), [SYNC_PROTOCOL])
+    with trio.fail_after(5):
+        await write_message(stream, hello(RUN, []))
+        await read_message(stream, max_size=1 << 22)
+        while (await read_message(stream, max_size=1 << 22))["t"] != "end":
+            pass
+        await write_message(stream, {"t": "envs", "envs": [e.to_wire() for e in envelopes]})
+        await write_message(stream, {"t": "end"})
+    await stream.close()
+
+
+async def test_records_of_throwaway_keys_are_never_live_members(tmp_path):
+    async with running_node(tmp_path, "a") as a, running_node(tmp_path, "b", admins=(a.peer_id,)) as b:
+        await connect(a, b)
+        mallory_keys = create_new_key_pair()
+        mallory = build_host(mallory_keys)
+        mallory_id = peer_of(mallory_keys)
+        async with mallory.run([LOOPBACK]):
+            await mallory.connect(info_from_p2p_addr(p2p_addr(a)))
+            # mallory, a member, signs records with fresh keys, and a record of its own that
+            # vouches for them
+            phantoms, envelopes = [], []
+            for _ in range(4):
+                peer, envs = phantom_envelopes()
+                phantoms.append(peer)
+                envelopes += envs
+            mallory_replica = Replica(run_id=RUN, key_pair=mallory_keys, admins=())
+            envelopes += mallory_replica.local_write(mallory_id, lambda d: documents.write_lease(d, lease_expires_ms=FAR_LEASE_MS, heartbeat=1))
+            envelopes += mallory_replica.local_write(mallory_id, lambda d: documents.write_vouches(d, phantoms))
+            await push(mallory, a, envelopes)
+
+            def spread() -> bool:  # b holds the phantoms too (a relayed them)
+                return all(p in b.snapshot()["members"] for p in phantoms)
+
+            await wait_for(spread, [a, b])
+            for node in (a, b):
+                assert set(phantoms) <= set(node.dump()["unverified"])
+                assert not set(phantoms) & set(node.live_members())
+                assert node.peer_id in node.live_members()
+            assert sorted(a.live_members()) == sorted([a.peer_id, b.peer_id])  # mallory's lease: 2036
+            await wait_for(lambda: a.peer_id in b.live_members() and b.peer_id in a.live_members(), [a, b])
+            # the throwaway keys never connected: a full table evicts them before any member
+            assert all(a._trusted(p) is False for p in phantoms)
+            assert a._trusted(b.peer_id)
+
+
+async def test_an_equivocating_writer_is_banned_everywhere_and_the_ban_survives_a_restart(tmp_path):
+    async with running_node(tmp_path, "a") as a, running_node(tmp_path, "b", admins=(a.peer_id,)) as b:
+        liar_keys = create_new_key_pair()
+        liar = build_host(liar_keys)
+        liar_id = peer_of(liar_keys)
+        one = Replica(run_id=RUN, key_pair=liar_keys, admins=())
+        two = Replica(run_id=RUN, key_pair=liar_keys, admins=())
+        left = one.local_write(liar_id, lambda d: documents.write_progress(d, round=5, weights_hash="left"))
+        right = two.local_write(liar_id, lambda d: documents.write_progress(d, round=6, weights_hash="right"))
+        assert left[0].seq == right[0].seq == 1
+        async with liar.run([LOOPBACK]):
+            await liar.connect(info_from_p2p_addr(p2p_addr(a)))
+            await liar.connect(info_from_p2p_addr(p2p_addr(b)))
+            await push(liar, a, left)  # a different history to each
+            await push(liar, b, right)
+            def holds(node, weights_hash: str) -> bool:
+                return node.snapshot()["progress"].get(liar_id, {}).get("weights_hash") == weights_hash
+
+            await wait_for(lambda: holds(a, "left") and holds(b, "right"), [a, b])
+            await connect(a, b)
+            await wait_for(lambda: a.dump()["banned"] == b.dump()["banned"] == [liar_id], [a, b])
+            await wait_for(lambda: a.snapshot() == b.snapshot(), [a, b])
+            assert liar_id not in a.snapshot()["progress"]
+            # the honest peers relayed what they held: neither was penalized for it
+            await a.set_progress(1, "h1")
+            await wait_for(lambda: b.snapshot()["progress"].get(a.peer_id, {}).get("round") == 1, [a, b])
+    # restarted from its log, a still bans the liar
+    async with running_node(tmp_path, "a") as again:
+        assert again.dump()["banned"] == [liar_id]
+        assert liar_id not in again.snapshot()["progress"]
+        with pytest.raises(KeyError):
+            again.snapshot()["members"][liar_id]
