@@ -181,11 +181,21 @@ def peers(args: argparse.Namespace) -> int:
 
 
 def state(args: argparse.Namespace) -> int:
+    from lattica.crdt.offline import offline_dump
+
     install_signal_exit()
-    result = _call(args, "state")
+    try:
+        result = _call(args, "state")
+    except DaemonNotRunningError:
+        # a stopped node: what its data dir holds (``crdt/offline.py``)
+        result = offline_dump(resolve_data_dir(args), args.run_id)
+        if result is None:
+            raise
     if args.json or not isinstance(result, dict):
         print_json(result)
         return 0
+    if result.get("node", {}).get("offline"):
+        print(f"no daemon running: state as stored in {result['node']['log']}")
     members = result.get("members", {})
     rows = []
     for peer_id, m in sorted(members.items()):

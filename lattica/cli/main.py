@@ -71,12 +71,14 @@ def build_parser() -> argparse.ArgumentParser:
     for name, help_text in (
         ("status", "show the running daemon's status"),
         ("peers", "list the peers the daemon knows"),
-        ("state", "dump the run's replicated state"),
+        ("state", "dump the run's replicated state (a stopped node's: as stored in its data dir)"),
         ("stop", "ask the running daemon to shut down"),
     ):
         p = sub.add_parser(name, help=help_text)
         _add_data_dir(p)
         _add_json(p)
+        if name == "state":
+            p.add_argument("--run-id", help="with no daemon running: which run's stored state to show")
 
     demo = sub.add_parser("demo", help="train a local swarm of daemons on the built-in corpus")
     demo.add_argument("--nodes", type=int, default=4)

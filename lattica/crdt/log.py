@@ -51,6 +51,13 @@ def _scan(data: bytes) -> tuple[list[Any], int]:
     return records, offset
 
 
+def read_records(path: Path) -> list[Any]:
+    """The intact records of the log at ``path``, read only: a torn tail is ignored, not cut,
+    and a file that is not a state log yields nothing."""
+    data = path.read_bytes()
+    return _scan(data)[0] if data.startswith(MAGIC) else []
+
+
 class AppendLog:
     """One log file. Not thread-safe: callers serialize access."""
 
