@@ -74,6 +74,7 @@ async def test_a_node_behind_a_relay_is_joined_by_its_circuit_address(tmp_path) 
                 await nursery.start(node.run)  # start-up fails unless the bootstrap peer answered
             assert target.get_id() in node.running_host.get_connected_peers()
             record = node.peer_book.get(target.get_id().to_base58())
-            assert record is not None and record.bootstrap
+            assert record is not None
+            assert record.bootstrap
             node.request_shutdown()
             nursery.cancel_scope.cancel()

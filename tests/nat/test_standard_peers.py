@@ -1,0 +1,82 @@
+"""NAT'd Lattica daemons and a standard libp2p node (relay + DHT server, no Lattica protocol).
+
+Real namespaces with real NAT (``lattica.testing.netlab``); the public node is py-libp2p's
+own host, relay v2 and Kademlia server (``tests/net/standard_node.py``), as a relay or DHT
+server run by someone else would be. The daemons are ``lattica join`` processes.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lattica.testing.nat_daemons import QUIET_ENV, LabDaemon, log_tail, wait_until
+from lattica.testing.netlab import LabHost, LabProcess, NetLab
+
+pytestmark = [pytest.mark.netns, pytest.mark.timeout(180), pytest.mark.usefixtures("netlab_available")]
+
+STANDARD_NODE = Path(__file__).resolve().parents[1] / "net" / "standard_node.py"
+
+
+class StandardPeer:
+    def __init__(self, lab: NetLab, host: LabHost, log_path: Path) -> None:
+        argv = [sys.executable, str(STANDARD_NODE), "--listen", f"/ip4/{host.ip}/tcp/4001"]
+        self.process: LabProcess = lab.spawn(host, argv, name=host.name, stderr_path=str(log_path))
+        up = self.process.wait_for(lambda e: e.get("event") == "up", 60)
+        self.peer_id: str = up["peer_id"]
+        self.addr: str = up["addrs"][0]
+
+    def knows(self, peer_id: str) -> dict[str, Any]:
+        """What it learnt of ``peer_id`` (identify's protocols and addresses, its DHT table)."""
+        self.process.send({"cmd": "peer", "id": peer_id})
+        return self.process.wait_for(lambda e: e.get("event") == "peer" and e.get("id") == peer_id,
+                                     10, fresh=True)
+
+
+def _relay_addr(daemon: LabDaemon, relay_id: str) -> str | None:
+    addrs = daemon.status().get("relay_addrs") or []
+    return next((a for a in addrs if f"/p2p/{relay_id}/p2p-circuit/" in a), None)
+
+
+def test_a_natd_node_is_joined_through_its_circuit_address_on_a_standard_relay(tmp_path):
+    with NetLab() as lab:
+        relay = StandardPeer(lab, lab.add_public("s"), tmp_path / "s.log")
+        b = LabDaemon(lab, lab.add_private("b", lab.add_nat("nat1")), tmp_path / "b",
+                      peers=(relay.addr,), env=QUIET_ENV).wait_up()
+        circuit, _ = wait_until(lambda: _relay_addr(b, relay.peer_id), 40)
+        assert circuit, log_tail(tmp_path)
+        assert circuit.endswith(f"/p2p-circuit/p2p/{b.peer_id}")
+        # p is told nothing but the circuit address: no DHT, no peer exchange
+        p = LabDaemon(lab, lab.add_public("p"), tmp_path / "p", peers=(circuit,), env=QUIET_ENV)
+        p.wait_up(timeout=60)
+        entry, _ = wait_until(lambda: p.peer(b.peer_id).get("connected") and p.peer(b.peer_id), 20)
+        assert entry, log_tail(tmp_path)
+        assert entry["bootstrap"], entry
+        assert relay.knows(p.peer_id)["connected"], "p should have gone through the relay"
+
+
+def test_natd_nodes_find_each_other_through_a_standard_dht_server(tmp_path):
+    """b and c know only the standard node: the DHT's provider records must carry their
+    relay addresses (identify and re-provide), or c is handed b's private address."""
+    with NetLab() as lab:
+        server = StandardPeer(lab, lab.add_public("s"), tmp_path / "s.log")
+        hb = lab.add_private("b", lab.add_nat("nat1"))
+        hc = lab.add_private("c", lab.add_nat("nat2"))
+        b = LabDaemon(lab, hb, tmp_path / "b", peers=(server.addr,))
+        c = LabDaemon(lab, hc, tmp_path / "c", peers=(server.addr,))
+        b.wait_up()
+        c.wait_up()
+        t0 = time.monotonic()
+        for daemon in (b, c):
+            known, _ = wait_until(lambda d=daemon: any(
+                "/p2p-circuit" in a for a in server.knows(d.peer_id)["addrs"]), 40)
+            assert known, (server.knows(daemon.peer_id), log_tail(tmp_path))
+        entry, _ = wait_until(lambda: b.peer(c.peer_id).get("connected") and b.peer(c.peer_id), 60)
+        assert entry, log_tail(tmp_path)
+        assert entry["path"] in ("relayed", "hole-punched", "direct"), entry
+        assert c.peer(b.peer_id).get("connected"), log_tail(tmp_path)
+        print(f"b and c connected {time.monotonic() - t0:.1f} s after start, path {entry['path']}")
