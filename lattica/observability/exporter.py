@@ -3,10 +3,13 @@
 prometheus_client ships its own HTTP server, but it runs in a background thread; a Lattica node
 keeps every task in its trio nursery, so this exporter is a small trio TCP server instead.
 
-Robustness: each connection gets ``HEAD_TIMEOUT`` seconds to send its request head (at most
-``MAX_HEAD_BYTES``) and ``WRITE_TIMEOUT`` seconds to read the answer; after that it is simply
-closed. At most ``max_connections`` are served at once; the rest get a 503 immediately. A broken
-or hostile client only ever costs its own connection.
+Robustness: each connection gets ``HEAD_TIMEOUT`` seconds in all to send its request head (at
+most ``MAX_HEAD_BYTES``; trickling bytes does not extend it) and ``WRITE_TIMEOUT`` seconds to
+read the answer; after that it is simply closed. At most ``max_connections`` are served at once.
+When all are taken, a new connection displaces the one that has waited longest for its own
+request head — a scraper sends its head in one packet, so slow or silent connections (a
+slowloris) cannot keep scrapes out — and only when every connection is past its head does the
+newcomer get a 503. A broken or hostile client only ever costs its own connection.
 """
 
 from __future__ import annotations
@@ -48,7 +51,9 @@ class MetricsServer:
         self._metrics = metrics
         self._host = host
         self._port = port
-        self._limiter = trio.CapacityLimiter(max_connections)
+        self._max_connections = max_connections
+        self._connections = 0
+        self._reading: dict[object, trio.CancelScope] = {}  # still owing their head, oldest first
         self.address: tuple[str, int] | None = None
         """The bound (host, port), set once ``run`` has started."""
 
@@ -67,21 +72,33 @@ class MetricsServer:
 
     async def _handle(self, stream: trio.SocketStream) -> None:
         async with stream:
-            try:
-                self._limiter.acquire_nowait()
-            except trio.WouldBlock:
+            if self._connections >= self._max_connections and not self._displace_slowest():
                 await self._send(stream, render_error(HTTPStatus.SERVICE_UNAVAILABLE, "busy"))
                 return
+            self._connections += 1
             try:
                 await self._serve_one(stream)
             finally:
-                self._limiter.release()
+                self._connections -= 1
+
+    def _displace_slowest(self) -> bool:
+        """Close the connection that has waited longest for its request head; False if none."""
+        for key, scope in self._reading.items():
+            del self._reading[key]
+            scope.cancel()
+            return True
+        return False
 
     async def _serve_one(self, stream: trio.SocketStream) -> None:
         head = b""
+        key = object()
         try:
-            with trio.move_on_after(HEAD_TIMEOUT):
-                head = await self._read_head(stream)
+            with trio.move_on_after(HEAD_TIMEOUT) as scope:
+                self._reading[key] = scope
+                try:
+                    head = await self._read_head(stream)
+                finally:
+                    self._reading.pop(key, None)
             if not head:
                 return  # timed out or the client hung up before a full request
             response = self._respond(head)
