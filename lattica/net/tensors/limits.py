@@ -4,14 +4,23 @@ Every incoming payload is sized from its header and reserved here *before* a byt
 stored. A reservation fails when it would exceed the message cap, the peer's share, the peer's
 number of concurrent transfers, or the node-wide total; the message is then skipped (its bytes
 are read and dropped, so the stream stays usable) and counted as refused.
+
+A ``fetch`` request is a few bytes that make us send every tensor it names, so answering is
+rationed too (``FetchGate``): a peer has at most ``max_peer_fetch_serves`` answers in flight and
+gets the same content (the same served tensors) at most once per ``fetch_repeat_s``; the node
+sends at most ``max_fetch_serves`` answers at once (the others wait their turn). A request over
+a peer's share is answered with no tensors (the fetcher sees "does not serve"); while a few such
+refusals are still on their way to the peer, more requests are dropped unanswered, so a flood
+costs the flooder's bandwidth, not ours.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
-from collections.abc import Iterator
+from collections import Counter, OrderedDict, defaultdict
+from collections.abc import Hashable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from enum import Enum
 
 import torch
 
@@ -25,6 +34,9 @@ class TensorLimits:
     max_header_bytes: int = 4 << 20
     mailbox_ttl_s: float = 600.0
     scratch_pool_bytes: int = 512 << 20
+    max_peer_fetch_serves: int = 2
+    max_fetch_serves: int = 8
+    fetch_repeat_s: float = 5.0
 
     def __post_init__(self) -> None:
         for name in ("max_message_bytes", "max_total_bytes", "max_peer_bytes"):
@@ -40,6 +52,10 @@ class TensorLimits:
             raise ValueError("mailbox_ttl_s must be positive")
         if self.scratch_pool_bytes < 0:
             raise ValueError("scratch_pool_bytes cannot be negative")
+        if not 1 <= self.max_peer_fetch_serves <= self.max_fetch_serves:
+            raise ValueError("max_peer_fetch_serves must be between 1 and max_fetch_serves")
+        if not 0 <= self.fetch_repeat_s < float("inf"):
+            raise ValueError("fetch_repeat_s must be a finite number of seconds, at least 0")
 
 
 class MemoryBudget:
@@ -76,6 +92,86 @@ class MemoryBudget:
         self.per_peer[peer] -= nbytes
         if not self.per_peer[peer]:
             del self.per_peer[peer]
+
+
+class FetchAnswer(Enum):
+    SERVE = "serve"  # send the named tensors
+    REFUSE = "refuse"  # answer with no tensors
+    DROP = "drop"  # do not answer
+
+
+_MAX_RECENT_PER_PEER = 64
+_MAX_REFUSALS_IN_FLIGHT = 4  # per peer; more requests meanwhile go unanswered
+
+
+class FetchGate:
+    """Decides how a ``fetch`` request is answered; sans-IO (the caller passes the clock).
+
+    ``content`` identifies what would be sent (the names and versions of the served tensors);
+    an empty one is cheap to answer and only counted as a refusal. Every ``SERVE`` and
+    ``REFUSE`` must be followed by ``done`` once the answer went out (or failed).
+    """
+
+    def __init__(self, limits: TensorLimits) -> None:
+        self.limits = limits
+        self.serving: Counter[str] = Counter()
+        self.refusing: Counter[str] = Counter()
+        self.refused: Counter[str] = Counter()  # requests refused or dropped, per peer
+        # per peer, content -> when last sent, oldest first; peers in order of their last send
+        self._recent: OrderedDict[str, OrderedDict[Hashable, float]] = OrderedDict()
+
+    def request(self, peer: str, content: tuple[Hashable, ...], now: float) -> FetchAnswer:
+        self._forget_before(now - self.limits.fetch_repeat_s)
+        answer = self._decide(peer, content, now)
+        if answer is FetchAnswer.SERVE:
+            self.serving[peer] += 1
+            self._remember(peer, content, now)
+        elif answer is FetchAnswer.REFUSE:
+            self.refusing[peer] += 1
+        if content and answer is not FetchAnswer.SERVE:
+            self.refused[peer] += 1
+        return answer
+
+    def done(self, peer: str, answer: FetchAnswer, content: tuple[Hashable, ...], now: float) -> None:
+        counter = self.serving if answer is FetchAnswer.SERVE else self.refusing
+        counter[peer] -= 1
+        if counter[peer] <= 0:
+            del counter[peer]
+        if answer is FetchAnswer.SERVE:
+            self._remember(peer, content, now)  # the interval counts from the end of a send
+
+    def _decide(self, peer: str, content: tuple[Hashable, ...], now: float) -> FetchAnswer:
+        if content and self.serving[peer] < self.limits.max_peer_fetch_serves and not self._repeated(
+            peer, content, now
+        ):
+            return FetchAnswer.SERVE
+        return FetchAnswer.DROP if self.refusing[peer] >= _MAX_REFUSALS_IN_FLIGHT else FetchAnswer.REFUSE
+
+    def _repeated(self, peer: str, content: tuple[Hashable, ...], now: float) -> bool:
+        recent = self._recent.get(peer)
+        if recent is None:
+            return False
+        while recent and now - next(iter(recent.values())) >= self.limits.fetch_repeat_s:
+            recent.popitem(last=False)
+        # a peer asking for many different subsets in a short time is treated as repeating itself
+        return content in recent or len(recent) >= _MAX_RECENT_PER_PEER
+
+    def _remember(self, peer: str, content: tuple[Hashable, ...], now: float) -> None:
+        if self.limits.fetch_repeat_s <= 0:
+            return
+        recent = self._recent.setdefault(peer, OrderedDict())
+        recent[content] = now
+        recent.move_to_end(content)
+        self._recent.move_to_end(peer)
+
+    def _forget_before(self, cutoff: float) -> None:
+        """Forget peers whose last send is older than ``cutoff``: they come first (peers move to
+        the end when sent to), so memory stays bounded by what was sent recently."""
+        while self._recent:
+            peer, recent = next(iter(self._recent.items()))
+            if recent and next(reversed(recent.values())) > cutoff:
+                break
+            del self._recent[peer]
 
 
 class ScratchPool:

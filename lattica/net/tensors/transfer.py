@@ -10,7 +10,13 @@ peer is marked not directly dialable for ``fast_retry_s`` and libp2p streams car
 Every incoming stream or channel gets a reader that drains it promptly into buffers reserved in
 the ``MemoryBudget`` (so a slow consumer never stalls yamux), and delivers complete ``put``
 messages to the ``Mailbox`` under ``(tag, sender, part)``. ``fetch`` requests are answered with
-a ``put`` from the locally served tensors.
+a ``put`` from the locally served tensors — each named tensor once, within the ``FetchGate``'s
+ration (``limits.py``): a peer cannot make us send more than a few copies at a time, nor the same
+content again within ``fetch_repeat_s``.
+
+The fast channel is dialed only at the IP address the peer's live, direct libp2p connection
+comes from, at the port the peer names: a peer can point us at a port of its own machine, never
+at another host (a relayed connection gets no fast channel).
 
 Failure handling: any ``RemoteProtocolError`` from a peer (malformed frame, failed AEAD tag,
 duplicate part, truncated message) drops the peer — its channels are closed, it is disconnected
@@ -31,6 +37,7 @@ import multiaddr
 import torch
 import trio
 from libp2p.abc import IHost, INetStream
+from libp2p.connection_types import ConnectionType
 from libp2p.crypto.keys import KeyPair
 from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
@@ -43,7 +50,13 @@ from lattica.errors import (
 )
 from lattica.net.identity import peer_id_of
 from lattica.net.tensors import codecs, collectives, fastpath, frames
-from lattica.net.tensors.limits import MemoryBudget, ScratchPool, TensorLimits
+from lattica.net.tensors.limits import (
+    FetchAnswer,
+    FetchGate,
+    MemoryBudget,
+    ScratchPool,
+    TensorLimits,
+)
 from lattica.net.tensors.mailbox import Key, Mailbox
 from lattica.net.tensors.screen import DEFAULT_SCREEN, ContributionScreen, Rejection
 from lattica.net.tensors.stats import TrafficStats
@@ -59,7 +72,6 @@ class TensorServiceConfig:
     fast_path: bool = True
     fast_bind_host: str | None = None  # None: the libp2p listen interface
     fast_port: int = 0  # 0: ephemeral
-    fast_announce_host: str | None = None  # told to peers instead of the address they dialed
     fast_connections: int = 1
     fast_frame_bytes: int = 4 << 20
     fast_connect_timeout_s: float = 3.0
@@ -117,7 +129,10 @@ class TensorService:
         self.mailbox = Mailbox(self.budget, ttl_s=config.limits.mailbox_ttl_s)
         self.scratch = ScratchPool(config.limits.scratch_pool_bytes)
         self.fast_port: int | None = None
-        self._served: dict[str, torch.Tensor] = {}
+        self._served: dict[str, tuple[torch.Tensor, int]] = {}  # name -> (tensor, version)
+        self._serve_version = 0
+        self.fetch_gate = FetchGate(config.limits)
+        self._fetch_slots = trio.Semaphore(config.limits.max_fetch_serves)
         self._channels: dict[str, list[fastpath.FastChannel]] = {}
         self._no_fast_until: dict[str, float] = {}
         self._dial_locks: dict[str, trio.Lock] = {}
@@ -175,7 +190,8 @@ class TensorService:
     def serve(self, name: str, tensor: torch.Tensor) -> None:
         """Offer ``tensor`` to ``fetch`` under ``name`` (the caller must not mutate it in place)."""
         codecs.spec_of(tensor, "raw", name)
-        self._served[name] = tensor.detach()
+        self._serve_version += 1
+        self._served[name] = (tensor.detach(), self._serve_version)
 
     def unserve(self, name: str) -> None:
         self._served.pop(name, None)
@@ -327,16 +343,13 @@ class TensorService:
         except Exception as exc:
             raise BrokenError(f"fast setup stream failed: {exc!r}", peer_id=peer) from None
         try:
+            host = _observed_host(stream, peer)
             nonce = os.urandom(fastpath.NONCE_BYTES)
             await write_message(stream, {"nonce": nonce}, peer_id=peer)
             reply = await read_message(stream, max_size=4096, peer_id=peer)
-            remote = stream.get_remote_address()
         finally:
             await _close_quietly(stream)
-        port, their_nonce, sid, host = _check_setup_reply(reply, peer)
-        host = host or (remote[0] if remote else None)
-        if host is None:
-            raise BrokenError("no address to dial the fast path", peer_id=peer)
+        port, their_nonce, sid = _check_setup_reply(reply, peer)
         k_out, k_in = fastpath.derive_keys(nonce, their_nonce, self._peer_id, peer, sid)
         return await fastpath.connect(
             host, port, sid, send_key=k_out, recv_key=k_in, peer_id=peer,
@@ -457,21 +470,41 @@ class TensorService:
         assert payload is not None
         if incoming.kind == "fetch":
             self.budget.release(peer, len(payload))
-            assert self._nursery is not None
-            self._nursery.start_soon(self._answer_fetch, peer, incoming)
+            self._start_fetch_answer(peer, incoming)
             return
         key = (incoming.tag, peer, incoming.part)
         if not self.mailbox.deliver(key, incoming.specs, payload):
             raise RemoteProtocolError(f"duplicate part {incoming.tag}/{incoming.part}", peer_id=peer)
 
-    async def _answer_fetch(self, peer: str, request: frames.Incoming) -> None:
-        names = [n for n in request.names if n in self._served]
+    def _start_fetch_answer(self, peer: str, request: frames.Incoming) -> None:
+        """Answer a fetch within the gate's ration: the tensors as they are now, each once."""
+        names = [n for n in dict.fromkeys(request.names) if n in self._served]
+        content = tuple((n, self._served[n][1]) for n in names)
+        answer = self.fetch_gate.request(peer, content, trio.current_time())
+        if answer is FetchAnswer.DROP:
+            log.debug("dropped a fetch from %s: a refusal is still on its way", peer)
+            return
+        if answer is FetchAnswer.REFUSE and content:
+            log.info("refused a fetch of %d tensor(s) from %s: too many or repeated", len(names), peer)
+        tensors = [self._served[n][0] for n in names] if answer is FetchAnswer.SERVE else []
+        names = names if answer is FetchAnswer.SERVE else []
+        assert self._nursery is not None, "TensorService.run() is not running"
+        self._nursery.start_soon(self._answer_fetch, peer, request.tag, names, tensors, answer, content)
+
+    async def _answer_fetch(
+        self, peer: str, tag: str, names: list[str], tensors: list[torch.Tensor], answer: FetchAnswer,
+        content: tuple[tuple[str, int], ...],
+    ) -> None:
         try:
-            await self.send(
-                peer, request.tag, [self._served[n] for n in names], codec="raw", names=names
-            )
+            if answer is FetchAnswer.SERVE:
+                async with self._fetch_slots:  # the node-wide cap: later answers wait their turn
+                    await self.send(peer, tag, tensors, codec="raw", names=names)
+            else:
+                await self.send(peer, tag, [], codec="raw", names=[])
         except (PeerUnavailableError, BrokenError) as exc:
             log.info("could not answer a fetch from %s: %s", peer, exc)
+        finally:
+            self.fetch_gate.done(peer, answer, content, trio.current_time())
 
     # -- fast path setup (responder side) ------------------------------------------------------
 
@@ -489,10 +522,7 @@ class TensorService:
             k_in, k_out = fastpath.derive_keys(their_nonce, nonce, peer, self._peer_id, sid)
             self._expire_pending()
             self._pending[sid] = (peer, k_out, k_in, trio.current_time() + fastpath.PENDING_TTL_S)
-            reply = {"port": self.fast_port, "nonce": nonce, "sid": sid}
-            if self.config.fast_announce_host:
-                reply["host"] = self.config.fast_announce_host
-            await write_message(stream, reply, peer_id=peer)
+            await write_message(stream, {"port": self.fast_port, "nonce": nonce, "sid": sid}, peer_id=peer)
         except RemoteProtocolError as exc:
             await self._drop(peer, exc)
         except BrokenError:
@@ -553,21 +583,31 @@ class TensorService:
                 log.debug("disconnect from %s failed: %r", peer, err)
 
 
-def _check_setup_reply(reply: object, peer: str) -> tuple[int, bytes, bytes, str | None]:
+def _observed_host(stream: INetStream, peer: str) -> str:
+    """The IP address the peer's live libp2p connection comes from: the only host its fast
+    channel is dialed at (a host the peer names could be anyone's). None for a relayed one."""
+    if stream.muxed_conn.get_connection_type() is ConnectionType.RELAYED:
+        raise BrokenError("relayed connection: no direct address for the fast path", peer_id=peer)
+    remote = stream.get_remote_address()
+    if not remote or not isinstance(remote[0], str) or not remote[0]:
+        raise BrokenError("no observed address to dial the fast path", peer_id=peer)
+    return remote[0]
+
+
+def _check_setup_reply(reply: object, peer: str) -> tuple[int, bytes, bytes]:
+    """The port, nonce and session id of a setup reply (a ``host`` in it is ignored)."""
     if isinstance(reply, dict) and "err" in reply:
         raise BrokenError(f"peer has no fast path: {reply.get('err')!r}", peer_id=peer)
     if not isinstance(reply, dict):
         raise RemoteProtocolError("bad fast path reply", peer_id=peer)
-    port, nonce, sid, host = reply.get("port"), reply.get("nonce"), reply.get("sid"), reply.get("host")
+    port, nonce, sid = reply.get("port"), reply.get("nonce"), reply.get("sid")
     if type(port) is not int or not 0 < port < 65536:
         raise RemoteProtocolError("bad fast path port", peer_id=peer)
     if not isinstance(nonce, bytes) or len(nonce) != fastpath.NONCE_BYTES:
         raise RemoteProtocolError("bad fast path nonce", peer_id=peer)
     if not isinstance(sid, bytes) or len(sid) != fastpath.SESSION_ID_BYTES:
         raise RemoteProtocolError("bad fast path session id", peer_id=peer)
-    if host is not None and (not isinstance(host, str) or len(host) > 255):
-        raise RemoteProtocolError("bad fast path host", peer_id=peer)
-    return port, nonce, sid, host
+    return port, nonce, sid
 
 
 def _least_busy(channels: list[fastpath.FastChannel]) -> fastpath.FastChannel:
