@@ -32,6 +32,7 @@ from trio_typing import TaskStatus
 from lattica.config import TrainSettings
 from lattica.errors import LatticaError
 from lattica.train.membership import RecentTrainers
+from lattica.train.run_config import agree_run_config
 
 log = logging.getLogger(__name__)
 
@@ -192,6 +193,11 @@ class TrainingService:
         while len(self._live_with_role(_JOINING, _TRAINER)) < self.settings.min_peers and self._agreed() is None:
             with trio.move_on_after(1.0):
                 await self.state.wait_changed()
+        # the run config an admin published wins over ours (``run_config.py``)
+        self.phase = "agreeing on the run config"
+        self.settings = await agree_run_config(
+            self.state, self.settings, admins=tuple(self.state.config.admins), wait_s=self.settings.round_deadline_s
+        )
         self.phase = "loading"
         ownership = self._expert_ownership()
         trainer = await trio.to_thread.run_sync(self._build_trainer, ownership)

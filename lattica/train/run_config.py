@@ -1,0 +1,113 @@
+"""The run config: the settings every member of a run must share, written by an admin.
+
+Theory of operation: the replicated state holds one run config that only admin keys may write
+(``ReplicatedState.set_run_config``; a new swarm's creator is its admin, a joiner trusts the
+peers it joined through unless ``admins`` says otherwise). Before it builds its trainer, a
+training member looks at it:
+
+- none published yet, and we are an admin: publish our run-wide settings (``RUN_WIDE``) and
+  train with them;
+- none published yet, and an admin trains in the run: wait (at most ``wait_s``) for its config;
+- a config is published: train with its run-wide values, whatever ours say, and log each value
+  of ours that it overrides.
+
+The other settings (data, task, device, batch size, checkpoints, aggregation, deadline,
+``min_peers``) stay each member's own. A published config is never rewritten by this module,
+so a restarted admin with other settings also follows the run's config: a new run id starts a
+new config. A config that does not validate (``TrainSettings``, ``check_settings``) fails the
+member's training with that error, visible in ``lattica status``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import trio
+
+from lattica.config import TrainSettings
+from lattica.errors import LocalProtocolError
+
+log = logging.getLogger(__name__)
+
+RUN_WIDE: tuple[str, ...] = (
+    "strategy", "model", "inner_steps", "rounds", "seq_len", "inner_lr", "warmup_steps",
+    "outer_lr", "outer_momentum", "seed",
+)
+_TRAINING_ROLES = ("joining", "trainer", "done")
+_FIRST_SYNC_S = 5.0
+
+
+class RunState(Protocol):
+    """What this module needs of ``ReplicatedState``."""
+
+    def snapshot(self) -> dict[str, Any]: ...
+
+    def live_members(self) -> list[str]: ...
+
+    async def wait_changed(self) -> None: ...
+
+    async def set_run_config(self, config: dict[str, Any]) -> None: ...
+
+
+def run_config_of(settings: TrainSettings) -> dict[str, Any]:
+    """The run-wide settings as a run config (unset optional values are left out)."""
+    return {name: getattr(settings, name) for name in RUN_WIDE if getattr(settings, name) is not None}
+
+
+def apply_run_config(settings: TrainSettings, published: Mapping[str, Any]) -> tuple[TrainSettings, dict[str, Any]]:
+    """``settings`` with the run-wide values of ``published``; also the values of ours it
+    replaced. An optional setting the config leaves out is unset (the strategy default)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainSettings)}
+    values = {
+        name: published[name] if name in published else getattr(settings, name) if defaults[name] is not None else None
+        for name in RUN_WIDE
+    }
+    adopted = dataclasses.replace(settings, **values)  # validated again: a bad config is a ConfigError
+    replaced = {name: getattr(settings, name) for name in RUN_WIDE if getattr(settings, name) != getattr(adopted, name)}
+    return adopted, replaced
+
+
+def published_config(state: RunState) -> dict[str, Any] | None:
+    config = state.snapshot().get("config") or {}
+    return config if any(name in config for name in RUN_WIDE) else None
+
+
+async def agree_run_config(
+    state: RunState, settings: TrainSettings, *, admins: tuple[str, ...], wait_s: float
+) -> TrainSettings:
+    """The settings to train with (see the module docstring)."""
+    from lattica.train.settings_check import check_settings
+
+    published = published_config(state)
+    if published is None:
+        try:
+            await state.set_run_config(run_config_of(settings))
+            log.info("published the run config: %s", run_config_of(settings))
+        except LocalProtocolError:
+            # the first sync with the admins may still be under way: give it a moment, then
+            # wait for as long as an admin trains (it publishes before its training starts)
+            first_sync_until = trio.current_time() + min(wait_s, _FIRST_SYNC_S)
+            with trio.move_on_after(wait_s):
+                while published_config(state) is None and (
+                    trio.current_time() < first_sync_until or _admin_trains(state, admins)
+                ):
+                    with trio.move_on_after(0.5):
+                        await state.wait_changed()
+        published = published_config(state)
+    if published is None:
+        log.warning("no admin published a run config: training with this node's settings")
+        return settings
+    adopted, replaced = apply_run_config(settings, published)
+    check_settings(adopted)
+    for name, mine in replaced.items():
+        log.warning("run config: %s = %r (this node's %r is overridden)", name, getattr(adopted, name), mine)
+    return adopted
+
+
+def _admin_trains(state: RunState, admins: tuple[str, ...]) -> bool:
+    members = state.snapshot().get("members", {})
+    live = set(state.live_members())
+    return any(a in live and (members.get(a) or {}).get("role") in _TRAINING_ROLES for a in admins)
