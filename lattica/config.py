@@ -132,9 +132,11 @@ class NodeConfig:
 class TrainSettings:
     """What a training member of a run does.
 
-    Every field reaches the trainer or the chosen strategy (``lattica.train.settings_map``); a
-    strategy setting left ``None`` keeps that strategy's own default, and one set for a strategy
-    that does not use it is refused there.
+    Every field reaches the trainer, the data plane or the chosen strategy
+    (``lattica.train.strategy_settings``); a strategy setting left ``None`` keeps that strategy's
+    own default, and one set for a strategy that does not use it is refused there. The run-wide
+    fields follow the run config an admin published in the replicated state
+    (``lattica.train.run_config``).
     """
 
     strategy: str = "diloco"

@@ -61,7 +61,7 @@ def apply_run_config(settings: TrainSettings, published: Mapping[str, Any]) -> t
     """``settings`` with the run-wide values of ``published``; also the values of ours it
     replaced. An optional setting the config leaves out is unset (the strategy default)."""
     defaults = {f.name: f.default for f in dataclasses.fields(TrainSettings)}
-    values = {
+    values: dict[str, Any] = {
         name: published[name] if name in published else getattr(settings, name) if defaults[name] is not None else None
         for name in RUN_WIDE
     }

@@ -65,7 +65,8 @@ def test_a_joiner_trains_with_the_admins_run_config(tmp_path):
             assert info["rounds_target"] == 2
             assert info["rounds_completed"] == 2
         state = cli_json("state", "--data-dir", str(joiner.data_dir))
-        assert state["config"]["rounds"] == 2 and state["config"]["inner_steps"] == 4
+        assert state["config"]["rounds"] == 2
+        assert state["config"]["inner_steps"] == 4
         assert "run config: rounds = 2 (this node's 5 is overridden)" in joiner.log()
     finally:
         for daemon in daemons:
