@@ -19,6 +19,13 @@ opens on one of those protocols is guarded too (we neither serve nor send run da
 non-member). A denied stream is reset and counted per protocol. Verdicts are cached per peer
 for the life of the connection they were reached on; a new connection is verified again.
 Handlers registered before ``install`` (identify, ping) and the auth protocol stay open.
+
+A peer that stalls or fails the handshake must not hold anyone's streams for long: one
+handshake per peer runs at a time, at most ``_MAX_WAITING_PER_PEER`` of its streams wait for it
+(more are denied at once), it times out after ``_VERIFY_TIMEOUT_S``, and a failure of any kind
+(a wrong proof, a timeout, a broken stream) is remembered for ``_FAILURE_TTL_S``: meanwhile every
+stream of that peer, in or out, is denied at once, with no new handshake. We answer at most
+``_MAX_ANSWERS_PER_PEER`` challenges of one peer at a time.
 """
 
 from __future__ import annotations
@@ -50,7 +57,10 @@ NONCE_BYTES = 32
 MIN_SECRET_BYTES = 16
 MAX_SECRET_BYTES = 4096
 _MAX_AUTH_MESSAGE = 256
-_VERIFY_TIMEOUT_S = 5.0
+_VERIFY_TIMEOUT_S = 3.0
+_FAILURE_TTL_S = 5.0
+_MAX_WAITING_PER_PEER = 8
+_MAX_ANSWERS_PER_PEER = 4
 _MAX_CACHED_PEERS = 4096
 _PEER_ID = re.compile(r"^[1-9A-HJ-NP-Za-km-z]{40,60}$")
 
@@ -137,7 +147,10 @@ class AccessGate:
         self.denied: Counter[str] = Counter()
         self.verified = 0
         self._verdicts: dict[str, tuple[Any, bool]] = {}
+        self._failed_until: dict[str, float] = {}  # peer -> end of its negative cache entry
         self._locks: dict[str, trio.Lock] = {}
+        self._waiting: Counter[str] = Counter()  # streams waiting for a peer's handshake
+        self._answering: Counter[str] = Counter()  # challenges of a peer being answered
         self._guarded: set[str] = set()
         self._open_unguarded: Callable[[ID, Sequence[TProtocol]], Awaitable[INetStream]] | None = None
 
@@ -177,10 +190,7 @@ class AccessGate:
             return True
         self.denied[protocol] += 1
         log.info("denied %s stream of non-member %s", protocol, peer_id)
-        try:
-            await stream.reset()
-        except Exception:  # noqa: BLE001 - the stream may already be gone
-            pass
+        await _reset_quietly(stream)
         return False
 
     async def admit(self, peer_id: str, conn: Any) -> bool:
@@ -188,30 +198,61 @@ class AccessGate:
             return False
         if self.access.secret is None:
             return True
+        cached = self._cached(peer_id, conn)
+        if cached is not None:
+            return cached
+        if self._waiting[peer_id] >= _MAX_WAITING_PER_PEER:
+            return False  # its handshake is already awaited by plenty of its streams
+        self._waiting[peer_id] += 1
+        try:
+            async with self._locks.setdefault(peer_id, trio.Lock()):
+                cached = self._cached(peer_id, conn)
+                if cached is not None:
+                    return cached
+                ok = await self._handshake(peer_id)
+                self._remember(peer_id, conn, ok)
+                return ok
+        finally:
+            self._waiting[peer_id] -= 1
+            if not self._waiting[peer_id]:
+                del self._waiting[peer_id]
+                self._locks.pop(peer_id, None)  # nobody holds or awaits it
+
+    def _cached(self, peer_id: str, conn: Any) -> bool | None:
+        """The verdict on ``peer_id`` without a handshake, if there is one: False while a recent
+        failure is remembered, else what this connection was found to be."""
+        if self._failed_until.get(peer_id, -1.0) > trio.current_time():
+            return False
+        self._failed_until.pop(peer_id, None)
         cached = self._verdicts.get(peer_id)
-        if cached is not None and cached[0] is conn:
-            return cached[1]
-        async with self._locks.setdefault(peer_id, trio.Lock()):
-            cached = self._verdicts.get(peer_id)
-            if cached is not None and cached[0] is conn:
-                return cached[1]
-            try:
-                ok = await self._verify(peer_id)
-            except (RemoteProtocolError, PeerUnavailableError, OSError, trio.TooSlowError) as exc:
-                log.debug("could not verify %s: %r", peer_id, exc)
-                return False  # not cached: a transient failure is retried on the next stream
-            except Exception as exc:  # noqa: BLE001 - libp2p raises many kinds on a broken stream
-                log.debug("could not verify %s: %r", peer_id, exc)
-                return False
-            self._remember(peer_id, conn, ok)
-            return ok
+        return cached[1] if cached is not None and cached[0] is conn else None
+
+    async def _handshake(self, peer_id: str) -> bool:
+        try:
+            return await self._verify(peer_id)
+        except (RemoteProtocolError, PeerUnavailableError, OSError, trio.TooSlowError) as exc:
+            log.debug("could not verify %s: %r", peer_id, exc)
+        except Exception as exc:  # noqa: BLE001 - libp2p raises many kinds on a broken stream
+            log.debug("could not verify %s: %r", peer_id, exc)
+        return False
 
     def _remember(self, peer_id: str, conn: Any, ok: bool) -> None:
         if ok:
             self.verified += 1
+        else:  # wrong proof, stalled or broken: no new handshake for a while, whatever the connection
+            if len(self._failed_until) >= _MAX_CACHED_PEERS:
+                self._forget_expired_failures()
+            self._failed_until[peer_id] = trio.current_time() + _FAILURE_TTL_S
         if len(self._verdicts) >= _MAX_CACHED_PEERS:
             self._verdicts.pop(next(iter(self._verdicts)))
         self._verdicts[peer_id] = (conn, ok)
+
+    def _forget_expired_failures(self) -> None:
+        now = trio.current_time()
+        for peer_id in [p for p, until in self._failed_until.items() if until <= now]:
+            del self._failed_until[peer_id]
+        while len(self._failed_until) >= _MAX_CACHED_PEERS:  # all recent: the oldest go
+            self._failed_until.pop(next(iter(self._failed_until)))
 
     async def _verify(self, peer_id: str) -> bool:
         if self._open_unguarded is None:
@@ -230,6 +271,11 @@ class AccessGate:
 
     async def _answer_challenge(self, stream: INetStream) -> None:
         peer_id = stream.muxed_conn.peer_id.to_base58()
+        if self._answering[peer_id] >= _MAX_ANSWERS_PER_PEER:
+            log.debug("too many auth challenges from %s at once", peer_id)
+            await _reset_quietly(stream)
+            return
+        self._answering[peer_id] += 1
         try:
             with trio.fail_after(_VERIFY_TIMEOUT_S):
                 request = await read_message(stream, max_size=_MAX_AUTH_MESSAGE, peer_id=peer_id)
@@ -237,6 +283,9 @@ class AccessGate:
         except Exception as exc:  # noqa: BLE001 - a bad challenge only ends this stream
             log.debug("auth challenge from %s failed: %r", peer_id, exc)
         finally:
+            self._answering[peer_id] -= 1
+            if not self._answering[peer_id]:
+                del self._answering[peer_id]
             await _close_quietly(stream)
 
     def status(self) -> dict[str, Any]:
@@ -258,3 +307,9 @@ async def _close_quietly(stream: INetStream) -> None:
     except Exception:  # noqa: BLE001
         pass
 
+
+async def _reset_quietly(stream: INetStream) -> None:
+    try:
+        await stream.reset()
+    except Exception:  # noqa: BLE001 - the stream may already be gone
+        pass

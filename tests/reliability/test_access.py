@@ -13,17 +13,20 @@ import os
 from functools import partial
 from pathlib import Path
 
+import multiaddr
 import pytest
 import torch
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.host.exceptions import StreamFailure
 from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import info_from_p2p_addr
 
 from lattica.config import NodeConfig
 from lattica.daemon import build_node
 from lattica.errors import ConfigError, LatticaError
-from lattica.net.access import AccessGate, RunAccess, read_secret_file
+from lattica.net.access import AUTH_PROTOCOL, AccessGate, RunAccess, read_secret_file
+from lattica.net.host import build_host
 from lattica.net.identity import peer_id_of
 from lattica.net.peer_exchange import PX_PROTOCOL
 from lattica.net.tensors.transfer import TensorService, TensorServiceConfig
@@ -190,3 +193,65 @@ def _state_members(member: _Member) -> set[str]:
 async def test_an_uninstalled_gate_admits_nobody_with_a_secret() -> None:
     gate = AccessGate(RunAccess(run_id="r", self_id=A_ID, secret=SECRET))
     assert not await gate.admit(B_ID, object())
+
+
+async def test_a_peer_that_stalls_the_handshake_is_denied_quickly_and_not_asked_again(tmp_path) -> None:
+    """A peer answers our challenge never, and opens 20 streams at once: one handshake times out,
+    every one of its streams is denied within about that time (not one timeout after another),
+    the failure is remembered (no new handshake for its next streams), and a member is served
+    meanwhile."""
+    keys = [create_new_key_pair() for _ in range(2)]
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            a = await _start(nursery, tmp_path / "a", key_pair=keys[0], secret=SECRET)
+            a_addr = a.node.dialable_addrs()[0]
+            b = await _start(nursery, tmp_path / "b", key_pair=keys[1], peers=[a_addr], secret=SECRET)
+            a.tensors.serve("w", torch.ones(10))
+            staller = build_host(create_new_key_pair())
+            await nursery.start(_run_host, staller)
+            challenges: list[float] = []
+
+            async def never_answer(stream) -> None:
+                challenges.append(trio.current_time())
+                await trio.sleep_forever()
+
+            staller.set_stream_handler(AUTH_PROTOCOL, never_answer)
+            await staller.connect(info_from_p2p_addr(multiaddr.Multiaddr(a_addr)))
+            denied: list[float] = []
+
+            async def ask() -> None:
+                with pytest.raises((LatticaError, StreamFailure)):  # reset by the gate
+                    await _request_as(staller, a.peer_id, PX_PROTOCOL, {"run": "guarded"})
+                denied.append(trio.current_time())
+
+            started = trio.current_time()
+            async with trio.open_nursery() as flood:
+                for _ in range(20):
+                    flood.start_soon(ask)
+                with trio.fail_after(5):  # a member is not held up by the staller
+                    assert torch.equal((await b.tensors.fetch(a.peer_id, ["w"]))["w"], torch.ones(10))
+            assert len(denied) == 20
+            assert max(denied) - started < 6  # one 3 s handshake, not 20 of them one by one
+            assert 1 <= len(challenges) <= 2  # ours and maybe a service's outbound one, shared
+            asked = len(challenges)
+            again = trio.current_time()
+            with pytest.raises((LatticaError, StreamFailure)):
+                await _request_as(staller, a.peer_id, PX_PROTOCOL, {"run": "guarded"})
+            assert trio.current_time() - again < 1.5  # denied from the remembered failure
+            assert len(challenges) == asked
+            nursery.cancel_scope.cancel()
+
+
+async def _run_host(host, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async with host.run([multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]):
+        task_status.started()
+        await trio.sleep_forever()
+
+
+async def _request_as(host, peer: str, protocol, message) -> object:
+    stream = await host.new_stream(ID.from_base58(peer), [protocol])
+    try:
+        await write_message(stream, message, peer_id=peer)
+        return await read_message(stream, peer_id=peer)
+    finally:
+        await stream.close()
