@@ -24,7 +24,8 @@ A peer that stalls or fails the handshake must not hold anyone's streams for lon
 handshake per peer runs at a time, at most ``_MAX_WAITING_PER_PEER`` of its streams wait for it
 (more are denied at once), it times out after ``_VERIFY_TIMEOUT_S``, and a failure of any kind
 (a wrong proof, a timeout, a broken stream) is remembered for ``_FAILURE_TTL_S``: meanwhile every
-stream of that peer, in or out, is denied at once, with no new handshake. We answer at most
+stream of that peer on that connection, in or out, is denied at once, with no new handshake (a
+new connection — a restarted member — is verified afresh). We answer at most
 ``_MAX_ANSWERS_PER_PEER`` challenges of one peer at a time.
 """
 
@@ -147,7 +148,7 @@ class AccessGate:
         self.denied: Counter[str] = Counter()
         self.verified = 0
         self._verdicts: dict[str, tuple[Any, bool]] = {}
-        self._failed_until: dict[str, float] = {}  # peer -> end of its negative cache entry
+        self._failed_until: dict[str, tuple[Any, float]] = {}  # peer -> (connection, until when)
         self._locks: dict[str, trio.Lock] = {}
         self._waiting: Counter[str] = Counter()  # streams waiting for a peer's handshake
         self._answering: Counter[str] = Counter()  # challenges of a peer being answered
@@ -211,7 +212,7 @@ class AccessGate:
                     return cached
                 ok = await self._handshake(peer_id)
                 self._remember(peer_id, conn, ok)
-                return ok
+                return bool(ok)
         finally:
             self._waiting[peer_id] -= 1
             if not self._waiting[peer_id]:
@@ -221,35 +222,39 @@ class AccessGate:
     def _cached(self, peer_id: str, conn: Any) -> bool | None:
         """The verdict on ``peer_id`` without a handshake, if there is one: False while a recent
         failure is remembered, else what this connection was found to be."""
-        if self._failed_until.get(peer_id, -1.0) > trio.current_time():
+        failed = self._failed_until.get(peer_id)
+        if failed is not None and failed[0] is conn and failed[1] > trio.current_time():
             return False
-        self._failed_until.pop(peer_id, None)
         cached = self._verdicts.get(peer_id)
         return cached[1] if cached is not None and cached[0] is conn else None
 
-    async def _handshake(self, peer_id: str) -> bool:
+    async def _handshake(self, peer_id: str) -> bool | None:
+        """Whether the peer proved the secret; None when the handshake failed or stalled."""
         try:
             return await self._verify(peer_id)
         except (RemoteProtocolError, PeerUnavailableError, OSError, trio.TooSlowError) as exc:
             log.debug("could not verify %s: %r", peer_id, exc)
         except Exception as exc:  # noqa: BLE001 - libp2p raises many kinds on a broken stream
             log.debug("could not verify %s: %r", peer_id, exc)
-        return False
+        return None
 
-    def _remember(self, peer_id: str, conn: Any, ok: bool) -> None:
+    def _remember(self, peer_id: str, conn: Any, ok: bool | None) -> None:
         if ok:
             self.verified += 1
-        else:  # wrong proof, stalled or broken: no new handshake for a while, whatever the connection
+        else:  # wrong proof, stalled or broken: no new handshake on this connection for a while
             if len(self._failed_until) >= _MAX_CACHED_PEERS:
                 self._forget_expired_failures()
-            self._failed_until[peer_id] = trio.current_time() + _FAILURE_TTL_S
+            self._failed_until.pop(peer_id, None)
+            self._failed_until[peer_id] = (conn, trio.current_time() + _FAILURE_TTL_S)
+        if ok is None:
+            return  # a stall or a broken stream is asked again once that has run out
         if len(self._verdicts) >= _MAX_CACHED_PEERS:
             self._verdicts.pop(next(iter(self._verdicts)))
         self._verdicts[peer_id] = (conn, ok)
 
     def _forget_expired_failures(self) -> None:
         now = trio.current_time()
-        for peer_id in [p for p, until in self._failed_until.items() if until <= now]:
+        for peer_id in [p for p, (_, until) in self._failed_until.items() if until <= now]:
             del self._failed_until[peer_id]
         while len(self._failed_until) >= _MAX_CACHED_PEERS:  # all recent: the oldest go
             self._failed_until.pop(next(iter(self._failed_until)))

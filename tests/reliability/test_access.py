@@ -255,3 +255,42 @@ async def _request_as(host, peer: str, protocol, message) -> object:
         return await read_message(stream, peer_id=peer)
     finally:
         await stream.close()
+
+
+class _CountingGate(AccessGate):
+    """The gate with its one network step replaced: each handshake stalls past its timeout."""
+
+    def __init__(self, access: RunAccess) -> None:
+        super().__init__(access)
+        self.handshakes = 0
+
+    async def _verify(self, peer_id: str) -> bool:
+        self.handshakes += 1
+        with trio.fail_after(3):
+            await trio.sleep_forever()
+        return True
+
+
+async def test_a_failed_handshake_is_remembered_per_connection_for_a_short_time(autojump_clock) -> None:
+    gate = _CountingGate(RunAccess(run_id="r", self_id=A_ID, secret=SECRET))
+    conn, reconnected = object(), object()
+    results: list[bool] = []
+
+    async def admit() -> None:
+        results.append(await gate.admit(B_ID, conn))
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(20):
+            nursery.start_soon(admit)
+    assert results == [False] * 20
+    assert gate.handshakes == 1  # 8 waited for the one handshake, 11 were denied at once
+    assert trio.current_time() < 3.5
+    assert not await gate.admit(B_ID, conn)  # remembered: no new handshake
+    assert gate.handshakes == 1
+    with trio.fail_after(4):
+        assert not await gate.admit(B_ID, reconnected)  # a new connection is asked afresh
+    assert gate.handshakes == 2
+    await trio.sleep(5)
+    with trio.fail_after(4):
+        assert not await gate.admit(B_ID, conn)  # the failure ran out: asked again
+    assert gate.handshakes == 3
