@@ -17,10 +17,18 @@ refreshed nor forgotten: every replica turns ``joining`` for the moment it fetch
 
 Sans-IO: ``observe`` takes the replicated member records, the live and the connected ids and a
 time.
+
+A published ``(round, hash)`` is a claim too: a member can claim round 999 with a hash nobody
+holds. ``UnservableClaims`` remembers the claims that no holder could serve when we tried to
+fetch them. Such a claim stays out of the decisions about rounds (who is behind, who may
+coordinate) until a fetch of it succeeds, and it is offered for adoption again only after a
+back-off (``base_s``, doubling with every further failure up to ``max_s``) — so it costs one
+failed fetch per period, not a fetch loop, and moves nobody's rounds.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
@@ -55,3 +63,53 @@ class RecentTrainers:
 
     def others(self) -> set[str]:
         return set(self._seen)
+
+
+Claim = tuple[int, str]  # round, weights hash
+
+
+class UnservableClaims:
+    """``(round, hash)`` claims that no holder could serve: distrusted until served, retried
+    for adoption after a doubling back-off."""
+
+    def __init__(self, *, base_s: float = 5.0, max_s: float = 300.0, max_claims: int = 256) -> None:
+        if not 0 < base_s <= max_s:
+            raise ValueError(f"UnservableClaims needs 0 < base_s <= max_s, got {base_s}, {max_s}")
+        self.base_s, self.max_s, self.max_claims = base_s, max_s, max_claims
+        self._claims: OrderedDict[Claim, tuple[float, int]] = OrderedDict()  # -> (retry at, failures)
+
+    def failed(self, claim: Claim, now: float) -> float:
+        """Record a failed fetch of ``claim``; returns the back-off before it is offered again."""
+        failures = self._claims.pop(claim, (0.0, 0))[1] + 1
+        period = min(self.max_s, self.base_s * 2 ** (failures - 1))
+        self._claims[claim] = (now + period, failures)
+        while len(self._claims) > self.max_claims:
+            self._claims.popitem(last=False)
+        return period
+
+    def served(self, claim: Claim) -> None:
+        """A fetch of ``claim`` succeeded: it is trusted again."""
+        self._claims.pop(claim, None)
+
+    def distrusted(self, claim: tuple[Any, Any]) -> bool:
+        """Whether a fetch of ``claim`` failed and none succeeded since."""
+        return claim in self._claims
+
+    def backing_off(self, claim: tuple[Any, Any], now: float) -> bool:
+        entry = self._claims.get(claim)
+        return entry is not None and now < entry[0]
+
+    def trusted_progress(self, progress: Mapping[str, Any], now: float) -> dict[str, Any]:
+        """The published progress records, without the claims still backing off (those due
+        for a retry stay: adopting one is the retry)."""
+        return {
+            peer: record for peer, record in progress.items()
+            if (claim := _claim_of(record)) is None or not self.backing_off(claim, now)
+        }
+
+
+def _claim_of(record: Any) -> Claim | None:
+    if not isinstance(record, Mapping):
+        return None
+    rnd, digest = record.get("round"), record.get("weights_hash")
+    return (rnd, digest) if type(rnd) is int and isinstance(digest, str) else None

@@ -31,7 +31,7 @@ from trio_typing import TaskStatus
 
 from lattica.config import TrainSettings
 from lattica.errors import LatticaError
-from lattica.train.membership import RecentTrainers
+from lattica.train.membership import RecentTrainers, UnservableClaims
 from lattica.train.run_config import agree_run_config
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,7 @@ _JOINING, _TRAINER, _DONE = "joining", "trainer", "done"  # member roles
 _SILENT_BEATS = 3.5  # heartbeat intervals without a lease renewal: unresponsive
 _SETTLE_BEATS = 3.0  # heartbeat intervals a peer seen silent must be heard before it is again
 _VANISHED_S = 60.0  # a connected trainer whose lease ran out (a cut link) still counts this long
+_PROBE_TIMEOUT_S = 10.0  # asking a holder for the manifest of the state it published
 
 
 class TrainingService:
@@ -74,6 +75,7 @@ class TrainingService:
         self._beats: dict[str, tuple[Any, float]] = {}  # peer -> (heartbeat, when it last changed)
         self._back_at: dict[str, float] = {}  # peer seen silent -> last time it was (settling)
         self._recent = RecentTrainers(peer_id=self.peer_id, memory_s=_VANISHED_S)
+        self._unservable = UnservableClaims()  # (round, hash) claims no holder could serve
 
     # -- service -------------------------------------------------------------------------
 
@@ -153,10 +155,18 @@ class TrainingService:
             self._beats[peer] = seen = (beat, now)
         return now - seen[1] < _SILENT_BEATS * interval
 
+    def _progress(self) -> dict[str, Any]:
+        """The published (round, hash) records that may be adopted: a claim that no holder
+        could serve when we tried is offered again only after a back-off (a member can claim any
+        round: it must not make us fetch in a loop; ``_published_round`` ignores it until served)."""
+        return self._unservable.trusted_progress(self.state.snapshot().get("progress", {}), time.monotonic())
+
     def _published_round(self, peer: str) -> int | None:
         record = self.state.snapshot().get("progress", {}).get(peer) or {}
         rnd = record.get("round")
-        return rnd if type(rnd) is int else None
+        if type(rnd) is not int or self._unservable.distrusted((rnd, record.get("weights_hash"))):
+            return None
+        return rnd
 
     def _not_behind(self, peer: str) -> bool:
         """Whether ``peer`` published at least the rounds we completed: it needs no catching up.
@@ -190,9 +200,7 @@ class TrainingService:
         await self.state.update_member(role=_JOINING)
         # ``min_peers`` gates the start of a run; a peer (re)joining a run that is already past
         # round 0 trains with whoever is live, or a restart after a crash could wait forever
-        while len(self._live_with_role(_JOINING, _TRAINER)) < self.settings.min_peers and self._agreed() is None:
-            with trio.move_on_after(1.0):
-                await self.state.wait_changed()
+        await self._wait_for_peers_or_a_running_swarm()
         # the run config an admin published wins over ours (``run_config.py``)
         self.phase = "agreeing on the run config"
         self.settings = await agree_run_config(
@@ -226,6 +234,35 @@ class TrainingService:
         await self.state.update_member(role=_DONE)  # no longer a round candidate
         if self.strategy.replicas_agree:
             await self._settle()
+
+    async def _wait_for_peers_or_a_running_swarm(self) -> None:
+        """Until ``min_peers`` members are live, or the run is past round 0: some holder serves
+        the state the others published (a claimed round that nobody serves is no run)."""
+        while len(self._live_with_role(_JOINING, _TRAINER)) < self.settings.min_peers:
+            agreed = self._agreed()
+            if agreed is not None and await self._servable(agreed):
+                return
+            with trio.move_on_after(1.0):
+                await self.state.wait_changed()
+
+    async def _servable(self, agreed: tuple[int, str, list[str]]) -> bool:
+        """Whether a holder of ``agreed`` serves its manifest; if none does, the claim is
+        distrusted (see ``membership.UnservableClaims``)."""
+        from lattica.train.join import MANIFEST, read_manifest
+        from lattica.train.outer_transfer import fetch_of_round
+
+        rnd, digest, holders = agreed
+        fetch = fetch_of_round(self.tensors.fetch, rnd)
+        for holder in holders:
+            try:
+                with trio.fail_after(_PROBE_TIMEOUT_S):
+                    read_manifest(await fetch(holder, [MANIFEST]), peer_id=holder)
+                return True
+            except (LatticaError, trio.TooSlowError) as exc:
+                log.debug("holder %s does not serve round %d: %s", holder, rnd, exc)
+        period = self._unservable.failed((rnd, digest), time.monotonic())
+        log.warning("no holder serves the published state of round %d; ignoring that claim for %.0f s", rnd, period)
+        return False
 
     async def _settle(self) -> None:
         """After the last round, keep taking the run's final state while the node is up: a
@@ -323,7 +360,7 @@ class TrainingService:
     def _agreed(self) -> tuple[int, str, list[str]] | None:
         from lattica.train.outer_transfer import agreed_round
 
-        return agreed_round(self.state.snapshot().get("progress", {}), self.state.live_members(), self.peer_id)
+        return agreed_round(self._progress(), self.state.live_members(), self.peer_id)
 
     async def _adopt(self, agreed: tuple[int, str, list[str]]) -> bool:
         from lattica.train.join import fetch_outer_state, unflatten_outer_state
@@ -340,11 +377,13 @@ class TrainingService:
                 flat = await fetch_outer_state(holders, fetch, expected_hash=digest)
             outer = unflatten_outer_state(flat)
         except (LatticaError, trio.TooSlowError) as exc:
-            log.warning("could not fetch outer state of round %d: %s", rnd, exc)
+            period = self._unservable.failed((rnd, digest), time.monotonic())
+            log.warning("could not fetch outer state of round %d: %s; ignoring that claim for %.0f s", rnd, exc, period)
             return False
         finally:
             if leave_rounds:
                 await self.state.update_member(role=_TRAINER)
+        self._unservable.served((rnd, digest))
         self.trainer.adopt_outer_state(outer, step=int(outer.get("step", rnd * self.settings.inner_steps)))
         self._observe("checkpoint_fetch_seconds", time.monotonic() - started)
         self._history = {self.strategy.completed_rounds: digest}  # rounds past it were another line
@@ -446,7 +485,7 @@ class TrainingService:
         if time.monotonic() < self._next_repair_at:
             return False
         target = repair_target(
-            self.state.snapshot().get("progress", {}), self.state.live_members(), self.peer_id,
+            self._progress(), self.state.live_members(), self.peer_id,
             self._mine, self._history,
         )
         if target is None:

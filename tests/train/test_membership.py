@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from lattica.train.membership import RecentTrainers
+from lattica.train.membership import RecentTrainers, UnservableClaims
+from lattica.train.outer_transfer import agreed_round
 
 
 def _trainers(*peers: str) -> dict[str, dict[str, object]]:
@@ -72,3 +73,29 @@ def test_a_member_that_left_is_forgotten_at_once() -> None:
 def test_memory_must_not_be_negative() -> None:
     with pytest.raises(ValueError, match="memory_s"):
         RecentTrainers(peer_id="me", memory_s=-1)
+
+
+def test_an_unservable_claim_is_distrusted_until_served_and_retried_after_a_doubling_back_off() -> None:
+    claims = UnservableClaims(base_s=5.0, max_s=12.0)
+    fake = (999, "f" * 64)
+    progress = {
+        "liar": {"round": 999, "weights_hash": "f" * 64},
+        "b": {"round": 3, "weights_hash": "h3"},
+        "junk": "not a record",
+    }
+    assert claims.trusted_progress(progress, now=0.0) == progress
+    assert agreed_round(progress, ["b", "liar", "me"], "me") == (999, "f" * 64, ["liar"])  # what it replaces
+    assert claims.failed(fake, now=0.0) == 5.0
+    assert set(claims.trusted_progress(progress, now=1.0)) == {"b", "junk"}
+    assert agreed_round(claims.trusted_progress(progress, now=1.0), ["b", "liar", "me"], "me") == (3, "h3", ["b"])
+    assert claims.trusted_progress(progress, now=5.5) == progress  # offered again after the back-off
+    assert claims.distrusted(fake)  # but not trusted for rounds until a fetch succeeds
+    assert claims.failed(fake, now=5.5) == 10.0
+    assert claims.failed(fake, now=16.0) == 12.0  # capped
+    assert claims.backing_off(fake, now=27.0)
+    assert not claims.distrusted((3, "h3"))
+    claims.served(fake)
+    assert not claims.distrusted(fake)
+    assert claims.trusted_progress(progress, now=28.0) == progress
+    with pytest.raises(ValueError, match="base_s"):
+        UnservableClaims(base_s=0)

@@ -1,0 +1,125 @@
+"""A member fills the replicated state with throwaway keys: the honest trainers do not notice.
+
+Two ``lattica join --train`` daemons on loopback; a third party joins the (open) run with a real
+libp2p host and the replicated state (it is a member: connected, syncing, renewing its lease),
+claims round 999 under a hash nobody holds, and relays records signed by fresh keys: trainers
+with leases until 2036 at round 999. Those keys never connect, so they are not members, and the
+member's own claim is dropped after one failed fetch: the two trainers keep running their
+rounds together and end on the same state; ``lattica state`` lists the keys as unverified.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.peer.peerinfo import info_from_p2p_addr
+from multiaddr import Multiaddr
+
+from lattica.crdt import documents
+from lattica.crdt.config import StateConfig
+from lattica.crdt.envelope import Envelope
+from lattica.crdt.replica import Replica
+from lattica.crdt.state import ReplicatedState
+from lattica.net.host import build_host
+from lattica.testing.daemons import DaemonProcess, cli_json
+
+RUN = "default"
+ROUNDS = 6
+PHANTOMS = 4
+FAR_LEASE_MS = 2_085_000_000_000  # 2036
+ENV = {
+    "LATTICA_TRAIN_BATCH_SIZE": "4",
+    "LATTICA_TRAIN_SEQ_LEN": "32",
+    "LATTICA_TRAIN_WARMUP_STEPS": "2",
+    "LATTICA_TRAIN_ROUND_DEADLINE_S": "5",
+    "OMP_NUM_THREADS": "1",
+}
+
+
+def _trainer(path: Path, peers: tuple[str, ...] = ()) -> DaemonProcess:
+    args = (
+        "--train", "--model", "tiny", "--device", "cpu", "--log-level", "info", "--strategy", "diloco",
+        "--rounds", str(ROUNDS), "--inner-steps", "5", "--min-peers", "2",
+    )
+    return DaemonProcess(path, peers=peers, extra_args=args, env=ENV)
+
+
+def _phantom() -> tuple[str, list[Envelope]]:
+    replica = Replica(run_id=RUN, key_pair=create_new_key_pair(), admins=())
+    me = replica.peer_id
+    envs = replica.local_write(me, lambda d: documents.write_member(d, {"role": "trainer", "addrs": ["/ip4/127.0.0.1/tcp/9"]}))
+    envs += replica.local_write(me, lambda d: documents.write_lease(d, lease_expires_ms=FAR_LEASE_MS, heartbeat=1))
+    envs += replica.local_write(me, lambda d: documents.write_progress(d, round=999, weights_hash="e" * 64))
+    return me, envs
+
+
+def _training(daemon: DaemonProcess) -> dict:
+    try:
+        return daemon.call("status").get("training") or {"phase": "starting"}
+    except Exception:  # noqa: BLE001 - the control socket is not up yet
+        return {"phase": "starting"}
+
+
+async def test_throwaway_keys_do_not_split_or_stall_a_run(tmp_path: Path) -> None:
+    daemons: list[DaemonProcess] = []
+    try:
+        a = _trainer(tmp_path / "a").start()
+        daemons.append(a)
+        await trio.to_thread.run_sync(lambda: a.wait_ready(timeout=60))
+        a_addr = await trio.to_thread.run_sync(lambda: a.addr)
+        phantoms, envelopes = [], []
+        for _ in range(PHANTOMS):
+            peer, envs = _phantom()
+            phantoms.append(peer)
+            envelopes += envs
+        attacker_keys = create_new_key_pair()
+        attacker = build_host(attacker_keys)
+        async with attacker.run([Multiaddr("/ip4/127.0.0.1/tcp/0")]), trio.open_nursery() as nursery:
+            config = StateConfig(admins=(a_addr.split("/p2p/")[-1],))  # as a joiner through a would
+            member = ReplicatedState(attacker, attacker_keys, data_dir=tmp_path / "attacker", run_id=RUN, config=config)
+            await nursery.start(member.run)
+            await member.update_member(role="observer")
+            await member.set_progress(999, "d" * 64)  # a claim of its own that it cannot serve
+            # the throwaway keys' records, relayed like any other writer's
+            await member.accept_batch([e.to_wire() for e in envelopes], from_peer=member.peer_id)
+            await attacker.connect(info_from_p2p_addr(Multiaddr(a_addr)))
+            with trio.fail_after(30):
+                while not set(phantoms) <= set(await trio.to_thread.run_sync(lambda: a.call("state")["members"])):
+                    await trio.sleep(0.5)
+            b = _trainer(tmp_path / "b", peers=(a_addr,)).start()
+            daemons.append(b)
+            await trio.to_thread.run_sync(lambda: b.wait_ready(timeout=60))
+
+            def done() -> bool:
+                infos = [_training(d) for d in daemons]
+                assert all(i["phase"] != "failed" for i in infos), infos
+                return all(i["phase"] == "done" for i in infos)
+
+            with trio.fail_after(240):
+                while not await trio.to_thread.run_sync(done):
+                    await trio.sleep(1.0)
+            states = [await trio.to_thread.run_sync(lambda d=d: cli_json("state", "--data-dir", str(d.data_dir))) for d in daemons]
+            nursery.cancel_scope.cancel()
+        ids = sorted(await trio.to_thread.run_sync(lambda: [d.peer_id for d in daemons]))
+        logs = [d.log_path.read_text() for d in daemons if d.log_path]
+        for state in states:
+            assert set(phantoms) <= set(state["members"]), "the records did reach every replica"
+            assert set(phantoms) <= set(state["unverified"])
+            assert not set(phantoms) & set(state["live"])
+            assert member.peer_id in state["live"]  # the member itself is one
+        for log in logs:
+            # the member's own claim: tried, then left alone for a doubling back-off (a fetch
+            # loop logged it twice a second)
+            tries = re.findall(r"could not fetch outer state of round 999|no holder serves the published state of round 999", log)
+            assert len(tries) <= 3, log[-6000:]
+            together = len(re.findall(r"sync round/\d+(?:/retry/\d+)? done with 2 member\(s\)", log))
+            assert together >= ROUNDS - 1, log[-6000:]
+        for state in states:  # every replica published the last round, with one hash
+            assert {state["progress"][p]["round"] for p in ids} == {ROUNDS}
+        assert len({state["progress"][p]["weights_hash"] for state in states for p in ids}) == 1
+    finally:
+        for daemon in daemons:
+            daemon.kill()
