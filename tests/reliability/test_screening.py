@@ -100,6 +100,12 @@ def test_two_contributions_have_no_majority_to_screen_by_norm() -> None:
     assert torch.equal(mean, torch.tensor([50.5, 50.5]))
 
 
+def test_a_zero_median_norm_gives_no_scale_to_screen_by() -> None:
+    mean, rejected = reduce_parts(_parts([0, 0], [0, 0], [3, 3]), ["a", "b", "c"])
+    assert rejected == []
+    assert torch.equal(mean, torch.tensor([1.0, 1.0]))
+
+
 def test_coordinate_wise_median() -> None:
     parts = _parts([1, 9], [2, 1], [3, 2], [1e3, -1e3])
     median, rejected = reduce_parts(parts, PEERS, ContributionScreen(median=True))

@@ -14,7 +14,8 @@ slices count:
    L2 norm exceeds ``max_norm_ratio`` x the median norm is excluded as an outlier. The median is
    an honest member's norm while most members are honest, so one member's scaled-up update
    (x1e30, or a diverged replica) is refused, whatever its direction. With two slices there is
-   no majority to tell which one is the outlier, and nothing is excluded by norm;
+   no majority to tell which one is the outlier, and with a zero median (most slices all zero,
+   e.g. parameters most members did not touch) no scale: then nothing is excluded by norm;
 3. then, optionally, robust aggregation of what is left: ``clip_ratio`` scales every slice
    down to at most ``clip_ratio`` x the median norm, ``trim`` drops the ``trim`` largest and
    smallest values of every coordinate (a coordinate-wise trimmed mean), ``median`` takes the
@@ -94,8 +95,13 @@ def reduce_parts(
     numel = parts[0].numel() if parts else 0
     if out is None:
         out = torch.empty(numel, dtype=torch.float32)
-    if screen.plain and parts and _plain_mean_into(out, [p.to(torch.float32) for p in parts]):
-        return out, []
+    if parts and _only_screens_norms(screen):
+        # the common case, on this thread as in ``_plain_mean_into``: finite parts of similar
+        # norms give their plain mean; anything else takes the exact path below
+        floats = [p.to(torch.float32) for p in parts]
+        if screen.max_norm_ratio is None or _no_norm_outlier([_norm(p) for p in floats], screen.max_norm_ratio):
+            if _plain_mean_into(out, floats):
+                return out, []
     rejected: list[Rejection] = []
     finite: list[int] = []
     for i, part in enumerate(parts):
@@ -107,8 +113,9 @@ def reduce_parts(
     if screen.max_norm_ratio is not None or screen.clip_ratio is not None:
         norms = {i: float(torch.linalg.vector_norm(parts[i].to(torch.float32))) for i in finite}
     accepted = finite
-    if screen.max_norm_ratio is not None and len(finite) >= 3:
-        limit = screen.max_norm_ratio * _median(norms.values())
+    median_norm = _median(norms.values()) if screen.max_norm_ratio is not None and len(finite) >= 3 else 0.0
+    if screen.max_norm_ratio is not None and median_norm > 0:
+        limit = screen.max_norm_ratio * median_norm
         accepted = [i for i in finite if norms[i] <= limit]
         rejected += [Rejection(peers[i], f"norm {norms[i]:.3g} > {limit:.3g}") for i in finite if norms[i] > limit]
     if not accepted:
@@ -132,6 +139,31 @@ def reduce_parts(
         )
     _sum_into(out, chosen)
     return out.div_(len(chosen)), rejected
+
+
+def _only_screens_norms(screen: ContributionScreen) -> bool:
+    return screen.clip_ratio is None and not screen.trim and not screen.median
+
+
+def _no_norm_outlier(norms: Sequence[float], ratio: float) -> bool:
+    """Every norm finite and none above ``ratio`` x the median (as the exact path decides)."""
+    if not all(math.isfinite(n) for n in norms):
+        return False
+    median = _median(norms)
+    return len(norms) < 3 or median <= 0 or max(norms) <= ratio * median
+
+
+def _norm(part: torch.Tensor) -> float:
+    """The L2 norm of an fp32 part, block by block on this thread (no intra-op workers)."""
+    if not part.is_contiguous():
+        return float(torch.linalg.vector_norm(part))
+    a = part.detach().reshape(-1).numpy()
+    total = 0.0
+    with np.errstate(over="ignore", invalid="ignore"):
+        for start in range(0, a.size, _BLOCK):
+            block = a[start : start + _BLOCK]
+            total += float(np.einsum("i,i->", block, block))
+    return math.sqrt(total) if math.isfinite(total) else math.inf
 
 
 def _plain_mean_into(out: torch.Tensor, parts: Sequence[torch.Tensor]) -> bool:
