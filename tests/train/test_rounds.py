@@ -319,7 +319,7 @@ async def test_survivors_of_a_coordinator_that_dies_while_asked_meet_in_one_roun
 
 
 def _dies_after(seconds: float):
-    """A round handler that reads the request and drops the stream ``seconds`` later unanswered,
+    """A round handler that holds the stream ``seconds`` unanswered, then resets it,
     as a coordinator whose process dies while it is being asked."""
 
     async def handle(stream) -> None:
