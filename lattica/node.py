@@ -39,7 +39,7 @@ from trio_typing import TaskStatus
 from lattica import __version__
 from lattica.config import NodeConfig, parse_host_port, parse_multiaddr
 from lattica.control.protocol import ControlRequest
-from lattica.control.server import ControlServer
+from lattica.control.server import ControlServer, ensure_no_daemon
 from lattica.errors import ConfigError, LatticaError, LocalProtocolError
 from lattica.net.access import AccessGate, RunAccess
 from lattica.net.addrs import dialable_addrs, peer_info_from_addr
@@ -64,7 +64,7 @@ _PX_INTERVAL_S = 2.0
 _DIAL_TIMEOUT_S = 5.0
 _PATH_DIAL_TIMEOUT_S = 15.0  # direct (3 s) then up to three relays in turn
 _STREAM_TIMEOUT_S = 5.0
-_GOODBYE_BUDGET_S = 3.0  # SIGTERM must end the process within 5 s
+_GOODBYE_BUDGET_S = 2.5  # with 1 s for the services' own goodbyes: within the 5 s of lattica.daemon
 
 
 class PeerDialer(Protocol):
@@ -102,6 +102,13 @@ class Node:
         self._shutdown.set()
 
     @property
+    def shutdown_requested(self) -> bool:
+        return self._shutdown.is_set()
+
+    async def wait_for_shutdown_request(self) -> None:
+        await self._shutdown.wait()
+
+    @property
     def running_host(self) -> IHost:
         """The libp2p host, which exists only while ``run`` is active.
 
@@ -115,8 +122,10 @@ class Node:
     async def run(self, *, task_status: TaskStatus[Node] = trio.TASK_STATUS_IGNORED) -> None:
         listen = [parse_multiaddr(a, what="--listen") for a in self.config.listen]
         announce = [parse_multiaddr(a, what="--announce") for a in self.config.announce]
+        # before binding anything: a second daemon on this data dir must not disturb the first
+        await ensure_no_daemon(self.config.control_socket)
         _check_ports_free(listen)
-        self.config.data_dir.mkdir(parents=True, exist_ok=True)
+        self.config.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         host = build_host(self.key_pair, listen_addrs=listen, announce_addrs=announce)
         self.host = host
         self.access.install(host)  # before any handler: every run protocol is members-only
@@ -149,6 +158,7 @@ class Node:
                     await nursery.start(extension.run)
                 task_status.started(self)
                 await self._shutdown.wait()
+                log.info("shutting down")
                 with trio.move_on_after(1.0):
                     for extension in self.extensions:
                         on_shutdown = getattr(extension, "on_shutdown", None)
@@ -156,7 +166,10 @@ class Node:
                             await on_shutdown()
                 with trio.move_on_after(_GOODBYE_BUDGET_S):
                     await self._say_goodbye()
+                log.info("goodbyes said; stopping the services")
                 nursery.cancel_scope.cancel()
+            log.info("services stopped; closing the host")
+        log.info("host closed")
 
     # -- addresses -------------------------------------------------------------------------
 

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 from typing import Any
-
-import trio
 
 from lattica.cli.main import install_signal_exit, print_json, resolve_data_dir
 from lattica.cli.render import key_values, short_id, table
@@ -20,6 +17,7 @@ def join(args: argparse.Namespace) -> int:
     from lattica.cli.preflight import check_metrics_host, prepare_data_dir
     from lattica.cli.settings import build_node_config
     from lattica.config import parse_host_port
+    from lattica.daemon import run_until_stopped
     from lattica.net.access import read_secret_file
     from lattica.net.identity import load_or_create_identity
     from lattica.train.settings_check import check_settings
@@ -65,27 +63,7 @@ def join(args: argparse.Namespace) -> int:
     secret = read_secret_file(config.secret_file) if config.secret_file is not None else None
     configure_logging(config.log_level)
     key_pair = load_or_create_identity(config.data_dir)
-    return trio.run(_run_daemon, config, key_pair, secret)
-
-
-async def _run_daemon(config: Any, key_pair: Any, secret: bytes | None) -> int:
-    from lattica.daemon import build_node
-
-    node = build_node(config, key_pair, secret=secret)
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(_stop_on_signal, signals, node, nursery.cancel_scope)
-            await nursery.start(node.run)
-            _announce_started(node)
-    return 0
-
-
-async def _stop_on_signal(signals: Any, node: Any, scope: trio.CancelScope) -> None:
-    async for _ in signals:
-        if node.host is None:  # still starting: nothing to say goodbye to
-            scope.cancel()
-        node.request_shutdown()
-        return
+    return run_until_stopped(config, key_pair, secret=secret, on_started=_announce_started)
 
 
 def _announce_started(node: Any) -> None:

@@ -1,4 +1,16 @@
-"""The daemon side of the control socket (see ``protocol`` for the wire format)."""
+"""The daemon side of the control socket (see ``protocol`` for the wire format).
+
+Theory of operation: every accepted connection is one task in the server's nursery and owns
+nothing but itself. Whatever a client does — connect and hang up (the "is a daemon running
+here?" probe of a second ``lattica join``), send garbage, an oversized or truncated line, stall,
+trickle bytes, or go away before reading the reply — ends that connection only; it is logged at
+debug level and never reaches the daemon's nursery. Each client gets ``READ_TIMEOUT_S`` for its
+request line (at most ``MAX_REQUEST_BYTES``), ``HANDLER_TIMEOUT_S`` for the answer and
+``WRITE_TIMEOUT_S`` to take it. At most ``MAX_CLIENTS`` are served at once; when all are taken,
+a new client displaces the one that has waited longest for its own request line (a real client
+sends it at once, so slow or silent ones cannot lock ``lattica stop`` out), and only when every
+client is past its request does the newcomer get a "busy" reply.
+"""
 
 from __future__ import annotations
 
@@ -24,13 +36,21 @@ from lattica.errors import ConfigError, LatticaError
 log = logging.getLogger(__name__)
 
 Handler = Callable[[ControlRequest], Awaitable[Any]]
-_REQUEST_TIMEOUT_S = 10.0
+READ_TIMEOUT_S = 5.0
+HANDLER_TIMEOUT_S = 10.0
+WRITE_TIMEOUT_S = 10.0
+MAX_CLIENTS = 32
 
 
 class ControlServer:
-    def __init__(self, path: Path, handler: Handler) -> None:
+    def __init__(self, path: Path, handler: Handler, *, max_clients: int = MAX_CLIENTS) -> None:
+        if max_clients < 1:
+            raise ValueError(f"max_clients must be >= 1, got {max_clients}")
         self.path = path
         self._handler = handler
+        self._max_clients = max_clients
+        self._clients = 0
+        self._reading: dict[object, trio.CancelScope] = {}  # clients still owing their request, oldest first
 
     async def run(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         listener = await self._listen()
@@ -39,63 +59,113 @@ class ControlServer:
                 task_status.started()
                 while True:
                     stream = await listener.accept()
-                    nursery.start_soon(self._serve_one, stream)
+                    nursery.start_soon(self._serve_guarded, stream)
         finally:
             self.path.unlink(missing_ok=True)
             listener.socket.close()
 
     async def _listen(self) -> trio.SocketListener:
-        if self.path.exists():
-            if await _socket_answers(self.path):
-                raise ConfigError(f"another daemon is already running with data dir {self.path.parent}")
-            self.path.unlink()
+        await ensure_no_daemon(self.path)
+        self.path.unlink(missing_ok=True)
         sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old_umask = os.umask(0o177)
         try:
             await sock.bind(str(self.path))
         except OSError as exc:
             sock.close()
-            raise ConfigError(f"cannot create control socket {self.path}: {exc.strerror}") from None
+            raise ConfigError(f"cannot create control socket {self.path}: {exc.strerror or exc}") from None
         finally:
             os.umask(old_umask)
         sock.listen(16)
         return trio.SocketListener(sock)
 
+    async def _serve_guarded(self, stream: trio.SocketStream) -> None:
+        """One client, start to end; nothing it does escapes this function."""
+        try:
+            async with stream:
+                if self._clients >= self._max_clients and not self._displace_slowest():
+                    await _reply(stream, encode_response(error="daemon busy: too many control clients"))
+                    return
+                self._clients += 1
+                try:
+                    await self._serve_one(stream)
+                finally:
+                    self._clients -= 1
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            log.debug("control client went away: %r", exc)
+        except Exception:  # a bug here must cost one connection, not the daemon
+            log.exception("control connection failed")
+
+    def _displace_slowest(self) -> bool:
+        """Cancel the client that has waited longest for its request line; False if none."""
+        for key, scope in self._reading.items():
+            del self._reading[key]
+            scope.cancel()
+            return True
+        return False
+
     async def _serve_one(self, stream: trio.SocketStream) -> None:
-        async with stream:
-            with trio.move_on_after(_REQUEST_TIMEOUT_S):
+        line = None
+        key = object()
+        try:
+            with trio.move_on_after(READ_TIMEOUT_S) as scope:
+                self._reading[key] = scope
                 try:
                     line = await _read_line(stream)
-                    request = decode_request(line)
-                except BadRequest as exc:
-                    await stream.send_all(encode_response(error=str(exc)))
-                    return
-                except trio.BrokenResourceError:
-                    return
-                try:
-                    result = await self._handler(request)
-                    reply = encode_response(result=result)
-                except LatticaError as exc:
-                    reply = encode_response(error=str(exc))
-                except Exception as exc:  # a bug in a handler must not kill the daemon
-                    log.exception("control request %s failed", request.method)
-                    reply = encode_response(error=f"internal error: {exc!r}")
-                try:
-                    await stream.send_all(reply)
-                except trio.BrokenResourceError:
-                    pass
+                finally:
+                    self._reading.pop(key, None)
+            if line is None:
+                if trio.current_time() < scope.deadline:
+                    return  # displaced by a newer client before its time was up
+                await _reply(stream, encode_response(error=f"no request line within {READ_TIMEOUT_S:g} s"))
+                return
+            if not line.strip():
+                return  # connected and hung up (or sent nothing): a liveness probe
+            request = decode_request(line)
+        except BadRequest as exc:
+            await _reply(stream, encode_response(error=str(exc)))
+            return
+        await _reply(stream, await self._answer(request))
+
+    async def _answer(self, request: ControlRequest) -> bytes:
+        try:
+            with trio.fail_after(HANDLER_TIMEOUT_S):
+                result = await self._handler(request)
+            return encode_response(result=result)
+        except trio.TooSlowError:
+            return encode_response(error=f"{request.method!r} did not finish within {HANDLER_TIMEOUT_S:g} s")
+        except LatticaError as exc:
+            return encode_response(error=str(exc))
+        except Exception as exc:  # a bug in a handler must not kill the daemon
+            log.exception("control request %s failed", request.method)
+            return encode_response(error=f"internal error: {exc!r}")
+
+
+async def _reply(stream: trio.SocketStream, data: bytes) -> None:
+    with trio.move_on_after(WRITE_TIMEOUT_S):
+        await stream.send_all(data)
 
 
 async def _read_line(stream: trio.SocketStream) -> bytes:
+    """The first line the client sends (without its newline), or all it sent before EOF."""
     buf = bytearray()
     while b"\n" not in buf:
-        if len(buf) > MAX_REQUEST_BYTES:
-            raise BadRequest("request too large")
         chunk = await stream.receive_some(4096)
         if not chunk:
             break
         buf += chunk
+        if b"\n" not in buf and len(buf) > MAX_REQUEST_BYTES:
+            raise BadRequest(f"request larger than {MAX_REQUEST_BYTES} bytes")
     return bytes(buf.split(b"\n", 1)[0])
+
+
+async def ensure_no_daemon(path: Path) -> None:
+    """Raise ``ConfigError`` when a daemon answers on the control socket ``path``.
+
+    The probe connects and hangs up without a request, which a daemon ignores.
+    """
+    if await _socket_answers(path):
+        raise ConfigError(f"another daemon is already running with data dir {path.parent}")
 
 
 async def _socket_answers(path: Path) -> bool:
