@@ -37,7 +37,7 @@ from libp2p.peer.peerinfo import PeerInfo
 from trio_typing import TaskStatus
 
 from lattica import __version__
-from lattica.config import NodeConfig, parse_host_port, parse_multiaddr
+from lattica.config import DEFAULT_METRICS_ADDR, NodeConfig, parse_host_port, parse_multiaddr
 from lattica.control.protocol import ControlRequest
 from lattica.control.server import ControlServer, ensure_no_daemon
 from lattica.errors import ConfigError, LatticaError, LocalProtocolError
@@ -64,6 +64,7 @@ _PX_INTERVAL_S = 2.0
 _DIAL_TIMEOUT_S = 5.0
 _PATH_DIAL_TIMEOUT_S = 15.0  # direct (3 s) then up to three relays in turn
 _STREAM_TIMEOUT_S = 5.0
+_METRICS_PORT_SEARCH = 99  # the default metrics port and the next ones, for daemons side by side
 _GOODBYE_BUDGET_S = 2.5  # with 1 s for the services' own goodbyes: within the 5 s of lattica.daemon
 
 
@@ -95,6 +96,7 @@ class Node:
         self.service_factories: list[Callable[[Node], Any]] = []
         self.extensions: list[Any] = []
         self.metrics = NodeMetrics(peer_id=self.peer_id.to_base58(), run_id=config.run_id)
+        self.metrics_addr: str | None = None  # HOST:PORT the exporter listens on, once it does
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -139,12 +141,7 @@ class Node:
                 # protocols registered later (DHT, state, training) and relay addresses
                 # reach the peers that identified us before: identify push
                 await nursery.start(AnnouncementWatcher(host).run)
-                if self.config.metrics_addr is not None:
-                    metrics_host, metrics_port = parse_host_port(
-                        self.config.metrics_addr, what="--metrics-addr"
-                    )
-                    exporter = MetricsServer(self.metrics, metrics_host, metrics_port)
-                    await nursery.start(exporter.run)
+                await self._start_metrics(nursery)
                 control = ControlServer(self.config.control_socket, self._handle_control)
                 await nursery.start(control.run)
                 nursery.start_soon(self._watch_connections)
@@ -170,6 +167,23 @@ class Node:
                 nursery.cancel_scope.cancel()
             log.info("services stopped; closing the host")
         log.info("host closed")
+
+    async def _start_metrics(self, nursery: trio.Nursery) -> None:
+        """The Prometheus exporter. The default address is shared by every daemon of a machine:
+        when another has it, the next free port is used and named (log, ``lattica status``); a
+        taken address the user chose is an error."""
+        if self.config.metrics_addr is None:
+            return
+        host, port = parse_host_port(self.config.metrics_addr, what="--metrics-addr")
+        search = _METRICS_PORT_SEARCH if self.config.metrics_addr == DEFAULT_METRICS_ADDR else 0
+        exporter = MetricsServer(self.metrics, host, port, port_search=search)
+        _, bound = await nursery.start(exporter.run)
+        self.metrics_addr = f"[{host}]:{bound}" if ":" in host else f"{host}:{bound}"
+        if bound != port:
+            log.warning(
+                "metrics address %s is taken (another daemon?); serving metrics on http://%s/metrics",
+                self.config.metrics_addr, self.metrics_addr,
+            )
 
     # -- addresses -------------------------------------------------------------------------
 
@@ -463,7 +477,7 @@ class Node:
             "addrs": self.dialable_addrs(),
             "connected_peers": len(connected),
             "known_peers": len(self.peer_book.records()),
-            "metrics_addr": self.config.metrics_addr,
+            "metrics_addr": self.metrics_addr,
             "access": self.access.status(),
         }
         for extension in self.extensions:

@@ -72,7 +72,7 @@ def _announce_started(node: Any) -> None:
     if not node.config.peers:
         lines.append("started a new swarm; others join it with:")
     else:
-        lines.append("joined; others can also join through this node with:")
+        lines.append(f"{node.join_summary()}; others can also join through this node with:")
     if addrs:
         lines.append(f"  lattica join --peer {addrs[0]}")
     lines.extend(f"  (also {a})" for a in addrs[1:4])

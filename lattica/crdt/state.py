@@ -341,6 +341,8 @@ class ReplicatedState:
     def _ensure_peer(self, peer: str) -> None:
         if self._nursery is None or peer == self.peer_id or peer in self._peers:
             return
+        if not sync.serves_sync(self.host, peer):  # e.g. a plain libp2p relay or DHT server
+            return
         self._peers.add(peer)
         self._nursery.start_soon(self._peer_loop, peer)
 
@@ -358,7 +360,7 @@ class ReplicatedState:
         synced_generation = -1
         failures = 0
         try:
-            while self._connected(peer):
+            while self._connected(peer) and sync.serves_sync(self.host, peer):
                 wait_until = max(
                     self._retry_at.get(peer, 0.0),
                     self._penalized_until.get(peer, 0.0),

@@ -10,10 +10,15 @@ When all are taken, a new connection displaces the one that has waited longest f
 request head — a scraper sends its head in one packet, so slow or silent connections (a
 slowloris) cannot keep scrapes out — and only when every connection is past its head does the
 newcomer get a 503. A broken or hostile client only ever costs its own connection.
+
+Binding: with ``port_search=n`` a taken port moves the exporter to the next free one of the
+following ``n`` (several daemons on one machine share the default address); the bound address
+is ``address``. A port that cannot be had is a ``ConfigError`` naming the address.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import socket
 from http import HTTPStatus
@@ -22,6 +27,7 @@ import trio
 from prometheus_client.exposition import choose_encoder
 from trio_typing import TaskStatus
 
+from lattica.errors import ConfigError
 from lattica.observability.http_request import (
     BadRequest,
     head_length,
@@ -42,12 +48,16 @@ class MetricsServer:
     """HTTP exporter for one ``NodeMetrics``; ``port=0`` picks a free port."""
 
     def __init__(
-        self, metrics: NodeMetrics, host: str, port: int, *, max_connections: int = 16
+        self, metrics: NodeMetrics, host: str, port: int, *, max_connections: int = 16,
+        port_search: int = 0,
     ) -> None:
         if not 0 <= port <= 65535:
             raise ValueError(f"metrics port must be in 0..65535, got {port}")
         if max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {max_connections}")
+        if port_search < 0:
+            raise ValueError(f"port_search must be >= 0, got {port_search}")
+        self._port_search = port_search if port else 0
         self._metrics = metrics
         self._host = host
         self._port = port
@@ -61,7 +71,7 @@ class MetricsServer:
         self, *, task_status: TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED
     ) -> None:
         """Listen and serve until cancelled; ``task_status.started((host, port))`` once bound."""
-        listeners = await trio.open_tcp_listeners(self._port, host=self._host)
+        listeners = await self._bind()
         sock = listeners[0].socket
         host, port = sock.getsockname()[:2]
         self.address = (host, port)
@@ -69,6 +79,21 @@ class MetricsServer:
         async with trio.open_nursery() as nursery:
             await nursery.start(trio.serve_listeners, self._handle, listeners)
             task_status.started(self.address)
+
+    async def _bind(self) -> list[trio.SocketListener]:
+        port, last = self._port, min(self._port + self._port_search, 65535)
+        while True:
+            try:
+                return await trio.open_tcp_listeners(port, host=self._host)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE and port < last:
+                    port += 1
+                    continue
+                where = f"{self._host}:{self._port}" + (f"-{last}" if last > self._port else "")
+                reason = "in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
+                raise ConfigError(
+                    f"cannot serve metrics on {where}: {reason} (choose another --metrics-addr, or off)"
+                ) from None
 
     async def _handle(self, stream: trio.SocketStream) -> None:
         async with stream:
