@@ -19,7 +19,9 @@ partitions heal or messages are lost.
 
 A peer that sends a malformed frame, a wrong run id, or an envelope that fails its signature
 or permission check ends the session with ``RemoteProtocolError``; replays do not.
-Timeouts are the caller's (``trio.fail_after`` around a session).
+Timeouts are the caller's (``trio.fail_after`` around a session). Sessions are opened only to
+peers that may serve the protocol (``serves_sync``): not to one whose identify lists protocols
+without it, such as a plain libp2p relay or DHT server among the bootstrap peers.
 """
 
 from __future__ import annotations
@@ -27,11 +29,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
-from libp2p.abc import INetStream
+from libp2p.abc import IHost, INetStream
 from libp2p.custom_types import TProtocol
+from libp2p.peer.id import ID
 
 from lattica.crdt.envelope import Envelope
 from lattica.errors import RemoteProtocolError
+from lattica.net.host import peer_may_support
 from lattica.net.wire import read_message, write_message
 
 SYNC_PROTOCOL = TProtocol("/lattica/state-sync/1.0.0")
@@ -50,6 +54,12 @@ class SyncEndpoint(Protocol):
     def missing_for(self, vector: Any) -> list[Envelope]: ...
 
     async def accept_batch(self, wire_envelopes: list[Any], *, from_peer: str) -> None: ...
+
+
+def serves_sync(host: IHost, peer: str) -> bool:
+    """Whether a session with ``peer`` is worth opening, by what its identify said (pushed
+    again when its services start, so a Lattica peer is synced once its state service runs)."""
+    return peer_may_support(host, ID.from_base58(peer), SYNC_PROTOCOL)
 
 
 # -- sans-IO message helpers ---------------------------------------------------------------------

@@ -34,6 +34,7 @@ from libp2p.custom_types import TProtocol
 from libp2p.host.basic_host import BasicHost
 from libp2p.identity.identify_push.identify_push import push_identify_to_peers
 from libp2p.network.config import ConnectionConfig
+from libp2p.peer.id import ID
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
@@ -172,3 +173,15 @@ class AnnouncementWatcher:
                 await push_identify_to_peers(self._host)
         except Exception as exc:  # noqa: BLE001 - a peer that breaks the push is not our problem
             log.debug("identify push failed: %r", exc)
+
+
+def peer_may_support(host: IHost, peer_id: ID, protocol: str) -> bool:
+    """False only when the peer's identify listed its protocols and ``protocol`` is not
+    among them (a plain libp2p node, or a service it has not started): no stream is worth
+    opening then. Before identify has answered, True (try). Identify push keeps it current.
+    """
+    try:
+        protocols = host.get_peerstore().get_protocols(peer_id)
+    except Exception:  # noqa: BLE001 - a peer the peerstore does not know yet
+        return True
+    return not protocols or str(protocol) in {str(p) for p in protocols}

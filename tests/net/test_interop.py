@@ -2,26 +2,35 @@
 
 Real hosts on loopback: a standard DHT server as the only bootstrap peer learns that the node
 serves Kademlia and keeps it in its routing table; a node whose only address is a relay
-address on a standard relay is joined with ``--peer <relay addr>/p2p-circuit/p2p/<id>``.
+address on a standard relay is joined with ``--peer <relay addr>/p2p-circuit/p2p/<id>``; with
+only a plain node to bootstrap from, start-up says so (and fails with a run secret), a failed
+bootstrap names its cause, and no stream is opened for a protocol the peer lacks.
 """
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import multiaddr
 import pytest
 import trio
+from libp2p import new_host
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.kad_dht.common import PROTOCOL_ID as KAD_PROTOCOL
 from libp2p.peer.peerinfo import PeerInfo
+from libp2p.security.insecure.transport import PLAINTEXT_PROTOCOL_ID, InsecureTransport
 from standard_node import standard_node
 
 from lattica.config import NodeConfig
 from lattica.daemon import build_node
 from lattica.net.host import build_host
-from lattica.net.nat import RelayReservations, RelayServer
+from lattica.net.nat import AutoNATConfig, RelayReservations, RelayServer
+from lattica.net.nat.autonat import retry_delay
 from lattica.node import Node
+from lattica.testing.daemons import free_port, lattica_command, run_cli
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -78,3 +87,106 @@ async def test_a_node_behind_a_relay_is_joined_by_its_circuit_address(tmp_path) 
             assert record.bootstrap
             node.request_shutdown()
             nursery.cancel_scope.cancel()
+
+
+# -- a plain libp2p node as the only bootstrap peer: what start-up says, and what it opens ---------
+
+
+def _join_argv(data_dir: Path, peer: str, *extra: str) -> list[str]:
+    return lattica_command("join", "--data-dir", str(data_dir), "--listen", f"/ip4/127.0.0.1/tcp/{free_port()}",
+                           "--metrics-addr", "off", "--peer", peer, *extra)
+
+
+def _first_lines_until(argv: list[str], marker: str, timeout: float) -> list[str]:
+    """Start ``argv``, collect stdout lines until one contains ``marker``, then stop it."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + timeout
+        assert proc.stdout is not None
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line.rstrip())
+            if marker in line:
+                break
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return lines
+
+
+def _one_line_error(proc: subprocess.CompletedProcess[str]) -> str:
+    assert proc.returncode != 0, proc
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines, proc
+    return lines[-1]
+
+
+async def test_joining_through_a_plain_libp2p_node_says_what_was_joined(tmp_path) -> None:
+    async with standard_node() as server:
+        lines = await trio.to_thread.run_sync(
+            _first_lines_until, _join_argv(tmp_path / "n", server.addr), "others can also join", 60)
+    text = "\n".join(lines)
+    assert "speak no Lattica protocol" in text, text
+    assert "joined run" not in text, text
+
+
+async def test_with_a_secret_a_plain_libp2p_bootstrap_peer_is_no_member(tmp_path) -> None:
+    secret = tmp_path / "secret"
+    secret.write_text("s" * 32)
+    secret.chmod(0o600)
+    async with standard_node() as server:
+        proc = await trio.to_thread.run_sync(lambda: run_cli(
+            *_join_argv(tmp_path / "n", server.addr, "--secret-file", str(secret),
+                        "--bootstrap-timeout", "3")[3:], timeout=60))
+    line = _one_line_error(proc)
+    assert "no bootstrap peer proved to be a member" in line, line
+    assert "speaks no Lattica protocol" in line, line
+
+
+async def test_a_bootstrap_failure_names_its_cause(tmp_path) -> None:
+    key_pair = create_new_key_pair()
+    plaintext_only = new_host(key_pair=key_pair, sec_opt={PLAINTEXT_PROTOCOL_ID: InsecureTransport(key_pair)})
+    listen = multiaddr.Multiaddr(LOOPBACK)
+    async with plaintext_only.run([listen]):
+        peer = str(plaintext_only.get_addrs()[0])
+        proc = await trio.to_thread.run_sync(lambda: run_cli(
+            *_join_argv(tmp_path / "n", peer, "--bootstrap-timeout", "2")[3:], timeout=60))
+    line = _one_line_error(proc)
+    assert "failed to negotiate the secure protocol" in line, line
+    assert "Noise" in line, line
+
+
+async def test_no_stream_is_opened_again_and_again_for_a_protocol_the_peer_lacks(tmp_path) -> None:
+    async with standard_node() as server, trio.open_nursery() as nursery:
+        node: Node = build_node(_config(tmp_path / "n", (server.addr,)), create_new_key_pair())
+        await nursery.start(node.run)
+        host = node.running_host
+        opened: list[str] = []
+        new_stream = host.new_stream
+
+        async def counting_new_stream(peer_id, protocol_ids):
+            if peer_id == server.host.get_id():
+                opened.extend(str(p) for p in protocol_ids)
+            return await new_stream(peer_id, protocol_ids)
+
+        host.new_stream = counting_new_stream  # type: ignore[method-assign]
+        await trio.sleep(8.0)  # peer exchange runs every 2 s, AutoNAT retried at first after 2 s
+        for protocol in ("/lattica/px/1.0.0", "/lattica/state-sync/1.0.0", "/libp2p/autonat/1.0.0"):
+            assert protocol not in opened, opened
+        node.request_shutdown()
+
+
+def test_autonat_without_a_verdict_backs_off() -> None:
+    config = AutoNATConfig(recheck_interval=120.0, first_retry=2.0)
+    delays = [retry_delay(config, verdicts=0, fruitless_checks=n) for n in range(1, 10)]
+    assert delays[:4] == [2.0, 4.0, 8.0, 16.0]
+    assert delays[-1] == 120.0
+    assert retry_delay(config, verdicts=1, fruitless_checks=0) == 120.0

@@ -6,7 +6,10 @@ Each answer is a verdict: OK (they reached us) or E_DIAL_ERROR (they could not);
 failures to ask are no verdict. Reachability is PUBLIC when at least one server reached us and
 no more failed than succeeded, PRIVATE when more failed, else UNKNOWN. A new check runs when
 the set of directly connected peers or our observed addresses change, and every
-``recheck_interval`` seconds.
+``recheck_interval`` seconds. Only peers whose identify lists ``/libp2p/autonat/1.0.0`` (or
+that have not identified yet) are asked: a plain relay or DHT server is not. A check that got
+no verdict (servers refused, or none answered) is retried after ``first_retry`` seconds,
+doubling up to ``recheck_interval`` — never every few seconds without end.
 
 Serving side: py-libp2p 0.8.1's server answers a dial-back with ``host.connect()``, which
 returns at once when the requester is already connected (it always is: it just asked), so every
@@ -24,12 +27,13 @@ from dataclasses import dataclass
 
 import trio
 from libp2p.abc import IHost
-from libp2p.host.autonat.autonat import AutoNATService
+from libp2p.host.autonat.autonat import AUTONAT_PROTOCOL_ID, AutoNATService
 from libp2p.host.autonat.pb.autonat_pb2 import Message
 from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 from trio_typing import TaskStatus
 
+from lattica.net.host import peer_may_support
 from lattica.net.nat.addresses import conn_is_relayed, dialable_addrs, observed_ips
 
 logger = logging.getLogger(__name__)
@@ -48,14 +52,23 @@ class AutoNATConfig:
     dial_back_timeout: float = 3.0
     recheck_interval: float = 120.0
     poll_interval: float = 0.5
+    first_retry: float = 2.0
 
     def __post_init__(self) -> None:
         if self.max_servers < 1:
             raise ValueError("max_servers must be >= 1")
         if self.dial_back_timeout <= 0 or self.dial_back_timeout >= self.query_timeout:
             raise ValueError("need 0 < dial_back_timeout < query_timeout")
-        if self.recheck_interval <= 0 or self.poll_interval <= 0:
+        if self.recheck_interval <= 0 or self.poll_interval <= 0 or self.first_retry <= 0:
             raise ValueError("intervals must be positive")
+
+
+def retry_delay(config: AutoNATConfig, *, verdicts: int, fruitless_checks: int) -> float:
+    """Seconds until the next check: the recheck interval after a verdict; after
+    ``fruitless_checks`` checks in a row without one, ``first_retry`` doubled each time."""
+    if verdicts:
+        return config.recheck_interval
+    return min(config.first_retry * 2 ** max(fruitless_checks - 1, 0), config.recheck_interval)
 
 
 class _FreshDialAutoNAT(AutoNATService):
@@ -92,6 +105,8 @@ class ReachabilityService:
         self._autonat = _FreshDialAutoNAT(host, self._config.dial_back_timeout)
         self.reachability = Reachability.UNKNOWN
         self.verdicts: dict[str, bool] = {}
+        self.queries_sent = 0
+        self._fruitless_checks = 0
         self._changed = trio.Event()
 
     async def wait_change(self) -> Reachability:
@@ -110,8 +125,10 @@ class ReachabilityService:
                 if current[0]:
                     await self.check()
                 # a round without any verdict (the peers' services were still starting, or
-                # the queries failed) is retried soon, not after the full recheck interval
-                retry = self._config.recheck_interval if self.verdicts else min(2.0, self._config.recheck_interval)
+                # the queries failed) is retried soon, then less and less often
+                self._fruitless_checks = 0 if self.verdicts else self._fruitless_checks + 1
+                retry = retry_delay(self._config, verdicts=len(self.verdicts),
+                                    fruitless_checks=self._fruitless_checks)
                 next_check = trio.current_time() + retry
             await trio.sleep(self._config.poll_interval)
 
@@ -119,10 +136,13 @@ class ReachabilityService:
         return (tuple(sorted(str(p) for p in self._direct_peers())), tuple(observed_ips(self._host)))
 
     def _direct_peers(self) -> list[ID]:
+        """Directly connected peers that may serve AutoNAT (by what their identify said)."""
         peers = []
         for peer_id, conns in self._host.get_network().connections.items():
             conns = conns if isinstance(conns, list) else [conns]
-            if any(conn_is_relayed(c) is False for c in conns):
+            if any(conn_is_relayed(c) is False for c in conns) and peer_may_support(
+                self._host, peer_id, AUTONAT_PROTOCOL_ID
+            ):
                 peers.append(peer_id)
         return peers
 
@@ -132,6 +152,7 @@ class ReachabilityService:
         results: dict[str, bool] = {}
 
         async def ask(server: ID) -> None:
+            self.queries_sent += 1
             with trio.move_on_after(self._config.query_timeout):
                 try:
                     status, _ = await self._autonat.query_server(
