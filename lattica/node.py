@@ -26,6 +26,7 @@ import os
 import socket
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import multiaddr
@@ -43,7 +44,13 @@ from lattica.control.server import ControlServer, ensure_no_daemon
 from lattica.errors import ConfigError, LatticaError, LocalProtocolError
 from lattica.net.access import AccessGate, RunAccess
 from lattica.net.addrs import dialable_addrs, peer_info_from_addr
-from lattica.net.host import AnnouncementWatcher, build_host, circuit_addr_for, stop_auto_connector
+from lattica.net.host import (
+    AnnouncementWatcher,
+    build_host,
+    circuit_addr_for,
+    peer_may_support,
+    stop_auto_connector,
+)
 from lattica.net.identity import peer_id_of
 from lattica.net.nat.circuit import dial_circuit
 from lattica.net.peer_exchange import (
@@ -65,6 +72,7 @@ _DIAL_TIMEOUT_S = 5.0
 _PATH_DIAL_TIMEOUT_S = 15.0  # direct (3 s) then up to three relays in turn
 _STREAM_TIMEOUT_S = 5.0
 _METRICS_PORT_SEARCH = 99  # the default metrics port and the next ones, for daemons side by side
+_IDENTIFY_WAIT_S = 3.0  # for a bootstrap peer's identify, to tell a Lattica node from others
 _GOODBYE_BUDGET_S = 2.5  # with 1 s for the services' own goodbyes: within the 5 s of lattica.daemon
 
 
@@ -90,6 +98,8 @@ class Node:
         self.host: IHost | None = None
         self._shutdown = trio.Event()
         self._dialing: dict[str, bool] = {}  # peer -> the dial in flight includes relay addrs
+        self._no_px: set[str] = set()  # connected peers that refused peer exchange
+        self.joined = JoinOutcome()  # what bootstrap reached
         self.dialer: PeerDialer | None = None  # installed by the NAT services once they run
         # Services that need the running host are built from these factories once it exists;
         # each has run(task_status=...) and optionally status(), handle_control(), on_shutdown().
@@ -206,6 +216,7 @@ class Node:
                 raise ConfigError(f"--peer: {exc}") from None
             self.peer_book.learn(info.peer_id.to_base58(), [peer], now=time.time(), bootstrap=True)
         errors: dict[str, str] = {}
+        outcome = JoinOutcome()
         with trio.move_on_after(self.config.bootstrap_timeout_s):
             delay = 0.5
             while True:
@@ -213,21 +224,60 @@ class Node:
                     for peer in self.config.peers:
                         nursery.start_soon(self._try_dial_addr, peer, errors)
                 if self._connected_ids():
-                    return
+                    outcome = await self._bootstrap_outcome()
+                    # a run with a secret is joined only through a member that proved it
+                    if outcome.members or self.access.access.secret is None:
+                        self.joined = outcome
+                        return
                 await trio.sleep(delay)
                 delay = min(delay * 2, self.config.max_backoff_s)
+        if outcome.refused:
+            reasons = "; ".join(f"{peer}: {why}" for peer, why in outcome.refused.items())
+            raise ConfigError(
+                f"no bootstrap peer proved to be a member of run {self.config.run_id!r} within "
+                f"{self.config.bootstrap_timeout_s:g} s ({reasons})"
+            )
         reasons = "; ".join(f"{addr}: {why}" for addr, why in errors.items()) or "timed out"
         raise ConfigError(
             f"could not reach any bootstrap peer within {self.config.bootstrap_timeout_s:g} s ({reasons})"
         )
+
+    async def _bootstrap_outcome(self) -> JoinOutcome:
+        """Which connected bootstrap peers are members of the run, by what their identify
+        says (a Lattica protocol) and, with a secret or allowlist, the access check."""
+        host = self.running_host
+        ids = [r.peer_id for r in self.peer_book.records() if r.bootstrap and r.peer_id in self._connected_ids()]
+        with trio.move_on_after(_IDENTIFY_WAIT_S):  # identify runs right after connecting
+            while not all(_identified(host, peer_id) for peer_id in ids):
+                await trio.sleep(0.05)
+        members: list[str] = []
+        refused: dict[str, str] = {}
+        for peer_id in ids:
+            if not _speaks_lattica(host, peer_id):
+                refused[peer_id] = "speaks no Lattica protocol (a plain libp2p node)"
+                continue
+            conns = host.get_network().connections.get(ID.from_base58(peer_id)) or []
+            if conns and await self.access.admit(peer_id, conns[0].muxed_conn):
+                members.append(peer_id)
+            else:
+                refused[peer_id] = "did not prove membership of the run (secret or allowlist)"
+        return JoinOutcome(members=tuple(members), refused=refused)
+
+    def join_summary(self) -> str:
+        """One line on what start-up joined, for the user."""
+        return self.joined.summary(self.config.run_id)
 
     async def _try_dial_addr(self, addr: str, errors: dict[str, str]) -> bool:
         info = peer_info_from_addr(addr)
         try:
             await self._dial(info)
         except Exception as exc:  # noqa: BLE001 - any dial failure is reported the same way
-            errors[addr] = _short_reason(exc)
+            reason = _short_reason(exc)
+            if errors.get(addr) != reason:  # each new cause once, not every retry
+                log.info("cannot reach bootstrap peer %s: %s", addr, reason)
+            errors[addr] = reason
             return False
+        errors.pop(addr, None)
         return True
 
     async def _dial(self, info: PeerInfo) -> None:
@@ -322,6 +372,7 @@ class Node:
                     record.path = "direct"  # relayed connections exist only with the NAT services
                 log.info("peer connected: %s", peer_id)
             for peer_id in gone:
+                self._no_px.discard(peer_id)  # it may come back as a newer version
                 log.info("peer disconnected: %s", peer_id)
             self.metrics.set_peers(r.path for r in self.peer_book.records() if r.connected)
             await trio.sleep(_WATCH_INTERVAL_S)
@@ -355,8 +406,16 @@ class Node:
             while True:
                 async with trio.open_nursery() as nursery:
                     for peer_id in self.peer_book.connected_ids():
-                        nursery.start_soon(self._exchange_with, peer_id, dials)
+                        if self._may_exchange_with(peer_id):
+                            nursery.start_soon(self._exchange_with, peer_id, dials)
                 await trio.sleep(_PX_INTERVAL_S)
+
+    def _may_exchange_with(self, peer_id: str) -> bool:
+        """Not with a peer that refused it, nor one whose identify lacks it (a plain libp2p
+        relay or DHT server): no stream opened every two seconds for nothing."""
+        if peer_id in self._no_px:
+            return False
+        return peer_may_support(self.running_host, ID.from_base58(peer_id), PX_PROTOCOL)
 
     async def _exchange_with(self, peer_id: str, dials: trio.Nursery) -> None:
         assert self.host is not None
@@ -379,6 +438,8 @@ class Node:
             log.warning("peer exchange with %s failed: %s", peer_id, exc)
             return
         except Exception as exc:  # noqa: BLE001 - network failures of any kind end this exchange
+            if "not supported" in str(exc):
+                self._no_px.add(peer_id)
             log.debug("peer exchange with %s failed: %r", peer_id, exc)
             return
         record = self.peer_book.get(peer_id)
@@ -477,6 +538,7 @@ class Node:
             "addrs": self.dialable_addrs(),
             "connected_peers": len(connected),
             "known_peers": len(self.peer_book.records()),
+            "joined": self.join_summary() if self.config.peers else "started a new swarm",
             "metrics_addr": self.metrics_addr,
             "access": self.access.status(),
         }
@@ -563,7 +625,75 @@ def dial_addrs_for(peer_id: str, addrs: Sequence[str], *, relayed: bool) -> list
 
 
 def _short_reason(exc: BaseException) -> str:
+    """The cause of a failed dial, in one line: py-libp2p wraps it (``unable to connect …
+    (with exceptions)``) with the real reasons a level or two down."""
     if isinstance(exc, trio.TooSlowError):
         return "timed out"
-    text = str(exc) or type(exc).__name__
-    return text.splitlines()[0][:160]
+    reasons = list(dict.fromkeys(_root_reasons(exc)))
+    text = "; ".join(reasons)[:300]
+    if "negotiate the secure protocol" in text:
+        text += " (the peer offers no Noise; Lattica speaks TCP + Noise + Yamux)"
+    elif "negotiate the multiplexer" in text:
+        text += " (the peer offers no Yamux; Lattica speaks TCP + Noise + Yamux)"
+    return text
+
+
+def _root_reasons(exc: BaseException, depth: int = 0) -> list[str]:
+    """One line per failure inside ``exc``'s exception groups (``errors`` or ``exceptions``),
+    looking through a ``__cause__`` that holds them."""
+    for holder in (exc, exc.__cause__):
+        subs = getattr(holder, "errors", None) or getattr(holder, "exceptions", None)
+        if isinstance(subs, list | tuple) and subs and depth < 4:
+            return [r for sub in subs if isinstance(sub, BaseException) for r in _root_reasons(sub, depth + 1)]
+    if isinstance(exc, trio.TooSlowError):
+        return ["timed out"]
+    text = _first_line(exc)
+    deepest: str | None = None
+    inner: BaseException | None = exc
+    for _ in range(6):  # down to the OS error under "fail to open connection to peer …"
+        subs = getattr(inner, "exceptions", None)
+        inner = inner.__cause__ if inner.__cause__ is not None else (subs[0] if subs else None)
+        if inner is None:
+            break
+        if not isinstance(inner, BaseExceptionGroup) and _first_line(inner) not in text:
+            deepest = _first_line(inner)
+    if deepest is not None:
+        text = f"{text}: {deepest}"
+    return [text[:300]]
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc) or type(exc).__name__).splitlines()[0][:200]
+
+
+@dataclass(frozen=True)
+class JoinOutcome:
+    """The bootstrap peers that are members of the run, and why the others are not."""
+
+    members: tuple[str, ...] = ()
+    refused: dict[str, str] = field(default_factory=dict)
+
+    def summary(self, run_id: str) -> str:
+        others = len(self.refused)
+        if self.members:
+            text = f"joined run {run_id!r} through {len(self.members)} member(s)"
+            return text + (f"; {others} bootstrap peer(s) are not members" if others else "")
+        if others:
+            return (f"connected to {others} bootstrap peer(s) that speak no Lattica protocol (a plain "
+                    f"libp2p relay or DHT node); run {run_id!r} members are found through the DHT")
+        return f"joined run {run_id!r}"
+
+
+def _identified(host: IHost, peer_id: str) -> bool:
+    try:
+        return bool(host.get_peerstore().get_protocols(ID.from_base58(peer_id)))
+    except Exception:  # noqa: BLE001 - not in the peerstore yet
+        return False
+
+
+def _speaks_lattica(host: IHost, peer_id: str) -> bool:
+    try:
+        protocols = host.get_peerstore().get_protocols(ID.from_base58(peer_id))
+    except Exception:  # noqa: BLE001 - not in the peerstore yet
+        return False
+    return any(str(p).startswith("/lattica/") for p in protocols)
