@@ -14,9 +14,15 @@ Adding a method: register its strategy in ``lattica.train.strategies.STRATEGIES`
 ``Method`` to ``METHODS`` (its own model builder and config if it needs them); the JSON line
 then carries ``<name>_loss``, ``<name>_bytes`` and ``<name>_vs_ddp``.
 
-    python benchmarks/convergence.py [--data PATH] [--strategies ddp,nocomm,diloco] [--seed N]
+    python benchmarks/convergence.py [--data PATH] [--strategies ddp,nocomm,diloco|all] [--seed N]
         [--steps 500] [--batch-size 8] [--context 128] [--lr 3e-3] [--warmup 50]
         [--outer-lr 0.7] [--outer-momentum 0.9] [--warm-start-steps 0]
+
+``--strategies all`` runs every method: one per strategy registered in
+``lattica.train.strategies.STRATEGIES`` (with the ``Method`` of ``METHODS`` if there is one, else
+the strategy's default config on the tiny model), plus the extra methods of ``METHODS``
+(``moe_diloco``, SPES's baseline). A method that does not finish (an error, a replica
+without a finite validation loss) fails the run: exit status 1, one line on stderr, no figures.
 
 Every method gets the same inner hyperparameters (AdamW, warmup + cosine over ``--steps``).
 ``--outer-lr`` / ``--outer-momentum`` change only the two DiLoCo runs (``diloco``,
@@ -28,6 +34,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import statistics
 import sys
 import time
@@ -51,7 +58,7 @@ from lattica.train.device import select_device
 from lattica.train.model import build_model, lm_loss
 from lattica.train.moe import build_moe_model
 from lattica.train.schedule import ScheduleConfig
-from lattica.train.strategies import create_strategy
+from lattica.train.strategies import STRATEGIES, create_strategy
 from lattica.train.strategies.accounting import optimizer_state_bytes
 from lattica.train.strategies.diloco import DiLoCoConfig
 from lattica.train.strategies.eager import EagerDiLoCoConfig
@@ -116,6 +123,33 @@ METHODS: dict[str, Method] = {
 }
 
 
+def all_methods() -> dict[str, Method]:
+    """Every registered strategy (``METHODS``' entry, else its defaults), then ``METHODS``' extras."""
+    methods = {name: METHODS.get(name, Method(strategy=name)) for name in STRATEGIES}
+    return methods | {name: m for name, m in METHODS.items() if name not in methods}
+
+
+class BenchmarkFailed(RuntimeError):
+    """A method did not finish: the benchmark reports no figures."""
+
+
+def finished_losses(name: str, summaries: dict, steps: int) -> list[float]:
+    """Every worker's validation loss, when all of them trained ``steps`` steps and ended with a
+    finite loss; else ``BenchmarkFailed`` naming the method and the workers."""
+    bad = []
+    for i in range(WORKERS):
+        summary = summaries.get(i)
+        if summary is None:
+            bad.append(f"worker {i} did not report")
+        elif summary.steps != steps:
+            bad.append(f"worker {i} trained {summary.steps} of {steps} steps")
+        elif summary.val_loss is None or not math.isfinite(summary.val_loss):
+            bad.append(f"worker {i} ended with validation loss {summary.val_loss}")
+    if bad:
+        raise BenchmarkFailed(f"{name} did not finish: {'; '.join(bad)}")
+    return [summaries[i].val_loss for i in range(WORKERS)]
+
+
 @dataclass(frozen=True, kw_only=True)
 class Budget:
     steps: int = 500
@@ -166,6 +200,7 @@ async def warm_start(
 
 
 async def run_method(
+    name: str,
     method: Method,
     corpus,
     budget: Budget,
@@ -228,7 +263,7 @@ async def run_method(
     async with trio.open_nursery() as nursery:
         for i in range(WORKERS):
             nursery.start_soon(train, i)
-    losses = [summaries[i].val_loss for i in range(WORKERS)]
+    losses = finished_losses(name, summaries, budget.steps)
     result = {
         "loss": statistics.fmean(losses),
         "loss_spread": max(losses) - min(losses),
@@ -278,7 +313,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--data", default="stdlib", help="text file/folder/JSONL/.bin (default: stdlib)"
     )
     parser.add_argument(
-        "--strategies", default="ddp,nocomm,diloco", help=f"comma-separated, from {sorted(METHODS)}"
+        "--strategies",
+        default="ddp,nocomm,diloco",
+        help=f"comma-separated, from {sorted(all_methods())}, or 'all'",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=Budget.steps, help="inner steps per worker")
@@ -305,10 +342,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    known = all_methods()
     names = [n.strip() for n in args.strategies.split(",") if n.strip()]
-    unknown = [n for n in names if n not in METHODS]
+    if names == ["all"]:
+        names = list(known)
+    unknown = [n for n in names if n not in known]
     if unknown or not names:
-        print(f"error: unknown strategies {unknown}; known: {sorted(METHODS)}", file=sys.stderr)
+        print(f"error: unknown strategies {unknown}; known: {sorted(known)}, all", file=sys.stderr)
         return 2
     if args.steps < SYNC_EVERY or args.steps % SYNC_EVERY:
         print(
@@ -335,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{WORKERS} workers x {budget.steps} steps x {budget.batch_size}x{budget.context} "
         f"tokens = {tokens} tokens per method, seed {args.seed}"
     )
-    methods = _with_outer(METHODS, args.outer_lr, args.outer_momentum)
+    methods = _with_outer(known, args.outer_lr, args.outer_momentum)
     initial: dict[Callable[[int], torch.nn.Module], dict[str, torch.Tensor]] = {}
     if args.warm_start_steps > 0:
         for build in dict.fromkeys(methods[name].build_model for name in names):
@@ -348,12 +388,20 @@ def main(argv: list[str] | None = None) -> int:
                 f"in {time.monotonic() - started:.1f} s"
             )
     results: dict[str, dict[str, float]] = {}
-    for name in names:
-        method = methods[name]
-        results[name] = _timed(method, corpus, budget, args.seed, initial.get(method.build_model))
-    if initial:  # the headline pair again from fresh weights, so both regimes are on record
-        for name in (n for n in SCRATCH_METHODS if n in names):
-            results[f"scratch_{name}"] = _timed(methods[name], corpus, budget, args.seed, None)
+    try:
+        for name in names:
+            method = methods[name]
+            results[name] = _timed(
+                name, method, corpus, budget, args.seed, initial.get(method.build_model)
+            )
+        if initial:  # the headline pair again from fresh weights, so both regimes are on record
+            for name in (n for n in SCRATCH_METHODS if n in names):
+                results[f"scratch_{name}"] = _timed(
+                    f"scratch_{name}", methods[name], corpus, budget, args.seed, None
+                )
+    except BenchmarkFailed as exc:
+        print(f"convergence benchmark failed: {exc}", file=sys.stderr)
+        return 1
     print(f"{'method':<16}{'val loss':>10}{'spread':>9}{'MB sent/worker':>16}{'seconds':>9}")
     for name, r in results.items():
         print(
@@ -366,9 +414,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _timed(method: Method, corpus, budget: Budget, seed: int, initial) -> dict[str, float]:
+def _timed(
+    name: str, method: Method, corpus, budget: Budget, seed: int, initial
+) -> dict[str, float]:
     started = time.monotonic()
-    result = trio.run(run_method, method, corpus, budget, seed, initial)
+    try:
+        result = trio.run(run_method, name, method, corpus, budget, seed, initial)
+    except BenchmarkFailed:
+        raise
+    except Exception as exc:  # a method that crashes is a method that did not finish
+        raise BenchmarkFailed(f"{name} did not finish: {type(exc).__name__}: {exc}") from exc
     result["seconds"] = time.monotonic() - started
     return result
 
