@@ -14,6 +14,9 @@ Prints a table, then one JSON line with ``allreduce_s``, ``gloo_s``, ``allreduce
 Times are the slowest peer of the best repetition; ``*_cpu_s`` is the CPU time of the busiest
 process in it (gloo's includes its I/O threads), and ``load_avg_1m`` tells how shared the
 machine was while it ran.
+
+A repetition that fails on either side (a peer or gloo worker exits, misses its deadline or
+reports no result) fails the run: exit status 1 and one line on stderr, no figures.
 """
 
 from __future__ import annotations
@@ -27,6 +30,19 @@ import sys
 import time
 
 from lattica.net.tensors._peer_driver import run_all, spawn_peers
+
+
+class BenchmarkFailed(RuntimeError):
+    """A repetition did not finish: the benchmark reports no figures."""
+
+
+def check_replies(side: str, replies: list[dict], world: int) -> None:
+    """Raise ``BenchmarkFailed`` unless all ``world`` members reported a finished repetition."""
+    if len(replies) != world:
+        raise BenchmarkFailed(f"{side}: {len(replies)} of {world} members reported")
+    for i, reply in enumerate(replies):
+        if not reply.get("ok", True) or not reply.get("seconds", 0) > 0:
+            raise BenchmarkFailed(f"{side}: member {i} did not finish: {reply}")
 
 
 def _gloo_worker(rank: int, world: int, port: int, numel: int, reps: int) -> None:
@@ -63,12 +79,21 @@ def gloo_seconds(world: int, numel: int, reps: int) -> float:
         for r in range(world)
     ]
     try:
-        results = [json.loads(p.communicate(timeout=600)[0].strip().splitlines()[-1]) for p in procs]
+        results = []
+        for rank, p in enumerate(procs):
+            out = p.communicate(timeout=600)[0].strip().splitlines()
+            if p.returncode != 0 or not out:
+                raise BenchmarkFailed(f"gloo: rank {rank} exited with status {p.returncode}")
+            results.append(json.loads(out[-1]))
+    except subprocess.TimeoutExpired:
+        raise BenchmarkFailed("gloo: a rank did not finish in 600 s") from None
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
             p.wait()
+    for i in range(reps):
+        check_replies("gloo", [{"seconds": r["times"][i]} for r in results], world)
     best = min(range(reps), key=lambda i: max(r["times"][i] for r in results))
     return max(r["times"][best] for r in results), max(r["cpu"][best] for r in results)
 
@@ -84,8 +109,11 @@ def lattica_seconds(world: int, numel: int, reps: int) -> tuple[float, float, in
                  "seed": 100 + i, "deadline_s": 300.0, "out": None, "barrier": True, "inplace": True}
                 for i in range(world)
             ]
-            replies = run_all(peers, cmds, timeout=400)
-            assert all(r["ok"] for r in replies), replies
+            try:
+                replies = run_all(peers, cmds, timeout=400)
+            except (TimeoutError, EOFError) as exc:
+                raise BenchmarkFailed(f"lattica: a peer did not finish: {exc}") from None
+            check_replies("lattica", replies, world)
             if rep and max(r["seconds"] for r in replies) < best:
                 best = max(r["seconds"] for r in replies)
                 cpu = max(r["cpu_s"] for r in replies)
@@ -99,10 +127,16 @@ def main() -> None:
     parser.add_argument("--mb", type=int, default=100)
     parser.add_argument("--reps", type=int, default=2)
     args = parser.parse_args()
+    if args.peers < 2 or args.mb < 1 or args.reps < 1:
+        parser.error("--peers must be at least 2, --mb and --reps at least 1")
     numel = args.mb * 1_000_000 // 4
     payload = numel * 4
-    ours, ours_cpu, sent = lattica_seconds(args.peers, numel, args.reps)
-    gloo, gloo_cpu = gloo_seconds(args.peers, numel, args.reps)
+    try:
+        ours, ours_cpu, sent = lattica_seconds(args.peers, numel, args.reps)
+        gloo, gloo_cpu = gloo_seconds(args.peers, numel, args.reps)
+    except BenchmarkFailed as exc:
+        print(f"allreduce benchmark failed: {exc}", file=sys.stderr)
+        sys.exit(1)
     bound = 2 * (args.peers - 1) / args.peers * payload
     print(f"{'implementation':<28}{'seconds':>10}{'cpu s/peer':>12}")
     print(f"{'lattica butterfly (fast)':<28}{ours:>10.3f}{ours_cpu:>12.3f}")

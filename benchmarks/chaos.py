@@ -26,14 +26,20 @@ Measured (from outside: the daemons' control sockets and ``lattica state``):
 - ``replicas_identical``: every replica's published record is at round R with one hash.
 
 Needs root (network namespaces). Last line: one JSON object.
+
+A phase that does not finish — a replica not done within ``--timeout-s`` or without a validation
+loss, no first round — fails the benchmark: exit status 1 and one line on stderr naming the
+phase and the replicas, no figures (never a loss of 0 or null standing in for one).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import shutil
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -52,6 +58,29 @@ TRAIN_ENV = {
 }
 PORT = 4001
 POLL_S = 0.25
+
+
+class PhaseUnfinished(RuntimeError):
+    """A phase of the benchmark did not finish: it has no figures to report."""
+
+
+def finished_loss(phase: str, infos: list[dict[str, Any]]) -> float:
+    """The mean validation loss of a phase in which every replica finished; else raises
+    ``PhaseUnfinished`` naming the replicas that did not (with their phase and round)."""
+    if not infos:
+        raise PhaseUnfinished(f"{phase} phase: no replica answered")
+    late = [
+        f"n{i} ({info.get('phase') or 'no answer'}, round {_rounds(info)})"
+        for i, info in enumerate(infos)
+        if info.get("phase") != "done" or not _finite(info.get("val_loss"))
+    ]
+    if late:
+        raise PhaseUnfinished(f"{phase} phase did not finish: {', '.join(late)}")
+    return sum(float(info["val_loss"]) for info in infos) / len(infos)
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value)
 
 
 def _training(d: DaemonProcess) -> dict[str, Any]:
@@ -127,9 +156,10 @@ def _published(swarm: Swarm) -> set[str]:
     return hashes
 
 
-def _final(swarm: Swarm, timeout: float) -> tuple[float, bool, int]:
+def _final(swarm: Swarm, timeout: float, phase: str) -> tuple[float, bool, int]:
     """Wait (up to ``timeout``) until every replica is done and all published the same state
-    at the last round; the mean validation loss, whether they agree, the slowest round."""
+    at the last round; the mean validation loss, whether they agree, the slowest round.
+    Raises ``PhaseUnfinished`` when a replica is not done by then."""
     deadline = time.monotonic() + timeout
     while True:
         infos = swarm.infos()
@@ -139,8 +169,7 @@ def _final(swarm: Swarm, timeout: float) -> tuple[float, bool, int]:
         if identical or time.monotonic() > deadline:
             break
         time.sleep(1.0)
-    losses = [float(i["val_loss"]) for i in infos if i.get("val_loss") is not None]
-    return sum(losses) / max(len(losses), 1), identical, min(_rounds(i) for i in infos)
+    return finished_loss(phase, infos), identical, min(_rounds(i) for i in infos)
 
 
 @dataclass
@@ -204,7 +233,7 @@ def _wait_first_round(swarm: Swarm, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while max(_rounds(i) for i in swarm.infos()) < 1:
         if time.monotonic() > deadline:
-            raise TimeoutError("no round completed")
+            raise PhaseUnfinished(f"chaos phase: no round completed in {timeout:.0f} s")
         time.sleep(POLL_S)
 
 
@@ -234,7 +263,7 @@ def run_chaos(root: Path, args: argparse.Namespace) -> dict[str, Any]:
                 swarm.lab.heal_link(swarm.hosts[chaos.cut[0]])
             print(f"chaos phase over: kills={chaos.kills} partitions={chaos.partitions} "
                   f"rounds={[_rounds(i) for i in swarm.infos()]}", flush=True)
-            final_loss, identical, slowest = _final(swarm, 60)
+            final_loss, identical, slowest = _final(swarm, 60, "chaos")
             return {
                 "kills": chaos.kills, "partitions": chaos.partitions, "rounds_completed": slowest,
                 "lost_rounds": chaos.lost, "max_stall_s": round(chaos.stall, 2),
@@ -261,7 +290,7 @@ def run_undisturbed(root: Path, args: argparse.Namespace) -> float:
             deadline = time.monotonic() + args.timeout_s
             while time.monotonic() < deadline and not all(i.get("phase") == "done" for i in swarm.infos()):
                 time.sleep(0.5)
-            return _final(swarm, 30)[0]
+            return _final(swarm, 30, "undisturbed")[0]
         finally:
             swarm.stop()
 
@@ -285,10 +314,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="lattica-chaos-") as tmp:
         root = args.keep_dir or Path(tmp)
         started = time.monotonic()
-        result = run_chaos(root, args)
-        result["undisturbed_loss"] = None if args.skip_undisturbed else round(run_undisturbed(root, args), 4)
-        if result["undisturbed_loss"]:
-            result["loss_ratio"] = round(result["final_loss"] / result["undisturbed_loss"], 4)
+        try:
+            result = run_chaos(root, args)
+            if not args.skip_undisturbed:
+                result["undisturbed_loss"] = round(run_undisturbed(root, args), 4)
+                result["loss_ratio"] = round(result["final_loss"] / result["undisturbed_loss"], 4)
+        except PhaseUnfinished as exc:
+            print(f"chaos benchmark failed: {exc}", file=sys.stderr)
+            sys.exit(1)
         result["nodes"], result["rounds"], result["wall_s"] = args.nodes, args.rounds, round(time.monotonic() - started, 1)
         print(json.dumps(result))
 

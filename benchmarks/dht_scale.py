@@ -13,6 +13,11 @@ so a seeker that happens to store the record still walks), and we record success
 at which the first provider record came back (routing-table seeds are hop 1), and the wall
 time of the walk. The last line of output is one JSON object.
 
+A lookup that finds no provider (in its 30 s) is a measured failure (``success_rate``). A growth
+step that does not finish — a join that fails or times out, a worker that exits — fails the run:
+exit status 1 and one line on stderr, no figures (lookups on a partly joined network would be
+reported as if it were whole).
+
 py-libp2p's AutoConnector is stopped on every host (``--keep-auto-connector`` leaves it on):
 it dials every peer in the peerstore up to ~200 connections, which with DHT-learned addresses
 is O(N^2) handshakes and swamps two cores long before N = 200.
@@ -39,7 +44,21 @@ import trio
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 JOIN_CONCURRENCY = 6
+JOIN_TIMEOUT_S = 60.0
 WORKER_SCRIPT = os.path.abspath(__file__)
+
+
+class BenchmarkFailed(RuntimeError):
+    """A growth step did not finish: the benchmark reports no figures."""
+
+
+def check_grown(n: int, replies: dict[int, dict]) -> None:
+    """Raise ``BenchmarkFailed`` if any worker's joins failed while growing to ``n`` nodes."""
+    failed = {i: r.get("failed_joins", []) for i, r in replies.items() if r.get("failed_joins")}
+    if failed:
+        count = sum(len(f) for f in failed.values())
+        first = next(iter(failed.values()))[0]
+        raise BenchmarkFailed(f"growing to {n} nodes: {count} join(s) did not finish (first: {first})")
 
 
 # -- worker process ------------------------------------------------------------------------
@@ -72,23 +91,26 @@ class Worker:
                 await host.get_network().auto_connector.stop()
             new.append((host, LatticaDHT(host, config=self._config)))
         limiter = trio.CapacityLimiter(JOIN_CONCURRENCY)
+        failed: list[str] = []
         async with trio.open_nursery() as nursery:
             for (host, dht), contact in zip(new, contacts, strict=True):
                 if contact:
-                    nursery.start_soon(self._join, host, dht, contact, limiter)
+                    nursery.start_soon(self._join, host, dht, contact, limiter, failed)
         for host, dht in new:
             self.hosts.append(host)
             self.dhts.append(dht)
-        return {"peers": [_info_json(h) for h, _ in new]}
+        return {"peers": [_info_json(h) for h, _ in new], "failed_joins": failed}
 
-    async def _join(self, host, dht, contact, limiter) -> None:
+    async def _join(self, host, dht, contact, limiter, failed: list[str]) -> None:
         async with limiter:
-            with trio.move_on_after(60):
+            with trio.move_on_after(JOIN_TIMEOUT_S) as scope:
                 try:
                     await host.connect(_info_from_json(contact))
                     await dht.bootstrap()
                 except Exception as exc:
-                    print(f"join failed: {exc!r}", file=sys.stderr)
+                    failed.append(f"join failed: {exc!r}"[:200])
+            if scope.cancelled_caught:
+                failed.append(f"join took over {JOIN_TIMEOUT_S:.0f} s")
 
     async def provide(self, index: int, key: str) -> dict:
         return {"ok": await self.dhts[index].provide(bytes.fromhex(key))}
@@ -155,11 +177,17 @@ class WorkerProcess:
         line, self._buf = self._buf.split(b"\n", 1)
         return json.loads(line)
 
+    async def call_or_fail(self, **cmd) -> dict:
+        try:
+            return await self.call(**cmd)
+        except RuntimeError as exc:
+            raise BenchmarkFailed(str(exc)) from None
+
 
 async def grow(workers: list[WorkerProcess], peers: list, n: int, rng: random.Random) -> None:
     """Add nodes round-robin over workers; each dials a node that existed before this step."""
     if not peers:  # the very first node has nobody to dial
-        first = await workers[0].call(op="grow", contacts=[None])
+        first = await workers[0].call_or_fail(op="grow", contacts=[None])
         peers.append((0, 0, first["peers"][0]))
         workers[0].count = 1
     existing = [info for _, _, info in peers]
@@ -169,12 +197,16 @@ async def grow(workers: list[WorkerProcess], peers: list, n: int, rng: random.Ra
     replies: dict[int, dict] = {}
 
     async def one(i: int) -> None:
-        replies[i] = await workers[i].call(op="grow", contacts=plan[i])
+        try:
+            replies[i] = await workers[i].call(op="grow", contacts=plan[i])
+        except RuntimeError as exc:  # raised after the nursery, not as an exception group
+            replies[i] = {"failed_joins": [str(exc)]}
 
     async with trio.open_nursery() as nursery:
         for i, contacts in enumerate(plan):
             if contacts:
                 nursery.start_soon(one, i)
+    check_grown(n, replies)
     for i in sorted(replies):
         for info in replies[i]["peers"]:
             peers.append((i, workers[i].count, info))
@@ -186,9 +218,9 @@ async def measure(workers, peers, lookups: int, rng: random.Random) -> dict:
     for _ in range(lookups):
         (pw, pi, pinfo), (sw, si, _) = rng.sample(peers, 2)
         key = os.urandom(34).hex()
-        await workers[pw].call(op="provide", index=pi, key=key)
+        await workers[pw].call_or_fail(op="provide", index=pi, key=key)
         await trio.sleep(0.05)  # ADD_PROVIDER is fire-and-forget; let it land
-        answer = await workers[sw].call(op="find", index=si, key=key)
+        answer = await workers[sw].call_or_fail(op="find", index=si, key=key)
         if pinfo[0] in answer["providers"]:
             ok += 1
             hops.append(answer["hops"])
@@ -226,7 +258,7 @@ async def parent_main(
             await grow(workers, peers, n, rng)
             setup_s = round(time.perf_counter() - t0, 1)
             row = await measure(workers, peers, lookups, rng)
-            stats = [await w.call(op="stats") for w in workers]
+            stats = [await w.call_or_fail(op="stats") for w in workers]
             tables = [t for s in stats for t in s["tables"]]
             row.update(
                 setup_s=setup_s,
@@ -280,7 +312,13 @@ if __name__ == "__main__":
     )
     args = parser.parse_args()
     sizes = sorted(int(s) for s in args.sizes.split(","))
-    result = trio.run(
-        parent_main, sizes, args.lookups, args.workers, args.seed, args.keep_auto_connector
-    )
+    if not sizes or sizes[0] < 2 or args.lookups < 1 or args.workers < 1:
+        parser.error("--sizes must be at least 2, --lookups and --workers at least 1")
+    try:
+        result = trio.run(
+            parent_main, sizes, args.lookups, args.workers, args.seed, args.keep_auto_connector
+        )
+    except BenchmarkFailed as exc:
+        print(f"dht_scale benchmark failed: {exc}", file=sys.stderr)
+        sys.exit(1)
     print(json.dumps(result), flush=True)

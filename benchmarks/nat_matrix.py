@@ -11,6 +11,10 @@ again through the other one.
 
 Summary keys: ``scenarios``, ``connected`` (count), ``direct_ok`` (every scenario that allows a
 direct path got one), ``max_connect_s``. Targets: all connected, direct_ok, max_connect_s <= 5.
+
+A scenario that fails to connect is a row of the matrix. A scenario that does not finish (its
+lab or daemons raised) fails the run after the table: exit status 1, one line on stderr, no
+summary (its figures would be computed over a partial matrix).
 """
 
 from __future__ import annotations
@@ -53,8 +57,28 @@ def main() -> int:
     for r in results:
         print(f"{r.scenario:<22}{r.connected!s:<11}{r.path!s:<14}{r.connect_s!s:<11}"
               f"{r.direct_s!s:<10}{r.details.get('reconnect_s', '-')}")
+    try:
+        summary = summarize(results)
+    except ScenarioUnfinished as exc:
+        print(f"nat matrix failed: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(summary))
+    return 0
+
+
+class ScenarioUnfinished(RuntimeError):
+    """A scenario raised instead of finishing: the matrix has no summary."""
+
+
+def summarize(results: list[ScenarioResult]) -> dict:
+    """The summary JSON; raises ``ScenarioUnfinished`` naming the scenarios that raised."""
+    broken = [f"{r.scenario} ({r.details['error']})" for r in results if "error" in r.details]
+    if broken:
+        raise ScenarioUnfinished(f"scenario(s) did not finish: {'; '.join(broken)}")
+    if not results:
+        raise ScenarioUnfinished("no scenario ran")
     connect_times = [r.connect_s for r in results if r.connect_s is not None]
-    summary = {
+    return {
         "scenarios": len(results),
         "connected": sum(r.connected for r in results),
         "direct_ok": all(r.direct_s is not None for r in results if r.direct_possible),
@@ -67,8 +91,6 @@ def main() -> int:
             for r in results
         ],
     }
-    print(json.dumps(summary))
-    return 0
 
 
 if __name__ == "__main__":

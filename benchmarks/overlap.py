@@ -17,6 +17,16 @@ low that communication outlasts the window, eager and streaming block too, by de
 ``<strategy>_step_ms`` is the mean inner step: overlapped communication competes with the inner
 steps for the cores (and the GIL), which makes them slower without counting as waiting.
 
+So ``<strategy>_util`` (own inner-step time over own wall) flatters a strategy whose steps got
+slower. What a user feels is measured against a no-communication run (``nocomm``, always run
+first, same steps, same peers, same run): ``<strategy>_util_vs_nocomm`` is the no-communication
+run's wall time over the strategy's (1.0: communication cost nothing at all), and
+``<strategy>_speedup_vs_blocking`` is blocking DiLoCo's wall time over the strategy's.
+
+A phase that does not finish — a peer that exits or misses its deadline, fewer steps than
+asked, a sync that was skipped or never completed — fails the run: exit status 1 and one line on
+stderr naming it, no figures.
+
     python benchmarks/overlap.py [--rate-mbit 20] [--steps 240] [--inner-steps 40] [--overlap-steps 5]
 
 Needs root, ``ip`` and ``nft`` (the lab); without them it says so and exits with status 2.
@@ -27,12 +37,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import sys
 import time
 
 WORKERS = 4
-STRATEGIES = ("diloco", "eager", "streaming")
+STRATEGIES = ("nocomm", "diloco", "eager", "streaming")
+FRAGMENTS = 2
+PHASE_TIMEOUT_S = 1800.0
+
+
+class BenchmarkFailed(RuntimeError):
+    """A phase did not finish: the benchmark reports no figures."""
 
 
 def _strategy_config(name: str, inner_steps: int, overlap_steps: int):
@@ -40,12 +57,14 @@ def _strategy_config(name: str, inner_steps: int, overlap_steps: int):
     from lattica.train.strategies.eager import EagerDiLoCoConfig
     from lattica.train.strategies.streaming import StreamingDiLoCoConfig
 
+    if name == "nocomm":
+        return None
     if name == "diloco":
         return DiLoCoConfig(inner_steps=inner_steps)
     if name == "eager":
         return EagerDiLoCoConfig(inner_steps=inner_steps)
     return StreamingDiLoCoConfig(
-        inner_steps=inner_steps, fragments=2, overlap_steps=overlap_steps, mixing=0.5
+        inner_steps=inner_steps, fragments=FRAGMENTS, overlap_steps=overlap_steps, mixing=0.5
     )
 
 
@@ -118,17 +137,25 @@ async def _train(service, cmd: dict) -> dict:
         log_every=steps,
         schedule=ScheduleConfig(lr=1e-3, warmup_steps=1, total_steps=steps),
     )
-    trainer = Trainer(task, strategy, config, device=select_device("cpu"))
-    timing = {"inner": 0.0, "first": None, "last": None}
+    rounds = {"done": 0, "skipped": 0}
+
+    def count_round(event) -> None:
+        rounds["skipped" if event.report.skipped else "done"] += 1
+
+    trainer = Trainer(task, strategy, config, device=select_device("cpu"), on_round=count_round)
+    timing = {"inner": 0.0, "inner_cpu": 0.0, "waits": 0, "first": None, "last": None}
     whole_step, after_inner_step = trainer._whole_step, strategy.after_inner_step
 
     def timed_step() -> float:
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.thread_time()
+        waits_before = resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw
         timing["first"] = timing["first"] or started
         try:
             return whole_step()
         finally:
             timing["inner"] += time.perf_counter() - started
+            timing["inner_cpu"] += time.thread_time() - cpu_started
+            timing["waits"] += resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw - waits_before
 
     async def timed_after(step: int):
         reports = await after_inner_step(step)
@@ -139,15 +166,25 @@ async def _train(service, cmd: dict) -> dict:
     trainer._whole_step = timed_step
     strategy.after_inner_step = timed_after
     sent_before = service.stats.total_sent()
-    await trainer.run()
+    cpu_before = time.process_time()
+    summary = await trainer.run()
+    process_cpu = time.process_time() - cpu_before
+    if timing["first"] is None or timing["last"] is None or summary.steps != steps:
+        return {"ok": False, "error": f"trained {summary.steps} of {steps} steps"}
     wall = timing["last"] - timing["first"]
     return {
         "ok": True,
+        "steps": summary.steps,
+        "syncs": rounds["done"],
+        "skipped_syncs": rounds["skipped"],
         "inner_s": timing["inner"],
         "wall_s": wall,
         "util": timing["inner"] / wall,
         "bytes_sent": service.stats.total_sent() - sent_before,
         "step_s": timing["inner"] / steps,
+        "step_cpu_s": timing["inner_cpu"] / steps,
+        "step_waits": timing["waits"] / steps,
+        "other_cpu_s": process_cpu - timing["inner_cpu"],
         "comm_s": statistics.fmean(collective.seconds) if collective.seconds else 0.0,
     }
 
@@ -207,12 +244,15 @@ def _run_lab(args: argparse.Namespace) -> dict:
             )
             for h in hosts
         ]
-        hellos = [p.wait_for(lambda e: "peer_id" in e, timeout=180) for p in procs]
+        try:
+            hellos = [p.wait_for(lambda e: "peer_id" in e, timeout=180) for p in procs]
+            for i, proc in enumerate(procs):
+                proc.send({"op": "connect", "addrs": [h["addr"] for h in hellos[i + 1 :]]})
+                proc.wait_for(lambda e: e.get("op") == "connect", timeout=60, fresh=True)
+        except (TimeoutError, RuntimeError) as exc:
+            raise BenchmarkFailed(f"the peers did not start and connect: {exc}") from None
         peers = [h["peer_id"] for h in hellos]
-        for i, proc in enumerate(procs):
-            proc.send({"op": "connect", "addrs": [h["addr"] for h in hellos[i + 1 :]]})
-            proc.wait_for(lambda e: e.get("op") == "connect", timeout=60, fresh=True)
-        for name in args.strategies:
+        for name in [n for _ in range(args.cycles) for n in args.strategies]:
             for i, proc in enumerate(procs):
                 proc.send(
                     {
@@ -225,13 +265,21 @@ def _run_lab(args: argparse.Namespace) -> dict:
                         "seed": i,
                     }
                 )
-            results[name] = [
-                p.wait_for(lambda e: e.get("op") == "train", timeout=1800, fresh=True)
-                for p in procs
-            ]
-            r = results[name]
+            try:
+                r = [
+                    p.wait_for(lambda e: e.get("op") == "train", timeout=PHASE_TIMEOUT_S, fresh=True)
+                    for p in procs
+                ]
+            except (TimeoutError, RuntimeError) as exc:
+                raise BenchmarkFailed(f"{name} phase did not finish: {exc}") from None
+            check_phase(name, r, args.steps, expected_syncs(name, args))
+            results.setdefault(name, []).extend(r)
             print(
                 f"{name:<10} util {statistics.fmean(x['util'] for x in r):.3f}  "
+                f"step {1000 * statistics.fmean(x['step_s'] for x in r):.1f} ms "
+                f"(CPU {1000 * statistics.fmean(x['step_cpu_s'] for x in r):.1f} ms)  "
+                f"other CPU {statistics.fmean(x['other_cpu_s'] for x in r):.2f}s  "
+                f"waits/step {statistics.fmean(x['step_waits'] for x in r):.2f}  "
                 f"wall {statistics.fmean(x['wall_s'] for x in r):.1f}s  "
                 f"MB sent/peer {statistics.fmean(x['bytes_sent'] for x in r) / 1e6:.2f}  "
                 f"comm {statistics.fmean(x['comm_s'] for x in r):.3f}s per call, "
@@ -245,8 +293,83 @@ def _run_lab(args: argparse.Namespace) -> dict:
 
 def _window_s(name: str, args: argparse.Namespace, rows: list[dict]) -> float:
     """Inner-step time the strategy lets one sync overlap (none for blocking DiLoCo)."""
-    steps = {"diloco": 0, "eager": args.inner_steps, "streaming": args.overlap_steps}[name]
-    return steps * statistics.fmean(r["step_s"] for r in rows)
+    steps = {"nocomm": 0, "diloco": 0, "eager": args.inner_steps, "streaming": args.overlap_steps}
+    return steps[name] * statistics.fmean(r["step_s"] for r in rows)
+
+
+def expected_syncs(name: str, args: argparse.Namespace) -> int:
+    """Completed syncs one peer must report: a round per H steps; Streaming: every fragment
+    sync started (all are applied by the end of training)."""
+    from lattica.train.strategies.streaming import sync_due
+
+    if name == "nocomm":
+        return 0
+    if name == "streaming":
+        h = args.inner_steps
+        return sum(
+            sync_due(step, p, inner_steps=h, fragments=FRAGMENTS)
+            for step in range(1, args.steps + 1)
+            for p in range(FRAGMENTS)
+        )
+    return args.steps // args.inner_steps
+
+
+def check_phase(name: str, rows: list[dict], steps: int, syncs: int) -> None:
+    """Raise ``BenchmarkFailed`` unless every peer trained every step and completed its syncs."""
+    if not rows or len(rows) % WORKERS:
+        raise BenchmarkFailed(f"{name}: {len(rows)} peer reports, not a multiple of {WORKERS}")
+    for i, row in enumerate(rows):
+        if not row.get("ok"):
+            raise BenchmarkFailed(f"{name}: peer {i} did not finish: {row.get('error', row)}")
+        if row.get("steps") != steps:
+            raise BenchmarkFailed(f"{name}: peer {i} trained {row.get('steps')} of {steps} steps")
+        if row.get("skipped_syncs"):
+            raise BenchmarkFailed(f"{name}: peer {i} skipped {row['skipped_syncs']} sync(s)")
+        if row.get("syncs", 0) < syncs:
+            raise BenchmarkFailed(f"{name}: peer {i} completed {row.get('syncs')} of {syncs} syncs")
+        if not row.get("wall_s", 0) > 0:
+            raise BenchmarkFailed(f"{name}: peer {i} reported no wall time")
+
+
+def summarize(results: dict[str, list[dict]], args: argparse.Namespace) -> dict:
+    """The JSON figures; raises ``BenchmarkFailed`` when a phase is missing or unfinished."""
+    for name in args.strategies:
+        if len(results.get(name, [])) != WORKERS * args.cycles:
+            raise BenchmarkFailed(f"{name}: the phase did not run {args.cycles} time(s)")
+        check_phase(name, results[name], args.steps, expected_syncs(name, args))
+    key = {"diloco": "blocking_util", "eager": "eager_util", "streaming": "streaming_util"}
+    out = {
+        "link": f"tbf {args.rate_mbit} Mbit/s egress per peer (netns lab)",
+        "workers": WORKERS,
+        "steps": args.steps,
+        "inner_steps": args.inner_steps,
+        "streaming_fragments": FRAGMENTS,
+        "streaming_overlap_steps": args.overlap_steps,
+        "cycles": args.cycles,
+    }
+    walls = {name: statistics.fmean(r["wall_s"] for r in rows) for name, rows in results.items()}
+    for name, rows in results.items():
+        out[key.get(name, f"{name}_util")] = round(statistics.fmean(r["util"] for r in rows), 4)
+        out[f"{name}_wall_s"] = round(walls[name], 2)
+        out[f"{name}_bytes_per_peer"] = int(statistics.fmean(r["bytes_sent"] for r in rows))
+        out[f"{name}_comm_s"] = round(statistics.fmean(r["comm_s"] for r in rows), 3)
+        # inner steps slow down when communication competes for the cores (and the GIL)
+        out[f"{name}_step_ms"] = round(1000 * statistics.fmean(r["step_s"] for r in rows), 1)
+        # CPU, which load from other processes does not inflate: the training thread's per
+        # inner step, and the rest of the process (communication, codecs, outer steps)
+        out[f"{name}_step_cpu_ms"] = round(1000 * statistics.fmean(r["step_cpu_s"] for r in rows), 1)
+        out[f"{name}_other_cpu_s"] = round(statistics.fmean(r["other_cpu_s"] for r in rows), 2)
+        # times per inner step the training thread blocked (mostly: waiting for the GIL while
+        # the event loop thread runs communication)
+        out[f"{name}_step_waits"] = round(statistics.fmean(r["step_waits"] for r in rows), 2)
+        if name in ("eager", "streaming"):
+            out[f"{name}_window_s"] = round(_window_s(name, args, rows), 3)
+        if name != "nocomm":
+            user = "blocking" if name == "diloco" else name
+            out[f"{user}_util_vs_nocomm"] = round(walls["nocomm"] / walls[name], 4)
+            if name != "diloco" and "diloco" in walls:
+                out[f"{name}_speedup_vs_blocking"] = round(walls["diloco"] / walls[name], 4)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -258,6 +381,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--inner-steps", type=int, default=40, help="H")
     parser.add_argument("--overlap-steps", type=int, default=5, help="Streaming's tau")
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    parser.add_argument(
+        "--cycles", type=int, default=1,
+        help="run the strategies in turn this many times (load from other work hits all alike)",
+    )
     parser.add_argument("--log-dir", default="", help="write each peer's stderr here")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.peer:
@@ -272,31 +399,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: the NAT lab is unavailable here: {reason}", file=sys.stderr)
         return 2
     args.strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    unknown = [s for s in args.strategies if s not in STRATEGIES]
+    if unknown:
+        parser.error(f"unknown strategies {unknown}; choose from {', '.join(STRATEGIES)}")
+    if "nocomm" not in args.strategies:  # the reference of every *_util_vs_nocomm
+        args.strategies.insert(0, "nocomm")
     print(
         f"{WORKERS} peers in network namespaces, tbf egress cap {args.rate_mbit} Mbit/s each, "
         f"tiny GPT, {args.steps} steps, H={args.inner_steps}, streaming P=2 tau="
         f"{args.overlap_steps} fp4",
         flush=True,
     )
-    results = _run_lab(args)
-    key = {"diloco": "blocking_util", "eager": "eager_util", "streaming": "streaming_util"}
-    out = {
-        "link": f"tbf {args.rate_mbit} Mbit/s egress per peer (netns lab)",
-        "workers": WORKERS,
-        "steps": args.steps,
-        "inner_steps": args.inner_steps,
-        "streaming_fragments": 2,
-        "streaming_overlap_steps": args.overlap_steps,
-    }
-    for name, rows in results.items():
-        out[key.get(name, f"{name}_util")] = round(statistics.fmean(r["util"] for r in rows), 4)
-        out[f"{name}_wall_s"] = round(statistics.fmean(r["wall_s"] for r in rows), 2)
-        out[f"{name}_bytes_per_peer"] = int(statistics.fmean(r["bytes_sent"] for r in rows))
-        out[f"{name}_comm_s"] = round(statistics.fmean(r["comm_s"] for r in rows), 3)
-        # inner steps slow down when communication competes for the cores (and the GIL)
-        out[f"{name}_step_ms"] = round(1000 * statistics.fmean(r["step_s"] for r in rows), 1)
-        if name != "diloco":
-            out[f"{name}_window_s"] = round(_window_s(name, args, rows), 3)
+    try:
+        out = summarize(_run_lab(args), args)
+    except BenchmarkFailed as exc:
+        print(f"overlap benchmark failed: {exc}", file=sys.stderr)
+        return 1
     print(json.dumps(out))
     return 0
 

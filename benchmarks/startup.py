@@ -6,6 +6,9 @@ Starts a bootstrap daemon, then a second daemon joining it, and measures:
 - ``idle_rss_mb``: the joined daemon's resident memory after it has idled for a few seconds;
 - ``bare_python_rss_mb``: a bare ``python -c "import trio"`` process, measured in the same run.
 Targets: idle_rss_mb <= 150, startup_s <= 3. Last line: one JSON object.
+
+A daemon that does not start, or a joiner that never connects within 60 s, fails the run: exit
+status 1 and one line on stderr, no figures.
 """
 
 from __future__ import annotations
@@ -21,6 +24,12 @@ from pathlib import Path
 
 from lattica.errors import LatticaError
 from lattica.testing.daemons import DaemonProcess
+
+CONNECT_TIMEOUT_S = 60.0
+
+
+class BenchmarkFailed(RuntimeError):
+    """A start-up did not finish: the benchmark reports no figures."""
 
 
 def rss_mb(pid: int) -> float:
@@ -49,8 +58,9 @@ def one_startup(root: Path, bootstrap: str, idle_s: float) -> tuple[float, float
     joiner.start()
     try:
         while True:
-            if time.monotonic() - started > 60:
-                raise TimeoutError(joiner.log())
+            if time.monotonic() - started > CONNECT_TIMEOUT_S:
+                tail = " | ".join(joiner.log().strip().splitlines()[-3:])
+                raise BenchmarkFailed(f"the joiner had no connected peer after {CONNECT_TIMEOUT_S:.0f} s: {tail}")
             try:
                 if any(p["connected"] for p in joiner.call("peers")):
                     break
@@ -65,21 +75,31 @@ def one_startup(root: Path, bootstrap: str, idle_s: float) -> tuple[float, float
         joiner.stop()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--idle", type=float, default=5.0)
-    args = parser.parse_args()
+def startups(repeats: int, idle_s: float) -> list[tuple[float, float]]:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         bootstrap = DaemonProcess(root / "bootstrap").start()
         try:
             bootstrap.wait_ready()
             addr = bootstrap.addr
-            runs = [one_startup(root / f"joiner{i}", addr, args.idle) for i in range(args.repeats)]
+            return [one_startup(root / f"joiner{i}", addr, idle_s) for i in range(repeats)]
         finally:
             bootstrap.stop()
-    bare = bare_python_rss()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--idle", type=float, default=5.0)
+    args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    try:
+        runs = startups(args.repeats, args.idle)
+        bare = bare_python_rss()
+    except (BenchmarkFailed, LatticaError, RuntimeError, OSError) as exc:
+        print(f"startup benchmark failed: {exc}", file=sys.stderr)
+        sys.exit(1)
     print(f"{'run':>4} {'startup_s':>10} {'idle_rss_mb':>12}")
     for i, (s, r) in enumerate(runs):
         print(f"{i:>4} {s:>10.2f} {r:>12.1f}")

@@ -1,0 +1,231 @@
+"""The benchmarks' rule: a phase that did not finish fails the run and never reports a number.
+
+Each benchmark summarizes its phases in a pure function; these tests feed it what an unfinished
+phase leaves behind (a replica still training, a missing rep, a skipped sync, a crashed
+scenario) and check that it raises instead of returning figures — and that finished phases
+still give the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from lattica.train.strategies import STRATEGIES
+from lattica.train.trainer import TrainingSummary
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _load(name: str) -> ModuleType:
+    """A benchmark script as a module (the scripts are not a package)."""
+    module_name = f"_bench_{name}"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    spec = importlib.util.spec_from_file_location(module_name, BENCHMARKS / f"{name}.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+# ---------------------------------------------------------------------------- chaos
+
+
+def test_chaos_undisturbed_phase_that_did_not_finish_has_no_loss():
+    chaos = _load("chaos")
+    infos = [
+        {"phase": "done", "rounds_completed": 240, "val_loss": 2.5},
+        {"phase": "training", "rounds_completed": 97, "val_loss": None},
+        {},  # a daemon that did not answer
+    ]
+    with pytest.raises(chaos.PhaseUnfinished, match=r"undisturbed phase did not finish: n1 \(training, round 97\), n2"):
+        chaos.finished_loss("undisturbed", infos)
+
+
+def test_chaos_phase_without_a_loss_or_with_a_non_finite_one_fails():
+    chaos = _load("chaos")
+    with pytest.raises(chaos.PhaseUnfinished, match="n0"):
+        chaos.finished_loss("chaos", [{"phase": "done", "val_loss": None}])
+    with pytest.raises(chaos.PhaseUnfinished, match="n0"):
+        chaos.finished_loss("chaos", [{"phase": "done", "val_loss": math.nan}])
+    with pytest.raises(chaos.PhaseUnfinished, match="no replica"):
+        chaos.finished_loss("chaos", [])
+
+
+def test_chaos_finished_phase_gives_the_mean_loss():
+    chaos = _load("chaos")
+    infos = [{"phase": "done", "val_loss": 2.0}, {"phase": "done", "val_loss": 3.0}]
+    assert chaos.finished_loss("chaos", infos) == pytest.approx(2.5)
+
+
+# ---------------------------------------------------------------------------- overlap
+
+
+def _overlap_args(strategies=("nocomm", "diloco", "eager", "streaming")) -> argparse.Namespace:
+    return argparse.Namespace(
+        strategies=list(strategies), steps=120, inner_steps=40, overlap_steps=5, rate_mbit=20.0,
+        cycles=1,
+    )
+
+
+def _overlap_row(wall: float, syncs: int, **changes) -> dict:
+    row = {
+        "ok": True, "steps": 120, "syncs": syncs, "skipped_syncs": 0, "inner_s": wall * 0.9,
+        "wall_s": wall, "util": 0.9, "bytes_sent": 1000, "step_s": wall * 0.9 / 120,
+        "step_cpu_s": 0.02, "other_cpu_s": 0.1, "step_waits": 0.5, "comm_s": 0.3,
+    }
+    return row | changes
+
+
+def _overlap_results(**overrides) -> dict[str, list[dict]]:
+    args = _overlap_args()
+    overlap = _load("overlap")
+    walls = {"nocomm": 20.0, "diloco": 25.0, "eager": 21.0, "streaming": 22.0}
+    results = {
+        name: [_overlap_row(walls[name], overlap.expected_syncs(name, args)) for _ in range(4)]
+        for name in walls
+    }
+    return results | overrides
+
+
+def test_overlap_reports_utilization_against_no_communication_and_blocking():
+    overlap = _load("overlap")
+    out = overlap.summarize(_overlap_results(), _overlap_args())
+    assert out["eager_util_vs_nocomm"] == pytest.approx(20.0 / 21.0, abs=1e-4)
+    assert out["streaming_util_vs_nocomm"] == pytest.approx(20.0 / 22.0, abs=1e-4)
+    assert out["blocking_util_vs_nocomm"] == pytest.approx(20.0 / 25.0, abs=1e-4)
+    assert out["eager_speedup_vs_blocking"] == pytest.approx(25.0 / 21.0, abs=1e-4)
+    assert out["streaming_speedup_vs_blocking"] == pytest.approx(25.0 / 22.0, abs=1e-4)
+    assert out["eager_util"] == pytest.approx(0.9)  # the per-strategy figure stays
+
+
+def test_overlap_streaming_expects_every_fragment_sync_started():
+    overlap = _load("overlap")
+    # fragment 0 starts at 40, 80, 120; fragment 1 (offset H/2) at 60, 100 — never before H
+    assert overlap.expected_syncs("streaming", _overlap_args()) == 5
+    assert overlap.expected_syncs("eager", _overlap_args()) == 3
+    assert overlap.expected_syncs("nocomm", _overlap_args()) == 0
+
+
+@pytest.mark.parametrize(
+    ("broken", "match"),
+    [
+        ({"ok": False, "error": "trained 80 of 120 steps"}, "peer 2 did not finish"),
+        ({"steps": 80}, "peer 2 trained 80 of 120 steps"),
+        ({"skipped_syncs": 1}, "peer 2 skipped 1 sync"),
+        ({"syncs": 1}, "peer 2 completed 1 of 3 syncs"),
+        ({"wall_s": 0.0}, "peer 2 reported no wall time"),
+    ],
+)
+def test_overlap_unfinished_phase_fails_the_run(broken: dict, match: str):
+    overlap = _load("overlap")
+    rows = [_overlap_row(21.0, 3) for _ in range(4)]
+    rows[2] = rows[2] | broken
+    with pytest.raises(overlap.BenchmarkFailed, match=match):
+        overlap.summarize(_overlap_results(eager=rows), _overlap_args())
+
+
+def test_overlap_missing_phase_or_peer_fails_the_run():
+    overlap = _load("overlap")
+    results = _overlap_results()
+    del results["streaming"]
+    with pytest.raises(overlap.BenchmarkFailed, match="streaming"):
+        overlap.summarize(results, _overlap_args())
+    results = _overlap_results()
+    results["eager"] = results["eager"][:3]
+    with pytest.raises(overlap.BenchmarkFailed, match="eager"):
+        overlap.summarize(results, _overlap_args())
+
+
+# ---------------------------------------------------------------------------- transfer
+
+
+def test_transfer_missing_rep_fails_and_complete_reps_give_ratios():
+    transfer = _load("transfer")
+    mib = 1 << 20
+    reps = {"tcp": [(0.1, 0.05)] * 2, "fast": [(0.2, 0.1)] * 2, "libp2p": [(1.0, 0.9)] * 2}
+    out = transfer.summarize(256 * mib, reps, 2)
+    assert out["fast_vs_tcp"] == pytest.approx(0.5)
+    assert out["libp2p_vs_tcp"] == pytest.approx(0.1)
+    assert out["fast_vs_tcp_cpu"] == pytest.approx(0.5)
+    assert set(out) >= {"tcp_mb_s", "fast_mb_s", "libp2p_mb_s", "fast_vs_tcp", "libp2p_vs_tcp"}
+    with pytest.raises(transfer.BenchmarkFailed, match="fast: 1 of 2 reps"):
+        transfer.summarize(256 * mib, reps | {"fast": [(0.2, 0.1)]}, 2)
+    with pytest.raises(transfer.BenchmarkFailed, match="libp2p: 0 of 2 reps"):
+        transfer.summarize(256 * mib, {k: v for k, v in reps.items() if k != "libp2p"}, 2)
+
+
+# ---------------------------------------------------------------------------- convergence
+
+
+def test_convergence_all_covers_every_registered_strategy():
+    convergence = _load("convergence")
+    methods = convergence.all_methods()
+    assert set(STRATEGIES) <= set(methods)
+    assert {m.strategy for m in methods.values()} == set(STRATEGIES)
+    assert set(convergence.METHODS) <= set(methods)  # the extras (moe_diloco) stay
+
+
+def _summary(steps: int, val_loss: float | None) -> TrainingSummary:
+    return TrainingSummary(
+        steps=steps, rounds=1, train_loss=3.0, val_loss=val_loss, tokens=1, seconds=1.0, bytes_sent=0
+    )
+
+
+def test_convergence_method_that_did_not_finish_fails():
+    convergence = _load("convergence")
+    done = {i: _summary(100, 2.5) for i in range(convergence.WORKERS)}
+    assert convergence.finished_losses("diloco", done, 100) == [2.5] * convergence.WORKERS
+    with pytest.raises(convergence.BenchmarkFailed, match="worker 1 trained 50 of 100"):
+        convergence.finished_losses("diloco", done | {1: _summary(50, 2.5)}, 100)
+    with pytest.raises(convergence.BenchmarkFailed, match="worker 2 ended with validation loss nan"):
+        convergence.finished_losses("eager", done | {2: _summary(100, math.nan)}, 100)
+    with pytest.raises(convergence.BenchmarkFailed, match="worker 3 did not report"):
+        convergence.finished_losses("eager", {i: done[i] for i in range(3)}, 100)
+
+
+def test_convergence_rejects_an_unknown_strategy(capsys):
+    convergence = _load("convergence")
+    assert convergence.main(["--strategies", "nosuch"]) == 2
+    assert "unknown strategies ['nosuch']" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- the others
+
+
+def test_allreduce_member_that_did_not_finish_fails():
+    allreduce = _load("allreduce")
+    allreduce.check_replies("lattica", [{"ok": True, "seconds": 0.3}] * 4, 4)
+    with pytest.raises(allreduce.BenchmarkFailed, match="member 1 did not finish"):
+        allreduce.check_replies("lattica", [{"ok": True, "seconds": 0.3}, {"ok": False, "error": "deadline"}], 2)
+    with pytest.raises(allreduce.BenchmarkFailed, match="3 of 4 members"):
+        allreduce.check_replies("gloo", [{"seconds": 0.2}] * 3, 4)
+
+
+def test_nat_matrix_scenario_that_raised_has_no_summary():
+    nat_matrix = _load("nat_matrix")
+    from lattica.testing.netlab import ScenarioResult
+
+    fine = ScenarioResult("public<->public", direct_possible=True, connected=True, path="direct",
+                          connect_s=1.0, direct_s=1.0)
+    broken = ScenarioResult("nat<->nat", direct_possible=True)
+    broken.details["error"] = "RuntimeError('lab broke')"
+    assert nat_matrix.summarize([fine])["max_connect_s"] == 1.0
+    with pytest.raises(nat_matrix.ScenarioUnfinished, match=r"nat<->nat \(RuntimeError"):
+        nat_matrix.summarize([fine, broken])
+
+
+def test_dht_scale_failed_join_fails_the_growth_step():
+    dht_scale = _load("dht_scale")
+    dht_scale.check_grown(50, {0: {"peers": [], "failed_joins": []}, 1: {"peers": []}})
+    with pytest.raises(dht_scale.BenchmarkFailed, match="growing to 50 nodes: 2 join"):
+        dht_scale.check_grown(50, {0: {"failed_joins": ["join took over 60 s", "x"]}})
