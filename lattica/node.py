@@ -649,12 +649,13 @@ def _root_reasons(exc: BaseException, depth: int = 0) -> list[str]:
         return ["timed out"]
     text = _first_line(exc)
     deepest: str | None = None
-    inner: BaseException | None = exc
+    inner: BaseException = exc
     for _ in range(6):  # down to the OS error under "fail to open connection to peer …"
         subs = getattr(inner, "exceptions", None)
-        inner = inner.__cause__ if inner.__cause__ is not None else (subs[0] if subs else None)
-        if inner is None:
+        below = inner.__cause__ if inner.__cause__ is not None else (subs[0] if subs else None)
+        if below is None:
             break
+        inner = below
         if not isinstance(inner, BaseExceptionGroup) and _first_line(inner) not in text:
             deepest = _first_line(inner)
     if deepest is not None:
