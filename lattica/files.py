@@ -1,4 +1,5 @@
-"""Reading the small files a user hands us (config, peers list, key, secret) as untrusted input.
+"""Reading the small files a user hands us (config, peers list, key, secret) as untrusted input,
+and writing the daemon's own private files (``append_private``).
 
 Every failure is a ``ConfigError`` whose message names the file and what is wrong, fit to be
 the one line the CLI prints. The size cap is checked before the content is used, so a huge or
@@ -7,6 +8,7 @@ endless file (``/dev/zero``) costs at most ``max_bytes + 1`` bytes of memory.
 
 from __future__ import annotations
 
+import os
 import stat
 from pathlib import Path
 
@@ -37,3 +39,11 @@ def read_text(path: Path, *, what: str, max_bytes: int) -> str:
         return read_capped(path, what=what, max_bytes=max_bytes).decode("utf-8")
     except UnicodeDecodeError:
         raise ConfigError(f"{what} {path} is not UTF-8 text") from None
+
+
+def append_private(path: Path, text: str) -> None:
+    """Append ``text`` to ``path``, a file only its owner can read (0600; narrowed if wider)."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    with os.fdopen(fd, "a") as f:
+        os.fchmod(fd, 0o600)
+        f.write(text)

@@ -18,6 +18,7 @@ from typing import Any
 
 from lattica.config import DEFAULT_INNER_STEPS
 from lattica.errors import LatticaError
+from lattica.files import append_private
 
 EXIT_ERROR = 1
 EXIT_INTERNAL = 2
@@ -141,8 +142,7 @@ def _report_internal(args: argparse.Namespace, exc: BaseException) -> None:
     if args.command == "join":
         try:
             path = resolve_data_dir(args) / "crash.log"
-            with path.open("a") as f:
-                f.write("".join(traceback.format_exception(exc)) + "\n")
+            append_private(path, "".join(traceback.format_exception(exc)) + "\n")
             where = f" (traceback in {path})"
         except OSError:
             pass

@@ -9,7 +9,11 @@ crash leaves either the old set of checkpoints or the new one, never a torn file
 corrupt file is skipped (and reported), so a restarted peer resumes from the one before.
 
 Checkpoints are read with ``torch.load(weights_only=True)``: tensors, numbers, strings and
-containers only — a checkpoint file cannot run code.
+containers only — a checkpoint file cannot run code. They hold the run's weights: the folder is
+0700 and every file 0600, whatever the umask (older, wider ones are narrowed on open).
+
+A kill during ``save`` leaves its temporary ``.step-<n>.pt.<pid>.tmp`` behind; opening the store
+removes those whose writer is gone (or that are older than ``STALE_TMP_S``).
 
 ``weights_hash`` is the content hash published in the replicated state next to a member's last
 completed round and checked by a joiner on weights fetched from other peers: sha256 over every
@@ -23,6 +27,8 @@ import hashlib
 import logging
 import os
 import re
+import stat
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -33,6 +39,8 @@ from lattica.errors import ConfigError, RemoteProtocolError
 
 log = logging.getLogger(__name__)
 _NAME = re.compile(r"^step-(\d{9,})\.pt$")
+_TMP_NAME = re.compile(r"^\.step-\d{9,}\.pt\.(\d+)\.tmp$")
+STALE_TMP_S = 3600.0
 
 
 def weights_hash(state: Mapping[str, torch.Tensor]) -> str:
@@ -75,9 +83,12 @@ class CheckpointStore:
         self.directory = Path(directory)
         self.keep = keep
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
+            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as exc:
             raise ConfigError(f"cannot create checkpoint folder {self.directory}: {exc}") from None
+        for path in (self.directory, *(p for _, p in self.checkpoints())):
+            _make_private(path)
+        self._remove_stale_temporaries()
 
     def checkpoints(self) -> list[tuple[int, Path]]:
         """``(step, path)`` of every complete checkpoint, oldest first."""
@@ -88,11 +99,28 @@ class CheckpointStore:
                 found.append((int(match.group(1)), path))
         return sorted(found)
 
+    def _remove_stale_temporaries(self) -> None:
+        """Delete the temporaries of saves that were killed: their process is gone, or they
+        are older than ``STALE_TMP_S`` (a reused pid)."""
+        now = time.time()
+        for path in self.directory.iterdir():
+            match = _TMP_NAME.match(path.name)
+            if match is None:
+                continue
+            try:
+                stale = not _process_alive(int(match.group(1))) or now - path.stat().st_mtime > STALE_TMP_S
+                if stale:
+                    path.unlink()
+                    log.info("removed %s, left by an interrupted checkpoint write", path)
+            except OSError:
+                continue  # gone meanwhile, or not ours to remove
+
     def save(self, step: int, state: dict[str, Any]) -> Path:
         final = self.directory / f"step-{step:09d}.pt"
         tmp = self.directory / f".{final.name}.{os.getpid()}.tmp"
         try:
-            with open(tmp, "wb") as f:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "wb") as f:
                 torch.save(state, f)
                 f.flush()
                 os.fsync(f.fileno())
@@ -131,6 +159,26 @@ class CheckpointStore:
             except ConfigError as exc:
                 log.warning("skipping %s", exc)
         return None
+
+
+def _make_private(path: Path) -> None:
+    """Narrow a folder to 0700, a file to 0600 (checkpoints of older versions were wider)."""
+    try:
+        mode = path.stat().st_mode
+        if mode & 0o077:
+            path.chmod(0o700 if stat.S_ISDIR(mode) else 0o600)
+    except OSError as exc:
+        log.warning("cannot make %s private: %s", path, exc.strerror or exc)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -3,11 +3,15 @@ with a service that does not let go — and its port can be listened on again ri
 
 from __future__ import annotations
 
+import os
 import signal
+import stat
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 from lattica.testing.daemons import DaemonProcess, run_cli, wait_for
 
@@ -75,6 +79,16 @@ def _rounds(daemon: DaemonProcess) -> int:
     return int(_training(daemon).get("rounds_completed") or 0)
 
 
+@pytest.fixture
+def wide_umask():
+    old = os.umask(0o022)  # inherited by the daemons: files 0644 unless they say otherwise
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+@pytest.mark.usefixtures("wide_umask")
 def test_stop_and_sigterm_while_training_end_within_five_seconds(tmp_path):
     args = (
         "--train", "--model", "tiny", "--device", "cpu", "--rounds", "1000", "--inner-steps", "5",
@@ -89,6 +103,12 @@ def test_stop_and_sigterm_while_training_end_within_five_seconds(tmp_path):
         second.wait_ready(timeout=60)
         assert wait_for(lambda: _rounds(first) >= 1 and _rounds(second) >= 1, timeout=120), first.log()
         assert _training(first).get("phase") == "training"
+        # the run's weights, written while training, are for the owner only
+        checkpoints = first.data_dir / "checkpoints"
+        assert stat.S_IMODE(checkpoints.stat().st_mode) == 0o700
+        saved = list(checkpoints.iterdir())
+        assert saved
+        assert [p.name for p in saved if stat.S_IMODE(p.stat().st_mode) != 0o600] == []
 
         assert _stop_and_time(first) < PROMISE_S
         assert _sigterm_and_time(second) < PROMISE_S

@@ -1,3 +1,9 @@
+import os
+import stat
+import subprocess
+import sys
+import time
+
 import pytest
 import torch
 
@@ -83,3 +89,60 @@ def test_discard_after_removes_only_newer_checkpoints(tmp_path):
     store.discard_after(20)
     assert [s for s, _ in store.checkpoints()] == [10, 20]
     assert store.load_latest()["step"] == 20
+
+
+@pytest.fixture
+def wide_umask():
+    old = os.umask(0o022)  # the usual default: files 0644, folders 0755
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def _mode(path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+@pytest.mark.usefixtures("wide_umask")
+def test_checkpoints_are_private_whatever_the_umask(tmp_path):
+    folder = tmp_path / "checkpoints"
+    path = CheckpointStore(folder, keep=2).save(1, _state(1))
+    assert _mode(folder) == 0o700
+    assert _mode(path) == 0o600
+
+
+@pytest.mark.usefixtures("wide_umask")
+def test_opening_a_store_narrows_older_wider_checkpoints(tmp_path):
+    path = CheckpointStore(tmp_path / "c", keep=2).save(1, _state(1))
+    path.chmod(0o644)
+    (tmp_path / "c").chmod(0o755)
+    CheckpointStore(tmp_path / "c", keep=2)
+    assert _mode(path) == 0o600
+    assert _mode(tmp_path / "c") == 0o700
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_opening_a_store_removes_temporaries_of_killed_writers(tmp_path):
+    store = CheckpointStore(tmp_path, keep=2)
+    store.save(1, _state(1))
+    torn = tmp_path / f".step-000000002.pt.{_dead_pid()}.tmp"
+    torn.write_bytes(b"torn")
+    writing = tmp_path / f".step-000000003.pt.{os.getpid()}.tmp"  # a live writer's
+    writing.write_bytes(b"in progress")
+    forgotten = tmp_path / f".step-000000004.pt.{os.getpid()}.tmp"
+    forgotten.write_bytes(b"old")
+    long_ago = time.time() - checkpoint_mod.STALE_TMP_S - 60
+    os.utime(forgotten, (long_ago, long_ago))
+    unrelated = tmp_path / "notes.tmp"
+    unrelated.write_text("not ours")
+
+    CheckpointStore(tmp_path, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["step-000000001.pt", writing.name, unrelated.name]
+    )
