@@ -18,6 +18,11 @@ tensors take a side road whose keys come from the main road:
    the frame counter, so nonces never repeat under a key. A frame that fails authentication,
    or a length over the cap, is a ``RemoteProtocolError``; the connection is dropped.
 
+A frame is useless until all of it has arrived (its tag is checked over the whole), so the
+receiver asks the kernel (``SO_RCVLOWAT``) to wake it only once the rest of the frame, or
+``WAKE_BYTES`` of it, is there: on a slow link bytes trickle in packet by packet, and a wake-up
+per packet would take the interpreter lock from the training thread hundreds of times a second.
+
 The plaintext is a byte stream carrying ``frames.py`` messages, exactly like a libp2p stream.
 """
 
@@ -42,6 +47,7 @@ NONCE_BYTES = 32
 PENDING_TTL_S = 10.0
 _LEN = struct.Struct(">I")
 _TAG_BYTES = 16
+WAKE_BYTES = 256 << 10  # the most a receiver waits for before it is woken (SO_RCVLOWAT)
 
 
 def derive_keys(
@@ -78,6 +84,7 @@ class FastChannel:
         self._recv_buf = bytearray(frame_bytes + _TAG_BYTES)
         self._plain_buf = bytearray(frame_bytes)
         self._closed = False
+        self._wake_at = 1  # the socket's SO_RCVLOWAT (the kernel's default: any byte)
         for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):  # whole frames per system call
             try:
                 sock.setsockopt(socket.SOL_SOCKET, option, frame_bytes + _TAG_BYTES + _LEN.size)
@@ -155,6 +162,7 @@ class FastChannel:
         view = memoryview(self._recv_buf)[:n]
         got = 0
         while got < n:
+            self._wake_when(min(n - got, WAKE_BYTES))
             try:
                 k = await self._sock.recv_into(view[got:], n - got)
             except (OSError, trio.ClosedResourceError) as exc:  # closed by another task: broken too
@@ -167,6 +175,17 @@ class FastChannel:
                 raise BrokenError(f"fast channel ended mid-frame ({got}/{n})", peer_id=self.peer_id)
             got += k
         return view
+
+    def _wake_when(self, nbytes: int) -> None:
+        """Be woken for reading only once ``nbytes`` are buffered (or the peer closed). Only
+        bytes the peer must still send for the current frame are waited for, so this never
+        waits for data that will not come."""
+        if nbytes != self._wake_at:
+            try:
+                self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, nbytes)
+            except OSError:
+                return
+            self._wake_at = nbytes
 
     async def send_hello(self) -> None:
         await self._send_frame(HELLO)
