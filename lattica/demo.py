@@ -95,6 +95,7 @@ def _follow(daemons: list[DaemonProcess], *, json_output: bool) -> list[dict[str
                     tokens_per_s=t.get("tokens_per_s"),
                     peers=statuses[i].get("connected_peers"),
                     bytes_sent=t.get("bytes_sent"),
+                    bytes_received=t.get("bytes_received"),
                 )
             phases = [s.get("training", {}).get("phase") for s in statuses]
             if all(p in ("done", "failed", "exited") for p in phases):
@@ -129,6 +130,7 @@ def _report(statuses: list[dict[str, Any]], *, json_output: bool) -> int:
             "tokens": summary.get("tokens"),
             "seconds": round(summary["seconds"], 1) if "seconds" in summary else None,
             "bytes_sent": summary.get("bytes_sent"),
+            "bytes_received": t.get("bytes_received"),
             "weights": (t.get("weights_hash") or "")[:12],
         }
         hashes.add(t.get("weights_hash"))

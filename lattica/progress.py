@@ -4,8 +4,10 @@
 node (a demo may drive several nodes from one process). On a TTY the whole table is redrawn in
 place, at most ``REFRESH_INTERVAL`` times per second and without a background thread (rich's
 auto-refresh thread is disabled). Off a TTY (CI logs, ``docker logs``) each node prints one
-``key=value`` line when its round changes or at most every ``LOG_INTERVAL`` seconds, so logs
-stay readable and greppable. ``render_summary(rows)`` formats the end-of-run table as text.
+``key=value`` line when something changed: at once for a new round, at most every
+``LOG_INTERVAL`` seconds for other fields; a throughput figure alone (``tokens_per_s``, which
+moves all the time) never makes a line, and a line is never printed twice, so logs stay
+readable and greppable. ``render_summary(rows)`` formats the end-of-run table as text.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from rich.table import Table
 
 REFRESH_INTERVAL = 0.1
 LOG_INTERVAL = 10.0
+_NOT_A_CHANGE = frozenset({"tokens_per_s"})  # shown, but moves on every poll
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,6 +110,7 @@ class ProgressDisplay:
         self._clock = clock
         self._nodes: dict[str, NodeProgress] = {}
         self._last_log: dict[str, float] = {}
+        self._last_logged: dict[str, NodeProgress] = {}
         self._last_refresh = -float("inf")
         self._live: Live | None = None
         if self._is_tty:
@@ -171,12 +175,22 @@ class ProgressDisplay:
 
     def _maybe_log(self, label: str, node: NodeProgress, *, round_changed: bool) -> None:
         now = self._clock()
+        last = self._last_logged.get(label)
+        if last is not None and not _changed(last, node):
+            return
         if not round_changed and now - self._last_log.get(label, -float("inf")) < LOG_INTERVAL:
             return
         self._last_log[label] = now
+        self._last_logged[label] = node
         parts = [f"{name}={format_value(name, getattr(node, name))}" for name in _COLUMNS]
         self._stream.write(f"[{label}] " + " ".join(parts) + "\n")
         self._stream.flush()
+
+
+def _changed(before: NodeProgress, after: NodeProgress) -> bool:
+    return any(
+        getattr(before, f.name) != getattr(after, f.name) for f in fields(after) if f.name not in _NOT_A_CHANGE
+    )
 
 
 def summary_rows(displays: Iterable[tuple[str, NodeProgress]]) -> dict[str, dict[str, object]]:

@@ -562,6 +562,8 @@ class TrainingService:
             "rounds_target": self.settings.rounds,
             "rounds_completed": self.strategy.completed_rounds if self.strategy is not None else 0,
             "bytes_sent": self._bytes_sent,
+            # tensor-plane bytes this node received (syncs and state fetches), as counted on the wire
+            "bytes_received": self.tensors.stats.total_received() if self.tensors is not None else 0,
             "device": self.trainer.device.describe() if self.trainer is not None else None,
             **self.progress,
         }

@@ -49,6 +49,26 @@ def test_non_tty_prints_one_line_per_round_change_and_throttles():
     assert not ANSI.search(out.getvalue())
 
 
+def test_non_tty_never_prints_the_same_line_twice():
+    out, clock = io.StringIO(), FakeClock()
+    display = ProgressDisplay(stream=out, clock=clock)
+    display.update("node-a", round=1, loss=2.5, tokens_per_s=1500.0, peers=1, bytes_sent=10, bytes_received=20)
+    for second in range(1, 60):  # a long round, polled every second: nothing new to say
+        clock.now = float(second)
+        display.update("node-a", round=1, loss=2.5, peers=1, bytes_sent=10, bytes_received=20)
+    for second in range(60, 120):  # only the throughput moves
+        clock.now = float(second)
+        display.update("node-a", tokens_per_s=1500.0 + second)
+    clock.now = 121.0
+    display.update("node-a", bytes_received=4096)  # something changed: one line
+    clock.now = 122.0
+    display.update("node-a", round=2)  # a new round: a line at once
+    lines = out.getvalue().splitlines()
+    assert [line.split(" ", 2)[1] for line in lines] == ["round=1", "round=1", "round=2"]
+    assert lines[1].endswith("bytes_received=4.0KiB")
+    assert len(set(lines)) == len(lines)
+
+
 def test_fields_persist_per_node():
     display = ProgressDisplay(stream=io.StringIO())
     display.update("a", round=3, peers=1)
