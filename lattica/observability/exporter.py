@@ -21,6 +21,7 @@ from __future__ import annotations
 import errno
 import logging
 import socket
+from collections.abc import Sequence
 from http import HTTPStatus
 
 import trio
@@ -80,7 +81,7 @@ class MetricsServer:
             await nursery.start(trio.serve_listeners, self._handle, listeners)
             task_status.started(self.address)
 
-    async def _bind(self) -> list[trio.SocketListener]:
+    async def _bind(self) -> Sequence[trio.SocketListener]:
         port, last = self._port, min(self._port + self._port_search, 65535)
         while True:
             try:
