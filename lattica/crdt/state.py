@@ -92,7 +92,7 @@ class ReplicatedState:
         self._retry_at: dict[str, float] = {}  # outbound sessions that failed
         self._penalized_until: dict[str, float] = {}  # peers that sent bad input
         self._heartbeat = 0
-        self._proven: dict[str, float] = {}  # peer -> trio time of its last completed sync session
+        self._proven: dict[str, float] = {}  # peer -> monotonic time of its last completed sync session
         self._vouched: list[str] | None = None  # the proven peers our record lists
         self._left = False
         self._nursery: trio.Nursery | None = None
@@ -119,7 +119,7 @@ class ReplicatedState:
                 self._log.close()
 
     async def _open_log(self) -> None:
-        self._replica.tick(trio.current_time())
+        self._replica.tick(time.monotonic())
         opened, records = await trio.to_thread.run_sync(AppendLog.open, self._log_path)
         self._log = opened
         self.torn_bytes_at_open = opened.torn_bytes
@@ -249,7 +249,7 @@ class ReplicatedState:
 
     def proven_peers(self) -> set[str]:
         """Peers with a completed sync session within the last lease."""
-        since = trio.current_time() - self.config.lease.lease
+        since = time.monotonic() - self.config.lease.lease  # also read from worker threads
         return {peer for peer, at in self._proven.items() if at >= since}
 
     def _lease_margins(self) -> dict[str, int]:
@@ -262,10 +262,20 @@ class ReplicatedState:
         return writer in self._proven or writer in self.verified()
 
     def _mark_proven(self, peer: str) -> None:
+        fresh = peer not in self.proven_peers()
         self._proven.pop(peer, None)
-        self._proven[peer] = trio.current_time()
+        self._proven[peer] = time.monotonic()
         while len(self._proven) > _MAX_PROVEN:
             del self._proven[next(iter(self._proven))]
+        if fresh and self._nursery is not None:  # others may be waiting for our word on it
+            self._nursery.start_soon(self._refresh_vouches)
+
+    async def _refresh_vouches(self) -> None:
+        vouched = sorted(self.proven_peers())[:MAX_VOUCHES]
+        if self._left or vouched == self._vouched:
+            return
+        self._vouched = vouched
+        await self._write(self.peer_id, lambda doc: documents.write_vouches(doc, vouched))
 
     def counters(self) -> dict[str, Any]:
         counters = self._replica.counters()
@@ -350,7 +360,7 @@ class ReplicatedState:
         while True:
             for peer_id in self.host.get_connected_peers():
                 self._ensure_peer(peer_id.to_base58())
-            self._replica.tick(trio.current_time())
+            self._replica.tick(time.monotonic())
             await trio.sleep(self.config.peer_poll_interval)
 
     def _connected(self, peer: str) -> bool:
