@@ -249,8 +249,8 @@ class ReplicatedState:
 
     def proven_peers(self) -> set[str]:
         """Peers with a completed sync session within the last lease."""
-        since = time.monotonic() - self.config.lease.lease  # also read from worker threads
-        return {peer for peer, at in self._proven.items() if at >= since}
+        since = time.monotonic() - self.config.lease.lease
+        return {peer for peer, at in list(self._proven.items()) if at >= since}  # a copy: threads read it
 
     def _lease_margins(self) -> dict[str, int]:
         lease = self.config.lease
