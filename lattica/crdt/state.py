@@ -94,6 +94,7 @@ class ReplicatedState:
         self._heartbeat = 0
         self._proven: dict[str, float] = {}  # peer -> monotonic time of its last completed sync session
         self._vouched: list[str] | None = None  # the proven peers our record lists
+        self._verified_cache: tuple[tuple[int, int], set[str]] | None = None  # see ``_trusted``
         self._left = False
         self._nursery: trio.Nursery | None = None
         self.torn_bytes_at_open = 0
@@ -258,8 +259,14 @@ class ReplicatedState:
 
     def _trusted(self, writer: str) -> bool:
         """Never evicted from a full table: peers that proved themselves to us (in this run of
-        the process) or that our members vouch for."""
-        return writer in self._proven or writer in self.verified()
+        the process) or that our members vouch for. Asked for writer after writer while a
+        batch fills the table: the verified set is computed once per state generation and second."""
+        if writer in self._proven:
+            return True
+        key = (self._generation, int(time.monotonic()))
+        if self._verified_cache is None or self._verified_cache[0] != key:
+            self._verified_cache = (key, self.verified())
+        return writer in self._verified_cache[1]
 
     def _mark_proven(self, peer: str) -> None:
         fresh = peer not in self.proven_peers()

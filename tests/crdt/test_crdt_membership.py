@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import trio
 from crdt_helpers import peer_of
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.peerinfo import info_from_p2p_addr
-from test_crdt_service import LOOPBACK, connect, p2p_addr, running_node, wait_for
+from test_crdt_service import FAST, LOOPBACK, connect, p2p_addr, running_node, wait_for
 
-from lattica.crdt import documents
+from lattica.crdt import ReplicatedState, StateConfig, documents
 from lattica.crdt.envelope import Envelope
-from lattica.crdt.replica import Replica
+from lattica.crdt.replica import Replica, ReplicaLimits
 from lattica.crdt.sync import SYNC_PROTOCOL, hello
 from lattica.net.host import build_host
 from lattica.net.wire import read_message, write_message
@@ -112,3 +114,39 @@ async def test_an_equivocating_writer_is_banned_everywhere_and_the_ban_survives_
         assert liar_id not in again.snapshot()["progress"]
         with pytest.raises(KeyError):
             again.snapshot()["members"][liar_id]
+
+
+@contextlib.asynccontextmanager
+async def _small_table_node(tmp_path, name, *, max_streams: int):
+    key_pair = create_new_key_pair()
+    host = build_host(key_pair)
+    async with host.run([LOOPBACK]), trio.open_nursery() as nursery:
+        config = StateConfig(**{**FAST, "limits": ReplicaLimits(max_streams=max_streams)})
+        state = ReplicatedState(host, key_pair, data_dir=tmp_path / name, run_id=RUN, config=config)
+        await nursery.start(state.run)
+        yield state
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_flood_of_throwaway_writers_locks_no_member_out(tmp_path):
+    async with _small_table_node(tmp_path, "a", max_streams=32) as a, running_node(tmp_path, "b") as b:
+        await connect(a, b)
+        await b.set_progress(1, "h1")
+        await wait_for(lambda: b.peer_id in a.live_members(), [a, b])
+        flooder = build_host(create_new_key_pair())
+        async with flooder.run([LOOPBACK]):
+            await flooder.connect(info_from_p2p_addr(p2p_addr(a)))
+            envelopes = [env for _ in range(300) for env in phantom_envelopes()[1]]
+            started = trio.current_time()
+            await push(flooder, a, envelopes)
+            await wait_for(lambda: a.counters()["evicted_writers"] >= 300 - 32, [a])
+            assert trio.current_time() - started < 20
+            assert a.counters()["streams"] <= 32
+            # the member that was there keeps its place, and one that comes later gets in
+            await b.set_progress(2, "h2")
+            await wait_for(lambda: a.snapshot()["progress"].get(b.peer_id, {}).get("round") == 2, [a, b])
+            async with running_node(tmp_path, "c") as c:
+                await c.set_progress(3, "h3")
+                await connect(c, a)
+                await wait_for(lambda: a.snapshot()["progress"].get(c.peer_id, {}).get("round") == 3, [a, c])
+                await wait_for(lambda: {b.peer_id, c.peer_id} <= set(a.live_members()), [a, b, c])
