@@ -16,6 +16,10 @@ Syncs go through a stall guard (a silent member aborts the sync after a round de
 Which state to adopt is the one most live peers hold (``outer_transfer.repair_target``, with
 our own hash history kept in the checkpoints); after the last round the service keeps
 repairing, so every replica ends on the same state. Adopted states are checkpointed at once.
+Live members are the replicated state's verified writers (records of keys that never connected
+do not count), and a published (round, hash) that no holder serves is distrusted
+(``membership.UnservableClaims``): it starts no run without ``min_peers``, marks nobody as
+behind, and is offered for adoption again only after a back-off.
 """
 
 from __future__ import annotations
