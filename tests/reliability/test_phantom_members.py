@@ -18,11 +18,13 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.peerinfo import info_from_p2p_addr
 from multiaddr import Multiaddr
 
+from lattica.config import NodeConfig
 from lattica.crdt import documents
 from lattica.crdt.config import StateConfig
 from lattica.crdt.envelope import Envelope
 from lattica.crdt.replica import Replica
 from lattica.crdt.state import ReplicatedState
+from lattica.daemon import build_node
 from lattica.net.host import build_host
 from lattica.testing.daemons import DaemonProcess, cli_json
 
@@ -123,3 +125,46 @@ async def test_throwaway_keys_do_not_split_or_stall_a_run(tmp_path: Path) -> Non
     finally:
         for daemon in daemons:
             daemon.kill()
+
+
+# -- with a run secret: connected is not enough --------------------------------------------------
+
+SECRET = b"phantom members test secret 0123"
+
+
+async def _gated_node(nursery, data_dir: Path, *, peers: tuple[str, ...] = (), secret: bytes | None = None):
+    config = NodeConfig(
+        data_dir=data_dir, listen=("/ip4/127.0.0.1/tcp/0",), peers=peers, run_id="gated",
+        metrics_addr=None, nat=False, bootstrap_timeout_s=10,
+    )
+    node = build_node(config, create_new_key_pair(), secret=secret)
+    await nursery.start(node.run)
+    return node, node.extensions[0].state
+
+
+async def test_a_connected_peer_the_gate_refuses_is_no_member_even_when_a_member_relays_it(tmp_path: Path) -> None:
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            a, a_state = await _gated_node(nursery, tmp_path / "a", secret=SECRET)
+            a_addr = str(a.dialable_addrs()[0])
+            m, m_state = await _gated_node(nursery, tmp_path / "m", peers=(a_addr,), secret=SECRET)
+            x, x_state = await _gated_node(nursery, tmp_path / "x", peers=(a_addr,))  # no secret
+            await x_state.update_member(role="trainer")
+            x_id, m_id = x_state.peer_id, m_state.peer_id
+
+            async def relay() -> None:  # a member hands on the outsider's fresh records
+                while True:
+                    wire = [e.to_wire() for e in x_state._replica.retained()]
+                    await m_state.accept_batch(wire, from_peer=m_id)
+                    await trio.sleep(0.5)
+
+            nursery.start_soon(relay)
+            while not (x_id in a_state.snapshot()["members"] and m_id in a_state.live_members()):
+                await trio.sleep(0.2)
+            await trio.sleep(2.0)  # a few heartbeats and sync sessions
+            assert x_id in {p.to_base58() for p in a.running_host.get_connected_peers()}  # connected...
+            assert a.access.denied["/lattica/state-sync/1.0.0"] > 0  # ...but refused by the gate
+            assert x_id not in a_state.live_members()
+            assert x_id in a_state.dump()["unverified"]
+            assert a_state.live_members() == sorted([a_state.peer_id, m_id])
+            nursery.cancel_scope.cancel()
