@@ -75,7 +75,7 @@ def test_natd_nodes_find_each_other_through_a_standard_dht_server(tmp_path):
             known, _ = wait_until(lambda d=daemon: any(
                 "/p2p-circuit" in a for a in server.knows(d.peer_id)["addrs"]), 40)
             assert known, (server.knows(daemon.peer_id), log_tail(tmp_path))
-        entry, _ = wait_until(lambda: b.peer(c.peer_id).get("connected") and b.peer(c.peer_id), 60)
+        entry, _ = wait_until(lambda: b.peer(c.peer_id).get("connected") and b.peer(c.peer_id), 90)
         assert entry, log_tail(tmp_path)
         assert entry["path"] in ("relayed", "hole-punched", "direct"), entry
         assert c.peer(b.peer_id).get("connected"), log_tail(tmp_path)
