@@ -23,11 +23,19 @@ first, same steps, same peers, same run): ``<strategy>_util_vs_nocomm`` is the n
 run's wall time over the strategy's (1.0: communication cost nothing at all), and
 ``<strategy>_speedup_vs_blocking`` is blocking DiLoCo's wall time over the strategy's.
 
+Load from other processes inflates wall times, so the phases take turns (``--cycles N`` runs
+the whole sequence N times; figures are means over the cycles) and three diagnostics that load
+hardly changes come with each strategy: ``<strategy>_step_cpu_ms`` (the training thread's CPU
+per inner step), ``<strategy>_other_cpu_s`` (the rest of a peer's CPU over the run:
+communication, codecs, outer steps) and ``<strategy>_step_waits`` (times per inner step the
+training thread blocked — waiting for the GIL while the event loop ran communication).
+
 A phase that does not finish — a peer that exits or misses its deadline, fewer steps than
 asked, a sync that was skipped or never completed — fails the run: exit status 1 and one line on
 stderr naming it, no figures.
 
     python benchmarks/overlap.py [--rate-mbit 20] [--steps 240] [--inner-steps 40] [--overlap-steps 5]
+        [--strategies nocomm,diloco,eager,streaming] [--cycles 1]
 
 Needs root, ``ip`` and ``nft`` (the lab); without them it says so and exits with status 2.
 The last line printed is one JSON object.

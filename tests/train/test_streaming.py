@@ -4,11 +4,14 @@ import trio
 
 from lattica.testing.collective import FixedGroups, InMemoryCollectiveGroup
 from lattica.train.model import GPTConfig, build_model
+from lattica.train.quantize import dequantize_4bit, quantize_4bit
 from lattica.train.strategies.streaming import (
     StreamingDiLoCo,
     StreamingDiLoCoConfig,
     fragment_indices,
+    mean_of_each,
     mix_into_local,
+    quantize_each,
     sync_due,
 )
 from lattica.train.strategies.traffic import allreduce_bytes
@@ -246,3 +249,57 @@ def test_next_sync_start_is_the_next_step_where_a_sync_is_due():
                 expected = min(s for s in due if s > step)
                 got = next_sync_start(step, p, inner_steps=inner_steps, fragments=fragments)
                 assert got == expected, (inner_steps, fragments, p, step)
+
+
+def _fragment_like(count: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(7,), (3, 65), (0,), (64,), (2, 2, 33), (1,)]
+    return [torch.randn(shapes[i % len(shapes)], generator=g) * 10 ** (i % 3) for i in range(count)]
+
+
+def test_a_fragment_is_quantized_bit_for_bit_as_tensor_by_tensor():
+    tensors = _fragment_like(13, seed=1)
+    batched = quantize_each(tensors, block_size=64)
+    for t, q in zip(tensors, batched, strict=True):
+        alone = quantize_4bit(t, block_size=64)
+        assert q.shape == t.shape
+        assert torch.equal(q.codes, alone.codes)
+        assert torch.equal(q.scales, alone.scales)
+
+
+def test_the_mean_of_a_fragment_is_bit_for_bit_the_tensor_by_tensor_mean():
+    like = _fragment_like(13, seed=2)
+    members = [quantize_each(_fragment_like(13, seed=s), block_size=64) for s in (3, 4, 5)]
+    means = mean_of_each(members, like=like)
+    for i, reference in enumerate(like):
+        total = torch.zeros(reference.shape, dtype=torch.float32)
+        for encodings in members:
+            total += dequantize_4bit(encodings[i])
+        expected = total / len(members)
+        assert means[i].shape == reference.shape
+        assert torch.equal(means[i], expected)
+
+
+_VIEWS = {"as_strided", "reshape", "view", "slice", "narrow", "detach", "split", "alias",
+          "_reshape_alias", "unsqueeze", "flatten", "expand", "select"}
+
+
+def _torch_kernels(fn) -> int:
+    """Torch calls that compute or copy (views excluded) while ``fn`` runs."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    names = [e.name.removeprefix("aten::") for e in prof.events() if e.name.startswith("aten::")]
+    return len([n for n in names if n not in _VIEWS])
+
+
+def test_quantizing_and_averaging_a_fragment_costs_about_one_torch_call_per_tensor():
+    # every torch call on the event-loop thread is a chance to take the GIL from the training
+    # thread; tensor by tensor this was ~200 calls per tensor of a fragment (3 members)
+    small, large = _fragment_like(3, seed=6), _fragment_like(30, seed=7)
+
+    def work(tensors: list[torch.Tensor]) -> None:
+        encodings = quantize_each(tensors, block_size=64)
+        mean_of_each([encodings, encodings, encodings], like=tensors)
+
+    few, many = _torch_kernels(lambda: work(small)), _torch_kernels(lambda: work(large))
+    assert many - few <= 3 * (len(large) - len(small)), (few, many)

@@ -23,7 +23,10 @@ codec name goes through ``Collective.allreduce`` with that codec (e.g. the data 
 next sync of the fragment covers both periods.
 
 Where the work runs: the snapshot of Δ_p (1.) and the outer step with mixing (2.–3.) are tensor
-math between two inner steps; quantizing, sending and averaging run on the trio thread. The
+math between two inner steps; quantizing, sending and averaging run on the trio thread, each
+in one pass over the whole fragment (``quantize_each``, ``mean_of_each``: bit for bit the
+tensor-by-tensor result, with a few torch calls instead of ~200 per tensor, each of which could
+take the GIL from the training thread). The
 trainer lets ``sync_in_thread`` do the tensor math in its worker thread, which hands the
 exchange to the event loop without waiting and goes on with the next inner step; a mean that
 has not arrived by step s + τ is waited for in that thread. The inner steps never hand off to
@@ -266,7 +269,7 @@ class StreamingDiLoCo(AccountedStrategy):
         self, delta: list[torch.Tensor], sync: _FragmentSync, tag: str
     ) -> list[torch.Tensor]:
         me, group = self.collective.peer_id, sync.group
-        own = [quantize_4bit(d, block_size=self.config.block_size) for d in delta]
+        own = quantize_each(delta, block_size=self.config.block_size)
         wire = [q.codes for q in own] + [q.scales for q in own]
         others = [q for q in group if q != me]
         sync.bytes_sent = payload_bytes(wire, "raw") * len(others)
@@ -286,13 +289,8 @@ class StreamingDiLoCo(AccountedStrategy):
                 nursery.start_soon(one, peer)
         if failures:
             raise failures[0]
-        means = []
-        for i, reference in enumerate(delta):
-            total = torch.zeros(reference.shape, dtype=torch.float32)
-            for member in group:  # the same order everywhere: bit-identical means
-                total += dequantize_4bit(received[member][i])
-            means.append(total / len(group))
-        return means
+        # the same order everywhere: bit-identical means
+        return mean_of_each([received[member] for member in group], like=delta)
 
     async def _apply(self, sync: _FragmentSync) -> OuterStepReport:
         started = time.monotonic()
@@ -355,6 +353,59 @@ class StreamingDiLoCo(AccountedStrategy):
         self._completed = int(state["completed_syncs"])
         self._syncs_started = [int(k) for k in state["syncs_started"]]
         self._pending = []
+
+
+def _padded(numel: int, block_size: int) -> int:
+    return -(-numel // block_size) * block_size
+
+
+def quantize_each(
+    tensors: Sequence[torch.Tensor], *, block_size: int = DEFAULT_BLOCK_SIZE
+) -> list[Quantized4Bit]:
+    """``[quantize_4bit(t) for t in tensors]``, bit for bit, in one pass over one buffer.
+
+    Each tensor is padded to whole blocks in the buffer, so no block spans two tensors and every
+    scale and code is the one the tensor alone would get. One pass instead of one per tensor: a
+    fragment has tens of small tensors, and per tensor a dozen torch calls on the event-loop
+    thread each take the GIL from the training thread.
+    """
+    if not tensors:
+        return []
+    sizes = [_padded(t.numel(), block_size) for t in tensors]
+    flat = torch.zeros(sum(sizes), dtype=torch.float32)
+    for piece, t in zip(torch.split(flat, sizes), tensors, strict=True):
+        piece[: t.numel()] = t.detach().reshape(-1)
+    whole = quantize_4bit(flat, block_size=block_size)
+    codes = torch.split(whole.codes, [n // 2 for n in sizes])
+    scales = torch.split(whole.scales, [n // block_size for n in sizes])
+    return [
+        Quantized4Bit(codes=c, scales=sc, shape=t.shape, block_size=block_size)
+        for c, sc, t in zip(codes, scales, tensors, strict=True)
+    ]
+
+
+def mean_of_each(
+    contributions: Sequence[Sequence[Quantized4Bit]], *, like: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
+    """Per tensor, the fp32 mean of the members' dequantized encodings, summed in the given
+    member order — bit for bit what dequantizing and summing tensor by tensor gives — with one
+    dequantization per member."""
+    if not like:
+        return []
+    block_size = contributions[0][0].block_size
+    sizes = [_padded(t.numel(), block_size) for t in like]
+    total = torch.zeros(sum(sizes), dtype=torch.float32)
+    for encodings in contributions:
+        codes = torch.cat([q.codes.reshape(-1) for q in encodings])
+        scales = torch.cat([q.scales.reshape(-1) for q in encodings])
+        total += dequantize_4bit(
+            Quantized4Bit(codes=codes, scales=scales, shape=total.shape, block_size=block_size)
+        )
+    total /= len(contributions)
+    return [
+        piece[: t.numel()].view(t.shape)
+        for piece, t in zip(torch.split(total, sizes), like, strict=True)
+    ]
 
 
 def _unpack(
