@@ -8,13 +8,14 @@ training member looks at it:
 - none published yet, and we are an admin: publish our run-wide settings (``RUN_WIDE``) and
   train with them;
 - none published yet, and an admin trains in the run: wait (at most ``wait_s``) for its config;
-- a config is published: train with its run-wide values, whatever ours say, and log each value
-  of ours that it overrides.
+- a config is published and we are an admin whose run-wide settings differ: ours replace it
+  (an admin extends a run by restarting with more ``rounds``), logged as an update;
+- a config is published and we are no admin: train with its run-wide values, whatever ours say,
+  and log each value of ours that it overrides.
 
 The other settings (data, task, device, batch size, checkpoints, aggregation, deadline,
-``min_peers``) stay each member's own. A published config is never rewritten by this module,
-so a restarted admin with other settings also follows the run's config: a new run id starts a
-new config. A config that does not validate (``TrainSettings``, ``check_settings``) fails the
+``min_peers``) stay each member's own. Members read the config when their training starts: a
+member already training keeps the values it started with. A config that does not validate (``TrainSettings``, ``check_settings``) fails the
 member's training with that error, visible in ``lattica status``.
 """
 
@@ -82,6 +83,9 @@ async def agree_run_config(
     from lattica.train.settings_check import check_settings
 
     published = published_config(state)
+    if published is not None and _differs(published, settings) and await _publish_as_admin(state, settings):
+        log.warning("run config updated by this admin: %s (was %s)", run_config_of(settings), published)
+        return settings
     if published is None:
         try:
             await state.set_run_config(run_config_of(settings))
@@ -105,6 +109,19 @@ async def agree_run_config(
     for name, mine in replaced.items():
         log.warning("run config: %s = %r (this node's %r is overridden)", name, getattr(adopted, name), mine)
     return adopted
+
+
+def _differs(published: Mapping[str, Any], settings: TrainSettings) -> bool:
+    return {name: published[name] for name in RUN_WIDE if name in published} != run_config_of(settings)
+
+
+async def _publish_as_admin(state: RunState, settings: TrainSettings) -> bool:
+    """Publish our run-wide settings; False when this node is no admin."""
+    try:
+        await state.set_run_config(run_config_of(settings))
+    except LocalProtocolError:
+        return False
+    return True
 
 
 def _admin_trains(state: RunState, admins: tuple[str, ...]) -> bool:

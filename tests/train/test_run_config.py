@@ -71,3 +71,44 @@ def test_a_joiner_trains_with_the_admins_run_config(tmp_path):
     finally:
         for daemon in daemons:
             daemon.stop()
+
+
+class _MemoryRunState:
+    """An in-memory stand-in for the replicated state's run-config part."""
+
+    def __init__(self, config, *, admin: bool) -> None:
+        self.config, self.admin = dict(config), admin
+
+    def snapshot(self):
+        return {"config": dict(self.config), "members": {}}
+
+    def live_members(self):
+        return []
+
+    async def wait_changed(self) -> None:
+        raise AssertionError("a published config needs no waiting")
+
+    async def set_run_config(self, config) -> None:
+        from lattica.errors import LocalProtocolError
+
+        if not self.admin:
+            raise LocalProtocolError("only admin keys may change the run config")
+        self.config = dict(config)
+
+
+async def test_an_admin_restarted_with_other_run_wide_settings_updates_the_config():
+    from lattica.train.run_config import agree_run_config
+
+    state = _MemoryRunState(run_config_of(TrainSettings(rounds=200)), admin=True)
+    extended = TrainSettings(rounds=7)
+    assert await agree_run_config(state, extended, admins=(), wait_s=1) == extended
+    assert state.config["rounds"] == 7
+
+
+async def test_a_member_that_is_no_admin_follows_the_published_config():
+    from lattica.train.run_config import agree_run_config
+
+    state = _MemoryRunState(run_config_of(TrainSettings(rounds=200)), admin=False)
+    adopted = await agree_run_config(state, TrainSettings(rounds=7), admins=(), wait_s=1)
+    assert adopted.rounds == 200
+    assert state.config["rounds"] == 200
