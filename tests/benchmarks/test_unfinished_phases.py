@@ -229,3 +229,19 @@ def test_dht_scale_failed_join_fails_the_growth_step():
     dht_scale.check_grown(50, {0: {"peers": [], "failed_joins": []}, 1: {"peers": []}})
     with pytest.raises(dht_scale.BenchmarkFailed, match="growing to 50 nodes: 2 join"):
         dht_scale.check_grown(50, {0: {"failed_joins": ["join took over 60 s", "x"]}})
+
+
+def test_overlap_wall_is_the_best_cycle_so_load_spikes_do_not_decide_the_ratio():
+    overlap = _load("overlap")
+    args = _overlap_args()
+    args.cycles = 2
+    results = {
+        name: [_overlap_row(w, overlap.expected_syncs(name, args)) for w in walls for _ in range(4)]
+        for name, walls in {
+            "nocomm": (14.0, 30.0), "diloco": (16.0, 17.0), "eager": (40.0, 15.0), "streaming": (15.5, 15.4),
+        }.items()
+    }
+    out = overlap.summarize(results, args)
+    assert out["nocomm_wall_s"] == 14.0
+    assert out["eager_util_vs_nocomm"] == pytest.approx(14.0 / 15.0, abs=1e-4)
+    assert out["streaming_speedup_vs_blocking"] == pytest.approx(16.0 / 15.4, abs=1e-4)
