@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="train a local swarm of daemons on the built-in corpus")
     demo.add_argument("--nodes", type=int, default=4)
-    demo.add_argument("--rounds", type=int, default=6)
+    demo.add_argument("--rounds", type=int, default=4)
     demo.add_argument("--inner-steps", type=int, default=DEFAULT_INNER_STEPS, help=f"H (default {DEFAULT_INNER_STEPS})")
     demo.add_argument("--strategy", default="diloco")
     demo.add_argument("--model", default="tiny")
