@@ -24,6 +24,7 @@ from typing import Any
 import trio
 from trio_typing import TaskStatus
 
+from lattica.client_slots import ClientSlots
 from lattica.control.protocol import (
     MAX_REQUEST_BYTES,
     BadRequest,
@@ -44,13 +45,9 @@ MAX_CLIENTS = 32
 
 class ControlServer:
     def __init__(self, path: Path, handler: Handler, *, max_clients: int = MAX_CLIENTS) -> None:
-        if max_clients < 1:
-            raise ValueError(f"max_clients must be >= 1, got {max_clients}")
         self.path = path
         self._handler = handler
-        self._max_clients = max_clients
-        self._clients = 0
-        self._reading: dict[object, trio.CancelScope] = {}  # clients still owing their request, oldest first
+        self._slots = ClientSlots(max_clients)
 
     async def run(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         listener = await self._listen()
@@ -83,37 +80,23 @@ class ControlServer:
         """One client, start to end; nothing it does escapes this function."""
         try:
             async with stream:
-                if self._clients >= self._max_clients and not self._displace_slowest():
+                if not self._slots.take():
                     await _reply(stream, encode_response(error="daemon busy: too many control clients"))
                     return
-                self._clients += 1
                 try:
                     await self._serve_one(stream)
                 finally:
-                    self._clients -= 1
+                    self._slots.give_back()
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             log.debug("control client went away: %r", exc)
         except Exception:  # a bug here must cost one connection, not the daemon
             log.exception("control connection failed")
 
-    def _displace_slowest(self) -> bool:
-        """Cancel the client that has waited longest for its request line; False if none."""
-        for key, scope in self._reading.items():
-            del self._reading[key]
-            scope.cancel()
-            return True
-        return False
-
     async def _serve_one(self, stream: trio.SocketStream) -> None:
         line = None
-        key = object()
         try:
-            with trio.move_on_after(READ_TIMEOUT_S) as scope:
-                self._reading[key] = scope
-                try:
-                    line = await _read_line(stream)
-                finally:
-                    self._reading.pop(key, None)
+            with trio.move_on_after(READ_TIMEOUT_S) as scope, self._slots.reading(scope):
+                line = await _read_line(stream)
             if line is None:
                 if trio.current_time() < scope.deadline:
                     return  # displaced by a newer client before its time was up

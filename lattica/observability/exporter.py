@@ -28,6 +28,7 @@ import trio
 from prometheus_client.exposition import choose_encoder
 from trio_typing import TaskStatus
 
+from lattica.client_slots import ClientSlots
 from lattica.errors import ConfigError
 from lattica.observability.http_request import (
     BadRequest,
@@ -54,17 +55,13 @@ class MetricsServer:
     ) -> None:
         if not 0 <= port <= 65535:
             raise ValueError(f"metrics port must be in 0..65535, got {port}")
-        if max_connections < 1:
-            raise ValueError(f"max_connections must be >= 1, got {max_connections}")
         if port_search < 0:
             raise ValueError(f"port_search must be >= 0, got {port_search}")
         self._port_search = port_search if port else 0
         self._metrics = metrics
         self._host = host
         self._port = port
-        self._max_connections = max_connections
-        self._connections = 0
-        self._reading: dict[object, trio.CancelScope] = {}  # still owing their head, oldest first
+        self._slots = ClientSlots(max_connections)
         self.address: tuple[str, int] | None = None
         """The bound (host, port), set once ``run`` has started."""
 
@@ -98,33 +95,19 @@ class MetricsServer:
 
     async def _handle(self, stream: trio.SocketStream) -> None:
         async with stream:
-            if self._connections >= self._max_connections and not self._displace_slowest():
+            if not self._slots.take():
                 await self._send(stream, render_error(HTTPStatus.SERVICE_UNAVAILABLE, "busy"))
                 return
-            self._connections += 1
             try:
                 await self._serve_one(stream)
             finally:
-                self._connections -= 1
-
-    def _displace_slowest(self) -> bool:
-        """Close the connection that has waited longest for its request head; False if none."""
-        for key, scope in self._reading.items():
-            del self._reading[key]
-            scope.cancel()
-            return True
-        return False
+                self._slots.give_back()
 
     async def _serve_one(self, stream: trio.SocketStream) -> None:
         head = b""
-        key = object()
         try:
-            with trio.move_on_after(HEAD_TIMEOUT) as scope:
-                self._reading[key] = scope
-                try:
-                    head = await self._read_head(stream)
-                finally:
-                    self._reading.pop(key, None)
+            with trio.move_on_after(HEAD_TIMEOUT) as scope, self._slots.reading(scope):
+                head = await self._read_head(stream)
             if not head:
                 return  # timed out or the client hung up before a full request
             response = self._respond(head)

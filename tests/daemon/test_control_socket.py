@@ -122,7 +122,7 @@ async def test_slow_clients_give_way_to_new_ones(control):
 
 
 def test_max_clients_must_be_positive(tmp_path):
-    with pytest.raises(ValueError, match="max_clients"):
+    with pytest.raises(ValueError, match="client limit"):
         ControlServer(tmp_path / "c.sock", _echo, max_clients=0)
 
 

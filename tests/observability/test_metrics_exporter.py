@@ -218,7 +218,7 @@ async def test_a_client_still_sending_its_head_gives_way_to_a_new_one(nursery):
 def test_invalid_configuration_is_rejected():
     with pytest.raises(ValueError, match="port"):
         MetricsServer(NodeMetrics(process=False), "127.0.0.1", 70000)
-    with pytest.raises(ValueError, match="max_connections"):
+    with pytest.raises(ValueError, match="client limit"):
         MetricsServer(NodeMetrics(process=False), "127.0.0.1", 0, max_connections=0)
 
 
