@@ -242,7 +242,7 @@ def _run_lab(args: argparse.Namespace) -> dict:
 
     results: dict[str, list[dict]] = {}
     with NetLab() as lab:
-        hosts = [lab.add_public(f"p{i}") for i in range(WORKERS)]
+        hosts = [lab.add_public(f"p{i}") for i in range(args.workers)]
         for host in hosts:
             shape_link(host.ns, host.ifname, rate_mbit=args.rate_mbit)
         procs = [
@@ -281,7 +281,7 @@ def _run_lab(args: argparse.Namespace) -> dict:
                 ]
             except (TimeoutError, RuntimeError) as exc:
                 raise BenchmarkFailed(f"{name} phase did not finish: {exc}") from None
-            check_phase(name, r, args.steps, expected_syncs(name, args))
+            check_phase(name, r, args.steps, expected_syncs(name, args), args.workers)
             results.setdefault(name, []).extend(r)
             print(
                 f"{name:<10} util {statistics.fmean(x['util'] for x in r):.3f}  "
@@ -323,10 +323,10 @@ def expected_syncs(name: str, args: argparse.Namespace) -> int:
     return args.steps // args.inner_steps
 
 
-def check_phase(name: str, rows: list[dict], steps: int, syncs: int) -> None:
+def check_phase(name: str, rows: list[dict], steps: int, syncs: int, workers: int) -> None:
     """Raise ``BenchmarkFailed`` unless every peer trained every step and completed its syncs."""
-    if not rows or len(rows) % WORKERS:
-        raise BenchmarkFailed(f"{name}: {len(rows)} peer reports, not a multiple of {WORKERS}")
+    if not rows or len(rows) % workers:
+        raise BenchmarkFailed(f"{name}: {len(rows)} peer reports, not a multiple of {workers}")
     for i, row in enumerate(rows):
         if not row.get("ok"):
             raise BenchmarkFailed(f"{name}: peer {i} did not finish: {row.get('error', row)}")
@@ -340,30 +340,30 @@ def check_phase(name: str, rows: list[dict], steps: int, syncs: int) -> None:
             raise BenchmarkFailed(f"{name}: peer {i} reported no wall time")
 
 
-def best_cycle_wall(rows: list[dict]) -> float:
+def best_cycle_wall(rows: list[dict], workers: int) -> float:
     """The shortest of the cycles' walls (each the mean over the peers): load from other work
     only ever lengthens a phase, so like ``timeit`` the best cycle is the least disturbed."""
-    cycles = [rows[i : i + WORKERS] for i in range(0, len(rows), WORKERS)]
+    cycles = [rows[i : i + workers] for i in range(0, len(rows), workers)]
     return min(statistics.fmean(r["wall_s"] for r in cycle) for cycle in cycles)
 
 
 def summarize(results: dict[str, list[dict]], args: argparse.Namespace) -> dict:
     """The JSON figures; raises ``BenchmarkFailed`` when a phase is missing or unfinished."""
     for name in args.strategies:
-        if len(results.get(name, [])) != WORKERS * args.cycles:
+        if len(results.get(name, [])) != args.workers * args.cycles:
             raise BenchmarkFailed(f"{name}: the phase did not run {args.cycles} time(s)")
-        check_phase(name, results[name], args.steps, expected_syncs(name, args))
+        check_phase(name, results[name], args.steps, expected_syncs(name, args), args.workers)
     key = {"diloco": "blocking_util", "eager": "eager_util", "streaming": "streaming_util"}
     out = {
         "link": f"tbf {args.rate_mbit} Mbit/s egress per peer (netns lab)",
-        "workers": WORKERS,
+        "workers": args.workers,
         "steps": args.steps,
         "inner_steps": args.inner_steps,
         "streaming_fragments": FRAGMENTS,
         "streaming_overlap_steps": args.overlap_steps,
         "cycles": args.cycles,
     }
-    walls = {name: best_cycle_wall(rows) for name, rows in results.items()}
+    walls = {name: best_cycle_wall(rows, args.workers) for name, rows in results.items()}
     for name, rows in results.items():
         out[key.get(name, f"{name}_util")] = round(statistics.fmean(r["util"] for r in rows), 4)
         out[f"{name}_wall_s"] = round(walls[name], 2)
@@ -392,6 +392,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--ip", default="127.0.0.1", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--workers", type=int, default=WORKERS,
+        help="peers (each trains on one thread: more peers than cores share the cores)",
+    )
     parser.add_argument("--rate-mbit", type=float, default=20.0, help="egress cap per peer")
     parser.add_argument("--steps", type=int, default=240, help="inner steps per strategy")
     parser.add_argument("--inner-steps", type=int, default=40, help="H")
@@ -421,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     if "nocomm" not in args.strategies:  # the reference of every *_util_vs_nocomm
         args.strategies.insert(0, "nocomm")
     print(
-        f"{WORKERS} peers in network namespaces, tbf egress cap {args.rate_mbit} Mbit/s each, "
+        f"{args.workers} peers in network namespaces, tbf egress cap {args.rate_mbit} Mbit/s each, "
         f"tiny GPT, {args.steps} steps, H={args.inner_steps}, streaming P=2 tau="
         f"{args.overlap_steps} fp4",
         flush=True,

@@ -73,7 +73,7 @@ def test_chaos_finished_phase_gives_the_mean_loss():
 def _overlap_args(strategies=("nocomm", "diloco", "eager", "streaming")) -> argparse.Namespace:
     return argparse.Namespace(
         strategies=list(strategies), steps=120, inner_steps=40, overlap_steps=5, rate_mbit=20.0,
-        cycles=1,
+        cycles=1, workers=4,
     )
 
 
