@@ -270,7 +270,12 @@ class TrainingService:
 
     async def _settle(self) -> None:
         """After the last round, keep taking the run's final state while the node is up: a
-        replica whose last round failed, ran alone or ran cut off ends identical to the others."""
+        replica whose last round failed, ran alone or ran cut off ends identical to the others.
+        A final round run alone is published too: two replicas that each finished on their own
+        would otherwise each see the other's older claim and neither would ever adopt; with
+        both final states published, ``repair_target``'s tie-break picks the same one for both."""
+        if self._published_round(self.peer_id) != self.strategy.completed_rounds:
+            await self._publish_round()
         while True:
             if await self._repair_if_diverged():
                 val_loss = await trio.to_thread.run_sync(self.trainer.evaluate)
