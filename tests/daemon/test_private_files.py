@@ -3,7 +3,6 @@ whatever the umask."""
 
 from __future__ import annotations
 
-import os
 import stat
 import subprocess
 from pathlib import Path
@@ -14,15 +13,6 @@ from lattica.control import client
 from lattica.errors import LatticaError
 from lattica.files import append_private
 from lattica.testing.daemons import free_port, lattica_command, wait_for
-
-
-@pytest.fixture
-def wide_umask():
-    old = os.umask(0o022)  # the usual default: files 0644, folders 0755
-    try:
-        yield
-    finally:
-        os.umask(old)
 
 
 def _mode(path: Path) -> int:

@@ -157,22 +157,27 @@ async def _run_host(host, *, task_status=trio.TASK_STATUS_IGNORED):
         await trio.sleep_forever()
 
 
+async def _three_connected_services(nursery: trio.Nursery, config: TensorServiceConfig) -> dict[str, TensorService]:
+    """Three tensor services on real loopback hosts, all connected to each other, by peer id."""
+    services = []
+    for _ in range(3):
+        key_pair = create_new_key_pair()
+        host = build_host(key_pair)
+        await nursery.start(_run_host, host)
+        service = TensorService(host, key_pair, config=config)
+        await nursery.start(service.run)
+        services.append((host, service))
+    for i, (host, _) in enumerate(services):
+        for other, _ in services[i + 1 :]:
+            await host.connect(info_from_p2p_addr(other.get_addrs()[0]))
+    return {s.peer_id: s for _, s in services}
+
+
 async def test_a_member_sending_nan_is_excluded_and_every_replica_gets_the_same_bits() -> None:
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
-            services = []
-            for _ in range(3):
-                key_pair = create_new_key_pair()
-                host = build_host(key_pair)
-                await nursery.start(_run_host, host)
-                service = TensorService(host, key_pair, config=TensorServiceConfig())
-                await nursery.start(service.run)
-                services.append((host, service))
-            for i, (host, _) in enumerate(services):
-                for other, _ in services[i + 1 :]:
-                    await host.connect(info_from_p2p_addr(other.get_addrs()[0]))
-            group = sorted(s.peer_id for _, s in services)
-            by_id = {s.peer_id: s for _, s in services}
+            by_id = await _three_connected_services(nursery, TensorServiceConfig())
+            group = sorted(by_id)
             evil = group[1]
             inputs = {p: torch.full((3000,), float(i + 1)) for i, p in enumerate(group)}
             inputs[evil] = torch.full((3000,), float("nan"))
@@ -254,19 +259,8 @@ async def _diloco_round_with_a_scaled_member(screen: ContributionScreen) -> tupl
     models: dict[str, torch.nn.Module] = {}
     with trio.fail_after(90):
         async with trio.open_nursery() as nursery:
-            services = []
-            for _ in range(3):
-                key_pair = create_new_key_pair()
-                host = build_host(key_pair)
-                await nursery.start(_run_host, host)
-                service = TensorService(host, key_pair, config=TensorServiceConfig(screen=screen))
-                await nursery.start(service.run)
-                services.append((host, service))
-            for i, (host, _) in enumerate(services):
-                for other, _ in services[i + 1 :]:
-                    await host.connect(info_from_p2p_addr(other.get_addrs()[0]))
-            group = sorted(s.peer_id for _, s in services)
-            by_id = {s.peer_id: s for _, s in services}
+            by_id = await _three_connected_services(nursery, TensorServiceConfig(screen=screen))
+            group = sorted(by_id)
             evil = group[2]
             strategies = {}
             for peer in group:

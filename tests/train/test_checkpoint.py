@@ -91,15 +91,6 @@ def test_discard_after_removes_only_newer_checkpoints(tmp_path):
     assert store.load_latest()["step"] == 20
 
 
-@pytest.fixture
-def wide_umask():
-    old = os.umask(0o022)  # the usual default: files 0644, folders 0755
-    try:
-        yield
-    finally:
-        os.umask(old)
-
-
 def _mode(path) -> int:
     return stat.S_IMODE(path.stat().st_mode)
 
