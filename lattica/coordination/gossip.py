@@ -1,0 +1,123 @@
+"""``GossipGroups``: a ``GroupProvider`` without a coordinator, over libp2p.
+
+Theory of operation
+-------------------
+``group_for(key)`` draws this peer's proposal for the key from the live members it holds
+(``groups.proposed_group``), marks the key open, and sends ``{"run", "key", "group"}`` on
+``/lattica/group/1.0.0`` to each other member of the proposal — concurrently, each under the
+grace. Each answers at once from its own view with ``{"group": its proposal}`` or
+``{"gone": true}`` (``groups.GroupHandshakes``); no answer is awaited past the grace. The result
+is this peer and the partners whose proposal holds it (``groups.confirmed_group``): possibly
+this peer alone, and then the strategy steps on its own. Peers outside the proposal are never
+contacted, so a frozen or dead peer costs only its own group, at most the grace, and only at the
+steps it is drawn into that group. A partner that this peer does not hear (``responsive``) is
+not asked at all.
+
+Messages are length-prefixed msgpack (``net.wire``), capped at a few KiB; a malformed request
+ends that one stream and is logged.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import trio
+from libp2p.abc import IHost, INetStream
+from libp2p.custom_types import TProtocol
+from libp2p.peer.id import ID
+from trio_typing import TaskStatus
+
+from lattica.coordination.groups import (
+    GossipGroupsConfig,
+    GroupHandshakes,
+    confirmed_group,
+    handshake_request,
+    parse_reply,
+    parse_request,
+    proposed_group,
+)
+from lattica.net.wire import read_message, write_message
+
+log = logging.getLogger(__name__)
+
+GROUP_PROTOCOL = TProtocol("/lattica/group/1.0.0")
+_MESSAGE_BYTES = 16 * 1024
+
+
+class GossipGroups:
+    """A ``GroupProvider`` whose groups each peer derives itself and confirms with its group only.
+
+    ``members()``: the live members of the run as this peer sees them (its view).
+    ``responsive(peer)``: whether the peer is heard at all; one that is not is not asked.
+    """
+
+    def __init__(
+        self,
+        host: IHost,
+        *,
+        peer_id: str,
+        run_id: str,
+        members: Callable[[], Sequence[str]],
+        config: GossipGroupsConfig | None = None,
+        responsive: Callable[[str], bool] | None = None,
+    ) -> None:
+        self.host = host
+        self.peer_id = peer_id
+        self.run_id = run_id
+        self.members = members
+        self.config = config or GossipGroupsConfig()
+        self.responsive = responsive or (lambda peer: True)
+        self._handshakes = GroupHandshakes(self.config)
+
+    async def run(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        self.host.set_stream_handler(GROUP_PROTOCOL, self._handle)
+        task_status.started()
+        await trio.sleep_forever()
+
+    def proposal(self, key: str) -> tuple[str, ...]:
+        return proposed_group(self.members(), self.peer_id, key=key, group_size=self.config.group_size)
+
+    async def group_for(self, key: str) -> Sequence[str]:
+        """This peer and the partners that confirmed the key's group (sorted)."""
+        self._handshakes.open(key, trio.current_time())
+        proposal = self.proposal(key)
+        answers: dict[str, tuple[str, ...] | None] = {}
+
+        async def ask(partner: str) -> None:
+            with trio.move_on_after(self.config.grace_s):
+                try:
+                    answers[partner] = await self._ask(partner, key, proposal)
+                except Exception as exc:  # noqa: BLE001 - libp2p raises many kinds on a dead peer
+                    log.info("group partner %s for %s did not confirm: %r", partner, key, exc)
+
+        async with trio.open_nursery() as nursery:
+            for partner in proposal:
+                if partner != self.peer_id and self.responsive(partner):
+                    nursery.start_soon(ask, partner)
+        group = confirmed_group(self.peer_id, proposal, answers)
+        if len(group) < len(proposal):
+            log.info("group for %s: %d of %d proposed member(s) confirmed", key, len(group), len(proposal))
+        return group
+
+    async def _ask(self, partner: str, key: str, proposal: Sequence[str]) -> tuple[str, ...] | None:
+        stream = await self.host.new_stream(ID.from_base58(partner), [GROUP_PROTOCOL])
+        try:
+            await write_message(stream, handshake_request(self.run_id, key, proposal), peer_id=partner)
+            reply = await read_message(stream, max_size=_MESSAGE_BYTES, peer_id=partner)
+        finally:
+            await stream.close()
+        return parse_reply(reply, peer_id=partner)
+
+    async def _handle(self, stream: INetStream) -> None:
+        peer = stream.muxed_conn.peer_id.to_base58()
+        try:
+            with trio.fail_after(self.config.grace_s + 5.0):
+                request = await read_message(stream, max_size=_MESSAGE_BYTES, peer_id=peer)
+                key, _ = parse_request(request, run_id=self.run_id, peer_id=peer)
+                reply = self._handshakes.answer(key, self.proposal(key), trio.current_time())
+                await write_message(stream, reply, peer_id=peer)
+        except Exception as exc:  # noqa: BLE001 - one bad request ends one stream
+            log.info("group request from %s failed: %r", peer, exc)
+        finally:
+            await stream.close()
