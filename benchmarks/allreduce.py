@@ -28,8 +28,11 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
-from lattica.net.tensors._peer_driver import run_all, spawn_peers
+import _checkout  # noqa: F401  (the checkout root on sys.path: lattica_lab)
+
+from lattica_lab.peer_driver import run_all, spawn_peers
 
 
 class BenchmarkFailed(RuntimeError):
@@ -70,7 +73,7 @@ def gloo_seconds(world: int, numel: int, reps: int) -> float:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    code = "import sys; sys.path.insert(0, '.'); from benchmarks.allreduce import _gloo_worker;"
+    code = f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r}); from allreduce import _gloo_worker;"
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", code + f"_gloo_worker({r}, {world}, {port}, {numel}, {reps})"],

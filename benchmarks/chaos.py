@@ -46,9 +46,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import _checkout  # noqa: F401  (the checkout root on sys.path: lattica_lab)
+
 from lattica.errors import LatticaError
-from lattica.testing.daemons import DaemonProcess, cli_json
-from lattica.testing.netlab import LabHost, NetLab
+from lattica_lab.daemons import DaemonProcess, cli_json
+from lattica_lab.netlab import LabHost, NetLab
 
 TRAIN_ENV = {
     "LATTICA_TRAIN_BATCH_SIZE": "4",

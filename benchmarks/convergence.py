@@ -42,11 +42,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import _checkout  # noqa: F401  (the checkout root on sys.path: lattica_lab)
 import torch
 import trio
 
 from lattica.errors import ConfigError
-from lattica.testing.collective import InMemoryCollectiveGroup
 from lattica.train.data import (
     BatchConfig,
     BatchSampler,
@@ -67,6 +67,7 @@ from lattica.train.strategies.spes import SPESConfig
 from lattica.train.strategies.streaming import StreamingDiLoCoConfig
 from lattica.train.task import Task
 from lattica.train.trainer import Trainer, TrainerConfig
+from lattica_lab.collective import InMemoryCollectiveGroup
 
 WORKERS = 4
 PEERS = tuple(f"worker-{i}" for i in range(WORKERS))

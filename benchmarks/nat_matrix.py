@@ -1,7 +1,7 @@
 """NAT traversal matrix: real ``lattica join`` daemons in the namespace lab; last line is JSON.
 
 Run as root: ``python benchmarks/nat_matrix.py``. Each scenario builds and tears down its own
-lab (``lattica.testing.nat_daemons``). Columns: scenario, connected, final path, seconds to
+lab (``lattica_lab.nat_daemons``). Columns: scenario, connected, final path, seconds to
 first connection, seconds to a direct (or hole-punched) path. Both times run from the moment
 the dialing daemon is up (control socket answers) to the first poll of its peer table (0.1 s)
 showing the state, so they include discovery: the AutoNAT verdict, the relay reservation and
@@ -25,8 +25,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from lattica.testing.nat_daemons import SCENARIOS, ScenarioResult
-from lattica.testing.netlab import lab_unavailable_reason
+import _checkout  # noqa: F401  (the checkout root on sys.path: lattica_lab)
+
+from lattica_lab.nat_daemons import SCENARIOS, ScenarioResult
+from lattica_lab.netlab import lab_unavailable_reason
 
 NOT_DIRECT = ("nat<->symmetric-nat", "relay-failover")
 

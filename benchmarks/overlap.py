@@ -1,7 +1,7 @@
 """Compute utilization of blocking DiLoCo vs eager vs Streaming DiLoCo behind a slow link.
 
 Four peer processes, each in its own network namespace of the NAT lab
-(``lattica.testing.netlab``) with a tbf qdisc capping its egress, train the tiny byte-level GPT
+(``lattica_lab.netlab``) with a tbf qdisc capping its egress, train the tiny byte-level GPT
 with the real trainer and the real data plane (``TensorService`` over libp2p). Utilization is
 the time spent inside inner steps (forward, backward, optimizer) divided by the wall time from
 the first inner step to the return of the last one's ``after_inner_step`` — the steady state;
@@ -50,6 +50,8 @@ import resource
 import statistics
 import sys
 import time
+
+import _checkout  # noqa: F401  (the checkout root on sys.path: lattica_lab)
 
 WORKERS = 4
 STRATEGIES = ("nocomm", "diloco", "eager", "streaming")
@@ -238,7 +240,7 @@ def _reply(obj: dict) -> None:
 
 
 def _run_lab(args: argparse.Namespace) -> dict:
-    from lattica.testing.netlab import NetLab, shape_link
+    from lattica_lab.netlab import NetLab, shape_link
 
     results: dict[str, list[dict]] = {}
     with NetLab() as lab:
@@ -412,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
 
         trio.run(_serve, args.ip)
         return 0
-    from lattica.testing.netlab import lab_unavailable_reason
+    from lattica_lab.netlab import lab_unavailable_reason
 
     reason = lab_unavailable_reason()
     if reason:

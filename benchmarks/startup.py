@@ -22,8 +22,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import _checkout  # noqa: F401  (the checkout root on sys.path: lattica_lab)
+
 from lattica.errors import LatticaError
-from lattica.testing.daemons import DaemonProcess
+from lattica_lab.daemons import DaemonProcess
 
 CONNECT_TIMEOUT_S = 60.0
 

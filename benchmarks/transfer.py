@@ -36,8 +36,11 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
-from lattica.net.tensors._peer_driver import PeerProcess, spawn_peers
+import _checkout  # noqa: F401  (the checkout root on sys.path: lattica_lab)
+
+from lattica_lab.peer_driver import PeerProcess, spawn_peers
 
 ACK_TIMEOUT_S = 300.0
 PATHS = ("tcp", "fast", "libp2p")
@@ -71,7 +74,7 @@ class RawTcp:
 
     def __init__(self, nbytes: int, reps: int) -> None:
         code = (
-            "import sys; sys.path.insert(0, '.'); from benchmarks.transfer import _tcp_receiver;"
+            f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r}); from transfer import _tcp_receiver;"
             f"_tcp_receiver(lambda p: print(p, flush=True), {nbytes}, {reps})"
         )
         self._receiver = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
@@ -101,7 +104,7 @@ class RawTcp:
 
 
 class TensorPath:
-    """Two ``_peer_main`` processes exchanging one raw uint8 tensor per rep."""
+    """Two ``lattica_lab.peer_main`` processes exchanging one raw uint8 tensor per rep."""
 
     def __init__(self, peers: list[PeerProcess], nbytes: int, name: str) -> None:
         self.sender, self.receiver = peers

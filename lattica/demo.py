@@ -10,18 +10,99 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
+import socket
+import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lattica.control import client
 from lattica.errors import ConfigError, LatticaError
 from lattica.progress import ProgressDisplay, render_summary
-from lattica.testing.daemons import DaemonProcess
 
 _POLL_S = 1.0
 _START_TIMEOUT_S = 120.0
+_STOP_TIMEOUT_S = 10.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class DaemonProcess:
+    """One ``lattica join`` process of the demo swarm, started the way a user starts it.
+
+    Its output goes to ``daemon.log`` in its data dir; it is asked over its control socket; it
+    is ended by PID (SIGTERM, then SIGKILL after a grace period).
+    """
+
+    data_dir: Path
+    port: int = field(default_factory=_free_port)
+    peers: tuple[str, ...] = ()
+    extra_args: tuple[str, ...] = ()
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def log_path(self) -> Path:
+        return self.data_dir / "daemon.log"
+
+    def start(self) -> DaemonProcess:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        argv = [
+            sys.executable, "-m", "lattica.cli.main", "join",
+            "--data-dir", str(self.data_dir),
+            "--listen", f"/ip4/127.0.0.1/tcp/{self.port}",
+            "--metrics-addr", "off",
+            "--bootstrap-timeout", "20",
+            *self.extra_args,
+        ]
+        for peer in self.peers:
+            argv += ["--peer", peer]
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+        return self
+
+    def wait_ready(self, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited with {self.proc.returncode}: {self.log()}")
+            try:
+                return dict(self.call("status"))
+            except LatticaError:
+                time.sleep(0.2)
+        raise TimeoutError(f"daemon in {self.data_dir} not ready after {timeout} s: {self.log()}")
+
+    def call(self, method: str) -> Any:
+        return client.call(self.data_dir / "control.sock", method, timeout=10.0)
+
+    @property
+    def addr(self) -> str:
+        return str(self.call("id")["addrs"][0])
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-4000:]
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.kill(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(_STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def run_demo(args: argparse.Namespace) -> int:

@@ -1,7 +1,7 @@
 """The one seam between outer-step math and the network.
 
 Outer strategies (DiLoCo, NoLoCo, Streaming DiLoCo, SPES) never touch sockets: they call a
-``Collective``. The data plane implements it over real peers; ``lattica.testing`` implements it
+``Collective``. The data plane implements it over real peers; ``lattica_lab.collective`` implements it
 in memory, so the same strategy code is tested both ways.
 """
 

@@ -28,6 +28,8 @@ def _load(name: str) -> ModuleType:
     module_name = f"_bench_{name}"
     if module_name in sys.modules:
         return sys.modules[module_name]
+    if str(BENCHMARKS) not in sys.path:  # as when run as a script: its helper `_checkout` importable
+        sys.path.append(str(BENCHMARKS))
     spec = importlib.util.spec_from_file_location(module_name, BENCHMARKS / f"{name}.py")
     assert spec is not None
     assert spec.loader is not None
@@ -213,7 +215,7 @@ def test_allreduce_member_that_did_not_finish_fails():
 
 def test_nat_matrix_scenario_that_raised_has_no_summary():
     nat_matrix = _load("nat_matrix")
-    from lattica.testing.netlab import ScenarioResult
+    from lattica_lab.netlab import ScenarioResult
 
     fine = ScenarioResult("public<->public", direct_possible=True, connected=True, path="direct",
                           connect_s=1.0, direct_s=1.0)

@@ -11,6 +11,8 @@ import sys
 
 import trio
 
+from lattica_lab import lab_env
+
 LEASE = 4.0
 
 
@@ -45,10 +47,10 @@ class Node:
 async def start_node(nursery, tmp_path, index: int, *extra: str) -> Node:
     data_dir = tmp_path / f"node{index}"
     data_dir.mkdir()
-    command = [sys.executable, "-m", "lattica.crdt._demo_node", "--data-dir", str(data_dir),
+    command = [sys.executable, "-m", "lattica_lab.demo_node", "--data-dir", str(data_dir),
                "--run-id", "e2e", "--heartbeat", "0.5", "--lease", str(LEASE), *extra]
     stderr = (tmp_path / f"node{index}.stderr").open("wb")
-    proc = await trio.lowlevel.open_process(command, stdout=subprocess.PIPE, stderr=stderr)
+    proc = await trio.lowlevel.open_process(command, stdout=subprocess.PIPE, stderr=stderr, env=lab_env())
     node = Node(proc)
     nursery.start_soon(node.read_events)
     return node

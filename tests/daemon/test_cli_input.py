@@ -12,7 +12,7 @@ import pytest
 from lattica.cli.settings import build_node_config
 from lattica.config import NodeConfig
 from lattica.errors import ConfigError
-from lattica.testing.daemons import free_port, run_cli
+from lattica_lab.daemons import free_port, run_cli
 
 
 def _one_line_error(result) -> str:
@@ -280,7 +280,7 @@ def test_access_control_from_toml_and_env(tmp_path):
 
 
 def test_daemon_reads_the_secret_named_in_its_config_file(tmp_path):
-    from lattica.testing.daemons import DaemonProcess
+    from lattica_lab.daemons import DaemonProcess
 
     secret = tmp_path / "run.secret"
     secret.write_text("s" * 32)

@@ -18,7 +18,7 @@ import trio
 from lattica.control import server as server_module
 from lattica.control.protocol import MAX_REQUEST_BYTES, ControlRequest, encode_request
 from lattica.control.server import ControlServer
-from lattica.testing.daemons import DaemonProcess, run_cli
+from lattica_lab.daemons import DaemonProcess, run_cli
 
 # -- in process ------------------------------------------------------------------------------
 

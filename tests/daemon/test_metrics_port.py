@@ -10,7 +10,7 @@ import urllib.request
 from pathlib import Path
 
 from lattica.config import DEFAULT_METRICS_ADDR
-from lattica.testing.daemons import DaemonProcess, free_port, lattica_command, run_cli, wait_for
+from lattica_lab.daemons import DaemonProcess, free_port, lattica_command, run_cli, wait_for
 
 
 def _clean_env() -> dict[str, str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from lattica.testing.daemons import DaemonProcess, run_cli
+from lattica_lab.daemons import DaemonProcess, run_cli
 
 
 def test_state_of_a_stopped_daemon_comes_from_its_data_dir(tmp_path):

@@ -12,7 +12,7 @@ import pytest
 from lattica.control import client
 from lattica.errors import LatticaError
 from lattica.files import append_private
-from lattica.testing.daemons import free_port, lattica_command, wait_for
+from lattica_lab.daemons import free_port, lattica_command, wait_for
 
 
 def _mode(path: Path) -> int:

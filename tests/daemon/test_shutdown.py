@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from lattica.testing.daemons import DaemonProcess, run_cli, wait_for
+from lattica_lab.daemons import DaemonProcess, run_cli, wait_for
 
 PROMISE_S = 5.0
 TRAIN_ENV = {

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from lattica.testing.daemons import DaemonProcess, cli_json
-from lattica.testing.daemons import wait_for as _wait_for
+from lattica_lab.daemons import DaemonProcess, cli_json
+from lattica_lab.daemons import wait_for as _wait_for
 
 
 @pytest.fixture

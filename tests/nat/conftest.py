@@ -1,6 +1,6 @@
 import pytest
 
-from lattica.testing.netlab import lab_unavailable_reason
+from lattica_lab.netlab import lab_unavailable_reason
 
 
 @pytest.fixture

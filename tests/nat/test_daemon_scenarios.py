@@ -1,6 +1,6 @@
 """The five NAT scenarios with real ``lattica join`` daemons in a namespace lab.
 
-Each test builds its own lab (``lattica.testing.nat_daemons``), and reads the outcome the way a
+Each test builds its own lab (``lattica_lab.nat_daemons``), and reads the outcome the way a
 user would: ``lattica peers --json`` / ``lattica status --json`` through ``--data-dir``.
 """
 
@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from lattica.testing import nat_daemons
-from lattica.testing.nat_daemons import LabDaemon, ScenarioResult
+from lattica_lab import nat_daemons
+from lattica_lab.nat_daemons import LabDaemon, ScenarioResult
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(240), pytest.mark.usefixtures("netlab_available")]
 

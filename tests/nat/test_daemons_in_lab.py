@@ -15,8 +15,8 @@ import pytest
 
 from lattica.control import client
 from lattica.errors import LatticaError
-from lattica.testing.daemons import wait_for
-from lattica.testing.netlab import NetLab
+from lattica_lab.daemons import wait_for
+from lattica_lab.netlab import NetLab
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(90), pytest.mark.usefixtures("netlab_available")]
 

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from lattica.testing.netlab import NetLab, shape_link
+from lattica_lab.netlab import NetLab, shape_link
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(60), pytest.mark.usefixtures("netlab_available")]
 

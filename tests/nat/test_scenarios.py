@@ -2,7 +2,7 @@
 
 import pytest
 
-from lattica.net.nat import _lab_scenarios as scenarios
+from lattica_lab import nat_scenarios as scenarios
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(60), pytest.mark.usefixtures("netlab_available")]
 

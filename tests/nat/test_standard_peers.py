@@ -1,6 +1,6 @@
 """NAT'd Lattica daemons and a standard libp2p node (relay + DHT server, no Lattica protocol).
 
-Real namespaces with real NAT (``lattica.testing.netlab``); the public node is py-libp2p's
+Real namespaces with real NAT (``lattica_lab.netlab``); the public node is py-libp2p's
 own host, relay v2 and Kademlia server (``tests/net/standard_node.py``), as a relay or DHT
 server run by someone else would be. The daemons are ``lattica join`` processes.
 """
@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from lattica.testing.nat_daemons import QUIET_ENV, LabDaemon, log_tail, wait_until
-from lattica.testing.netlab import LabHost, LabProcess, NetLab
+from lattica_lab.nat_daemons import QUIET_ENV, LabDaemon, log_tail, wait_until
+from lattica_lab.netlab import LabHost, LabProcess, NetLab
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(180), pytest.mark.usefixtures("netlab_available")]
 

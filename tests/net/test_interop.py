@@ -30,7 +30,7 @@ from lattica.net.host import build_host
 from lattica.net.nat import AutoNATConfig, RelayReservations, RelayServer
 from lattica.net.nat.autonat import retry_delay
 from lattica.node import Node
-from lattica.testing.daemons import free_port, lattica_command, run_cli
+from lattica_lab.daemons import free_port, lattica_command, run_cli
 
 pytestmark = pytest.mark.timeout(90)
 

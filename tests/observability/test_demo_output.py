@@ -7,7 +7,7 @@ import os
 import re
 import subprocess
 
-from lattica.testing.daemons import lattica_command
+from lattica_lab.daemons import lattica_command
 
 LINE = re.compile(r"^\[(node\d+)\] round=(\S+) .* bytes_received=(\S+)$")
 

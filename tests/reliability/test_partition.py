@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from lattica.testing.daemons import DaemonProcess, cli_json, wait_for
-from lattica.testing.netlab import NetLab, lab_unavailable_reason
+from lattica_lab.daemons import DaemonProcess, cli_json, wait_for
+from lattica_lab.netlab import NetLab, lab_unavailable_reason
 
 pytestmark = [
     pytest.mark.netns,

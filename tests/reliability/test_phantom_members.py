@@ -26,7 +26,7 @@ from lattica.crdt.replica import Replica
 from lattica.crdt.state import ReplicatedState
 from lattica.daemon import build_node
 from lattica.net.host import build_host
-from lattica.testing.daemons import DaemonProcess, cli_json
+from lattica_lab.daemons import DaemonProcess, cli_json
 
 RUN = "default"
 ROUNDS = 6

@@ -19,9 +19,9 @@ from libp2p.peer.peerinfo import info_from_p2p_addr
 from lattica.net.host import build_host
 from lattica.net.tensors.screen import PLAIN_MEAN, ContributionScreen, reduce_parts
 from lattica.net.tensors.transfer import TensorService, TensorServiceConfig
-from lattica.testing.collective import InMemoryCollectiveGroup
 from lattica.train.model import GPTConfig, build_model, lm_loss
 from lattica.train.strategies.diloco import DiLoCo, DiLoCoConfig
+from lattica_lab.collective import InMemoryCollectiveGroup
 
 PEERS = ["a", "b", "c", "d"]
 

@@ -4,7 +4,6 @@ import pytest
 import torch
 import trio
 
-from lattica.testing.collective import FixedGroups, InMemoryCollectiveGroup
 from lattica.train.device import select_device
 from lattica.train.model import GPTConfig, build_model
 from lattica.train.moe import MoEConfig, build_moe_model
@@ -12,6 +11,7 @@ from lattica.train.schedule import ScheduleConfig
 from lattica.train.strategies import STRATEGIES, strategy_class
 from lattica.train.task import Task
 from lattica.train.trainer import Trainer, TrainerConfig
+from lattica_lab.collective import FixedGroups, InMemoryCollectiveGroup
 
 PEERS = ("a", "b")
 STEPS = 8

@@ -1,9 +1,9 @@
 import torch
 import trio
 
-from lattica.testing.collective import InMemoryCollectiveGroup
 from lattica.train.api import wrap
 from lattica.train.strategies.diloco import DiLoCoConfig
+from lattica_lab.collective import InMemoryCollectiveGroup
 
 
 class FixedGroups:

@@ -2,7 +2,6 @@ import pytest
 import torch
 import trio
 
-from lattica.testing.collective import InMemoryCollectiveGroup
 from lattica.train.model import GPTConfig, build_model
 from lattica.train.strategies import create_strategy, strategy_class
 from lattica.train.strategies.diloco import (
@@ -11,6 +10,7 @@ from lattica.train.strategies.diloco import (
     nesterov_outer_step,
     pseudo_gradient,
 )
+from lattica_lab.collective import InMemoryCollectiveGroup
 
 TINY = GPTConfig(n_layer=1, d_model=16, n_head=2, context=8)
 

@@ -1,8 +1,8 @@
 import torch
 import trio
 
-from lattica.testing.collective import FixedGroups, InMemoryCollectiveGroup, scalar_model
 from lattica.train.strategies.eager import EagerDiLoCo, EagerDiLoCoConfig, eager_outer_gradient
+from lattica_lab.collective import FixedGroups, InMemoryCollectiveGroup, scalar_model
 
 
 def test_eager_gradient_swaps_own_stale_share_for_fresh_one():

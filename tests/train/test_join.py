@@ -4,7 +4,6 @@ import trio
 import trio.lowlevel
 
 from lattica.errors import PeerUnavailableError, RemoteProtocolError
-from lattica.testing.collective import InMemoryCollectiveGroup
 from lattica.train.join import (
     fetch_outer_state,
     flatten_outer_state,
@@ -13,6 +12,7 @@ from lattica.train.join import (
 )
 from lattica.train.model import GPTConfig, build_model
 from lattica.train.strategies.diloco import DiLoCo, DiLoCoConfig
+from lattica_lab.collective import InMemoryCollectiveGroup
 
 TINY = GPTConfig(n_layer=1, d_model=16, n_head=2, context=8)
 

@@ -2,7 +2,6 @@ import pytest
 import torch
 import trio
 
-from lattica.testing.collective import FixedGroups, InMemoryCollectiveGroup, scalar_model
 from lattica.train.strategies.noloco import (
     NoLoCo,
     NoLoCoConfig,
@@ -10,6 +9,7 @@ from lattica.train.strategies.noloco import (
     noloco_outer_step,
     round_seed,
 )
+from lattica_lab.collective import FixedGroups, InMemoryCollectiveGroup, scalar_model
 
 
 def test_outer_step_matches_hand_computation():

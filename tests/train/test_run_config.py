@@ -6,8 +6,8 @@ import pytest
 
 from lattica.config import TrainSettings
 from lattica.errors import ConfigError
-from lattica.testing.daemons import DaemonProcess, cli_json, wait_for
 from lattica.train.run_config import RUN_WIDE, apply_run_config, run_config_of
+from lattica_lab.daemons import DaemonProcess, cli_json, wait_for
 
 TRAIN_ENV = {
     "LATTICA_TRAIN_BATCH_SIZE": "4",

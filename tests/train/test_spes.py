@@ -2,7 +2,6 @@ import pytest
 import torch
 import trio
 
-from lattica.testing.collective import InMemoryCollectiveGroup
 from lattica.train.model import lm_loss
 from lattica.train.moe import MoEConfig, build_moe_model, dense_parameters, expert_parameters
 from lattica.train.strategies.accounting import optimizer_state_bytes
@@ -13,6 +12,7 @@ from lattica.train.strategies.spes import (
     merge_alpha_at,
     merge_similar_experts,
 )
+from lattica_lab.collective import InMemoryCollectiveGroup
 
 CFG = MoEConfig(n_layer=1, d_model=8, n_head=2, context=8, num_experts=8, top_k=2, expert_hidden=8)
 

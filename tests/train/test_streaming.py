@@ -2,7 +2,6 @@ import pytest
 import torch
 import trio
 
-from lattica.testing.collective import FixedGroups, InMemoryCollectiveGroup
 from lattica.train.model import GPTConfig, build_model
 from lattica.train.quantize import dequantize_4bit, quantize_4bit
 from lattica.train.strategies.streaming import (
@@ -15,6 +14,7 @@ from lattica.train.strategies.streaming import (
     sync_due,
 )
 from lattica.train.strategies.traffic import allreduce_bytes
+from lattica_lab.collective import FixedGroups, InMemoryCollectiveGroup
 
 
 class TwoScalarBlocks(torch.nn.Module):

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from lattica.testing.daemons import DaemonProcess, cli_json, free_port
-from lattica.testing.daemons import wait_for as _wait_for
+from lattica_lab.daemons import DaemonProcess, cli_json, free_port
+from lattica_lab.daemons import wait_for as _wait_for
 
 INNER_STEPS = 5
 TRAIN_ENV = {

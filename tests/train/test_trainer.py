@@ -5,7 +5,6 @@ import torch
 import trio
 
 from lattica.errors import ConfigError
-from lattica.testing.collective import InMemoryCollectiveGroup
 from lattica.train.checkpoint import CheckpointStore, weights_hash
 from lattica.train.device import select_device
 from lattica.train.model import GPTConfig
@@ -14,6 +13,7 @@ from lattica.train.strategies import create_strategy
 from lattica.train.strategies.diloco import DiLoCoConfig
 from lattica.train.task import Task, TaskContext, builtin_task, language_model_loss
 from lattica.train.trainer import Trainer, TrainerConfig
+from lattica_lab.collective import InMemoryCollectiveGroup
 
 MICRO = GPTConfig(n_layer=1, d_model=32, n_head=2, context=32)
 CPU = select_device("cpu")

@@ -5,7 +5,7 @@ import torch
 import trio
 
 from lattica.errors import LocalProtocolError, PeerUnavailableError
-from lattica.testing.collective import InMemoryCollectiveGroup
+from lattica_lab.collective import InMemoryCollectiveGroup
 
 
 async def _run_all(group, fn):

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lattica.net.tensors._peer_driver import run_all, spawn_peers
-from lattica.net.tensors._peer_main import make_input
+from lattica_lab.peer_driver import run_all, spawn_peers
+from lattica_lab.peer_main import make_input
 
 NUMEL = 100_003  # not divisible by 2..5: parts of unequal length
 

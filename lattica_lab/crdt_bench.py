@@ -1,4 +1,4 @@
-"""Benchmark of the replicated state: ``python -m lattica.crdt._bench [--replicas N]``.
+"""Benchmark of the replicated state: ``python -m lattica_lab.crdt_bench [--replicas N]``.
 
 Measures envelope sign+verify rate, fsync'd log append latency, in-memory convergence of N
 replicas after random writes, and the write-to-visible latency between two real libp2p hosts

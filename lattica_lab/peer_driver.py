@@ -1,4 +1,4 @@
-"""Driving real data-plane peer processes (``_peer_main``) from tests and benchmarks."""
+"""Driving real data-plane peer processes (``lattica_lab.peer_main``) from tests and benchmarks."""
 
 from __future__ import annotations
 
@@ -12,15 +12,18 @@ import sys
 import tempfile
 import time
 
+from lattica_lab import lab_env
+
 
 class PeerProcess:
     def __init__(self, *, fast: bool = True) -> None:
-        args = [sys.executable, "-m", "lattica.net.tensors._peer_main"]
+        args = [sys.executable, "-m", "lattica_lab.peer_main"]
         if not fast:
             args.append("--no-fast")
         self.stderr = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
-            args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, text=True, bufsize=1
+            args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, text=True, bufsize=1,
+            env=lab_env(),
         )
         self.peer_id = ""
         self.addr = ""

@@ -1,6 +1,6 @@
 """A small node for the NAT lab: one host with every NAT service, driven over stdin/stdout.
 
-Run: ``python -m lattica.net.nat._lab_node --listen /ip4/198.18.0.1/tcp/4001 [--relay MA ...]``.
+Run: ``python -m lattica_lab.nat_node --listen /ip4/198.18.0.1/tcp/4001 [--relay MA ...]``.
 Stdout carries one JSON event per line (``ready``, ``reachability``, ``relay_addrs``,
 ``connected``, ``path``, ``hole_punch``, ``transfer``, ``error``); stdin takes one JSON command
 per line: ``{"cmd": "dial", "peer": ID, "addrs": [MA...]}``,

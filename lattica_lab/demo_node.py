@@ -1,6 +1,6 @@
 """A minimal node for end-to-end tests and demos: one host plus ``ReplicatedState``.
 
-    python -m lattica.crdt._demo_node --data-dir D --run-id R [--admin PEER] [--connect MADDR]...
+    python -m lattica_lab.demo_node --data-dir D --run-id R [--admin PEER] [--connect MADDR]...
 
 Prints JSON lines on stdout: ``{"event": "ready", "peer_id", "addr"}`` once listening, then
 ``{"event": "live", "live": [...], "left": [...]}`` each time its view of the live members

@@ -24,7 +24,7 @@ from typing import Any
 
 from lattica.control import client
 from lattica.errors import LatticaError
-from lattica.testing.netlab import LabHost, LabProcess, NetLab, ScenarioResult
+from lattica_lab.netlab import LabHost, LabProcess, NetLab, ScenarioResult
 
 PORT = 4001
 POLL_S = 0.1

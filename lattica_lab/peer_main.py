@@ -1,6 +1,6 @@
 """A standalone data-plane peer for multi-process tests and benchmarks.
 
-Run ``python -m lattica.net.tensors._peer_main [--no-fast]``. It starts a host and a
+Run ``python -m lattica_lab.peer_main [--no-fast]``. It starts a host and a
 ``TensorService`` on 127.0.0.1, prints ``{"peer_id", "addr"}`` as one JSON line, then obeys JSON
 commands, one per stdin line, answering each with one JSON line on stdout:
 

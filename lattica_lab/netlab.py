@@ -38,6 +38,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from lattica_lab import lab_env
+
 NS_PREFIX = "ltnat-"
 _NS_RE = re.compile(r"^ltnat-(\d+)-")
 INTERNET_NET = "198.18.0"
@@ -319,7 +321,7 @@ table inet lab_filter {{
                 ["ip", "netns", "exec", host.ns, *argv],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                 stderr=stderr_file if stderr_file is not None else subprocess.DEVNULL,
-                text=True, bufsize=1,
+                text=True, bufsize=1, env=lab_env(),  # lattica_lab modules importable
             )
         finally:
             if stderr_file is not None:

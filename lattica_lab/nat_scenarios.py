@@ -2,7 +2,7 @@
 
 They exercise the NAT services directly, without the daemon: quick checks of the mechanisms.
 The same scenarios with real ``lattica join`` daemons, which the benchmark measures, are in
-``lattica/testing/nat_daemons.py``.
+``lattica_lab/nat_daemons.py``.
 
 Each scenario builds its own topology in a fresh :class:`NetLab`, starts lab nodes, dials, and
 returns a :class:`ScenarioResult` measured from the nodes' own events. Everything is torn
@@ -15,14 +15,14 @@ import sys
 import time
 from collections.abc import Callable
 
-from lattica.testing.netlab import LabHost, LabProcess, NetLab, ScenarioResult
+from lattica_lab.netlab import LabHost, LabProcess, NetLab, ScenarioResult
 
 PORT = 4001
 TIMEOUT = 12.0
 
 
 def start_node(lab: NetLab, host: LabHost, *extra: str, log: str | None = None) -> LabProcess:
-    argv = [sys.executable, "-m", "lattica.net.nat._lab_node",
+    argv = [sys.executable, "-m", "lattica_lab.nat_node",
             "--listen", f"/ip4/{host.ip}/tcp/{PORT}", *extra]
     node = lab.spawn(host, argv, stderr_path=log)
     node.wait_for(lambda e: e["event"] == "ready", TIMEOUT)
