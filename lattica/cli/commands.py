@@ -6,7 +6,7 @@ import argparse
 import os
 from typing import Any
 
-from lattica.cli.main import install_signal_exit, print_json, resolve_data_dir
+from lattica.cli.common import install_signal_exit, print_json, resolve_data_dir
 from lattica.cli.render import key_values, short_id, table
 from lattica.control import client
 from lattica.errors import DaemonNotRunningError

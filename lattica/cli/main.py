@@ -8,14 +8,11 @@ traceback to ``crash.log`` in the data dir).
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import signal
 import sys
 import traceback
 from pathlib import Path
-from typing import Any
 
+from lattica.cli.common import resolve_data_dir
 from lattica.config import DEFAULT_INNER_STEPS
 from lattica.errors import LatticaError
 from lattica.files import append_private
@@ -166,25 +163,6 @@ def _dispatch(args: argparse.Namespace) -> int:
         "demo": commands.demo,
     }
     return handlers[args.command](args)
-
-
-def resolve_data_dir(args: argparse.Namespace) -> Path:
-    from lattica.cli.settings import default_data_dir
-
-    if args.data_dir is not None:
-        return Path(args.data_dir).expanduser()
-    env = os.environ.get("LATTICA_DATA_DIR")
-    return Path(env).expanduser() if env else default_data_dir()
-
-
-def print_json(obj: Any) -> None:
-    json.dump(obj, sys.stdout, indent=2, default=str)
-    sys.stdout.write("\n")
-
-
-def install_signal_exit() -> None:
-    """Let SIGPIPE end CLI output quietly (``lattica peers | head``)."""
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
 
 
 if __name__ == "__main__":
