@@ -16,6 +16,14 @@ b, and the outer step is deterministic CPU fp32 math, so all replicas hold bit-i
 afterwards. Failure: if the all-reduce breaks because a peer vanished, the round is retried with
 a fresh group (the provider leaves the dead peer out); if every attempt fails the round is
 skipped — φ stays, θ keeps training, and the next round's Δ covers both rounds.
+
+Gossip averaging (``averaging = "gossip"``, see ``gossip.py``): instead of one all-reduce over
+the round's members, each replica exchanges ``[φ_m, Δ_m]`` with the partners of its small group
+for the round (``group_size``, redrawn every round), sets φ to the group's mean φ and takes the
+Nesterov step with the group's mean Δ (its own momentum buffer). No peer waits for anyone
+outside its group; a partner that does not answer within ``exchange_timeout_s`` is left out,
+and alone a replica steps on its own Δ. Replicas then differ (``replicas_agree`` is False);
+``consensus_distance`` is the last measured relative spread.
 """
 
 from __future__ import annotations
@@ -29,11 +37,18 @@ from typing import Any
 import torch
 
 from lattica.config import DEFAULT_INNER_STEPS
+from lattica.coordination.groups import proposed_group
 from lattica.errors import BrokenError, PeerUnavailableError
 from lattica.train.collective import Collective
 from lattica.train.strategies.accounting import AccountedStrategy, tensor_bytes
 from lattica.train.strategies.base import GroupProvider, OuterStepReport
-from lattica.train.strategies.traffic import allreduce_bytes
+from lattica.train.strategies.gossip import (
+    check_averaging,
+    consensus_distance,
+    exchange_with_partners,
+    group_mean,
+)
+from lattica.train.strategies.traffic import allreduce_bytes, payload_bytes
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +60,14 @@ class DiLoCoConfig:
     outer_momentum: float = 0.9
     codec: str = "fp32"
     max_attempts: int = 3
+    averaging: str = "allreduce"  # or "gossip": average inside small groups redrawn every round
+    group_size: int = 2  # gossip: members per group
+    exchange_timeout_s: float = 30.0  # gossip: how long a partner's tensors are waited for
 
     def __post_init__(self) -> None:
+        check_averaging(self.averaging, self.group_size)
+        if not self.exchange_timeout_s > 0:
+            raise ValueError(f"DiLoCoConfig.exchange_timeout_s must be > 0, got {self.exchange_timeout_s}")
         if self.inner_steps < 1:
             raise ValueError(f"DiLoCoConfig.inner_steps must be >= 1, got {self.inner_steps}")
         if not self.outer_lr > 0:
@@ -129,6 +150,9 @@ class DiLoCo(AccountedStrategy):
         self._round = 0  # index of the next sync; advances even when a round is skipped
         self._completed = 0
         self._step = 0  # inner step at which the last round ran
+        # gossip averaging: replicas differ by design, and their spread is measured
+        self.replicas_agree = self.config.averaging == "allreduce"
+        self.consensus_distance: float | None = None
 
     @property
     def completed_rounds(self) -> int:
@@ -157,6 +181,8 @@ class DiLoCo(AccountedStrategy):
 
     async def sync(self) -> OuterStepReport:
         """Run one outer round now (normally called every ``inner_steps`` steps)."""
+        if self.config.averaging == "gossip":
+            return await self._gossip_sync()
         key, started = f"round/{self._round}", time.monotonic()
         self._round += 1
         deltas = pseudo_gradient(self._outer, self._inner)
@@ -192,6 +218,42 @@ class DiLoCo(AccountedStrategy):
             seconds=time.monotonic() - started,
             skipped=True,
             detail=failure,
+        )
+
+    async def _gossip_sync(self) -> OuterStepReport:
+        """Average ``[φ, Δ]`` with this round's group, then step on the group's mean Δ."""
+        key, started = f"round/{self._round}", time.monotonic()
+        self._round += 1
+        me = self.collective.peer_id
+        members = await self.groups.group_for(key)
+        stripe = proposed_group(members, me, key=key, group_size=self.config.group_size)
+        partners = [p for p in stripe if p != me]
+        payload = self._outer + pseudo_gradient(self._outer, self._inner)
+        answers, missing = await exchange_with_partners(
+            self.collective, partners, payload, tag=f"diloco/gossip/{key}", codec=self.config.codec,
+            timeout_s=self.config.exchange_timeout_s,
+        )
+        n = len(self._outer)
+        if answers:
+            contributions = [payload, *answers]
+            mean_phi = group_mean([c[:n] for c in contributions])
+            self.consensus_distance = consensus_distance(self._outer, mean_phi)
+            with torch.no_grad():
+                for outer, mean in zip(self._outer, mean_phi, strict=True):
+                    outer.copy_(mean)
+            mean_delta = group_mean([c[n:] for c in contributions])
+        else:
+            mean_delta = payload[n:]
+        self._apply(mean_delta)
+        sent = payload_bytes(payload, self.config.codec) * len(partners)
+        self.traffic.record_sync(sent)
+        return OuterStepReport(
+            round=self._round - 1,
+            key=key,
+            group=tuple(sorted({me, *partners} - missing)),
+            bytes_sent=sent,
+            seconds=time.monotonic() - started,
+            detail=f"no answer from: {', '.join(sorted(missing))}" if missing else "",
         )
 
     def _apply(self, mean: Sequence[torch.Tensor]) -> None:

@@ -1,0 +1,95 @@
+"""Gossip averaging: averaging inside a small group that changes every outer step.
+
+Theory of operation
+-------------------
+With ``averaging = "gossip"`` a strategy asks its ``GroupProvider`` for the step's key, draws its
+stripe of the answer (``coordination.groups.proposed_group``: the stripe itself when the
+provider is ``GossipGroups``, this peer's stripe of the whole list when it is a fixed list),
+and ``exchange``s its tensors with each partner of the stripe — concurrently, each under a
+deadline. It then averages over itself and the partners that answered; a partner that is gone
+or silent is left out, and with nobody left the peer steps on its own. No all-reduce: members
+of one stripe may hold slightly different groups while views differ, and pairwise exchanges
+need no agreed list.
+
+Replicas then differ. Their spread is measured where it costs nothing: at each exchange, before
+averaging, from the tensors exchanged anyway —
+
+    consensus distance = ‖φ_i − mean_G(φ)‖ / ‖mean_G(φ)‖   (over all tensors, fp32)
+
+— this peer's distance to its group's mean, relative to the weights' norm. Groups are random
+each step, so over steps it samples the swarm's spread; it is 0 while a peer averages alone
+(nothing to compare with; the last measured value is kept).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import trio
+
+from lattica.errors import BrokenError, PeerUnavailableError, RemoteProtocolError
+from lattica.train.collective import Collective
+
+AVERAGING_MODES = ("allreduce", "gossip")
+_EXCHANGE_ERRORS = (PeerUnavailableError, BrokenError, RemoteProtocolError)
+
+
+def check_averaging(averaging: str, group_size: int) -> None:
+    """``ValueError`` for an unknown averaging mode or a group size below 2."""
+    if averaging not in AVERAGING_MODES:
+        raise ValueError(f"averaging must be one of {', '.join(AVERAGING_MODES)}, got {averaging!r}")
+    if not isinstance(group_size, int) or group_size < 2:
+        raise ValueError(f"group_size must be an integer >= 2, got {group_size!r}")
+
+
+async def exchange_with_partners(
+    collective: Collective,
+    partners: Sequence[str],
+    tensors: list[torch.Tensor],
+    *,
+    tag: str,
+    codec: str,
+    timeout_s: float,
+) -> tuple[list[list[torch.Tensor]], set[str]]:
+    """Exchange ``tensors`` with every partner concurrently, each under ``timeout_s``; return
+    the answers (in ``partners`` order, shapes checked) and the partners that failed."""
+    answers: dict[str, list[torch.Tensor]] = {}
+
+    async def one(partner: str) -> None:
+        with trio.move_on_after(timeout_s):
+            try:
+                answer = await collective.exchange(tensors, peer=partner, tag=tag, codec=codec)
+            except _EXCHANGE_ERRORS:
+                return
+            if len(answer) == len(tensors) and all(
+                a.shape == t.shape for a, t in zip(answer, tensors, strict=True)
+            ):
+                answers[partner] = answer
+
+    async with trio.open_nursery() as nursery:
+        for partner in partners:
+            nursery.start_soon(one, partner)
+    return [answers[p] for p in partners if p in answers], set(partners) - set(answers)
+
+
+def group_mean(contributions: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
+    """Element-wise mean of several tensor lists, summed in fp32, in the first list's dtype."""
+    total = [t.detach().to(torch.float32).clone() for t in contributions[0]]
+    for other in contributions[1:]:
+        for acc, t in zip(total, other, strict=True):
+            acc += t.detach().to(torch.float32)
+    count = len(contributions)
+    return [(acc / count).to(ref.dtype) for acc, ref in zip(total, contributions[0], strict=True)]
+
+
+def consensus_distance(own: Sequence[torch.Tensor], mean: Sequence[torch.Tensor]) -> float:
+    """‖own − mean‖ / ‖mean‖ over all tensors (0 when the mean is all zeros)."""
+    diff = 0.0
+    norm = 0.0
+    for o, m in zip(own, mean, strict=True):
+        m32 = m.detach().to(torch.float32)
+        diff += float((o.detach().to(torch.float32) - m32).pow(2).sum())
+        norm += float(m32.pow(2).sum())
+    return math.sqrt(diff) / math.sqrt(norm) if norm > 0 else 0.0
