@@ -36,7 +36,7 @@ NOT_DIRECT = ("nat<->symmetric-nat", "relay-failover")
 def run_one(name: str, root: Path) -> ScenarioResult:
     try:
         return SCENARIOS[name](root)
-    except Exception as exc:  # a broken scenario is a row in the matrix, not a crash
+    except Exception as exc:  # noqa: BLE001 - a broken scenario is a row in the matrix, not a crash
         result = ScenarioResult(name, direct_possible=name not in NOT_DIRECT)
         result.details["error"] = repr(exc)[:300]
         return result

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import multiaddr
+from multiaddr.exceptions import Error as MultiaddrError
 
 from lattica.errors import ConfigError
 
@@ -31,7 +32,7 @@ _RUN_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 def parse_multiaddr(text: str, *, what: str) -> multiaddr.Multiaddr:
     try:
         return multiaddr.Multiaddr(text)
-    except Exception:
+    except (MultiaddrError, ValueError, TypeError):
         raise ConfigError(f"malformed multiaddr for {what}: {text!r}") from None
 
 
@@ -40,11 +41,11 @@ def parse_peer_multiaddr(text: str) -> multiaddr.Multiaddr:
     addr = parse_multiaddr(text, what="--peer")
     try:
         addr.value_for_protocol("p2p")
-    except Exception:
+    except (MultiaddrError, ValueError):
         raise ConfigError(f"peer address {text!r} lacks a /p2p/<peer-id> part") from None
     try:
         addr.value_for_protocol("tcp")
-    except Exception:
+    except (MultiaddrError, ValueError):
         if "p2p-circuit" not in text:
             raise ConfigError(f"peer address {text!r} has no /tcp/<port> part") from None
     return addr

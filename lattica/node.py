@@ -504,7 +504,7 @@ class Node:
                 self.peer_book.mark_left(peer_id, now=time.time())
                 log.info("peer %s is leaving", peer_id)
                 await write_message(stream, {"ok": True}, peer_id=peer_id)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - best effort: a goodbye on a stream that may be gone
             log.debug("goodbye from %s failed: %r", peer_id, exc)
         finally:
             await stream.close()

@@ -173,7 +173,7 @@ class LabNode:
                      relay_addrs=[str(a) for a in self.reservations.relay_addrs()],
                      peers=[{"peer": p.peer_id, "path": str(p.path), "rtt_ms": p.rtt_ms}
                             for p in self.paths.peers()])
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - process boundary: every failure of a command is reported to the driver
             emit("error", command=line.decode(errors="replace"), error=repr(exc))
 
 

@@ -124,7 +124,7 @@ def verify_envelope(env: Envelope, *, run: str, peer_id: str | None = None) -> N
         raise RejectedUpdate("wrong_run", f"envelope for run {env.run!r}", peer_id=peer_id)
     try:
         public_key = deserialize_public_key(env.key)
-    except Exception:
+    except Exception:  # noqa: BLE001 - libp2p's key deserializers raise protobuf, cryptography and own errors on untrusted bytes
         raise RejectedUpdate("malformed", "undecodable public key", peer_id=peer_id) from None
     if public_key.get_type() != KeyType.Ed25519:
         raise RejectedUpdate("malformed", "public key is not Ed25519", peer_id=peer_id)
@@ -133,7 +133,7 @@ def verify_envelope(env: Envelope, *, run: str, peer_id: str | None = None) -> N
     message = signed_bytes(env.run, env.doc, env.writer, env.seq, env.full, env.update)
     try:
         valid = public_key.verify(message, env.sig)
-    except Exception:
+    except Exception:  # noqa: BLE001 - any failure to verify a signature from the wire means: not valid
         valid = False
     if not valid:
         raise RejectedUpdate("forged", "bad signature", peer_id=peer_id)

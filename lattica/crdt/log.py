@@ -45,7 +45,7 @@ def _scan(data: bytes) -> tuple[list[Any], int]:
             break
         try:
             records.append(msgpack.unpackb(body, raw=False, strict_map_key=False))
-        except Exception:
+        except (ValueError, TypeError, msgpack.UnpackException):
             break
         offset = start + length
     return records, offset

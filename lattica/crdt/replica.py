@@ -278,7 +278,7 @@ class Replica:
             raise RejectedUpdate("oversized", "stream exceeds its byte budget", peer_id=from_peer)
         try:
             self._doc(env.doc).apply_update(env.update)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - pycrdt (Rust) raises its own kinds for an undecodable update from the wire
             raise RejectedUpdate("bad_update", f"undecodable update: {exc}", peer_id=from_peer) from None
         self._keep(stream, env)
         self.accepted += 1

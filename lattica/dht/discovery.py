@@ -160,5 +160,5 @@ class RunDiscovery:
         try:
             with trio.move_on_after(max(self._config.query_timeout * 6, 10.0)):
                 await step()
-        except Exception as exc:  # a failed round is retried next period
+        except Exception as exc:  # noqa: BLE001 - task supervisor: a failed periodic round is logged and retried next period
             logger.warning("DHT %s failed: %r", name, exc)

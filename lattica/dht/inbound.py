@@ -87,7 +87,7 @@ async def guarded_handler(
     screened = ScreenedStream(stream, validator=validator, max_frame=max_frame, peer_id=peer_id)
     try:
         await inner(screened)
-    except Exception as exc:  # the library handler is not ours; contain it
+    except Exception as exc:  # noqa: BLE001 - the library's handler is not ours; whatever it raises ends this stream only
         logger.debug("DHT handler for %s failed: %r", peer_id, exc)
     if screened.rejection is not None:
         await _reset(stream)

@@ -109,7 +109,7 @@ class LatticaDHT:
         logger.warning("dropping DHT peer: %s", error)
         try:
             peer_id = ID.from_base58(peer)
-        except Exception:
+        except ValueError:
             return
         self.kad.routing_table.remove_peer(peer_id)
         self.providers.remove_provider(peer)
@@ -183,7 +183,7 @@ class LatticaDHT:
             self.kad.value_store.remove(key.encode())  # replace our own local copy
             try:
                 await self.kad.put_value(key, raw)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - network: libp2p raises many kinds; retried next period
                 logger.debug("republishing %s failed: %r", key, exc)
 
     def _envelope(self, value: bytes, seq: int) -> bytes:
@@ -196,7 +196,7 @@ class LatticaDHT:
         try:
             with trio.fail_after(self._config.query_timeout):
                 await self._host.connect(info)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - network: any dial failure means not connected
             logger.debug("connecting to %s failed: %r", info.peer_id, exc)
             return False
         return True

@@ -13,12 +13,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import multihash
+from google.protobuf.message import DecodeError
 from libp2p.abc import IHost
 from libp2p.kad_dht.common import PROTOCOL_ID
 from libp2p.kad_dht.pb.kademlia_pb2 import Message
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 from multiaddr import Multiaddr
+from multiaddr.exceptions import Error as MultiaddrError
 
 from lattica.dht.screen import FrameDecoder, encode_varint
 from lattica.errors import PeerUnavailableError, RemoteProtocolError
@@ -45,7 +47,7 @@ def parse_providers_answer(raw: bytes, *, key: bytes, caps: ResponseCaps, peer_i
     msg = Message()
     try:
         msg.ParseFromString(raw)
-    except Exception:
+    except DecodeError:
         raise RemoteProtocolError("GET_PROVIDERS answer is not a protobuf", peer_id=peer_id) from None
     if msg.type != Message.MessageType.GET_PROVIDERS or (msg.key and msg.key != key):
         raise RemoteProtocolError("answer is not GET_PROVIDERS for our key", peer_id=peer_id)
@@ -62,13 +64,13 @@ def _peer_info(entry: Message.Peer, caps: ResponseCaps) -> PeerInfo | None:
     try:
         multihash.decode(entry.id)
         peer_id = ID(entry.id)
-    except Exception:
+    except ValueError:
         return None
     addrs: list[Multiaddr] = []
     for raw in entry.addrs[: caps.max_addrs]:
         try:
             addrs.append(Multiaddr(raw))
-        except Exception:
+        except (MultiaddrError, ValueError):
             continue
     return PeerInfo(peer_id, addrs)
 
@@ -81,7 +83,7 @@ async def get_providers(host: IHost, peer: ID, key: bytes, *, caps: ResponseCaps
     body = request.SerializeToString()
     try:
         stream = await host.new_stream(peer, [PROTOCOL_ID])
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - libp2p raises many kinds when a stream cannot be opened
         raise PeerUnavailableError(f"cannot open DHT stream: {exc!r}", peer_id=str(peer)) from None
     try:
         await stream.write(encode_varint(len(body)) + body)
@@ -89,7 +91,7 @@ async def get_providers(host: IHost, peer: ID, key: bytes, *, caps: ResponseCaps
     finally:
         try:
             await stream.close()
-        except Exception:
+        except Exception:  # noqa: BLE001 - best effort on a stream that may be gone; libp2p raises many kinds
             pass
     answer = parse_providers_answer(raw, key=key, caps=caps, peer_id=str(peer))
     store = host.get_peerstore()
@@ -106,7 +108,7 @@ async def _read_frame(stream, max_message: int, peer_id: str) -> bytes:
             chunk = await stream.read(16 * 1024)
         except EOFError:
             chunk = b""
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - libp2p raises many kinds on a broken stream
             raise PeerUnavailableError(f"DHT stream broken: {exc!r}", peer_id=peer_id) from None
         if not chunk:
             raise PeerUnavailableError("DHT stream ended before an answer", peer_id=peer_id)

@@ -309,7 +309,7 @@ def _mode(access: RunAccess) -> str:
 async def _close_quietly(stream: INetStream) -> None:
     try:
         await stream.close()
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - best effort on a stream that may be gone; libp2p raises many kinds
         pass
 
 

@@ -34,7 +34,7 @@ def load_identity(path: Path) -> KeyPair:
     raw = read_capped(path, what="key file", max_bytes=_MAX_KEY_FILE_BYTES, private=True)
     try:
         private_key = deserialize_private_key(raw)
-    except Exception:
+    except Exception:  # noqa: BLE001 - libp2p's key deserializers raise protobuf, cryptography and own errors for a damaged file
         raise ConfigError(f"key file {path} is not a valid libp2p private key") from None
     if private_key.get_type() != KeyType.Ed25519:
         raise ConfigError(f"key file {path} holds a {private_key.get_type().name} key; Ed25519 required")

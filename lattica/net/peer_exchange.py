@@ -59,7 +59,7 @@ def parse_px_reply(obj: Any, *, peer_id: str) -> list[tuple[str, list[str]]]:
             raise RemoteProtocolError("peer-exchange entry has a bad address", peer_id=peer_id)
         try:
             ID.from_base58(pid)
-        except Exception:
+        except ValueError:
             raise RemoteProtocolError(f"peer-exchange entry has a bad peer id {pid[:60]!r}", peer_id=peer_id) from None
         out.append((pid, addrs))
     return out

@@ -36,7 +36,7 @@ def encode_message(obj: Any) -> bytes:
 def decode_body(body: bytes, *, peer_id: str | None = None) -> Any:
     try:
         return msgpack.unpackb(body, raw=False, strict_map_key=False)
-    except Exception as exc:
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
         raise RemoteProtocolError(f"malformed message: {exc}", peer_id=peer_id) from None
 
 
@@ -48,7 +48,7 @@ async def read_exactly(stream: ByteStream, n: int, *, peer_id: str | None = None
             chunk = await stream.read(remaining)
         except EOFError:  # StreamEOF / MuxedStreamEOF
             chunk = b""
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - libp2p raises many kinds on a broken stream
             raise BrokenError(f"stream broken: {exc!r}", peer_id=peer_id) from None
         if not chunk:
             raise BrokenError(
@@ -74,5 +74,5 @@ async def read_message(
 async def write_message(stream: ByteStream, obj: Any, *, peer_id: str | None = None) -> None:
     try:
         await stream.write(encode_message(obj))
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - libp2p raises many kinds on a broken stream
         raise BrokenError(f"cannot write to stream: {exc!r}", peer_id=peer_id) from None

@@ -145,7 +145,7 @@ class CheckpointStore:
     def load(self, path: Path) -> dict[str, Any]:
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:  # torch raises many types for a truncated or foreign file
+        except Exception as exc:  # noqa: BLE001 - torch raises many types for a truncated or foreign file
             raise ConfigError(f"checkpoint {path} is unreadable: {exc}") from None
         if not isinstance(state, dict):
             raise ConfigError(f"checkpoint {path} does not hold a dict")

@@ -224,7 +224,7 @@ def _hf_documents(name: str, config: DataConfig) -> list[tuple[str, bytes]]:
             loaded = datasets.load_from_disk(name)
         else:
             loaded = datasets.load_dataset(name, split=config.hf_split)
-    except Exception as exc:  # datasets raises many unrelated types for a bad name or folder
+    except Exception as exc:  # noqa: BLE001 - datasets raises many unrelated types for a bad name or folder
         raise ConfigError(f"cannot load Hugging Face dataset {name!r}: {exc}") from None
     if isinstance(loaded, datasets.DatasetDict):
         if config.hf_split not in loaded:

@@ -117,7 +117,7 @@ def resolve_task(spec: str) -> Callable[[TaskContext], Task]:
     module_name, _, attr = spec.partition(":")
     try:
         module = importlib.import_module(module_name)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - importing the task module runs user code, which may raise anything
         raise ConfigError(f"cannot import task module {module_name!r}: {exc}") from None
     function = getattr(module, attr, None)
     if function is None:

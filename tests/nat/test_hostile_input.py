@@ -35,7 +35,7 @@ async def test_garbage_on_nat_protocols_is_rejected_without_crash():
                     await stream.write(junk)
                     try:
                         await stream.read(1024)
-                    except Exception:
+                    except Exception:  # noqa: BLE001 - a reset stream is an acceptable answer; libp2p raises many kinds
                         pass
                     await stream.close()
         # still serving: a fresh relay stream negotiates fine

@@ -29,6 +29,7 @@ from libp2p.abc import IHost
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.kad_dht import DHTMode, KadDHT
 from libp2p.peer.id import ID
+from libp2p.peer.peerstore import PeerStoreError
 from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
 from libp2p.relay.circuit_v2.resources import RelayLimits
 from libp2p.tools.anyio_service import background_trio_service
@@ -53,11 +54,11 @@ class StandardNode:
         store = self.host.get_peerstore()
         try:
             protocols = sorted(str(p) for p in store.get_protocols(peer_id))
-        except Exception:
+        except PeerStoreError:
             protocols = []
         try:
             addrs = [str(a) for a in store.addrs(peer_id)]
-        except Exception:
+        except PeerStoreError:
             addrs = []
         return {
             "id": peer,

@@ -12,6 +12,7 @@ import ipaddress
 
 from libp2p.abc import IHost, IMuxedConn, INetConn
 from multiaddr import Multiaddr
+from multiaddr.exceptions import Error as MultiaddrError
 
 
 def is_circuit(addr: Multiaddr | str) -> bool:
@@ -22,7 +23,7 @@ def conn_is_relayed(conn: INetConn | IMuxedConn) -> bool | None:
     """True for a relayed connection, False for direct, None when it cannot tell (yet)."""
     try:
         addrs = conn.get_transport_addresses()
-    except Exception:
+    except Exception:  # noqa: BLE001 - a closing libp2p connection raises various kinds; the answer is: unknown
         return None
     if not addrs:
         return None
@@ -58,7 +59,7 @@ def relay_of(conn: INetConn, own_id: str) -> str | None:
 def _transport_addrs(conn: INetConn) -> list[Multiaddr]:
     try:
         return list(conn.get_transport_addresses() or [])
-    except Exception:
+    except Exception:  # noqa: BLE001 - a closing libp2p connection raises various kinds; the answer is: none
         return []
 
 
@@ -66,7 +67,7 @@ def tcp_ip_port(addr: Multiaddr) -> tuple[str, int] | None:
     try:
         ip = addr.value_for_protocol("ip4")
         port = addr.value_for_protocol("tcp")
-    except Exception:
+    except (MultiaddrError, ValueError):
         return None
     if ip is None or port is None:
         return None
@@ -90,7 +91,7 @@ def observed_ips(host: IHost) -> list[str]:
     ips: list[str] = []
     try:
         observed = manager.addrs(min_observers=1)
-    except Exception:
+    except Exception:  # noqa: BLE001 - the library's observed-address manager; any failure means no observations
         return []
     for addr in observed:
         parsed = tcp_ip_port(addr) if not is_circuit(addr) else None

@@ -31,6 +31,7 @@ from libp2p.host.autonat.autonat import AUTONAT_PROTOCOL_ID, AutoNATService
 from libp2p.host.autonat.pb.autonat_pb2 import Message
 from libp2p.peer.id import ID
 from multiaddr import Multiaddr
+from multiaddr.exceptions import Error as MultiaddrError
 from trio_typing import TaskStatus
 
 from lattica.net.host import peer_may_support
@@ -81,18 +82,18 @@ class _FreshDialAutoNAT(AutoNATService):
         for raw in addrs[:8]:
             try:
                 addr = Multiaddr(raw)
-            except Exception:
+            except (MultiaddrError, ValueError, TypeError):
                 continue
             with trio.move_on_after(self._dial_back_timeout):
                 try:
                     conn = await network.dial_addr(addr, peer_id)
-                except Exception as exc:
+                except Exception as exc:  # noqa: BLE001 - network: any dial failure is a failed dial-back
                     logger.debug("dial-back %s at %s failed: %r", peer_id, addr, exc)
                     continue
                 with trio.CancelScope(shield=True):
                     try:
                         await conn.close()
-                    except Exception:
+                    except Exception:  # noqa: BLE001 - best effort on a stream that may be gone; libp2p raises many kinds
                         pass
                 return bytes(raw)
         return None
@@ -158,7 +159,7 @@ class ReachabilityService:
                     status, _ = await self._autonat.query_server(
                         server, addrs, timeout=self._config.query_timeout
                     )
-                except Exception as exc:
+                except Exception as exc:  # noqa: BLE001 - network: any failure of the library's query is a failed query
                     logger.debug("AutoNAT query to %s failed: %r", server, exc)
                     return
                 if status == Message.OK:

@@ -156,7 +156,7 @@ class PathBook:
                 await self._ping.ping(peer_id, ping_amt=1)  # opens (or reuses) the stream
                 start = time.perf_counter()
                 await self._ping.ping(peer_id, ping_amt=1)  # whole-ms library value is too coarse
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - network: any ping failure means no RTT sample
                 logger.debug("ping %s failed: %r", peer_id, exc)
                 return None
             self._rtt[peer_id] = round((time.perf_counter() - start) * 1000.0, 3)

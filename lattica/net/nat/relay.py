@@ -32,6 +32,7 @@ from libp2p.abc import IHost
 from libp2p.identity.identify_push.identify_push import push_identify_to_peers
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
+from libp2p.peer.peerstore import PeerStoreError
 from libp2p.relay.circuit_v2.pb.circuit_pb2 import HopMessage
 from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL_ID
 from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
@@ -40,6 +41,7 @@ from libp2p.relay.circuit_v2.resources import RelayLimits
 from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
 from libp2p.tools.anyio_service import background_trio_service
 from multiaddr import Multiaddr
+from multiaddr.exceptions import Error as MultiaddrError
 from trio_typing import TaskStatus
 
 from lattica.net.nat.addresses import conn_is_relayed, is_circuit
@@ -105,7 +107,7 @@ class RelayServer:
         try:
             with trio.move_on_after(5.0):
                 await push_identify_to_peers(self._host)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - best effort: identify push raises many kinds on peers that left
             logger.debug("identify push after relay change failed: %r", exc)
 
     def _set_serving(self, on: bool) -> bool:
@@ -209,7 +211,7 @@ class RelayReservations:
             try:
                 if HOP_PROTOCOL_ID in peerstore.get_protocols(peer_id):
                     discovered.append(peerstore.peer_info(peer_id))
-            except Exception:
+            except PeerStoreError:
                 continue
         for info in [*self._static, *discovered]:
             if info.peer_id in seen or self._failed_until.get(info.peer_id, 0) > now:
@@ -224,7 +226,7 @@ class RelayReservations:
                 if info is not None:
                     await self._host.connect(info)
                 res = await self._reserve(relay_id)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - network: any failure to connect or reserve is a failed reservation, retried
             logger.info("reservation on relay %s failed: %r", relay_id, exc)
             self.reservations.pop(relay_id, None)
             self._failed_until[relay_id] = time.time() + self._backoff
@@ -255,7 +257,7 @@ class RelayReservations:
         for item in raw[:16]:
             try:
                 addr = Multiaddr(item)
-            except Exception:
+            except (MultiaddrError, ValueError, TypeError):
                 continue
             text = str(addr)
             if is_circuit(text) or not text.endswith(suffix):

@@ -207,7 +207,7 @@ class FrameDecoder:
     def _parse(self, raw: bytes) -> Incoming:
         try:
             header = msgpack.unpackb(raw, raw=False, strict_map_key=True)
-        except Exception as exc:
+        except (ValueError, TypeError, msgpack.UnpackException) as exc:
             raise self._error(f"malformed header ({type(exc).__name__})") from None
         if not isinstance(header, dict):
             raise self._error("header is not a map")
