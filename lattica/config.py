@@ -22,6 +22,7 @@ DEFAULT_LISTEN = (f"/ip4/0.0.0.0/tcp/{DEFAULT_PORT}", f"/ip6/::/tcp/{DEFAULT_POR
 DEFAULT_METRICS_ADDR = "127.0.0.1:9400"
 DEFAULT_INNER_STEPS = 50  # H: inner steps per outer round, for every strategy, the CLI and the demo
 AGGREGATIONS = ("mean", "trimmed_mean", "median")
+AVERAGINGS = ("allreduce", "gossip")
 # sockaddr_un.sun_path holds 108 bytes on Linux, including the terminating NUL
 MAX_UNIX_SOCKET_PATH = 107
 _LISTEN_HOSTS = ("ip4", "ip6", "dns", "dns4", "dns6")
@@ -161,6 +162,11 @@ class TrainSettings:
     aggregation: str = "mean"
     trim: int = 1  # trimmed_mean: values dropped at each end of every coordinate
     max_norm_ratio: float | None = 10.0  # refuse a contribution above this x the median norm; None: off
+    # how the DiLoCo family averages: one all-reduce over the round's members, or gossip inside
+    # small groups redrawn every round (no global barrier; replicas then differ slightly)
+    averaging: str = "allreduce"
+    group_size: int = 2  # gossip averaging and NoLoCo: members per group
+    group_grace_s: float = 5.0  # how long a group partner is waited for (handshake, exchange)
 
     def __post_init__(self) -> None:
         positive = {
@@ -196,6 +202,12 @@ class TrainSettings:
                 f"train.aggregation trimmed_mean with trim = {self.trim} needs at least {2 * self.trim + 1} "
                 f"contributions; set min_peers >= {2 * self.trim + 1} (it is {self.min_peers})"
             )
+        if self.averaging not in AVERAGINGS:
+            raise ConfigError(f"train.averaging must be one of {', '.join(AVERAGINGS)}, got {self.averaging!r}")
+        if not _is_int(self.group_size) or not 2 <= self.group_size <= 32:
+            raise ConfigError(f"train.group_size must be an integer in [2, 32], got {self.group_size!r}")
+        if not _is_finite(self.group_grace_s) or not self.group_grace_s > 0:
+            raise ConfigError(f"train.group_grace_s must be a finite positive number, got {self.group_grace_s!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"train.device must be auto, cpu or cuda, got {self.device!r}")
 

@@ -46,6 +46,8 @@ def join(args: argparse.Namespace) -> int:
         "min_peers": args.min_peers,
         "device": args.device,
         "seed": args.seed,
+        "averaging": args.averaging,
+        "group_size": args.group_size,
     }
     config = build_node_config(
         flags=flags,

@@ -11,6 +11,7 @@ aggregation, ...) belong to the trainer and the data plane, for every strategy;
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -20,25 +21,33 @@ from lattica.net.tensors.screen import ContributionScreen
 
 # run setting -> config field, per strategy
 ROUTES: dict[str, Mapping[str, str]] = {
-    "diloco": {"inner_steps": "inner_steps", "outer_lr": "outer_lr", "outer_momentum": "outer_momentum"},
+    "diloco": {
+        "inner_steps": "inner_steps", "outer_lr": "outer_lr", "outer_momentum": "outer_momentum",
+        "averaging": "averaging", "group_size": "group_size", "group_grace_s": "exchange_timeout_s",
+    },
     "eager": {"inner_steps": "inner_steps", "outer_lr": "outer_lr", "outer_momentum": "outer_momentum"},
     "streaming": {"inner_steps": "inner_steps", "outer_lr": "outer_lr", "outer_momentum": "outer_momentum"},
-    "noloco": {"inner_steps": "inner_steps", "outer_lr": "outer_lr", "outer_momentum": "momentum"},
+    "noloco": {
+        "inner_steps": "inner_steps", "outer_lr": "outer_lr", "outer_momentum": "momentum",
+        "group_size": "group_size", "group_grace_s": "exchange_timeout_s",
+    },
     "spes": {"inner_steps": "sync_every"},
     "ddp": {},  # averages gradients every step: H only sets the trainer's round length
     "nocomm": {},
 }
 # settings that only a strategy uses; ``inner_steps`` is also the trainer's round length
-STRATEGY_SETTINGS = ("inner_steps", "outer_lr", "outer_momentum")
+STRATEGY_SETTINGS = ("inner_steps", "outer_lr", "outer_momentum", "averaging", "group_size", "group_grace_s")
 _TRAINER_TOO = ("inner_steps",)
 _SPES_WARMUP_STEPS = 500  # SPES merges similar experts about every 500 steps, a multiple of S
+# a setting left at its default (``None``: the strategy's own) is not "set"
+_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(TrainSettings)}
 
 
 def check_strategy_settings(settings: TrainSettings) -> None:
     """Refuse a strategy setting that the chosen strategy would not use."""
     routes = _routes(settings.strategy)
     for name in STRATEGY_SETTINGS:
-        if name in routes or name in _TRAINER_TOO or getattr(settings, name) is None:
+        if name in routes or name in _TRAINER_TOO or getattr(settings, name) == _DEFAULTS[name]:
             continue
         users = sorted(s for s, r in ROUTES.items() if name in r)
         raise ConfigError(

@@ -62,7 +62,7 @@ class DiLoCoConfig:
     max_attempts: int = 3
     averaging: str = "allreduce"  # or "gossip": average inside small groups redrawn every round
     group_size: int = 2  # gossip: members per group
-    exchange_timeout_s: float = 30.0  # gossip: how long a partner's tensors are waited for
+    exchange_timeout_s: float = 5.0  # gossip: the grace a partner has (the run setting group_grace_s)
 
     def __post_init__(self) -> None:
         check_averaging(self.averaging, self.group_size)

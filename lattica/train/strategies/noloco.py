@@ -45,7 +45,7 @@ class NoLoCoConfig:
     outer_lr: float = 0.7
     gamma: float = 0.7
     momentum: float = 0.5
-    exchange_timeout_s: float = 60.0
+    exchange_timeout_s: float = 5.0  # the grace a partner has (the run setting group_grace_s)
     codec: str = "fp32"
 
     def __post_init__(self) -> None:
