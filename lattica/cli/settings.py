@@ -118,7 +118,7 @@ def _layer(data: Mapping[str, Any], keys: dict[str, str], source: str, prefix: s
     out: dict[str, Any] = {}
     for key, value in data.items():
         if key not in keys:
-            raise ConfigError(f"{source}: unknown key {prefix}{key!r}")
+            raise ConfigError(f"{source}: unknown key {prefix + key!r}")
         out[key] = _coerce(prefix + key, keys[key], value, source)
     return out
 
