@@ -155,6 +155,14 @@ class NodeMetrics:
         # NaN until the first measurement: a loss of 0 would be a lie on the dashboard.
         self.train_loss.set(math.nan)
         self.validation_loss.set(math.nan)
+        self.consensus_distance = self._gauge(
+            "consensus_distance",
+            "Gossip averaging: distance of this replica's outer weights to its group's mean, "
+            "relative to their norm, at the last group exchange.",
+        )
+        """``lattica_consensus_distance``: NaN where replicas agree (all-reduce) or before the
+        first exchange."""
+        self.consensus_distance.set(math.nan)
         self.staleness_rounds = self._gauge(
             "staleness_rounds",
             "Outer rounds this node is behind the highest round seen in the swarm.",

@@ -28,6 +28,7 @@ EXPECTED_FAMILIES = {
     "lattica_train_loss",
     "lattica_validation_loss",
     "lattica_staleness_rounds",
+    "lattica_consensus_distance",
     "lattica_relay_reservations",
     "lattica_dht_routing_table_peers",
     "lattica_replicated_state_bytes",

@@ -62,6 +62,11 @@ class OuterStrategy(ABC):
     Streaming DiLoCo, SPES); False where replicas differ by design (NoLoCo, eager DiLoCo).
     Only agreeing strategies let a late or new peer adopt the others' state by its hash."""
 
+    consensus_distance: float | None = None
+    """Where replicas differ (gossip averaging): this replica's last measured distance to its
+    group's mean outer weights, relative to their norm (``gossip.consensus_distance``); None
+    where replicas agree or before the first group exchange."""
+
     #: Set by strategies that must see the gradients of every inner step before the inner
     #: optimizer uses them (data-parallel baselines); the trainer then calls
     #: ``before_optimizer_step`` between backward and ``optimizer.step()``.
