@@ -32,6 +32,9 @@ ROUTES: dict[str, Mapping[str, str]] = {
         "group_size": "group_size", "group_grace_s": "exchange_timeout_s",
     },
     "spes": {"inner_steps": "sync_every"},
+    # no outer momentum: the error-feedback decay takes its place (its own default, 0.95)
+    "sparseloco": {"inner_steps": "inner_steps", "outer_lr": "outer_lr"},
+    "demo": {},  # steps every inner step with the trainer's learning rate; H: the round length
     "ddp": {},  # averages gradients every step: H only sets the trainer's round length
     "nocomm": {},
 }

@@ -24,6 +24,8 @@ STRATEGIES: dict[str, str] = {
     "eager": "lattica.train.strategies.eager:EagerDiLoCo",
     "streaming": "lattica.train.strategies.streaming:StreamingDiLoCo",
     "spes": "lattica.train.strategies.spes:SPES",
+    "sparseloco": "lattica.train.strategies.sparseloco:SparseLoCo",
+    "demo": "lattica.train.strategies.demo_momentum:DeMo",
 }
 
 

@@ -1,0 +1,245 @@
+"""SparseLoCo: sparse, 2-bit outer updates with error feedback (Sarfi et al., 2025, arXiv 2508.15706).
+
+Theory of operation
+-------------------
+Every replica holds the shared outer weights θ (fp32, CPU), identical on all members, and its
+own error-feedback accumulator e (fp32, one flat vector over all parameters), which plays the
+role of DiLoCo's outer momentum. After every ``inner_steps`` (H) inner steps:
+
+1. Δ = θ − θ_local (flattened in ``model.parameters()`` order); candidate c = β·e + Δ;
+2. from every chunk of ``chunk`` (4096) elements of c the k = density · chunk entries of largest
+   magnitude are kept and their values quantized to 2 bits with a per-chunk scale
+   (``lattica.net.tensors.sparse``): ŝ = what every receiver will decode;
+3. each member sends its encoded ŝ to every other member of the round (``sparse_gather``) —
+   header, scales, 2-bit values and indices in the smallest scheme at this density (Elias–Fano
+   deltas at 1–3 %), all counted in the traffic meter;
+4. mean = (1/M) Σ ŝ_m, summed in fp32 in group order; θ ← θ − α·mean; e ← c − ŝ; θ_local ← θ.
+
+No outer momentum: the decayed accumulator carries what was not sent yet.
+
+Invariants: all members of a completed round apply the same mean to the same θ with the same
+CPU fp32 arithmetic, so θ stays bit-identical; e only ever loses what was applied.
+
+Failure rule (e stays consistent): a sync is a transaction. c and ŝ are computed aside; only
+when every contribution of the round has arrived are θ and e updated together. If the gather
+fails, it is retried with a fresh group (the same ŝ); if every attempt fails the round is
+skipped: θ and e keep their values from before the round, θ_local keeps training, and the next
+round's Δ covers both periods — nothing is subtracted from e that was not applied. Bytes that
+went out on failed attempts are counted as traffic (they were sent). A replica that loads an
+outer state (a joiner, a restart, a repair after a split round) starts with e = 0: e is this
+replica's private backlog of unsent progress, not part of the shared state; a joiner has sent
+nothing and owes nothing, and an adopter's backlog may already be inside the state it adopted,
+so dropping it can lose a little of one replica's progress but never applies anything twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lattica.config import DEFAULT_INNER_STEPS
+from lattica.errors import RemoteProtocolError
+from lattica.net.tensors import sparse
+from lattica.train.collective import Collective
+from lattica.train.strategies.accounting import AccountedStrategy, tensor_bytes
+from lattica.train.strategies.base import GroupProvider, OuterStepReport
+from lattica.train.strategies.diloco import _check_tensors, outer_copy, pseudo_gradient
+from lattica.train.strategies.sparse_gather import GATHER_FAILURES, all_gather, gather_bytes
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SparseLoCoConfig:
+    inner_steps: int = DEFAULT_INNER_STEPS
+    outer_lr: float = 1.0  # α
+    error_decay: float = 0.95  # β
+    chunk: int = 4096
+    density: float = 1 / 64  # k = 64 of every 4096 (1.6 %)
+    value_codec: str = "2bit"
+    max_attempts: int = 3
+
+    def __post_init__(self) -> None:
+        if self.inner_steps < 1:
+            raise ValueError(f"SparseLoCoConfig.inner_steps must be >= 1, got {self.inner_steps}")
+        if not self.outer_lr > 0:
+            raise ValueError(f"SparseLoCoConfig.outer_lr must be > 0, got {self.outer_lr}")
+        if not 0.0 <= self.error_decay <= 1.0:
+            raise ValueError(f"SparseLoCoConfig.error_decay must be in [0, 1], got {self.error_decay}")
+        if not 1 <= self.chunk <= 1 << 24:
+            raise ValueError(f"SparseLoCoConfig.chunk must be in [1, 2**24], got {self.chunk}")
+        if not 0.0 < self.density <= 1.0:
+            raise ValueError(f"SparseLoCoConfig.density must be in (0, 1], got {self.density}")
+        if self.value_codec not in sparse.VALUE_CODECS:
+            raise ValueError(f"SparseLoCoConfig.value_codec must be one of {sparse.VALUE_CODECS}")
+        if self.max_attempts < 1:
+            raise ValueError(f"SparseLoCoConfig.max_attempts must be >= 1, got {self.max_attempts}")
+
+    @property
+    def k(self) -> int:
+        return max(1, min(self.chunk, round(self.density * self.chunk)))
+
+
+def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors])
+
+
+def compress_with_feedback(
+    error: torch.Tensor, delta: torch.Tensor, *, decay: float, chunk: int, k: int, value_codec: str
+) -> tuple[sparse.SparseChunks, torch.Tensor]:
+    """(ŝ, e'): c = β·e + Δ; ŝ = the quantized top-k of every chunk of c; e' = c − ŝ.
+
+    Pure: ``error`` is not modified. ŝ's values are what every receiver decodes, so
+    ``e' + densify(ŝ) == c`` up to one fp32 rounding per sent entry.
+    """
+    candidate = error * decay + delta
+    sent = sparse.quantized(sparse.top_k_per_chunk(candidate, chunk=chunk, k=k), value_codec)
+    return sent, candidate - sparse.densify(sent, candidate.numel())
+
+
+def mean_of_sparse(contributions: Sequence[sparse.SparseChunks], numel: int) -> torch.Tensor:
+    """(1/M) Σ densify(ŝ_m), summed in fp32 in the given order (the same bits everywhere)."""
+    first = contributions[0]
+    total = torch.zeros(first.chunks * first.chunk, dtype=torch.float32)
+    for contribution in contributions:
+        sparse.add_into(total, contribution)
+    total /= len(contributions)
+    return total[:numel]
+
+
+class SparseLoCo(AccountedStrategy):
+    """Every H steps: gather every member's sparse 2-bit ŝ, θ ← θ − α·mean; no outer momentum."""
+
+    replicas_agree = True
+    name = "sparseloco"
+    config_class = SparseLoCoConfig
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        collective: Collective,
+        groups: GroupProvider,
+        config: SparseLoCoConfig | None = None,
+    ) -> None:
+        super().__init__(model, collective=collective, groups=groups)
+        self.config = config or SparseLoCoConfig()
+        self._names, self._inner, self._outer = outer_copy(model)
+        self._numel = sum(p.numel() for p in self._outer)
+        self.error = torch.zeros(self._numel, dtype=torch.float32)
+        self._chunks = sparse.chunk_count(self._numel, self.config.chunk)
+        self._round = 0
+        self._completed = 0
+        self._step = 0
+
+    @property
+    def completed_rounds(self) -> int:
+        return self._completed
+
+    @property
+    def outer_state_bytes(self) -> int:
+        return tensor_bytes(self._outer) + tensor_bytes([self.error])
+
+    def outer_parameters(self) -> list[torch.Tensor]:
+        return self._outer
+
+    def next_sync_step(self, step: int) -> int:
+        return (step // self.config.inner_steps + 1) * self.config.inner_steps
+
+    async def after_inner_step(self, step: int) -> list[OuterStepReport]:
+        if step % self.config.inner_steps:
+            return []
+        self._step = step
+        return [await self.sync()]
+
+    async def sync(self) -> OuterStepReport:
+        """One outer round now: compress, gather, apply — or leave θ and e as they were."""
+        cfg, key, started = self.config, f"round/{self._round}", time.monotonic()
+        self._round += 1
+        delta = flatten(pseudo_gradient(self._outer, self._inner))
+        sent, new_error = compress_with_feedback(
+            self.error, delta, decay=cfg.error_decay, chunk=cfg.chunk, k=cfg.k,
+            value_codec=cfg.value_codec,
+        )
+        payload = [sparse.encode(sent, value_codec=cfg.value_codec)]
+        nbytes, failure = 0, ""
+        for attempt in range(cfg.max_attempts):
+            group = tuple(
+                await self.groups.group_for(key if attempt == 0 else f"{key}/retry/{attempt}")
+            )
+            nbytes += gather_bytes(payload, len(group))
+            try:
+                gathered = await all_gather(
+                    self.collective, payload, group=group, tag=f"sparseloco/{key}/{attempt}",
+                    decode=self._decode, own=sent,
+                )
+            except GATHER_FAILURES as exc:
+                failure = str(exc)
+                log.info("sync %s attempt %d with %s failed: %s", key, attempt, ", ".join(group), exc)
+                continue
+            self._apply(mean_of_sparse(gathered, self._numel), new_error)
+            self.traffic.record_sync(nbytes)
+            return self._report(key, group, nbytes, started)
+        self.traffic.record_sync(nbytes)
+        return self._report(key, (), nbytes, started, skipped=True, detail=failure)
+
+    def _decode(self, tensors: list[torch.Tensor], peer: str) -> sparse.SparseChunks:
+        if len(tensors) != 1:
+            raise RemoteProtocolError(
+                f"expected one sparse payload, got {len(tensors)} tensors", peer_id=peer
+            )
+        return sparse.decode(
+            tensors[0], chunk=self.config.chunk, k=self.config.k, chunks=self._chunks, peer_id=peer
+        )
+
+    def _report(
+        self, key: str, group: tuple[str, ...], nbytes: int, started: float, *, skipped: bool = False,
+        detail: str = "",
+    ) -> OuterStepReport:
+        return OuterStepReport(
+            round=self._round - 1, key=key, group=group, bytes_sent=nbytes,
+            seconds=time.monotonic() - started, skipped=skipped, detail=detail,
+        )
+
+    def _apply(self, mean: torch.Tensor, new_error: torch.Tensor) -> None:
+        """θ ← θ − α·mean; e ← e'; θ_local ← θ (the commit of a completed round)."""
+        with torch.no_grad():
+            offset = 0
+            for outer in self._outer:
+                n = outer.numel()
+                outer.add_(mean[offset : offset + n].view(outer.shape), alpha=-self.config.outer_lr)
+                offset += n
+            self.error = new_error
+            self._copy_outer_to_model()
+        self._completed += 1
+
+    def _copy_outer_to_model(self) -> None:
+        with torch.no_grad():
+            for inner, outer in zip(self._inner, self._outer, strict=True):
+                inner.copy_(outer)
+
+    def outer_state_dict(self) -> dict[str, Any]:
+        """The shared state only: θ and the round counters (e is private, see the module doc)."""
+        return {
+            "round": self._round,
+            "step": self._step,
+            "completed_rounds": self._completed,
+            "params": {n: p.clone() for n, p in zip(self._names, self._outer, strict=True)},
+        }
+
+    def load_outer_state_dict(self, state: dict[str, Any]) -> None:
+        params = state["params"]
+        _check_tensors("params", params, self._names, self._outer, require_all=True)
+        with torch.no_grad():
+            for name, outer in zip(self._names, self._outer, strict=True):
+                outer.copy_(params[name])
+        self.error = torch.zeros(self._numel, dtype=torch.float32)
+        self._round = int(state["round"])
+        self._completed = int(state.get("completed_rounds", self._round))
+        self._step = int(state.get("step", self._round * self.config.inner_steps))
+        self._copy_outer_to_model()

@@ -1,0 +1,170 @@
+"""DeMo: DCT blocks and fast components against hand-computed values, then in-memory replicas."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import trio
+
+from lattica.config import TrainSettings
+from lattica.net.tensors import sparse
+from lattica.train.model import GPTConfig, build_model
+from lattica.train.strategies import create_strategy, strategy_class
+from lattica.train.strategies.demo_momentum import (
+    BlockLayout,
+    DeMo,
+    DeMoConfig,
+    block_shape,
+    dct_matrix,
+    dense_tensors,
+    extract_fast_components,
+    from_blocks,
+    largest_divisor,
+    mean_components,
+    to_blocks,
+)
+from lattica.train.strategy_settings import strategy_config
+from lattica_lab.collective import FixedGroups, InMemoryCollectiveGroup
+
+TINY = GPTConfig(n_layer=1, d_model=16, n_head=2, context=8)
+PEERS = ("a", "b", "c")
+
+
+def test_dct_matrix_hand_computed_and_orthonormal():
+    r = 1 / math.sqrt(2)
+    assert torch.allclose(dct_matrix(2), torch.tensor([[r, r], [r, -r]]))
+    d = dct_matrix(64)
+    assert torch.allclose(d @ d.T, torch.eye(64), atol=1e-5)
+
+
+def test_a_constant_block_has_only_a_dc_coefficient():
+    # 1-D run of 4 ones: DC = sum / sqrt(4) = 2, every other coefficient 0
+    coeffs = to_blocks(torch.ones(4), block_shape(torch.Size([4]), 4))
+    assert torch.allclose(coeffs, torch.tensor([[2.0, 0.0, 0.0, 0.0]]), atol=1e-6)
+    coeffs = to_blocks(torch.full((2, 2), 3.0), block_shape(torch.Size([2, 2]), 2))
+    assert torch.allclose(coeffs, torch.tensor([[6.0, 0.0, 0.0, 0.0]]), atol=1e-6)  # 3 * 4 / 2
+
+
+@pytest.mark.parametrize("shape", [(64, 192), (5,), (12, 10), (3, 4, 8), ()])
+def test_dct_round_trip(shape):
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(2))
+    tiles = block_shape(torch.Size(shape), 4)
+    back = from_blocks(to_blocks(x, tiles), tiles, torch.Size(shape))
+    assert back.shape == x.shape
+    assert torch.allclose(back, x, atol=1e-5)
+
+
+def test_tiles_use_the_largest_divisor_up_to_the_chunk():
+    assert largest_divisor(192, 64) == 64
+    assert largest_divisor(10, 4) == 2
+    assert largest_divisor(7, 4) == 1
+    t = block_shape(torch.Size([12, 10]), 4)
+    assert (t.r, t.c, t.blocks, t.block_numel) == (4, 2, 15, 8)
+
+
+def test_extracting_fast_components_removes_exactly_what_is_sent():
+    gen = torch.Generator().manual_seed(4)
+    momenta = [torch.randn(64, 128, generator=gen), torch.randn(64, generator=gen)]
+    layout = BlockLayout([m.shape for m in momenta], 64, 32)
+    assert layout.sizes == [64, 4096]
+    assert layout.chunks == {64: 1, 4096: 2}
+    sent = extract_fast_components(momenta, layout, "fp32")
+    assert sent[4096].values.shape == (2, 32)
+    assert sent[64].values.shape == (1, 32)
+    coeffs = layout.split(momenta)[4096]
+    kept = torch.gather(coeffs, 1, sent[4096].indices).abs()
+    assert bool((kept.min(dim=1).values >= coeffs.abs().topk(32, dim=1).values[:, -1] - 1e-6).all())
+    removed = dense_tensors(sent, layout)
+    rest = [m - r for m, r in zip(momenta, removed, strict=True)]
+    assert torch.allclose(rest[0] + removed[0], momenta[0], atol=1e-6)
+    # what stays has none of the sent coefficients left
+    left = layout.split(rest)[4096]
+    assert float(torch.gather(left, 1, sent[4096].indices).abs().max()) < 1e-4
+
+
+def test_mean_components_is_the_fp32_mean_of_the_sparse_coefficients():
+    layout = BlockLayout([torch.Size([4])], 4, 1)
+    a = {4: sparse.SparseChunks(chunk=4, k=1, indices=torch.tensor([[0]]), values=torch.tensor([[2.0]]))}
+    b = {4: sparse.SparseChunks(chunk=4, k=1, indices=torch.tensor([[0]]), values=torch.tensor([[4.0]]))}
+    # Q = [3, 0, 0, 0]: IDCT is the constant 3 / sqrt(4) = 1.5
+    (x,) = mean_components([a, b], layout)
+    assert torch.allclose(x, torch.full((4,), 1.5))
+
+
+def test_config_defaults_and_registration():
+    c = DeMoConfig()
+    assert (c.chunk, c.topk, c.momentum_decay) == (64, 32, 0.999)
+    assert strategy_class("demo") is DeMo
+    assert type(strategy_config(TrainSettings(strategy="demo"))) is DeMoConfig
+    with pytest.raises(ValueError, match="topk"):
+        DeMoConfig(topk=0)
+
+
+def _replicas(network, config):
+    strategies = []
+    for peer in PEERS:
+        model = build_model(TINY, seed=0)
+        s = create_strategy("demo", model, collective=network.member(peer), groups=FixedGroups(PEERS), config=config)
+        s.attach_inner_optimizer(torch.optim.SGD(model.parameters(), lr=0.01))
+        strategies.append(s)
+    return strategies
+
+
+def _set_grads(strategies, seed):
+    for i, s in enumerate(strategies):
+        gen = torch.Generator().manual_seed(seed * 10 + i)
+        for p in s.model.parameters():
+            p.grad = torch.randn(p.shape, generator=gen)
+
+
+async def _step_all(strategies, step):
+    async with trio.open_nursery() as nursery:
+        for s in strategies:
+            nursery.start_soon(s.before_optimizer_step, step)
+
+
+async def test_three_replicas_take_the_same_sign_step():
+    network = InMemoryCollectiveGroup(PEERS)
+    strategies = _replicas(network, DeMoConfig(chunk=8, topk=4))
+    before = [p.detach().clone() for p in strategies[0].model.parameters()]
+    for step in (1, 2, 3):
+        _set_grads(strategies, step)
+        await _step_all(strategies, step)
+        for s in strategies[1:]:
+            for a, b in zip(strategies[0].model.parameters(), s.model.parameters(), strict=True):
+                assert torch.equal(a, b)
+        assert all(p.grad is None for s in strategies for p in s.model.parameters())
+    assert not torch.equal(strategies[0].momenta[0], strategies[1].momenta[0])  # m is private
+    # without weight decay each step moves every entry by -lr, 0 or +lr
+    moved = [(p.detach() - b).abs().reshape(-1) for p, b in zip(strategies[0].model.parameters(), before, strict=True)]
+    steps = torch.cat(moved) / 0.01
+    assert float((steps - steps.round()).abs().max()) < 1e-3
+    assert float(steps.max()) <= 3 + 1e-3
+    assert float(steps.max()) > 2.5
+    payload = sum(
+        sparse.encode(sparse.top_k_per_chunk(torch.zeros(n * strategies[0].layout.chunks[n]), chunk=n,
+                                             k=strategies[0].layout.k[n]), value_codec="fp16").numel()
+        for n in strategies[0].layout.sizes
+    )
+    assert strategies[0].accounting()["last_sync_bytes"] == 2 * payload
+    assert network.bytes_sent["a"] == 3 * 2 * payload
+
+
+async def test_a_failed_step_leaves_weights_and_puts_the_components_back():
+    network = InMemoryCollectiveGroup(PEERS)
+    strategies = _replicas(network, DeMoConfig(chunk=8, topk=4, max_attempts=1, momentum_decay=0.5))
+    a = strategies[0]
+    _set_grads(strategies, 1)
+    await _step_all(strategies, 1)
+    momentum = [m.clone() for m in a.momenta]
+    weights = [p.detach().clone() for p in a.model.parameters()]
+    _set_grads(strategies, 2)
+    grads = [p.grad.clone() for p in a.model.parameters()]
+    network.fail("c")
+    await a.before_optimizer_step(2)
+    assert all(torch.equal(w, p.detach()) for w, p in zip(weights, a.model.parameters(), strict=True))
+    for m, m0, g in zip(a.momenta, momentum, grads, strict=True):
+        assert torch.allclose(m, 0.5 * m0 + 0.01 * g, atol=1e-6)  # m <- β·m + η·g, nothing removed
+    assert a.completed_rounds == 1

@@ -1,0 +1,159 @@
+"""SparseLoCo: the pure math against hand-computed values, then three in-memory replicas."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import trio
+
+from lattica.config import TrainSettings
+from lattica.net.tensors import sparse
+from lattica.train.model import GPTConfig, build_model
+from lattica.train.strategies import create_strategy, strategy_class
+from lattica.train.strategies.sparseloco import (
+    SparseLoCo,
+    SparseLoCoConfig,
+    compress_with_feedback,
+    mean_of_sparse,
+)
+from lattica.train.strategy_settings import strategy_config
+from lattica_lab.collective import FixedGroups, InMemoryCollectiveGroup
+
+TINY = GPTConfig(n_layer=1, d_model=16, n_head=2, context=8)
+PEERS = ("a", "b", "c")
+
+
+def test_compress_with_feedback_hand_computed():
+    # c = 0.5 * e + delta = [1, -3, 0.5, 0.25 | 2, 0, 0, -1]; top-1 per chunk of 4 (fp32 values)
+    e = torch.tensor([2.0, 0.0, 1.0, 0.5, 0.0, 0.0, 0.0, 0.0])
+    delta = torch.tensor([0.0, -3.0, 0.0, 0.0, 2.0, 0.0, 0.0, -1.0])
+    sent, new_e = compress_with_feedback(e, delta, decay=0.5, chunk=4, k=1, value_codec="fp32")
+    assert sent.indices.tolist() == [[1], [0]]
+    assert sent.values.tolist() == [[-3.0], [2.0]]
+    assert new_e.tolist() == [1.0, 0.0, 0.5, 0.25, 0.0, 0.0, 0.0, -1.0]
+    assert e.tolist() == [2.0, 0.0, 1.0, 0.5, 0.0, 0.0, 0.0, 0.0]  # pure: the input is untouched
+
+
+def test_error_feedback_invariant_with_2bit_values():
+    """e' + decoded(sent) == β·e + Δ: nothing is lost, only delayed."""
+    gen = torch.Generator().manual_seed(5)
+    e, delta = torch.randn(10_000, generator=gen), torch.randn(10_000, generator=gen)
+    sent, new_e = compress_with_feedback(e, delta, decay=0.95, chunk=4096, k=64, value_codec="2bit")
+    candidate = e * 0.95 + delta
+    dense = sparse.densify(sent, candidate.numel())
+    assert torch.allclose(new_e + dense, candidate, atol=1e-6, rtol=0)
+    unsent = dense == 0
+    assert torch.equal(new_e[unsent], candidate[unsent])  # the rest is kept exactly
+    assert int((dense != 0).sum()) == 3 * 64  # k per chunk of 4096 (the last one padded)
+
+
+def test_mean_of_sparse_hand_computed():
+    a = sparse.SparseChunks(chunk=4, k=1, indices=torch.tensor([[1]]), values=torch.tensor([[3.0]]))
+    b = sparse.SparseChunks(chunk=4, k=1, indices=torch.tensor([[1]]), values=torch.tensor([[1.0]]))
+    c = sparse.SparseChunks(chunk=4, k=1, indices=torch.tensor([[2]]), values=torch.tensor([[-3.0]]))
+    assert torch.equal(mean_of_sparse([a, b, c], 4), torch.tensor([0.0, 4.0, -3.0, 0.0]) / 3)
+
+
+def test_config_defaults_and_validation():
+    config = SparseLoCoConfig()
+    assert config.chunk == 4096
+    assert 0.01 <= config.density <= 0.03
+    assert config.k == 64
+    with pytest.raises(ValueError, match="density"):
+        SparseLoCoConfig(density=0.0)
+    with pytest.raises(ValueError, match="value_codec"):
+        SparseLoCoConfig(value_codec="int3")
+    assert strategy_class("sparseloco") is SparseLoCo
+
+
+def test_run_settings_reach_the_config():
+    settings = TrainSettings(strategy="sparseloco", inner_steps=20, outer_lr=0.8)
+    config = strategy_config(settings)
+    assert (config.inner_steps, config.outer_lr) == (20, 0.8)
+
+
+def _replicas(network: InMemoryCollectiveGroup, config: SparseLoCoConfig):
+    strategies = []
+    for i, peer in enumerate(PEERS):
+        model = build_model(TINY, seed=0)
+        strategy = create_strategy(
+            "sparseloco", model, collective=network.member(peer), groups=FixedGroups(PEERS), config=config
+        )
+        with torch.no_grad():  # each replica's own "inner training"
+            gen = torch.Generator().manual_seed(i)
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=gen) * 0.01)
+        strategies.append(strategy)
+    return strategies
+
+
+async def _sync_all(strategies) -> list:
+    reports = {}
+
+    async def one(i):
+        reports[i] = await strategies[i].sync()
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(strategies)):
+            nursery.start_soon(one, i)
+    return [reports[i] for i in range(len(strategies))]
+
+
+async def test_three_replicas_apply_the_same_sparse_mean_bit_identically():
+    config = SparseLoCoConfig(inner_steps=1, chunk=256, density=0.05)
+    network = InMemoryCollectiveGroup(PEERS)
+    strategies = _replicas(network, config)
+    before = [p.clone() for p in strategies[0].outer_parameters()]
+    for round_ in range(3):
+        reports = await _sync_all(strategies)
+        assert all(not r.skipped for r in reports)
+        for s in strategies[1:]:
+            for a, b in zip(strategies[0].outer_parameters(), s.outer_parameters(), strict=True):
+                assert torch.equal(a, b)
+            assert not torch.equal(s.error, strategies[0].error)  # e is private
+        for s in strategies:  # the local weights restart from θ
+            for p, o in zip(s.model.parameters(), s.outer_parameters(), strict=True):
+                assert torch.equal(p.detach(), o)
+        if round_ == 0:
+            numel = sum(p.numel() for p in before)
+            chunks = sparse.chunk_count(numel, 256)
+            payload = sparse.encoded_size(
+                chunk=256, k=config.k, chunks=chunks, value_codec="2bit", scheme="elias_fano"
+            )
+            assert reports[0].bytes_sent == 2 * payload  # to each of the two others
+            assert network.bytes_sent["a"] == 2 * payload
+    moved = sum(float((a - b).abs().sum()) for a, b in zip(before, strategies[0].outer_parameters(), strict=True))
+    assert moved > 0
+    assert strategies[0].accounting()["syncs"] == 3
+
+
+async def test_a_failed_round_changes_neither_theta_nor_e():
+    config = SparseLoCoConfig(inner_steps=1, chunk=256, density=0.05, max_attempts=1)
+    network = InMemoryCollectiveGroup(PEERS)
+    strategies = _replicas(network, config)
+    await _sync_all(strategies)  # one good round: e is non-zero
+    a = strategies[0]
+    with torch.no_grad():
+        for p in a.model.parameters():
+            p.add_(0.01)
+    outer, error = [p.clone() for p in a.outer_parameters()], a.error.clone()
+    local = [p.detach().clone() for p in a.model.parameters()]
+    network.fail("c")
+    report = await a.sync()
+    assert report.skipped
+    assert report.bytes_sent > 0
+    assert torch.equal(a.error, error)
+    assert all(torch.equal(x, y) for x, y in zip(outer, a.outer_parameters(), strict=True))
+    # the local weights keep their progress: the next round's Δ covers both periods
+    assert all(torch.equal(x, y.detach()) for x, y in zip(local, a.model.parameters(), strict=True))
+    assert a.completed_rounds == 1
+
+
+def test_a_loaded_state_starts_with_an_empty_backlog():
+    network = InMemoryCollectiveGroup(PEERS)
+    s = _replicas(network, SparseLoCoConfig(inner_steps=1))[0]
+    s.error += 1.0
+    state = s.outer_state_dict()
+    assert set(state) == {"round", "step", "completed_rounds", "params"}  # e is not shared
+    s.load_outer_state_dict(state)
+    assert not bool(s.error.any())
