@@ -44,6 +44,7 @@ from lattica.control.server import ControlServer, ensure_no_daemon
 from lattica.errors import ConfigError, LatticaError, LocalProtocolError
 from lattica.net.access import AccessGate, RunAccess
 from lattica.net.addrs import dialable_addrs, peer_info_from_addr
+from lattica.net.clock import CLOCK_PROTOCOL, answer_clock
 from lattica.net.host import (
     AnnouncementWatcher,
     build_host,
@@ -100,6 +101,7 @@ class Node:
         self._dialing: dict[str, bool] = {}  # peer -> the dial in flight includes relay addrs
         self._no_px: set[str] = set()  # connected peers that refused peer exchange
         self.joined = JoinOutcome()  # what bootstrap reached
+        self.bootstrap_errors: dict[str, str] = {}  # bootstrap address -> why its last dial failed
         self.dialer: PeerDialer | None = None  # installed by the NAT services once they run
         # Services that need the running host are built from these factories once it exists;
         # each has run(task_status=...) and optionally status(), handle_control(), on_shutdown().
@@ -147,6 +149,7 @@ class Node:
                 raise ConfigError(f"could not listen on all of {', '.join(self.config.listen)} (port in use?)")
             host.set_stream_handler(PX_PROTOCOL, self._handle_px)
             host.set_stream_handler(BYE_PROTOCOL, self._handle_bye)
+            host.set_stream_handler(CLOCK_PROTOCOL, answer_clock)  # for peers' `lattica doctor`
             async with trio.open_nursery() as nursery:
                 # protocols registered later (DHT, state, training) and relay addresses
                 # reach the peers that identified us before: identify push
@@ -276,8 +279,10 @@ class Node:
             if errors.get(addr) != reason:  # each new cause once, not every retry
                 log.info("cannot reach bootstrap peer %s: %s", addr, reason)
             errors[addr] = reason
+            self.bootstrap_errors[addr] = reason
             return False
         errors.pop(addr, None)
+        self.bootstrap_errors.pop(addr, None)
         return True
 
     async def _dial(self, info: PeerInfo) -> None:
@@ -562,6 +567,10 @@ class Node:
         if request.method == "shutdown":
             self.request_shutdown()
             return {"stopping": True}
+        if request.method == "doctor":  # served here: it must answer while bootstrap still runs
+            from lattica.observability.doctor import node_facts
+
+            return await node_facts(self)
         for extension in self.extensions:
             handle = getattr(extension, "handle_control", None)
             if handle is not None:

@@ -12,6 +12,7 @@ import sys
 import traceback
 from pathlib import Path
 
+from lattica.cli import doctor as doctor_cli
 from lattica.cli.common import resolve_data_dir
 from lattica.config import DEFAULT_INNER_STEPS
 from lattica.errors import LatticaError
@@ -79,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
         _add_json(p)
         if name == "state":
             p.add_argument("--run-id", help="with no daemon running: which run's stored state to show")
+
+    doctor_cli.add_parser(sub)
 
     demo = sub.add_parser("demo", help="train a local swarm of daemons on the built-in corpus")
     demo.add_argument("--nodes", type=int, default=4)
@@ -163,6 +166,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         "state": commands.state,
         "stop": commands.stop,
         "demo": commands.demo,
+        "doctor": doctor_cli.doctor,
     }
     return handlers[args.command](args)
 

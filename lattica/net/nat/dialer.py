@@ -102,14 +102,17 @@ class Dialer:
         direct = [a for a in addrs if not is_circuit(a)]
         relayed = [a for a in addrs if is_circuit(a)]
         won: list[Path] = []
+        failures: dict[str, str] = {}  # address -> why its dial failed, for the error message
         async with trio.open_nursery() as nursery:
             for addr in direct:
-                nursery.start_soon(self._dial_direct, peer_id, addr, won, nursery.cancel_scope)
+                nursery.start_soon(self._dial_direct, peer_id, addr, won, nursery.cancel_scope, failures)
             if relayed:
                 nursery.start_soon(self._dial_relayed, peer_id, relayed, won,
-                                   nursery.cancel_scope, bool(direct))
+                                   nursery.cancel_scope, bool(direct), failures)
         if not won:
-            raise PeerUnavailableError("no direct or relayed path worked", peer_id=str(peer_id))
+            why = "; ".join(f"{addr}: {reason}" for addr, reason in failures.items())
+            raise PeerUnavailableError(f"no direct or relayed path worked ({why or 'no address'})",
+                                       peer_id=str(peer_id))
         result = DialResult(str(peer_id), won[0], round(time.monotonic() - start, 3), started=start)
         if won[0] is Path.DIRECT:
             result.direct_s = result.connect_s
@@ -122,27 +125,33 @@ class Dialer:
         return result
 
     async def _dial_direct(self, peer_id: ID, addr: Multiaddr, won: list[Path],
-                           scope: trio.CancelScope) -> None:
+                           scope: trio.CancelScope, failures: dict[str, str]) -> None:
+        failures[str(addr)] = f"timed out after {self._direct_timeout:g} s"
         with trio.move_on_after(self._direct_timeout):
             try:
                 await self._host.get_network().dial_addr(addr, peer_id)
             except Exception as exc:  # noqa: BLE001 - network: any dial failure is a failed attempt, recorded with its reason
                 logger.debug("direct dial %s at %s failed: %r", peer_id, addr, exc)
+                failures[str(addr)] = dial_failure_reason(exc)
                 return
+            failures.pop(str(addr), None)
             won.append(Path.DIRECT)
             scope.cancel()
 
     async def _dial_relayed(self, peer_id: ID, addrs: list[Multiaddr], won: list[Path],
-                            scope: trio.CancelScope, delay: bool) -> None:
+                            scope: trio.CancelScope, delay: bool, failures: dict[str, str]) -> None:
         if delay:
             await trio.sleep(self._relay_delay)
         for addr in addrs:
+            failures[str(addr)] = f"timed out after {self._relay_timeout:g} s"
             with trio.move_on_after(self._relay_timeout):
                 try:
                     await self._transport.dial(addr)
                 except Exception as exc:  # noqa: BLE001 - network: any dial failure is a failed attempt, recorded with its reason
                     logger.debug("relayed dial %s via %s failed: %r", peer_id, addr, exc)
+                    failures[str(addr)] = dial_failure_reason(exc)
                     continue
+                failures.pop(str(addr), None)
                 self._paths.note_relayed(peer_id)
                 won.append(Path.RELAYED)
                 scope.cancel()
@@ -181,6 +190,20 @@ class Dialer:
                 self._punching.add(peer_id)
                 result = self.results.get(peer_id)
                 nursery.start_soon(self._punch, peer_id, result)
+
+
+def dial_failure_reason(exc: BaseException) -> str:
+    """The innermost cause of a failed dial, in one line ("Connection refused", not py-libp2p's
+    "fail to open connection to peer ...")."""
+    inner: BaseException = exc
+    for _ in range(8):
+        subs = getattr(inner, "exceptions", None)
+        below = inner.__cause__ or (subs[0] if isinstance(subs, list | tuple) and subs else None)
+        if not isinstance(below, BaseException):
+            break
+        inner = below
+    text = (str(inner) or type(inner).__name__).splitlines()[0]
+    return text[:200]
 
 
 def _relay_of(addr: Multiaddr) -> ID | None:

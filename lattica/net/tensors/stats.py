@@ -5,6 +5,9 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+# smaller messages sit in socket buffers: their send time says nothing about the link
+TIMED_TRANSFER_BYTES = 64 * 1024
+
 
 @dataclass
 class TrafficStats:
@@ -15,6 +18,12 @@ class TrafficStats:
     refused: Counter[str] = field(default_factory=Counter)
     protocol_errors: Counter[str] = field(default_factory=Counter)
     rejected_contributions: Counter[str] = field(default_factory=Counter)
+    # peer -> (bytes, seconds) of the last message large enough to time a transfer by
+    last_sent: dict[str, tuple[int, float]] = field(default_factory=dict)
+
+    def note_transfer(self, peer: str, size: int, seconds: float) -> None:
+        if size >= TIMED_TRANSFER_BYTES and seconds > 0:
+            self.last_sent[peer] = (size, seconds)
 
     def sent_to(self, peer: str) -> int:
         return sum(n for (p, _), n in self.bytes_sent.items() if p == peer)

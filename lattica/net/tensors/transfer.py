@@ -267,6 +267,7 @@ class TensorService:
         if peer == self._peer_id:
             raise LocalProtocolError("cannot send tensors to ourselves")
         size = len(header) + sum(len(p) for p in payloads)
+        started = trio.current_time()
         channel = await self._fast_channel(peer)
         if channel is not None:
             pieces: tuple[bytes | memoryview, ...] = (header, *payloads)
@@ -281,9 +282,11 @@ class TensorService:
                         raise PeerUnavailableError(str(exc), peer_id=peer) from None
                     raise
             self._count_sent(peer, "fast", size)
+            self.stats.note_transfer(peer, size, trio.current_time() - started)
             return
         await self._send_on_stream(peer, header, payloads)
         self._count_sent(peer, "libp2p", size)
+        self.stats.note_transfer(peer, size, trio.current_time() - started)
 
     async def _send_on_stream(self, peer: str, header: bytes, payloads: list[memoryview]) -> None:
         try:
