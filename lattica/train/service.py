@@ -7,7 +7,9 @@ is already past round 0 — fetches the agreed outer state from several holders 
 and trains from the next round. After each completed round it publishes ``(round, weights
 hash)`` in the replicated state and serves its outer state for joiners. A peer whose round ran
 without the others (it was late, or the all-reduce failed) catches up the same way a joiner
-does, before its next inner step, so replicas re-converge to bit-identical outer weights.
+does, before its next inner step, so replicas re-converge to bit-identical outer weights; if no
+newer state came meanwhile, it publishes its own (a peer a round behind it adopts that, and the
+two share rounds again). A trainer stays a round candidate while it fetches mid-run.
 
 Churn: a member is ``joining`` until it can sync; once the run is past its first round a joining
 member is not a round candidate, so coordinators never wait for a peer that is still loading or
@@ -80,6 +82,7 @@ class TrainingService:
         self._back_at: dict[str, float] = {}  # peer seen silent -> last time it was (settling)
         self._recent = RecentTrainers(peer_id=self.peer_id, memory_s=_VANISHED_S)
         self._unservable = UnservableClaims()  # (round, hash) claims no holder could serve
+        self.groups: Any = None  # GossipGroups for NoLoCo and gossip averaging (no coordinator)
 
     # -- service -------------------------------------------------------------------------
 
@@ -210,6 +213,8 @@ class TrainingService:
         self.settings = await agree_run_config(
             self.state, self.settings, admins=tuple(self.state.config.admins), wait_s=self.settings.round_deadline_s
         )
+        if self._gossips():
+            await self._start_gossip_groups()
         self.phase = "loading"
         ownership = self._expert_ownership()
         trainer = await trio.to_thread.run_sync(self._build_trainer, ownership)
@@ -222,11 +227,15 @@ class TrainingService:
             self._remember(self.strategy.completed_rounds, self._outer_hash())
         # a fresh peer, or one restarted from a checkpoint the swarm has moved past, takes the
         # swarm's outer state; otherwise it trains on from its own checkpoint
-        if self.strategy.replicas_agree:
-            # a joiner, or a peer restarted from a stale checkpoint, takes the swarm's state;
-            # strategies whose replicas differ by design (NoLoCo, eager) start from their own
+        if self.strategy.replicas_agree or self._gossips():
+            # a joiner, or a peer restarted from a stale checkpoint, takes the swarm's state —
+            # with gossip, where replicas differ, the newest published replica (one holder,
+            # hash-verified); eager DiLoCo starts from its own
             await self._join_running_swarm()
+        if self.strategy.replicas_agree:
             self._wrap_strategy_for_catch_up()
+        elif self._gossips():
+            self._wrap_strategy_to_keep_up()
         await self.state.update_member(role=_TRAINER)
         if ownership is not None:
             await ownership.publish()
@@ -274,8 +283,7 @@ class TrainingService:
         A final round run alone is published too: two replicas that each finished on their own
         would otherwise each see the other's older claim and neither would ever adopt; with
         both final states published, ``repair_target``'s tie-break picks the same one for both."""
-        if self._published_round(self.peer_id) != self.strategy.completed_rounds:
-            await self._publish_round()
+        await self._publish_if_unpublished()
         while True:
             if await self._repair_if_diverged():
                 val_loss = await trio.to_thread.run_sync(self.trainer.evaluate)
@@ -331,7 +339,7 @@ class TrainingService:
         cls = strategy_class(s.strategy)
         extra = {} if ownership is None else {"ownership": ownership}
         strategy = cls(  # type: ignore[call-arg]
-            task.model, collective=collective, groups=self.coordinator,
+            task.model, collective=collective, groups=self.groups or self.coordinator,
             config=strategy_config(s, members=tuple(sorted(self._live_with_role(_JOINING, _TRAINER)))),
             **extra,
         )
@@ -377,9 +385,10 @@ class TrainingService:
 
         rnd, digest, holders = agreed
         started = time.monotonic()
-        leave_rounds = self.phase == "training"  # nobody should wait for us while we fetch
-        if leave_rounds:
-            await self.state.update_member(role=_JOINING)
+        # a trainer catching up mid-run stays a round candidate while it fetches: the others are
+        # in the inner steps of the round after the fetched one, and it asks for that round one
+        # fetch after them; a coordinator that did not wait would make it run that round alone
+        # too, and then the next (two trainers a round apart never met again)
         try:
             with trio.fail_after(max(30.0, self.settings.round_deadline_s)):
                 fetch = fetch_of_round(self.tensors.fetch, rnd)
@@ -389,9 +398,6 @@ class TrainingService:
             period = self._unservable.failed((rnd, digest), time.monotonic())
             log.warning("could not fetch outer state of round %d: %s; ignoring that claim for %.0f s", rnd, exc, period)
             return False
-        finally:
-            if leave_rounds:
-                await self.state.update_member(role=_TRAINER)
         self._unservable.served((rnd, digest))
         self.trainer.adopt_outer_state(outer, step=int(outer.get("step", rnd * self.settings.inner_steps)))
         self._observe("checkpoint_fetch_seconds", time.monotonic() - started)
@@ -437,6 +443,8 @@ class TrainingService:
             if self._catch_up_owed is not None:
                 wait_s, self._catch_up_owed = self._catch_up_owed, None
                 adopted = await self._catch_up(wait_s)
+                if not adopted:  # nobody has a newer state: ours is the run's newest
+                    await self._publish_if_unpublished()
             adopted = await self._repair_if_diverged() or adopted
             if adopted:
                 # the trainer now stands at the adopted state's step, whose round already ran:
@@ -458,6 +466,54 @@ class TrainingService:
             return step + 1 if self._catch_up_owed is not None else next_sync_step(step)
 
         strategy.next_sync_step = next_stop  # type: ignore[method-assign]
+
+    # -- gossip: groups without a coordinator ---------------------------------------------------
+
+    def _gossips(self) -> bool:
+        """NoLoCo and gossip averaging sync inside small groups (``lattica.coordination``)."""
+        return self.settings.strategy == "noloco" or self.settings.averaging == "gossip"
+
+    async def _start_gossip_groups(self) -> None:
+        """Each peer derives its group from the live trainers it holds and confirms it with its
+        group only; a partner whose heartbeat stopped is not asked."""
+        from lattica.coordination.gossip import GossipGroups
+        from lattica.coordination.groups import GossipGroupsConfig
+
+        assert self._nursery is not None
+        self.groups = GossipGroups(
+            self.node.host, peer_id=self.peer_id, run_id=self.node.config.run_id,
+            members=lambda: self._live_with_role(_TRAINER),
+            config=GossipGroupsConfig(group_size=self.settings.group_size, grace_s=self.settings.group_grace_s),
+            responsive=self._heard,
+        )
+        await self._nursery.start(self.groups.run)
+
+    def _wrap_strategy_to_keep_up(self) -> None:
+        """Gossip: a replica two or more rounds behind the newest published state (it was frozen,
+        cut off, or is slow) adopts that state, as a joiner does. Its partners answer a step they
+        have left with "gone": behind, it would average alone for good."""
+        strategy = self.strategy
+        original = strategy.after_inner_step
+
+        async def after_inner_step(step: int) -> list[Any]:
+            if await self._adopt_if_behind():
+                return []  # the trainer stands at the adopted state's step (see the catch-up)
+            return await original(step)
+
+        strategy.after_inner_step = after_inner_step  # type: ignore[method-assign]
+
+    async def _adopt_if_behind(self) -> bool:
+        agreed = self._agreed()
+        if agreed is None or agreed[0] < self.strategy.completed_rounds + 2:
+            return False
+        if time.monotonic() < self._next_repair_at:
+            return False
+        log.info("%d round(s) behind the newest published replica: adopting it", agreed[0] - self.strategy.completed_rounds)
+        if await self._adopt(agreed):
+            await self._publish_round()
+            return True
+        self._next_repair_at = time.monotonic() + _REPAIR_RETRY_S
+        return False
 
     def _ran_alone(self, report: Any) -> bool:
         others = self._others_train()  # looked at every round: the memory must predate a cut
@@ -527,7 +583,7 @@ class TrainingService:
     def _on_round(self, event: Any) -> None:
         self._bytes_sent += event.report.bytes_sent
         if len(event.report.group) > 1:
-            op = "exchange" if self.settings.strategy == "noloco" else "allreduce"
+            op = "exchange" if self._gossips() else "allreduce"
             self._observe("collective_seconds", event.report.seconds, op=op)
         if event.report.skipped:
             log.info("sync %s skipped: %s", event.report.key, event.report.detail)
@@ -539,9 +595,19 @@ class TrainingService:
         self._rounds_done += 1
         self._remember(self.strategy.completed_rounds, event.state_hash)
         # a round run alone while others train is replaced by theirs (catch-up publishes that);
-        # publishing it would offer the others a minority state
-        if self._nursery is not None and not self._ran_alone(event.report):
+        # publishing it at once would offer the others a minority state (it is published when
+        # nothing of theirs came: ``_publish_if_unpublished``)
+        # (where replicas differ by design, every replica's state is its own, and is published)
+        if self._nursery is not None and (not self._ran_alone(event.report) or not self.strategy.replicas_agree):
             self._nursery.start_soon(self._publish_round)
+
+    async def _publish_if_unpublished(self) -> None:
+        """Publish our last round if it ran alone and nobody's result of it came (see
+        ``_catch_up``): a peer a round behind us must see that it is, and adopt our state —
+        otherwise each reaches every round after the other sealed it, runs it alone, and the
+        two never meet again."""
+        if self._published_round(self.peer_id) != self.strategy.completed_rounds:
+            await self._publish_round()
 
     async def _publish_round(self) -> None:
         from lattica.train.join import outer_state_hash
@@ -576,6 +642,11 @@ class TrainingService:
             "device": self.trainer.device.describe() if self.trainer is not None else None,
             **self.progress,
         }
+        if self._gossips():
+            info["averaging"] = "gossip"
+            spread = self.strategy.consensus_distance if self.strategy is not None else None
+            if spread is not None:  # replicas' spread: distance to the group's mean / its norm
+                info["consensus_distance"] = round(spread, 6)
         if self.error:
             info["error"] = self.error
         if self.summary:

@@ -1,0 +1,107 @@
+"""Two trainers a round apart after a restart must end up in the same rounds again.
+
+Real ``lattica join --train`` daemons on loopback. The survivor of a kill runs rounds alone
+while the others are down; when the restarted peer resumes from its checkpoint at the round the
+survivor last published, the two are a round apart. Each then reached every round after the
+other had sealed it and ran it alone, and neither adopted the other's state (rounds run alone
+were never published): they stayed a round apart for the rest of the run.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lattica_lab.daemons import DaemonProcess, cli_json, wait_for
+
+INNER_STEPS = 5
+ENV = {
+    "LATTICA_TRAIN_BATCH_SIZE": "4",
+    "LATTICA_TRAIN_SEQ_LEN": "32",
+    "LATTICA_TRAIN_WARMUP_STEPS": "2",
+    "LATTICA_TRAIN_ROUND_DEADLINE_S": "3",
+    "OMP_NUM_THREADS": "1",  # several daemons share the cores
+}
+_SYNC = re.compile(r"sync round/(\d+) done with (\d+) member")
+
+
+def _trainer(path: Path, *, rounds: int, peers: tuple[str, ...] = ()) -> DaemonProcess:
+    args = (
+        "--train", "--model", "tiny", "--device", "cpu", "--log-level", "info", "--strategy", "diloco",
+        "--rounds", str(rounds), "--inner-steps", str(INNER_STEPS), "--min-peers", "3",
+    )
+    return DaemonProcess(path, peers=peers, extra_args=args, env=ENV)
+
+
+def _training(daemon: DaemonProcess) -> dict[str, Any]:
+    return daemon.call("status").get("training") or {"phase": "starting", "rounds_completed": 0}
+
+
+def _log_from(daemon: DaemonProcess, offset: int) -> str:
+    """The daemon log from ``offset`` on (a restarted daemon appends to it)."""
+    assert daemon.log_path is not None
+    return daemon.log_path.read_text()[offset:]
+
+
+def _syncs(log: str) -> list[int]:
+    """The number of members of each completed sync, in order."""
+    return [int(m.group(2)) for m in _SYNC.finditer(log)]
+
+
+@pytest.fixture
+def daemons(tmp_path: Path) -> Iterator[list[DaemonProcess]]:
+    started: list[DaemonProcess] = []
+    try:
+        yield started
+    finally:
+        for d in started:
+            d.signal(signal.SIGCONT)
+            d.kill()
+
+
+def test_a_restarted_peer_a_round_behind_syncs_with_the_survivor_again(
+    tmp_path: Path, daemons: list[DaemonProcess]
+) -> None:
+    rounds = 40
+    a = _trainer(tmp_path / "a", rounds=rounds).start()
+    daemons.append(a)
+    a.wait_ready(60)
+    b, c = (_trainer(tmp_path / n, rounds=rounds, peers=(a.addr,)).start() for n in ("b", "c"))
+    daemons.extend([b, c])
+    for d in (b, c):
+        d.wait_ready(60)
+    assert wait_for(lambda: all(_training(d)["rounds_completed"] >= 1 for d in (a, b, c)), 90), a.log()
+    # c freezes: its connections stay up, so the others take it for a trainer whose link was
+    # cut, and the rounds a runs alone from now on stay its own (not published) — as they do
+    # while the lease of a killed peer runs out, only here for longer than b takes to restart
+    c.signal(signal.SIGSTOP)
+    b.kill()
+    survivor_at = _training(a)["rounds_completed"]
+    assert wait_for(lambda: _training(a)["rounds_completed"] > survivor_at, 30), a.log()  # a round alone
+    assert b.log_path is not None
+    restart = len(b.log_path.read_text())
+    b.start().wait_ready(60)
+    # within a few rounds of its restart b syncs with a again, and keeps doing so
+    together = wait_for(lambda: 2 in _syncs(_log_from(b, restart)), 60)
+    syncs = _syncs(_log_from(b, restart))
+    assert together, (syncs, b.log(), a.log())
+    assert syncs.index(2) <= 3, syncs
+    assert wait_for(lambda: _syncs(_log_from(b, restart)).count(2) >= 3, 45), (_syncs(_log_from(b, restart)), b.log())
+    # and they end on one state
+    assert wait_for(lambda: all(_training(d)["phase"] == "done" for d in (a, b)), 120), (a.log(), b.log())
+
+    def final_hashes() -> set[str] | None:
+        progress = cli_json("state", "--data-dir", str(a.data_dir))["progress"]
+        records = [progress.get(d.peer_id) or {} for d in (a, b)]
+        if any(r.get("round") != rounds for r in records):
+            return None
+        return {r["weights_hash"] for r in records}
+
+    hashes = wait_for(final_hashes, 15, interval=0.5)
+    assert hashes, cli_json("state", "--data-dir", str(a.data_dir))["progress"]
+    assert len(hashes) == 1, hashes
