@@ -14,7 +14,7 @@ Topology built by :class:`WanLab`::
   prefix into its TUN, so TCP itself sees the round trip, the rate and the losses. Only linked
   sites reach each other (no transit through a third site).
 - The kernel has no netem; this is the user-space substitute. Traffic between sites crosses a
-  Python process, so its packet rate is bounded (``docs/nat.md`` has the measured figures);
+  Python process, so its packet rate is bounded (``docs/netlab.md`` has the measured figures);
   TCP crosses it as whole GSO packets.
 - Addresses: site ``k`` (1-based) is 198.18.(100+k).0/24, router ``.1``, hosts ``.2`` on.
   Namespaces are named ``ltnat-<pid>-wan<token>-<role>`` like the NAT lab's, so
@@ -97,6 +97,7 @@ class WanLink:
     b: Site
     spec: LinkSpec
     process: LabProcess
+    scheduling: str = "normal"  # "fifo" (real-time), "nice" or "normal": see delay_line
 
     @property
     def pid(self) -> int:
@@ -134,6 +135,7 @@ class WanLab:
         self.sites[name] = site
         for key in ("all", "default"):
             _sysctl(router, f"net.ipv4.conf.{key}.rp_filter", "0")
+            _sysctl(router, f"net.ipv6.conf.{key}.disable_ipv6", "1")  # no stray v6 on links
         _sysctl(router, "net.ipv4.ip_forward", "1")
         _ip(router, "link add lan type bridge")
         _ip(router, f"addr add {site.prefix}.1/24 dev lan")
@@ -172,7 +174,7 @@ class WanLab:
         site_a, site_b = self._site(a), self._site(b)
         if site_a is site_b:
             raise ValueError("a link joins two different sites")
-        key = frozenset((site_a.name, site_b.name))
+        key = self._link_key(site_a, site_b)
         if key in self.links:
             raise ValueError(f"sites {site_a.name} and {site_b.name} are linked already")
         tun_a, tun_b = f"wan{site_b.index}", f"wan{site_a.index}"  # named after the far site
@@ -183,13 +185,24 @@ class WanLab:
         if spec.mbit is not None:
             argv += ["--mbit", str(spec.mbit)]
         process = self._popen(f"link-{site_a.name}-{site_b.name}", argv)
-        process.wait_for(lambda e: e.get("event") == "ready", timeout=20)
+        ready = process.wait_for(lambda e: e.get("event") == "ready", timeout=20)
         for site, tun, far in ((site_a, tun_a, site_b), (site_b, tun_b, site_a)):
             _ip(site.router_ns, f"link set {tun} up")
             _ip(site.router_ns, f"route add {far.subnet} dev {tun}")
-        link = WanLink(site_a, site_b, spec, process)
+        link = WanLink(site_a, site_b, spec, process, scheduling=str(ready.get("scheduling")))
         self.links[key] = link
         return link
+
+    def unlink(self, a: str | Site, b: str | Site) -> None:
+        """Cut the link: its delay line ends, its TUN devices and routes go with it."""
+        link = self.links.pop(self._link_key(a, b), None)
+        if link is None:
+            raise ValueError("these sites are not linked")
+        link.process.kill()
+        self.processes.remove(link.process)
+
+    def _link_key(self, a: str | Site, b: str | Site) -> frozenset[str]:
+        return frozenset((self._site(a).name, self._site(b).name))
 
     def _site(self, site: str | Site) -> Site:
         name = site.name if isinstance(site, Site) else site
@@ -229,7 +242,7 @@ class WanLab:
 
     def link_stats(self, a: str | Site, b: str | Site) -> dict:
         """The delay line's counters (``a_to_b``, ``b_to_a``) and its CPU seconds so far."""
-        link = self.links.get(frozenset((self._site(a).name, self._site(b).name)))
+        link = self.links.get(self._link_key(a, b))
         if link is None:
             raise ValueError("these sites are not linked")
         link.process.send({"cmd": "stats"})

@@ -137,7 +137,9 @@ def test_tcp_sees_each_links_round_trip_and_rate():
 
         bulk = _probe(lab, eu.hosts[0], "bulk", "--host", us.hosts[0].ip,
                       "--seconds", "2.5", "--warmup", "1.0")
-        assert 20 * 0.8 <= bulk["mbit"] <= 20 * 1.03, bulk  # goodput under the 20 Mbit/s wire
+        # goodput near the 20 Mbit/s wire (unshaped, this path carries > 1 Gbit/s); the upper
+        # margin is the receiver's own timing: on a loaded machine it reads in bursts
+        assert 20 * 0.8 <= bulk["mbit"] <= 20 * 1.1, bulk
 
         stats = lab.link_stats("eu", "us")
         assert stats["a_to_b"]["wire_bytes"] >= bulk["bytes"]  # the transfer crossed the line
