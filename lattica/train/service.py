@@ -82,6 +82,7 @@ class TrainingService:
         self._back_at: dict[str, float] = {}  # peer seen silent -> last time it was (settling)
         self._recent = RecentTrainers(peer_id=self.peer_id, memory_s=_VANISHED_S)
         self._unservable = UnservableClaims()  # (round, hash) claims no holder could serve
+        self.groups: Any = None  # GossipGroups for NoLoCo and gossip averaging (no coordinator)
 
     # -- service -------------------------------------------------------------------------
 
@@ -212,6 +213,8 @@ class TrainingService:
         self.settings = await agree_run_config(
             self.state, self.settings, admins=tuple(self.state.config.admins), wait_s=self.settings.round_deadline_s
         )
+        if self._gossips():
+            await self._start_gossip_groups()
         self.phase = "loading"
         ownership = self._expert_ownership()
         trainer = await trio.to_thread.run_sync(self._build_trainer, ownership)
@@ -224,11 +227,15 @@ class TrainingService:
             self._remember(self.strategy.completed_rounds, self._outer_hash())
         # a fresh peer, or one restarted from a checkpoint the swarm has moved past, takes the
         # swarm's outer state; otherwise it trains on from its own checkpoint
-        if self.strategy.replicas_agree:
-            # a joiner, or a peer restarted from a stale checkpoint, takes the swarm's state;
-            # strategies whose replicas differ by design (NoLoCo, eager) start from their own
+        if self.strategy.replicas_agree or self._gossips():
+            # a joiner, or a peer restarted from a stale checkpoint, takes the swarm's state —
+            # with gossip, where replicas differ, the newest published replica (one holder,
+            # hash-verified); eager DiLoCo starts from its own
             await self._join_running_swarm()
+        if self.strategy.replicas_agree:
             self._wrap_strategy_for_catch_up()
+        elif self._gossips():
+            self._wrap_strategy_to_keep_up()
         await self.state.update_member(role=_TRAINER)
         if ownership is not None:
             await ownership.publish()
@@ -332,7 +339,7 @@ class TrainingService:
         cls = strategy_class(s.strategy)
         extra = {} if ownership is None else {"ownership": ownership}
         strategy = cls(  # type: ignore[call-arg]
-            task.model, collective=collective, groups=self.coordinator,
+            task.model, collective=collective, groups=self.groups or self.coordinator,
             config=strategy_config(s, members=tuple(sorted(self._live_with_role(_JOINING, _TRAINER)))),
             **extra,
         )
@@ -460,6 +467,54 @@ class TrainingService:
 
         strategy.next_sync_step = next_stop  # type: ignore[method-assign]
 
+    # -- gossip: groups without a coordinator ---------------------------------------------------
+
+    def _gossips(self) -> bool:
+        """NoLoCo and gossip averaging sync inside small groups (``lattica.coordination``)."""
+        return self.settings.strategy == "noloco" or self.settings.averaging == "gossip"
+
+    async def _start_gossip_groups(self) -> None:
+        """Each peer derives its group from the live trainers it holds and confirms it with its
+        group only; a partner whose heartbeat stopped is not asked."""
+        from lattica.coordination.gossip import GossipGroups
+        from lattica.coordination.groups import GossipGroupsConfig
+
+        assert self._nursery is not None
+        self.groups = GossipGroups(
+            self.node.host, peer_id=self.peer_id, run_id=self.node.config.run_id,
+            members=lambda: self._live_with_role(_TRAINER),
+            config=GossipGroupsConfig(group_size=self.settings.group_size, grace_s=self.settings.group_grace_s),
+            responsive=self._heard,
+        )
+        await self._nursery.start(self.groups.run)
+
+    def _wrap_strategy_to_keep_up(self) -> None:
+        """Gossip: a replica two or more rounds behind the newest published state (it was frozen,
+        cut off, or is slow) adopts that state, as a joiner does. Its partners answer a step they
+        have left with "gone": behind, it would average alone for good."""
+        strategy = self.strategy
+        original = strategy.after_inner_step
+
+        async def after_inner_step(step: int) -> list[Any]:
+            if await self._adopt_if_behind():
+                return []  # the trainer stands at the adopted state's step (see the catch-up)
+            return await original(step)
+
+        strategy.after_inner_step = after_inner_step  # type: ignore[method-assign]
+
+    async def _adopt_if_behind(self) -> bool:
+        agreed = self._agreed()
+        if agreed is None or agreed[0] < self.strategy.completed_rounds + 2:
+            return False
+        if time.monotonic() < self._next_repair_at:
+            return False
+        log.info("%d round(s) behind the newest published replica: adopting it", agreed[0] - self.strategy.completed_rounds)
+        if await self._adopt(agreed):
+            await self._publish_round()
+            return True
+        self._next_repair_at = time.monotonic() + _REPAIR_RETRY_S
+        return False
+
     def _ran_alone(self, report: Any) -> bool:
         others = self._others_train()  # looked at every round: the memory must predate a cut
         return not report.skipped and len(report.group) <= 1 and others
@@ -528,7 +583,7 @@ class TrainingService:
     def _on_round(self, event: Any) -> None:
         self._bytes_sent += event.report.bytes_sent
         if len(event.report.group) > 1:
-            op = "exchange" if self.settings.strategy == "noloco" else "allreduce"
+            op = "exchange" if self._gossips() else "allreduce"
             self._observe("collective_seconds", event.report.seconds, op=op)
         if event.report.skipped:
             log.info("sync %s skipped: %s", event.report.key, event.report.detail)
@@ -542,7 +597,8 @@ class TrainingService:
         # a round run alone while others train is replaced by theirs (catch-up publishes that);
         # publishing it at once would offer the others a minority state (it is published when
         # nothing of theirs came: ``_publish_if_unpublished``)
-        if self._nursery is not None and not self._ran_alone(event.report):
+        # (where replicas differ by design, every replica's state is its own, and is published)
+        if self._nursery is not None and (not self._ran_alone(event.report) or not self.strategy.replicas_agree):
             self._nursery.start_soon(self._publish_round)
 
     async def _publish_if_unpublished(self) -> None:
@@ -586,6 +642,11 @@ class TrainingService:
             "device": self.trainer.device.describe() if self.trainer is not None else None,
             **self.progress,
         }
+        if self._gossips():
+            info["averaging"] = "gossip"
+            spread = self.strategy.consensus_distance if self.strategy is not None else None
+            if spread is not None:  # replicas' spread: distance to the group's mean / its norm
+                info["consensus_distance"] = round(spread, 6)
         if self.error:
             info["error"] = self.error
         if self.summary:

@@ -27,12 +27,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import trio
 
 from lattica.config import DEFAULT_INNER_STEPS
-from lattica.errors import PeerUnavailableError
 from lattica.train.strategies.accounting import AccountedStrategy, tensor_bytes
 from lattica.train.strategies.base import OuterStepReport
+from lattica.train.strategies.gossip import consensus_distance, exchange_with_partners, group_mean
 from lattica.train.strategies.traffic import payload_bytes
 
 
@@ -135,13 +134,16 @@ class NoLoCo(AccountedStrategy):
         stripe = next(s for s in stripes if me in s)
         with torch.no_grad():
             delta = [phi - p.detach() for phi, p in zip(self._phi, self._params, strict=True)]
-        answers, missing = await self._exchange_with(
-            [q for q in stripe if q != me], self._phi + delta, tag=f"noloco/{key}"
+        answers, missing = await exchange_with_partners(
+            self.collective, [q for q in stripe if q != me], self._phi + delta, tag=f"noloco/{key}",
+            codec=self.config.codec, timeout_s=self.config.exchange_timeout_s,
         )
         n = len(self._phi)
         contributions = [self._phi + delta, *answers]
-        mean_phi = _mean([c[:n] for c in contributions])
-        mean_delta = _mean([c[n:] for c in contributions])
+        mean_phi = group_mean([c[:n] for c in contributions])
+        mean_delta = group_mean([c[n:] for c in contributions])
+        if answers:
+            self.consensus_distance = consensus_distance(self._phi, mean_phi)
         noloco_outer_step(
             self._phi,
             self._velocity,
@@ -167,27 +169,6 @@ class NoLoCo(AccountedStrategy):
             detail=f"unavailable: {', '.join(sorted(missing))}" if missing else "",
         )
 
-    async def _exchange_with(
-        self, partners: Sequence[str], tensors: list[torch.Tensor], *, tag: str
-    ) -> tuple[list[list[torch.Tensor]], set[str]]:
-        """Exchange with every partner concurrently; return the answers and who failed."""
-        answers: dict[str, list[torch.Tensor]] = {}
-
-        async def one(partner: str) -> None:
-            with trio.move_on_after(self.config.exchange_timeout_s):
-                try:
-                    answers[partner] = await self.collective.exchange(
-                        tensors, peer=partner, tag=tag, codec=self.config.codec
-                    )
-                except PeerUnavailableError:
-                    pass
-
-        async with trio.open_nursery() as nursery:
-            for partner in partners:
-                nursery.start_soon(one, partner)
-        ordered = [answers[p] for p in partners if p in answers]
-        return ordered, set(partners) - set(answers)
-
     def outer_state_dict(self) -> dict[str, Any]:
         return {
             "params": {n: t.clone() for n, t in zip(self._names, self._phi, strict=True)},
@@ -203,13 +184,3 @@ class NoLoCo(AccountedStrategy):
             for p, phi in zip(self._params, self._phi, strict=True):
                 p.copy_(phi)
         self._rounds = int(state["rounds"])
-
-
-def _mean(contributions: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
-    """Element-wise mean of several tensor lists, summed in fp32."""
-    total = [t.detach().to(torch.float32).clone() for t in contributions[0]]
-    for other in contributions[1:]:
-        for acc, t in zip(total, other, strict=True):
-            acc += t.to(torch.float32)
-    count = len(contributions)
-    return [(acc / count).to(ref.dtype) for acc, ref in zip(total, contributions[0], strict=True)]

@@ -1,0 +1,127 @@
+"""Gossip averaging between real ``lattica join --train`` daemons: no global barrier.
+
+One daemon is frozen (SIGSTOP) for longer than the group grace and several rounds: the others
+keep completing outer steps — a peer only ever waits for its own group, at most the grace —
+and after SIGCONT the frozen one catches up (it adopts the newest published replica, being
+rounds behind), syncs in groups again, and its measured spread is the swarm's again.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lattica_lab.daemons import DaemonProcess, wait_for
+
+INNER_STEPS = 4
+GRACE_S = 2.0
+ENV = {
+    "LATTICA_TRAIN_BATCH_SIZE": "4",
+    "LATTICA_TRAIN_SEQ_LEN": "32",
+    "LATTICA_TRAIN_WARMUP_STEPS": "2",
+    "LATTICA_TRAIN_ROUND_DEADLINE_S": "5",
+    "LATTICA_TRAIN_GROUP_GRACE_S": str(GRACE_S),
+    "OMP_NUM_THREADS": "1",  # several daemons share the cores
+}
+_SYNC = re.compile(r"sync round/(\d+) done with (\d+) member")
+
+
+def _trainer(path: Path, *, rounds: int, peers: tuple[str, ...], min_peers: int, strategy: str) -> DaemonProcess:
+    gossip = ("--averaging", "gossip") if strategy == "diloco" else ()
+    args = (
+        "--train", "--model", "tiny", "--device", "cpu", "--log-level", "info", "--strategy", strategy,
+        *gossip, "--group-size", "2", "--rounds", str(rounds),
+        "--inner-steps", str(INNER_STEPS), "--min-peers", str(min_peers),
+    )
+    return DaemonProcess(path, peers=peers, extra_args=args, env=ENV)
+
+
+def _training(daemon: DaemonProcess) -> dict[str, Any]:
+    return daemon.call("status").get("training") or {"phase": "starting", "rounds_completed": 0}
+
+
+def _rounds(daemon: DaemonProcess) -> int:
+    return int(_training(daemon).get("rounds_completed") or 0)
+
+
+def _paired_syncs(daemon: DaemonProcess, offset: int = 0) -> int:
+    assert daemon.log_path is not None
+    return sum(1 for m in _SYNC.finditer(daemon.log_path.read_text()[offset:]) if int(m.group(2)) >= 2)
+
+
+@pytest.fixture
+def daemons() -> Iterator[list[DaemonProcess]]:
+    started: list[DaemonProcess] = []
+    try:
+        yield started
+    finally:
+        for d in started:
+            d.signal(signal.SIGCONT)
+            d.kill()
+
+
+def _swarm(
+    tmp_path: Path, daemons: list[DaemonProcess], count: int, rounds: int, strategy: str = "diloco"
+) -> list[DaemonProcess]:
+    first = _trainer(tmp_path / "p0", rounds=rounds, peers=(), min_peers=count, strategy=strategy).start()
+    daemons.append(first)
+    first.wait_ready(60)
+    others = [
+        _trainer(tmp_path / f"p{i}", rounds=rounds, peers=(first.addr,), min_peers=count, strategy=strategy).start()
+        for i in range(1, count)
+    ]
+    daemons.extend(others)
+    for d in others:
+        d.wait_ready(60)
+    return [first, *others]
+
+
+def _frozen_peer_does_not_hold_the_others(swarm: list[DaemonProcess], *, freeze_s: float) -> None:
+    assert wait_for(lambda: all(_rounds(d) >= 1 for d in swarm), 60), [d.log() for d in swarm]
+    assert wait_for(lambda: all(_paired_syncs(d) >= 1 for d in swarm), 30), [d.log() for d in swarm]
+    frozen, others = swarm[-1], swarm[:-1]
+    frozen.signal(signal.SIGSTOP)
+    at_freeze = {d.data_dir: _rounds(d) for d in others}
+    started = time.monotonic()
+    # every other peer keeps completing outer steps while one member is frozen (a round with
+    # the frozen peer as partner costs at most the grace); frozen well beyond the grace
+    kept_going = wait_for(lambda: all(_rounds(d) >= at_freeze[d.data_dir] + 3 for d in others), 60)
+    progressed = {d.data_dir.name: _rounds(d) - at_freeze[d.data_dir] for d in others}
+    assert kept_going, (progressed, time.monotonic() - started)
+    time.sleep(max(0.0, freeze_s - (time.monotonic() - started)))
+    assert frozen.log_path is not None
+    resumed_at = len(frozen.log_path.read_text())
+    frozen.signal(signal.SIGCONT)
+    # it rejoins: completes rounds again, syncs in a group again, and measures the swarm's spread
+    before = _rounds(frozen)
+    assert wait_for(lambda: _rounds(frozen) >= before + 2, 30), frozen.log()
+    assert wait_for(lambda: _paired_syncs(frozen, resumed_at) >= 1, 30), frozen.log()
+    spreads = [_training(d).get("consensus_distance") for d in swarm]
+    assert all(s is not None and 0 <= s < 0.5 for s in spreads), spreads
+    for d in swarm:
+        info = _training(d)
+        assert info["averaging"] == "gossip"
+        assert info["replicas_agree"] is False
+
+
+def test_four_gossip_daemons_keep_training_while_one_is_frozen(tmp_path: Path, daemons: list[DaemonProcess]) -> None:
+    swarm = _swarm(tmp_path, daemons, 4, rounds=400)
+    _frozen_peer_does_not_hold_the_others(swarm, freeze_s=4 * GRACE_S)
+
+
+@pytest.mark.slow
+def test_eight_gossip_daemons_keep_training_while_one_is_frozen(tmp_path: Path, daemons: list[DaemonProcess]) -> None:
+    swarm = _swarm(tmp_path, daemons, 8, rounds=400)
+    _frozen_peer_does_not_hold_the_others(swarm, freeze_s=6 * GRACE_S)
+
+
+def test_noloco_daemons_pair_up_without_a_coordinator(tmp_path: Path, daemons: list[DaemonProcess]) -> None:
+    """NoLoCo as its paper defines it: groups of 2 from the round number, no global blocking."""
+    swarm = _swarm(tmp_path, daemons, 3, rounds=400, strategy="noloco")
+    _frozen_peer_does_not_hold_the_others(swarm, freeze_s=3 * GRACE_S)
