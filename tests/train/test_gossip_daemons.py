@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from lattica_lab.daemons import DaemonProcess, wait_for
+from lattica_lab.daemons import DaemonProcess, run_cli, wait_for
 
 INNER_STEPS = 4
 GRACE_S = 2.0
@@ -111,8 +111,18 @@ def _frozen_peer_does_not_hold_the_others(swarm: list[DaemonProcess], *, freeze_
 
 
 def test_four_gossip_daemons_keep_training_while_one_is_frozen(tmp_path: Path, daemons: list[DaemonProcess]) -> None:
-    swarm = _swarm(tmp_path, daemons, 4, rounds=400)
-    _frozen_peer_does_not_hold_the_others(swarm, freeze_s=4 * GRACE_S)
+    swarm = _swarm(tmp_path, daemons, 3, rounds=400)
+    assert wait_for(lambda: all(_rounds(d) >= 2 for d in swarm), 90), [d.log() for d in swarm]
+    # a joiner adopts the newest published replica (replicas differ: no majority hash), then gossips
+    joiner = _trainer(tmp_path / "p3", rounds=400, peers=(swarm[0].addr,), min_peers=3, strategy="diloco").start()
+    daemons.append(joiner)
+    joiner.wait_ready(60)
+    assert wait_for(lambda: "adopted outer state of round" in joiner.log(), 60), joiner.log()
+    assert _rounds(joiner) >= 2
+    _frozen_peer_does_not_hold_the_others([*swarm, joiner], freeze_s=4 * GRACE_S)
+    status = run_cli("status", "--data-dir", str(joiner.data_dir))
+    assert status.returncode == 0, status.stderr
+    assert re.search(r"consensus distance\s+0\.\d+", status.stdout), status.stdout
 
 
 @pytest.mark.slow
