@@ -34,7 +34,7 @@ ROUTES: dict[str, Mapping[str, str]] = {
     "spes": {"inner_steps": "sync_every"},
     # no outer momentum: the error-feedback decay takes its place (its own default, 0.95)
     "sparseloco": {"inner_steps": "inner_steps", "outer_lr": "outer_lr"},
-    "demo": {},  # steps every inner step with the trainer's learning rate; H: the round length
+    "demo": {"inner_steps": "inner_steps"},  # syncs every step; H: steps per reported round
     "ddp": {},  # averages gradients every step: H only sets the trainer's round length
     "nocomm": {},
 }

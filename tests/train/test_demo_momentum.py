@@ -149,6 +149,7 @@ async def test_three_replicas_take_the_same_sign_step():
         for n in strategies[0].layout.sizes
     )
     assert strategies[0].accounting()["last_sync_bytes"] == 2 * payload
+    assert strategies[0].applied_steps == 3
     assert network.bytes_sent["a"] == 3 * 2 * payload
 
 
@@ -167,4 +168,24 @@ async def test_a_failed_step_leaves_weights_and_puts_the_components_back():
     assert all(torch.equal(w, p.detach()) for w, p in zip(weights, a.model.parameters(), strict=True))
     for m, m0, g in zip(a.momenta, momentum, grads, strict=True):
         assert torch.allclose(m, 0.5 * m0 + 0.01 * g, atol=1e-6)  # m <- β·m + η·g, nothing removed
-    assert a.completed_rounds == 1
+    assert a.applied_steps == 1
+
+
+async def test_a_round_is_reported_every_inner_steps_with_its_bytes():
+    network = InMemoryCollectiveGroup(PEERS)
+    strategies = _replicas(network, DeMoConfig(inner_steps=2, chunk=8, topk=4))
+    for step in (1, 2):
+        _set_grads(strategies, step)
+        await _step_all(strategies, step)
+        reports = await strategies[0].after_inner_step(step)
+        assert len(reports) == (step == 2)
+    (report,) = reports
+    assert report.group == PEERS
+    assert not report.skipped
+    assert report.bytes_sent == network.bytes_sent["a"]
+    assert strategies[0].completed_rounds == 1
+    state = strategies[0].outer_state_dict()
+    assert (state["round"], state["step"]) == (1, 2)
+    strategies[1].load_outer_state_dict(state)
+    assert strategies[1].completed_rounds == 1
+    assert not any(bool(m.any()) for m in strategies[1].momenta)  # a loaded state starts with m = 0

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -42,6 +43,7 @@ from typing import Any
 
 import torch
 
+from lattica.config import DEFAULT_INNER_STEPS
 from lattica.errors import LocalProtocolError, RemoteProtocolError
 from lattica.net.tensors import sparse
 from lattica.train.collective import Collective
@@ -54,6 +56,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, kw_only=True)
 class DeMoConfig:
+    inner_steps: int = DEFAULT_INNER_STEPS  # steps per reported round (DeMo itself syncs every step)
     chunk: int = 64
     topk: int = 32
     momentum_decay: float = 0.999
@@ -62,6 +65,8 @@ class DeMoConfig:
     max_attempts: int = 3
 
     def __post_init__(self) -> None:
+        if self.inner_steps < 1:
+            raise ValueError(f"DeMoConfig.inner_steps must be >= 1, got {self.inner_steps}")
         if not 1 <= self.chunk <= 4096:
             raise ValueError(f"DeMoConfig.chunk must be in [1, 4096], got {self.chunk}")
         if self.topk < 1:
@@ -213,11 +218,15 @@ class DeMo(AccountedStrategy):
         self._params = [p for _, p in named]
         self.momenta = [torch.zeros(p.shape, dtype=torch.float32) for p in self._params]
         self.layout = BlockLayout([p.shape for p in self._params], self.config.chunk, self.config.topk)
-        self._steps = 0
+        self.applied_steps = 0  # steps whose mean arrived and was applied
+        self._step = 0  # the last inner step seen
+        self._rounds = 0  # reported rounds of ``inner_steps`` steps
+        self._round_bytes, self._round_group, self._round_skips = 0, (), 0
+        self._round_started = time.monotonic()
 
     @property
     def completed_rounds(self) -> int:
-        return self._steps
+        return self._rounds
 
     @property
     def outer_state_bytes(self) -> int:
@@ -239,9 +248,12 @@ class DeMo(AccountedStrategy):
             for m, r in zip(self.momenta, removed, strict=True):
                 m.sub_(r)
         payload = [sparse.encode(sent[n], value_codec=cfg.value_codec) for n in self.layout.sizes]
-        update = await self._gather_mean(step, payload, sent)
+        update, group = await self._gather_mean(step, payload, sent)
+        self._step = step
+        self._round_group = group
         with torch.no_grad():
             if update is None:  # nothing applied: the sent components go back into m
+                self._round_skips += 1
                 for m, r in zip(self.momenta, removed, strict=True):
                     m.add_(r)
             else:
@@ -249,13 +261,13 @@ class DeMo(AccountedStrategy):
                     if cfg.weight_decay:
                         p.mul_(1.0 - lr * cfg.weight_decay)
                     p.add_(u.sign().to(p.device, p.dtype), alpha=-lr)
-                self._steps += 1
+                self.applied_steps += 1
             for p in self._params:
                 p.grad = None  # the trainer's optimizer step skips parameters without a gradient
 
     async def _gather_mean(
         self, step: int, payload: list[torch.Tensor], sent: dict[int, sparse.SparseChunks]
-    ) -> list[torch.Tensor] | None:
+    ) -> tuple[list[torch.Tensor] | None, tuple[str, ...]]:
         key, nbytes = f"step/{step}", 0
         try:
             for attempt in range(self.config.max_attempts):
@@ -271,10 +283,11 @@ class DeMo(AccountedStrategy):
                 except GATHER_FAILURES as exc:
                     log.info("step %d attempt %d with %s failed: %s", step, attempt, ", ".join(group), exc)
                     continue
-                return mean_components(gathered, self.layout)
-            return None
+                return mean_components(gathered, self.layout), group
+            return None, ()
         finally:
             self.traffic.record_sync(nbytes)
+            self._round_bytes += nbytes
 
     def _decode(self, tensors: list[torch.Tensor], peer: str) -> dict[int, sparse.SparseChunks]:
         sizes = self.layout.sizes
@@ -288,12 +301,27 @@ class DeMo(AccountedStrategy):
         }
 
     async def after_inner_step(self, step: int) -> list[OuterStepReport]:
-        return []
+        """Every ``inner_steps`` steps, one report for the steps since the last one (for the
+        daemon: progress, published state, catch-up); the syncs themselves ran every step."""
+        if step % self.config.inner_steps:
+            return []
+        skips = self._round_skips
+        report = OuterStepReport(
+            round=self._rounds, key=f"round/{self._rounds}", group=() if skips else self._round_group,
+            bytes_sent=self._round_bytes, seconds=time.monotonic() - self._round_started,
+            skipped=skips > 0, detail=f"{skips} step(s) skipped" if skips else "",
+        )
+        if not skips:  # a replica that missed a step is off the others' line until it catches up
+            self._rounds += 1
+        self._round_bytes, self._round_skips, self._round_started = 0, 0, time.monotonic()
+        return [report]
 
     def outer_state_dict(self) -> dict[str, Any]:
         """The shared state: the parameters (momenta are local, see the module doc)."""
         return {
-            "round": self._steps,
+            "round": self._rounds,
+            "step": self._step,
+            "completed_rounds": self._rounds,
             "params": {n: p.detach().to("cpu", torch.float32, copy=True) for n, p in zip(self._names, self._params, strict=True)},
         }
 
@@ -309,4 +337,5 @@ class DeMo(AccountedStrategy):
                 p.copy_(given.to(p.device, p.dtype))
         for m in self.momenta:
             m.zero_()
-        self._steps = int(state.get("round", 0))
+        self._rounds = int(state.get("completed_rounds", state.get("round", 0)))
+        self._step = int(state.get("step", self._rounds * self.config.inner_steps))
