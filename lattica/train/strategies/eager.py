@@ -4,19 +4,31 @@ Theory of operation
 -------------------
 Blocking DiLoCo stops training while the round's all-reduce is on the wire. Here the all-reduce
 of round t runs in the strategy's nursery while round t+1's inner steps run; its mean Δ^t is
-only needed at the end of round t+1. At the end of every round t worker m:
+only needed at the end of round t+1. Every worker m keeps the shared outer state (φ, b) — the
+outer weights and the Nesterov momentum, identical on every replica — and the point s_m from
+which its current inner phase started. At the end of round t worker m:
 
-1. computes its fresh pseudo-gradient Δ_m^t = φ_m − θ_m and starts its all-reduce (tag t);
-2. waits for the mean Δ^{t−1} of the previous round (it had a whole round to arrive);
-3. uses its own fresh contribution in place of its stale share of that mean — the "eager"
-   outer gradient of the paper: Δ̃_m^t = Δ^{t−1} + (Δ_m^t − Δ_m^{t−1}) / M;
-4. applies SGD with Nesterov momentum to φ_m with gradient Δ̃_m^t and sets θ_m ← φ_m.
+1. computes its fresh pseudo-gradient Δ_m^t = s_m − θ_m and starts its all-reduce (tag t);
+2. waits for the mean Δ^{t−1} of the previous round (it had a whole round to arrive) and
+   applies it to the shared state exactly as DiLoCo does: (φ, b) ← Nesterov(φ, b; Δ^{t−1});
+3. starts round t+1 eagerly, from the outer step that its own fresh Δ_m^t would give if it
+   were the round's mean (``eager_start``): s_m ← φ − η·(Δ_m^t + μ·(μ·b + Δ_m^t)), θ_m ← s_m.
+   The shared state is not changed by this look-ahead.
 
-Before the first mean exists (and when a round's all-reduce failed) Δ^{t−1} is taken as the
-worker's own share Δ_m^{t−1}/M, so Δ̃ reduces to Δ_m^t/M. ``finish`` waits for the last mean
-and applies the same formula with no fresh progress (Δ_m^{T+1} = 0), so every worker has applied
-the sum of all round means once. Replicas are close but not bit-identical: each worker's own
-term differs.
+Why the look-ahead and not the per-worker formula Δ̃_m^t = Δ^{t−1} + (Δ_m^t − Δ_m^{t−1})/M
+applied to a per-worker (φ_m, b_m): that formula feeds the others' share of every round into
+the momentum one round late. Averaged over the workers its outer gradient is
+Δ^t/M + (1 − 1/M)·Δ^{t−1}, a delayed gradient, and heavy momentum on a delayed gradient
+oscillates: on the 4-worker benchmark it diverged at μ = 0.9 (docs/strategies.md). Here the
+Nesterov step is linear in its gradient, so the mean over workers of the start points s_m is
+exactly DiLoCo's next outer weights: the shared state follows DiLoCo's recursion with no
+delay, and each worker's own start differs from it only by η(1+μ)(Δ_m^t − Δ^t), the spread of
+one round, which is forgotten when the true mean is applied.
+
+``finish`` waits for the last mean, applies it and sets θ ← φ, so every worker that finishes
+holds the same weights. A round whose all-reduce failed is applied as the worker's own Δ_m (the
+step it already started from stands); the replicas' shared states then differ by that round's
+spread.
 """
 
 from __future__ import annotations
@@ -53,17 +65,21 @@ class EagerDiLoCoConfig:
             raise ValueError(f"outer_momentum must be in (0, 1), got {self.outer_momentum}")
 
 
-def eager_outer_gradient(
-    previous_mean: Sequence[torch.Tensor],
+def eager_start(
+    outer: Sequence[torch.Tensor],
+    momentum: Sequence[torch.Tensor | None],
     fresh_own: Sequence[torch.Tensor],
-    previous_own: Sequence[torch.Tensor],
-    members: int,
+    *,
+    lr: float,
+    momentum_factor: float,
 ) -> list[torch.Tensor]:
-    """Δ̃_m^t = Δ^{t−1} + (Δ_m^t − Δ_m^{t−1}) / M."""
-    return [
-        mean + (fresh - stale) / members
-        for mean, fresh, stale in zip(previous_mean, fresh_own, previous_own, strict=True)
-    ]
+    """s = φ − η·(Δ + μ·b'), b' = μ·b + Δ (b' = Δ before the first step): the Nesterov step
+    ``torch.optim.SGD(nesterov=True)`` would take with gradient Δ, without changing φ or b."""
+    starts = []
+    for phi, buf, delta in zip(outer, momentum, fresh_own, strict=True):
+        ahead = delta.clone() if buf is None else buf.mul(momentum_factor).add_(delta)
+        starts.append(phi - lr * delta.add(ahead, alpha=momentum_factor))
+    return starts
 
 
 @dataclass
@@ -74,7 +90,6 @@ class _InFlight:
     key: str
     own: list[torch.Tensor]
     group: tuple[str, ...] = ()
-    grouped: trio.Event = field(default_factory=trio.Event)
     done: trio.Event = field(default_factory=trio.Event)
     mean: list[torch.Tensor] | None = None
     bytes_sent: int = 0
@@ -89,18 +104,19 @@ class EagerDiLoCo(AccountedStrategy):
         super().__init__(model, collective=collective, groups=groups)
         self.config = config or EagerDiLoCoConfig()
         self._names, self._inner, self._outer = outer_copy(model)
+        self._start = [t.clone() for t in self._outer]  # s: where this inner phase started
         self.outer_optimizer = nesterov_sgd(self._outer, self.config.outer_lr, self.config.outer_momentum)
         self._in_flight: _InFlight | None = None
         self._completed = 0
 
     @property
     def completed_rounds(self) -> int:
+        """Round means applied to the shared outer state."""
         return self._completed
 
     @property
     def outer_state_bytes(self) -> int:
-        momentum = [s["momentum_buffer"] for s in self.outer_optimizer.state.values()]
-        return tensor_bytes(self._outer) + tensor_bytes(momentum)
+        return tensor_bytes(self._outer) + tensor_bytes(self._momentum()) + tensor_bytes(self._start)
 
     def next_sync_step(self, step: int) -> int:
         return (step // self.config.inner_steps + 1) * self.config.inner_steps
@@ -109,20 +125,29 @@ class EagerDiLoCo(AccountedStrategy):
         if step % self.config.inner_steps:
             return []
         started = time.monotonic()
-        round_number = step // self.config.inner_steps
-        fresh = pseudo_gradient(self._outer, self._inner)
-        previous = self._in_flight
-        self._in_flight = await self._start(round_number, fresh)
-        return [await self._apply_previous(previous, fresh, started)]
+        fresh = pseudo_gradient(self._start, self._inner)
+        previous, self._in_flight = self._in_flight, self._launch(step // self.config.inner_steps, fresh)
+        report = await self._apply(previous, started)
+        self._begin_phase(
+            eager_start(
+                self._outer,
+                self._momentum(),
+                fresh,
+                lr=self.config.outer_lr,
+                momentum_factor=self.config.outer_momentum,
+            )
+        )
+        return [report]
 
     async def finish(self) -> list[OuterStepReport]:
         last, self._in_flight = self._in_flight, None
         if last is None:
             return []
-        nothing_new = [torch.zeros_like(t) for t in last.own]
-        return [await self._apply_previous(last, nothing_new, time.monotonic())]
+        report = await self._apply(last, time.monotonic())
+        self._begin_phase(self._outer)
+        return [report]
 
-    async def _start(self, round_number: int, fresh: list[torch.Tensor]) -> _InFlight:
+    def _launch(self, round_number: int, fresh: list[torch.Tensor]) -> _InFlight:
         if self.nursery is None:
             raise LocalProtocolError("EagerDiLoCo needs bind_nursery() before the first round")
         flight = _InFlight(round=round_number, key=f"round/{round_number}", own=fresh)
@@ -133,7 +158,6 @@ class EagerDiLoCo(AccountedStrategy):
     async def _reduce(self, flight: _InFlight) -> None:
         try:
             flight.group = tuple(await self.groups.group_for(flight.key))
-            flight.grouped.set()
             flight.bytes_sent = allreduce_bytes(flight.own, len(flight.group), self.config.codec)
             self.traffic.record_sync(flight.bytes_sent)
             flight.mean = await self.collective.allreduce(
@@ -142,51 +166,44 @@ class EagerDiLoCo(AccountedStrategy):
         except (PeerUnavailableError, BrokenError) as exc:
             flight.error = str(exc)
         finally:
-            flight.group = flight.group or (self.collective.peer_id,)
-            flight.grouped.set()
             flight.done.set()
 
-    async def _apply_previous(
-        self, previous: _InFlight | None, fresh: list[torch.Tensor], started: float
-    ) -> OuterStepReport:
-        """The outer step that consumes the previous round's mean (or our own share of it)."""
-        members = 1
-        if previous is None and self._in_flight is not None:
-            # the first round has nothing in flight to overlap: M is this round's group size
-            await self._in_flight.grouped.wait()
-            members = len(self._in_flight.group)
-        zeros = [torch.zeros_like(t) for t in fresh]
-        previous_own, previous_mean, error = zeros, zeros, ""
-        if previous is not None:
-            await previous.done.wait()
-            members = len(previous.group)
-            previous_own = previous.own
-            previous_mean = previous.mean or [t / members for t in previous.own]
-            error = previous.error
-        gradient = eager_outer_gradient(previous_mean, fresh, previous_own, members)
+    async def _apply(self, flight: _InFlight | None, started: float) -> OuterStepReport:
+        """DiLoCo's outer step on the shared state with the mean of ``flight`` (own Δ if it failed)."""
+        if flight is None:  # the first round: nothing to apply yet
+            return OuterStepReport(round=0, key="round/0", group=(), bytes_sent=0, seconds=0.0)
+        await flight.done.wait()
+        gradient = flight.mean if flight.mean is not None else flight.own
         for outer, g in zip(self._outer, gradient, strict=True):
-            outer.grad = g
+            outer.grad = g.to(torch.float32)
         self.outer_optimizer.step()
         self.outer_optimizer.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            for inner, outer in zip(self._inner, self._outer, strict=True):
-                inner.copy_(outer)
         self._completed += 1
         return OuterStepReport(
-            round=previous.round if previous else 0,
-            key=previous.key if previous else "round/0",
-            group=previous.group if previous and previous.mean is not None else (),
-            bytes_sent=previous.bytes_sent if previous else 0,
+            round=flight.round,
+            key=flight.key,
+            group=flight.group if flight.mean is not None else (),
+            bytes_sent=flight.bytes_sent,
             seconds=time.monotonic() - started,
-            skipped=bool(error),
-            detail=error,
+            skipped=flight.mean is None,
+            detail=flight.error,
         )
+
+    def _begin_phase(self, start: Sequence[torch.Tensor]) -> None:
+        """The next inner phase starts at ``start``: s ← start, θ ← start."""
+        with torch.no_grad():
+            for s, inner, value in zip(self._start, self._inner, start, strict=True):
+                s.copy_(value)
+                inner.copy_(value)
+
+    def _momentum(self) -> list[torch.Tensor | None]:
+        return [self.outer_optimizer.state.get(p, {}).get("momentum_buffer") for p in self._outer]
 
     def outer_state_dict(self) -> dict[str, Any]:
         momentum = {
-            n: self.outer_optimizer.state[p]["momentum_buffer"].clone()
-            for n, p in zip(self._names, self._outer, strict=True)
-            if p in self.outer_optimizer.state
+            n: buf.clone()
+            for n, buf in zip(self._names, self._momentum(), strict=True)
+            if buf is not None
         }
         return {
             "params": {n: p.clone() for n, p in zip(self._names, self._outer, strict=True)},
@@ -196,11 +213,11 @@ class EagerDiLoCo(AccountedStrategy):
 
     def load_outer_state_dict(self, state: dict[str, Any]) -> None:
         with torch.no_grad():
-            for name, outer, inner in zip(self._names, self._outer, self._inner, strict=True):
+            for name, outer in zip(self._names, self._outer, strict=True):
                 outer.copy_(state["params"][name])
-                inner.copy_(outer)
                 if name in state["momentum"]:
                     buffer = state["momentum"][name].to(torch.float32).clone()
                     self.outer_optimizer.state[outer]["momentum_buffer"] = buffer
+        self._begin_phase(self._outer)
         self._completed = int(state["completed_rounds"])
         self._in_flight = None
