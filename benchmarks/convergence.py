@@ -1,6 +1,6 @@
 """Convergence vs communication: DDP, no communication and DiLoCo on a tiny byte-level GPT.
 
-Four in-process workers start from identical weights and each trains on its own shard of the
+Four in-process workers (``--workers N``) start from identical weights and each trains on its own shard of the
 corpus with the same token budget for every method. By default those are the seed's fresh
 weights. With ``--warm-start-steps N`` they come from a shared pretraining of N steps (ordinary
 single-worker training on the whole train stream), the setting of the DiLoCo paper's main
@@ -16,7 +16,11 @@ then carries ``<name>_loss``, ``<name>_bytes`` and ``<name>_vs_ddp``.
 
     python benchmarks/convergence.py [--data PATH] [--strategies ddp,nocomm,diloco|all] [--seed N]
         [--steps 500] [--batch-size 8] [--context 128] [--lr 3e-3] [--warmup 50]
-        [--outer-lr 0.7] [--outer-momentum 0.9] [--warm-start-steps 0]
+        [--outer-lr 0.7] [--outer-momentum 0.9] [--warm-start-steps 0] [--workers 4]
+
+``diloco_gossip`` is DiLoCo with gossip averaging (groups of 2 redrawn every round, no
+all-reduce); like NoLoCo its replicas differ, so it also reports the loss of their averaged
+weights, and ``diloco_gossip_vs_diloco`` compares it with DiLoCo's all-reduce.
 
 ``--strategies all`` runs every method: one per strategy registered in
 ``lattica.train.strategies.STRATEGIES`` (with the ``Method`` of ``METHODS`` if there is one, else
@@ -69,8 +73,10 @@ from lattica.train.task import Task
 from lattica.train.trainer import Trainer, TrainerConfig
 from lattica_lab.collective import InMemoryCollectiveGroup
 
-WORKERS = 4
+WORKERS = 4  # the default of --workers
 PEERS = tuple(f"worker-{i}" for i in range(WORKERS))
+# the in-memory collective has no stragglers to cut short: a partner is waited for as long as it takes
+_EXCHANGE_WAIT_S = 3600.0
 SYNC_EVERY = 50  # H: inner steps between two syncs of DiLoCo and its variants
 WARM_START_STEPS = 0  # steps of shared pretraining every method starts from (0: fresh weights)
 WARM_SEED_OFFSET = 7919  # the pretraining draws its own batches, not worker 0's
@@ -98,7 +104,15 @@ METHODS: dict[str, Method] = {
     "nocomm": Method(strategy="nocomm"),
     "diloco": Method(strategy="diloco", config=DiLoCoConfig(inner_steps=SYNC_EVERY)),
     "noloco": Method(
-        strategy="noloco", config=NoLoCoConfig(inner_steps=SYNC_EVERY), evaluate_average=True
+        strategy="noloco", config=NoLoCoConfig(inner_steps=SYNC_EVERY, exchange_timeout_s=_EXCHANGE_WAIT_S),
+        evaluate_average=True,
+    ),
+    "diloco_gossip": Method(
+        strategy="diloco",
+        config=DiLoCoConfig(
+            inner_steps=SYNC_EVERY, averaging="gossip", group_size=2, exchange_timeout_s=_EXCHANGE_WAIT_S
+        ),
+        evaluate_average=True,
     ),
     # one-round-stale outer gradients are unstable with μ = 0.9 at this scale (val loss after
     # 200 steps: 3.68 with μ = 0.9, 2.65 with μ = 0.5; DiLoCo 2.43), so eager uses μ = 0.5
@@ -124,21 +138,29 @@ METHODS: dict[str, Method] = {
 }
 
 
-def all_methods() -> dict[str, Method]:
-    """Every registered strategy (``METHODS``' entry, else its defaults), then ``METHODS``' extras."""
+def all_methods(workers: int = WORKERS) -> dict[str, Method]:
+    """Every registered strategy (``METHODS``' entry, else its defaults), then ``METHODS``' extras
+    (SPES's initial expert owners: the ``workers`` peers)."""
     methods = {name: METHODS.get(name, Method(strategy=name)) for name in STRATEGIES}
-    return methods | {name: m for name, m in METHODS.items() if name not in methods}
+    methods |= {name: m for name, m in METHODS.items() if name not in methods}
+    spes = methods["spes"]
+    methods["spes"] = dataclasses.replace(spes, config=dataclasses.replace(spes.config, members=peers_of(workers)))
+    return methods
+
+
+def peers_of(workers: int) -> tuple[str, ...]:
+    return tuple(f"worker-{i}" for i in range(workers))
 
 
 class BenchmarkFailed(RuntimeError):
     """A method did not finish: the benchmark reports no figures."""
 
 
-def finished_losses(name: str, summaries: dict, steps: int) -> list[float]:
+def finished_losses(name: str, summaries: dict, steps: int, workers: int = WORKERS) -> list[float]:
     """Every worker's validation loss, when all of them trained ``steps`` steps and ended with a
     finite loss; else ``BenchmarkFailed`` naming the method and the workers."""
     bad = []
-    for i in range(WORKERS):
+    for i in range(workers):
         summary = summaries.get(i)
         if summary is None:
             bad.append(f"worker {i} did not report")
@@ -148,7 +170,7 @@ def finished_losses(name: str, summaries: dict, steps: int) -> list[float]:
             bad.append(f"worker {i} ended with validation loss {summary.val_loss}")
     if bad:
         raise BenchmarkFailed(f"{name} did not finish: {'; '.join(bad)}")
-    return [summaries[i].val_loss for i in range(WORKERS)]
+    return [summaries[i].val_loss for i in range(workers)]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -207,10 +229,11 @@ async def run_method(
     budget: Budget,
     seed: int,
     initial: dict[str, torch.Tensor] | None = None,
+    workers: int = WORKERS,
 ) -> dict[str, float]:
-    """Train ``method`` on four workers from ``initial`` (else from the seed's fresh weights)."""
-    peers = PEERS
-    peaks = [0] * WORKERS
+    """Train ``method`` on ``workers`` workers from ``initial`` (else from the seed's fresh weights)."""
+    peers = peers_of(workers)
+    peaks = [0] * workers
     network = InMemoryCollectiveGroup(peers)
     val = validation_batches(
         corpus.val,
@@ -227,7 +250,7 @@ async def run_method(
                 context=budget.context,
                 seed=seed,
                 shard_index=i,
-                num_shards=WORKERS,
+                num_shards=workers,
             ),
         )
         model = method.build_model(seed)
@@ -262,9 +285,9 @@ async def run_method(
         summaries[i] = await trainers[i].run()
 
     async with trio.open_nursery() as nursery:
-        for i in range(WORKERS):
+        for i in range(workers):
             nursery.start_soon(train, i)
-    losses = finished_losses(name, summaries, budget.steps)
+    losses = finished_losses(name, summaries, budget.steps, workers)
     result = {
         "loss": statistics.fmean(losses),
         "loss_spread": max(losses) - min(losses),
@@ -338,12 +361,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="steps of shared single-worker pretraining every method starts from (0: from scratch)",
     )
     parser.add_argument("--threads", type=int, default=1, help="torch threads per operation")
+    parser.add_argument("--workers", type=int, default=WORKERS, help=f"in-process workers (default {WORKERS})")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    known = all_methods()
+    if args.workers < 2:
+        print("error: --workers must be at least 2", file=sys.stderr)
+        return 2
+    known = all_methods(args.workers)
     names = [n.strip() for n in args.strategies.split(",") if n.strip()]
     if names == ["all"]:
         names = list(known)
@@ -370,10 +397,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    tokens = WORKERS * budget.steps * budget.batch_size * budget.context
+    tokens = args.workers * budget.steps * budget.batch_size * budget.context
     print(f"data: {corpus.description} (sha256 {corpus.content_hash[:12]})")
     print(
-        f"{WORKERS} workers x {budget.steps} steps x {budget.batch_size}x{budget.context} "
+        f"{args.workers} workers x {budget.steps} steps x {budget.batch_size}x{budget.context} "
         f"tokens = {tokens} tokens per method, seed {args.seed}"
     )
     methods = _with_outer(known, args.outer_lr, args.outer_momentum)
@@ -393,12 +420,12 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             method = methods[name]
             results[name] = _timed(
-                name, method, corpus, budget, args.seed, initial.get(method.build_model)
+                name, method, corpus, budget, args.seed, initial.get(method.build_model), args.workers
             )
         if initial:  # the headline pair again from fresh weights, so both regimes are on record
             for name in (n for n in SCRATCH_METHODS if n in names):
                 results[f"scratch_{name}"] = _timed(
-                    f"scratch_{name}", methods[name], corpus, budget, args.seed, None
+                    f"scratch_{name}", methods[name], corpus, budget, args.seed, None, args.workers
                 )
     except BenchmarkFailed as exc:
         print(f"convergence benchmark failed: {exc}", file=sys.stderr)
@@ -409,18 +436,18 @@ def main(argv: list[str] | None = None) -> int:
             f"{name:<16}{r['loss']:>10.4f}{r['loss_spread']:>9.4f}"
             f"{r['bytes'] / 1e6:>16.2f}{r['seconds']:>9.1f}"
         )
-    summary = summary_json(results, args.seed, tokens)
+    summary = summary_json(results, args.seed, tokens, args.workers)
     summary["warm_start_steps"] = args.warm_start_steps
     print(json.dumps(summary))
     return 0
 
 
 def _timed(
-    name: str, method: Method, corpus, budget: Budget, seed: int, initial
+    name: str, method: Method, corpus, budget: Budget, seed: int, initial, workers: int = WORKERS
 ) -> dict[str, float]:
     started = time.monotonic()
     try:
-        result = trio.run(run_method, name, method, corpus, budget, seed, initial)
+        result = trio.run(run_method, name, method, corpus, budget, seed, initial, workers)
     except BenchmarkFailed:
         raise
     except Exception as exc:  # a method that crashes is a method that did not finish
@@ -444,8 +471,10 @@ def _with_outer(
     }
 
 
-def summary_json(results: dict[str, dict[str, float]], seed: int, tokens: int) -> dict[str, Any]:
-    out: dict[str, Any] = {"seed": seed, "tokens_per_method": tokens, "workers": WORKERS}
+def summary_json(
+    results: dict[str, dict[str, float]], seed: int, tokens: int, workers: int = WORKERS
+) -> dict[str, Any]:
+    out: dict[str, Any] = {"seed": seed, "tokens_per_method": tokens, "workers": workers}
     for name, r in results.items():
         out[f"{name}_loss"] = round(r["loss"], 5)
         out[f"{name}_bytes"] = int(r["bytes"])
@@ -458,6 +487,7 @@ def summary_json(results: dict[str, dict[str, float]], seed: int, tokens: int) -
             out[f"{name}_avg_weights_loss"] = round(r["avg_weights_loss"], 5)
     for name, baseline in (
         ("noloco", "diloco"),
+        ("diloco_gossip", "diloco"),
         ("eager", "diloco"),
         ("streaming", "diloco"),
         ("spes", "moe_diloco"),
