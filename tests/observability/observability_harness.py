@@ -198,8 +198,9 @@ def start_compose_swarm(root: Path, *, peers: int, extra_join_args: tuple[str, .
 
 
 def start_service(swarm: LocalSwarm, name: str, *, metrics_port: int | None = None) -> LocalNode:
-    """Start the compose ``bootstrap`` service (name "bootstrap") or one more ``peer`` replica."""
-    service = compose_file()["services"]["bootstrap" if name == "bootstrap" else "peer"]
+    """Start the compose ``bootstrap`` service (name "bootstrap") or one more peer (the
+    ``peer-1`` service's command; every peer service runs the same one)."""
+    service = compose_file()["services"]["bootstrap" if name == "bootstrap" else "peer-1"]
     entrypoint, command = service_command(service)
     data_dir, metrics = swarm.root / name, metrics_port or free_port()
     port = swarm.boot_port if name == "bootstrap" else free_port()

@@ -48,7 +48,7 @@ def prometheus_config(swarm: LocalSwarm, late_metrics_port: int) -> dict:
     config = load_yaml(DEPLOY / "prometheus.yml")
     config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
     [job] = [j for j in config["scrape_configs"] if j["job_name"] == "lattica"]
-    job.pop("dns_sd_configs")
+    job.pop("dns_sd_configs", None)
     job["static_configs"] = [
         {
             "targets": [f"127.0.0.1:{node.metrics_port}"],

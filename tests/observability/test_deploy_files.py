@@ -1,12 +1,15 @@
 """The Dockerfile, compose file, Prometheus config and dashboard agree with the code.
 
-There is no Docker engine here: the container commands are checked against the CLI parser and
-then actually run on loopback (see observability_harness.py).
+The container commands are checked against the CLI parser and then actually run on loopback
+(see observability_harness.py); the image itself is built and the compose stack run by
+scripts/docker_smoke.sh (tests/deploy/test_docker_smoke.py, slow).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import os
 import re
 import shlex
 import shutil
@@ -36,6 +39,7 @@ from observability_harness import (
 )
 
 from lattica.cli.main import build_parser
+from lattica.cli.settings import build_node_config
 from lattica.observability import NodeMetrics
 
 
@@ -54,40 +58,53 @@ def lattica_invocations(script: str) -> list[list[str]]:
 def all_container_commands() -> list[list[str]]:
     commands = [dockerfile_exec_form("CMD"), dockerfile_exec_form("HEALTHCHECK")[1:]]
     for name, service in compose_file()["services"].items():
-        if service.get("image", "").startswith("lattica"):
+        if service.get("image", "").startswith("${LATTICA_IMAGE"):
             entrypoint, command = service_command(service)
             if entrypoint == ["sh", "-c"]:
                 commands += lattica_invocations(command)
             else:
-                assert entrypoint == ["lattica"], name
+                assert entrypoint == dockerfile_exec_form("ENTRYPOINT"), name
                 commands.append(shlex.split(command))
     return commands
+
+
+def peer_services() -> dict[str, dict]:
+    return {n: s for n, s in compose_file()["services"].items() if n.startswith("peer-")}
+
+
+def compose_default(value: str) -> str:
+    """``${NAME:-default}`` as Compose substitutes it with NAME unset."""
+    return re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", value)
 
 
 # -- Dockerfile ----------------------------------------------------------------------------
 
 
-def test_dockerfile_entrypoint_is_the_installed_cli():
+@pytest.mark.parametrize("argv", [["--version"], ["lattica", "--version"]])
+def test_entrypoint_reaches_the_installed_cli_both_ways(argv):
+    """``docker run IMAGE --version`` and ``docker run IMAGE lattica --version``."""
     [entrypoint] = dockerfile_exec_form("ENTRYPOINT")
+    instructions = dockerfile_instructions()
+    [script] = [arg.split()[0] for kind, arg in instructions if kind == "COPY" and arg.endswith(entrypoint)]
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
-    assert entrypoint in scripts
-    version = subprocess.run(
-        [str(LATTICA_BIN.parent / entrypoint), "--version"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    assert "lattica" in scripts
+    env = {**os.environ, "PATH": f"{LATTICA_BIN.parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    version = subprocess.run(["sh", str(REPO / script), *argv], capture_output=True, text=True,
+                             timeout=30, env=env)
     assert version.returncode == 0, version.stderr
     assert version.stdout.startswith("lattica ")
 
 
-def test_dockerfile_builds_on_cuda_pytorch_as_non_root():
+def test_dockerfile_defaults_to_cuda_pytorch_builds_in_two_stages_runs_as_non_root():
     instructions = dockerfile_instructions()
-    [base] = [arg for kind, arg in instructions if kind == "FROM"]
-    assert base.startswith("pytorch/pytorch:")
-    assert "cuda" in base
+    args = dict(a.split("=", 1) for kind, a in instructions if kind == "ARG" and "=" in a)
+    assert args["BASE_IMAGE"].startswith("pytorch/pytorch:")
+    assert "cuda" in args["BASE_IMAGE"]
+    bases = [arg.split()[0] for kind, arg in instructions if kind == "FROM"]
+    assert bases == ["${BASE_IMAGE}", "${BASE_IMAGE}"]
+    assert any(kind == "COPY" and arg.startswith("--from=build /opt/lattica") for kind, arg in instructions)
     run_text = " ".join(arg for kind, arg in instructions if kind == "RUN")
-    for needed in ("gcc", "libgmp-dev", "pip install ."):
+    for needed in ("gcc", "libgmp-dev", "python3-dev", "pip install ."):
         assert needed in run_text
     users = [arg for kind, arg in instructions if kind == "USER"]
     assert users
@@ -119,10 +136,17 @@ def test_every_container_command_parses_with_the_cli():
 
 
 def test_compose_services_and_mounted_files_exist():
-    services = compose_file()["services"]
-    assert {"bootstrap", "peer", "prometheus", "grafana"} <= set(services)
-    assert services["peer"]["deploy"]["replicas"] >= 3
-    assert services["peer"]["depends_on"]["bootstrap"]["condition"] == "service_healthy"
+    compose = compose_file()
+    assert "name" not in compose  # docker-compose 1.29 (Debian's) refuses a top-level name
+    services = compose["services"]
+    assert {"bootstrap", "peer-1", "peer-2", "prometheus", "grafana"} <= set(services)
+    data_volumes = set()
+    for name, service in peer_services().items():
+        assert service["depends_on"]["bootstrap"]["condition"] == "service_healthy"
+        [data] = [v.split(":")[0] for v in service["volumes"] if v.split(":")[1] == DATA_DIR]
+        data_volumes.add(data)
+        assert data in compose["volumes"], name
+    assert len(data_volumes) == len(peer_services())  # each peer resumes from its own volume
     for service in services.values():
         for volume in service.get("volumes", []):
             source = volume.split(":")[0]
@@ -130,12 +154,32 @@ def test_compose_services_and_mounted_files_exist():
                 assert (DEPLOY / source).exists(), source
 
 
+def test_compose_network_lies_in_the_benchmarking_range():
+    [pool] = compose_file()["networks"]["swarm"]["ipam"]["config"]
+    subnet = ipaddress.ip_network(pool["subnet"])
+    assert subnet.subnet_of(ipaddress.ip_network("198.18.0.0/15"))
+    assert ipaddress.ip_network(pool["ip_range"]).subnet_of(subnet)
+    boot = ipaddress.ip_address(compose_file()["services"]["bootstrap"]["networks"]["swarm"]["ipv4_address"])
+    assert boot in subnet
+    assert boot not in ipaddress.ip_network(pool["ip_range"])
+
+
+def test_peer_training_environment_is_valid_settings():
+    for name, service in peer_services().items():
+        environ = {k: compose_default(str(v)) for k, v in service["environment"].items()}
+        args = build_parser().parse_args(shlex.split(service_command(service)[1]))
+        config = build_node_config(flags={"data_dir": args.data_dir}, config_path=None, environ=environ)
+        assert config.train is not None, name
+        assert config.train.model == "tiny"
+        assert config.train.min_peers == len(peer_services())
+
+
 def test_prometheus_scrapes_the_metrics_port_of_every_node():
     config = load_yaml(DEPLOY / "prometheus.yml")
     [job] = [j for j in config["scrape_configs"] if j["job_name"] == "lattica"]
-    assert job["static_configs"][0]["targets"] == [f"bootstrap:{METRICS_PORT}"]
-    assert job["dns_sd_configs"][0]["names"] == ["peer"]
-    assert job["dns_sd_configs"][0]["port"] == METRICS_PORT
+    targets = {t for group in job["static_configs"] for t in group["targets"]}
+    nodes = {"bootstrap", *peer_services()}
+    assert targets == {f"{n}:{METRICS_PORT}" for n in nodes}
 
 
 def test_grafana_provisioning_points_at_the_mounted_dashboards():
