@@ -23,9 +23,12 @@ first, same steps, same peers, same run): ``<strategy>_util_vs_nocomm`` is the n
 run's wall time over the strategy's (1.0: communication cost nothing at all), and
 ``<strategy>_speedup_vs_blocking`` is blocking DiLoCo's wall time over the strategy's.
 
-Load from other processes inflates wall times, so the phases take turns (``--cycles N`` runs
-the whole sequence N times; a strategy's wall is its best cycle's — load only ever lengthens a
-phase — and the other figures are means over the cycles) and three diagnostics that load
+Load from other processes inflates wall times, and it drifts: phases a minute apart ran at
+different speeds, the no-communication reference included. So the phases take turns (``--cycles
+N`` runs the whole sequence N times) and each ratio is taken within one cycle — the reference's
+wall over the strategy's, measured back to back — and reported as the median over the cycles;
+the table prints every cycle's ratios. ``<strategy>_wall_s`` is its best cycle's (load only ever
+lengthens a phase) and the other figures are means over the cycles. Three diagnostics that load
 hardly changes come with each strategy: ``<strategy>_step_cpu_ms`` (the training thread's CPU
 per inner step), ``<strategy>_other_cpu_s`` (the rest of a peer's CPU over the run:
 communication, codecs, outer steps) and ``<strategy>_step_waits`` (times per inner step the
@@ -263,7 +266,7 @@ def _run_lab(args: argparse.Namespace) -> dict:
         except (TimeoutError, RuntimeError) as exc:
             raise BenchmarkFailed(f"the peers did not start and connect: {exc}") from None
         peers = [h["peer_id"] for h in hellos]
-        for name in [n for _ in range(args.cycles) for n in args.strategies]:
+        for cycle, name in [(c, n) for c in range(args.cycles) for n in args.strategies]:
             for i, proc in enumerate(procs):
                 proc.send(
                     {
@@ -297,6 +300,8 @@ def _run_lab(args: argparse.Namespace) -> dict:
                 f"window {_window_s(name, args, r):.3f}s",
                 flush=True,
             )
+            if name == args.strategies[-1]:
+                print(cycle_line(results, args, cycle), flush=True)
         for proc in procs:
             proc.send({"op": "quit"})
     return results
@@ -342,11 +347,51 @@ def check_phase(name: str, rows: list[dict], steps: int, syncs: int, workers: in
             raise BenchmarkFailed(f"{name}: peer {i} reported no wall time")
 
 
+def cycle_walls(rows: list[dict], workers: int) -> list[float]:
+    """Each cycle's wall (the mean over the peers), in the order the cycles ran."""
+    return [statistics.fmean(r["wall_s"] for r in rows[i : i + workers]) for i in range(0, len(rows), workers)]
+
+
 def best_cycle_wall(rows: list[dict], workers: int) -> float:
-    """The shortest of the cycles' walls (each the mean over the peers): load from other work
-    only ever lengthens a phase, so like ``timeit`` the best cycle is the least disturbed."""
-    cycles = [rows[i : i + workers] for i in range(0, len(rows), workers)]
-    return min(statistics.fmean(r["wall_s"] for r in cycle) for cycle in cycles)
+    """The shortest of the cycles' walls: load from other work only ever lengthens a phase, so
+    like ``timeit`` the best cycle is the least disturbed."""
+    return min(cycle_walls(rows, workers))
+
+
+def paired_ratios(reference: list[dict], rows: list[dict], workers: int) -> list[float]:
+    """Per cycle, the reference's wall over the strategy's, both measured in that cycle: load
+    that drifts between cycles (the no-communication run's steps too) moves both sides alike."""
+    pairs = zip(cycle_walls(reference, workers), cycle_walls(rows, workers), strict=True)
+    return [ref / wall for ref, wall in pairs]
+
+
+def paired_ratio(reference: list[dict], rows: list[dict], workers: int) -> float:
+    """The median over cycles of ``paired_ratios``: one cycle hit by a load spike does not
+    decide it."""
+    return statistics.median(paired_ratios(reference, rows, workers))
+
+
+def _ratio_names(name: str, strategies: list[str]) -> list[tuple[str, str, str]]:
+    """(JSON key, reference strategy, short label) of the ratios reported for ``name``."""
+    if name == "nocomm":
+        return []
+    user = "blocking" if name == "diloco" else name
+    ratios = [(f"{user}_util_vs_nocomm", "nocomm", "vs nocomm")]
+    if name != "diloco" and "diloco" in strategies:
+        ratios.append((f"{name}_speedup_vs_blocking", "diloco", "speedup vs blocking"))
+    return ratios
+
+
+def cycle_line(results: dict[str, list[dict]], args: argparse.Namespace, cycle: int) -> str:
+    """The paired ratios of one completed cycle, as a line of the table."""
+    w = args.workers
+    parts = []
+    for name in args.strategies:
+        for _, reference, label in _ratio_names(name, args.strategies):
+            rows = results[name][cycle * w : (cycle + 1) * w]
+            ratio = paired_ratio(results[reference][cycle * w : (cycle + 1) * w], rows, w)
+            parts.append(f"{name} {label} {ratio:.3f}")
+    return f"cycle {cycle + 1}: " + ", ".join(parts)
 
 
 def summarize(results: dict[str, list[dict]], args: argparse.Namespace) -> dict:
@@ -382,11 +427,8 @@ def summarize(results: dict[str, list[dict]], args: argparse.Namespace) -> dict:
         out[f"{name}_step_waits"] = round(statistics.fmean(r["step_waits"] for r in rows), 2)
         if name in ("eager", "streaming"):
             out[f"{name}_window_s"] = round(_window_s(name, args, rows), 3)
-        if name != "nocomm":
-            user = "blocking" if name == "diloco" else name
-            out[f"{user}_util_vs_nocomm"] = round(walls["nocomm"] / walls[name], 4)
-            if name != "diloco" and "diloco" in walls:
-                out[f"{name}_speedup_vs_blocking"] = round(walls["diloco"] / walls[name], 4)
+        for key_name, reference, _ in _ratio_names(name, list(results)):
+            out[key_name] = round(paired_ratio(results[reference], rows, args.workers), 4)
     return out
 
 
