@@ -97,5 +97,5 @@ async def guarded_handler(
 async def _reset(stream: INetStream) -> None:
     try:
         await stream.reset()
-    except Exception:
+    except Exception:  # best effort on a stream that may be gone; libp2p raises many kinds
         logger.debug("resetting a DHT stream failed", exc_info=True)

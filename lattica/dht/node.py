@@ -115,7 +115,7 @@ class LatticaDHT:
         self.providers.remove_provider(peer)
         try:
             await self._host.disconnect(peer_id)
-        except Exception:
+        except Exception:  # best effort; libp2p raises many kinds on a closing connection
             logger.debug("disconnecting %s failed", peer, exc_info=True)
 
     # -- routing table ----------------------------------------------------------------------

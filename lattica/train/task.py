@@ -105,7 +105,7 @@ def load_task(spec: str, context: TaskContext) -> Task:
         task = function(context)
     except ConfigError:
         raise
-    except Exception as exc:
+    except Exception as exc:  # the user's task function may raise anything
         raise ConfigError(f"task {spec!r} failed: {type(exc).__name__}: {exc}") from exc
     return validate_task(task, spec)
 
