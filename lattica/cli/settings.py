@@ -55,6 +55,12 @@ def _keys_of(cls: type, *, skip: tuple[str, ...] = ()) -> dict[str, str]:
 
 NODE_KEYS: dict[str, str] = {**_keys_of(NodeConfig, skip=("train",)), **_CLI_ONLY_KEYS}
 TRAIN_KEYS: dict[str, str] = _keys_of(TrainSettings)
+# optional numbers that default to a number: there "off" (None) turns them off; where the default
+# is None ("outer_lr": the strategy's own), "off"/"none" only means that default
+_OFF_WHEN_NONE = frozenset(
+    f.name for cls, keys in ((NodeConfig, NODE_KEYS), (TrainSettings, TRAIN_KEYS)) for f in fields(cls)
+    if keys.get(f.name) == "float?" and f.default is not None
+)
 
 
 def default_data_dir() -> Path:
@@ -108,7 +114,9 @@ def _coerce(key: str, kind: str, value: Any, source: str) -> Any:
             raise TypeError
         return value
     except (TypeError, ValueError):
-        expected = {"int": "an integer", "float": "a finite number", "float?": "a finite number or 'off'"}
+        name = key.rpartition(".")[2].removeprefix("train_")
+        optional = "a finite number or 'off'" if name in _OFF_WHEN_NONE else "a finite number, or 'none' for the default"
+        expected = {"int": "an integer", "float": "a finite number", "float?": optional}
         raise ConfigError(
             f"{source}: {key} has an invalid value {value!r} (expected {expected.get(kind, kind)})"
         ) from None

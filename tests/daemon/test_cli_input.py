@@ -173,6 +173,27 @@ def test_values_are_never_truncated_or_infinite(tmp_path, toml, env, message):
         build_node_config(flags={"data_dir": tmp_path}, config_path=config, environ=env)
 
 
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({"LATTICA_TRAIN_OUTER_LR": "inf"}, "(expected a finite number, or 'none' for the default)"),
+        ({"LATTICA_TRAIN_OUTER_MOMENTUM": "inf"}, "(expected a finite number, or 'none' for the default)"),
+        ({"LATTICA_TRAIN_MAX_NORM_RATIO": "inf"}, "(expected a finite number or 'off')"),
+    ],
+)
+def test_off_is_offered_only_where_it_turns_something_off(tmp_path, env, expected):
+    with pytest.raises(ConfigError) as info:
+        build_node_config(flags={"data_dir": tmp_path}, config_path=None, environ=env)
+    assert str(info.value).endswith(expected)
+
+
+def test_none_is_the_strategy_default_and_off_turns_the_norm_screen_off(tmp_path):
+    env = {"LATTICA_TRAIN_OUTER_LR": "none", "LATTICA_TRAIN_MAX_NORM_RATIO": "off"}
+    train = build_node_config(flags={"data_dir": tmp_path}, config_path=None, environ=env).train
+    assert train.outer_lr is None
+    assert train.max_norm_ratio is None
+
+
 def test_dns_listen_addresses_are_accepted(tmp_path):
     config = build_node_config(
         flags={"data_dir": tmp_path, "listen": ("/dns4/localhost/tcp/4001",)}, config_path=None, environ={}
