@@ -27,6 +27,9 @@ ROUTES: dict[str, Mapping[str, str]] = {
     },
     "eager": {"inner_steps": "inner_steps", "outer_lr": "outer_lr", "outer_momentum": "outer_momentum"},
     "streaming": {"inner_steps": "inner_steps", "outer_lr": "outer_lr", "outer_momentum": "outer_momentum"},
+    "streaming_eager": {
+        "inner_steps": "inner_steps", "outer_lr": "outer_lr", "outer_momentum": "outer_momentum",
+    },
     "noloco": {
         "inner_steps": "inner_steps", "outer_lr": "outer_lr", "outer_momentum": "momentum",
         "group_size": "group_size", "group_grace_s": "exchange_timeout_s",

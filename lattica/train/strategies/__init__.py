@@ -23,6 +23,7 @@ STRATEGIES: dict[str, str] = {
     "noloco": "lattica.train.strategies.noloco:NoLoCo",
     "eager": "lattica.train.strategies.eager:EagerDiLoCo",
     "streaming": "lattica.train.strategies.streaming:StreamingDiLoCo",
+    "streaming_eager": "lattica.train.strategies.streaming_eager:StreamingEagerDiLoCo",
     "spes": "lattica.train.strategies.spes:SPES",
     "sparseloco": "lattica.train.strategies.sparseloco:SparseLoCo",
     "demo": "lattica.train.strategies.demo_momentum:DeMo",

@@ -116,7 +116,8 @@ class EagerDiLoCo(AccountedStrategy):
 
     @property
     def outer_state_bytes(self) -> int:
-        return tensor_bytes(self._outer) + tensor_bytes(self._momentum()) + tensor_bytes(self._start)
+        momentum = [b for b in self._momentum() if b is not None]
+        return tensor_bytes(self._outer) + tensor_bytes(momentum) + tensor_bytes(self._start)
 
     def next_sync_step(self, step: int) -> int:
         return (step // self.config.inner_steps + 1) * self.config.inner_steps

@@ -31,6 +31,17 @@ trainer lets ``sync_in_thread`` do the tensor math in its worker thread, which h
 exchange to the event loop without waiting and goes on with the next inner step; a mean that
 has not arrived by step s + τ is waited for in that thread. The inner steps never hand off to
 the event loop for a fragment.
+
+Eager fragments (``eager=True``; the strategy ``streaming_eager``): the eager updates of
+``eager.py`` per fragment — the overlap of Kale et al. (2025) on top of Streaming DiLoCo. A
+fragment's mean may take until the fragment's next sync, H steps later, instead of τ. At
+fragment p's sync the worker sends Δ_p = s_p − θ_p (s_p: where the fragment's current phase
+started), applies the previous sync's mean to the shared θ̃_p with the fragment's Nesterov
+state, and restarts the fragment from the step its own fresh Δ_p would give (``eager_start``):
+θ_p ← s_p ← θ̃_p − η·(Δ_p + μ·(μ·b_p + Δ_p)). ``overlap_steps`` and ``mixing`` do not apply. θ̃
+is the same on every replica (the same means in the same order); the live weights differ by
+each worker's own look-ahead until ``finish``, which applies the last means and sets θ ← θ̃. A
+failed fragment sync is applied as the worker's own Δ_p.
 """
 
 from __future__ import annotations
@@ -60,6 +71,7 @@ from lattica.train.quantize import (
 from lattica.train.strategies.accounting import AccountedStrategy, tensor_bytes
 from lattica.train.strategies.base import OuterStepReport
 from lattica.train.strategies.diloco import pseudo_gradient
+from lattica.train.strategies.eager import eager_start
 from lattica.train.strategies.traffic import allreduce_bytes, payload_bytes
 
 
@@ -73,11 +85,13 @@ class StreamingDiLoCoConfig:
     outer_momentum: float = 0.9
     codec: str = "fp4"
     block_size: int = DEFAULT_BLOCK_SIZE
+    # eager fragment updates: a mean may take H steps, not τ; overlap_steps and mixing unused
+    eager: bool = False
 
     def __post_init__(self) -> None:
         if self.fragments < 1 or self.inner_steps % self.fragments:
             raise ValueError("fragments must be >= 1 and divide inner_steps")
-        if not 0 <= self.overlap_steps < self.inner_steps:
+        if not self.eager and not 0 <= self.overlap_steps < self.inner_steps:
             raise ValueError("overlap_steps must be in [0, inner_steps)")
         if not 0.0 <= self.mixing <= 1.0:
             raise ValueError(f"mixing must be in [0, 1], got {self.mixing}")
@@ -141,6 +155,7 @@ class _FragmentSync:
     mean: list[torch.Tensor] | None = None
     error: str = ""
     bytes_sent: int = 0
+    own: list[torch.Tensor] = field(default_factory=list)  # eager: this worker's Δ_p
 
 
 class StreamingDiLoCo(AccountedStrategy):
@@ -167,6 +182,9 @@ class StreamingDiLoCo(AccountedStrategy):
             )
             for indices in self.fragments
         ]
+        # eager: where each tensor's current inner phase started (s); else unused
+        self._start = [t.clone() for t in self._outer] if self.config.eager else []
+        self.replicas_agree = not self.config.eager  # eager: live weights differ until finish
         self._pending: list[_FragmentSync] = []
         self._token: trio.lowlevel.TrioToken | None = None
         self._syncs_started = [0] * self.config.fragments
@@ -182,7 +200,7 @@ class StreamingDiLoCo(AccountedStrategy):
         momentum = [
             s["momentum_buffer"] for opt in self.outer_optimizers for s in opt.state.values()
         ]
-        return tensor_bytes(self._outer) + tensor_bytes(momentum)
+        return tensor_bytes(self._outer) + tensor_bytes(momentum) + tensor_bytes(self._start)
 
     def evaluation_parameters(self) -> Sequence[torch.Tensor]:
         return self._outer
@@ -196,10 +214,13 @@ class StreamingDiLoCo(AccountedStrategy):
         return min([*starts, *(max(s.apply_at, step + 1) for s in self._pending)])
 
     async def after_inner_step(self, step: int) -> list[OuterStepReport]:
-        for fragment in self._starting(step):
-            self._launch(self._begin(fragment, step))
+        begun = [self._begin(fragment, step) for fragment in self._starting(step)]
+        for one in begun:
+            self._launch(one)
         due = [s for s in self._pending if s.apply_at <= step]
-        return [await self._apply(s) for s in due]
+        reports = [await self._apply(s) for s in due]
+        self._restart_eagerly(begun)
+        return reports
 
     def sync_in_thread(self, step: int) -> list[OuterStepReport]:
         """The same work as ``after_inner_step``, in the worker thread.
@@ -211,17 +232,50 @@ class StreamingDiLoCo(AccountedStrategy):
         """
         if self._token is None:
             raise LocalProtocolError("StreamingDiLoCo needs bind_nursery() before the first sync")
-        for fragment in self._starting(step):
-            self._token.run_sync_soon(self._launch, self._begin(fragment, step))
+        begun = [self._begin(fragment, step) for fragment in self._starting(step)]
+        for one in begun:
+            self._token.run_sync_soon(self._launch, one)
         due = [s for s in self._pending if s.apply_at <= step]
-        return [self._apply_once_arrived(s) for s in due]
+        reports = [self._apply_once_arrived(s) for s in due]
+        self._restart_eagerly(begun)
+        return reports
 
     def bind_nursery(self, nursery: trio.Nursery) -> None:
         super().bind_nursery(nursery)
         self._token = trio.lowlevel.current_trio_token()
 
     async def finish(self) -> list[OuterStepReport]:
-        return [await self._apply(s) for s in list(self._pending)]
+        last = list(self._pending)
+        reports = [await self._apply(s) for s in last]
+        if self.config.eager:  # every replica ends at the shared outer weights
+            for sync in last:
+                indices = self.fragments[sync.fragment]
+                self._restart_at(indices, [self._outer[i] for i in indices])
+        return reports
+
+    def _restart_eagerly(self, begun: list[tuple[_FragmentSync, list[torch.Tensor]]]) -> None:
+        """Eager: each fragment that just sent Δ_p restarts from the step Δ_p would give."""
+        if not self.config.eager:
+            return
+        for sync, delta in begun:
+            indices = self.fragments[sync.fragment]
+            optimizer = self.outer_optimizers[sync.fragment]
+            outer = [self._outer[i] for i in indices]
+            momentum = [optimizer.state.get(p, {}).get("momentum_buffer") for p in outer]
+            start = eager_start(
+                outer,
+                momentum,
+                delta,
+                lr=self.config.outer_lr,
+                momentum_factor=self.config.outer_momentum,
+            )
+            self._restart_at(indices, start)
+
+    def _restart_at(self, indices: list[int], values: Sequence[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for i, value in zip(indices, values, strict=True):
+                self._start[i].copy_(value)
+                self._inner[i].copy_(value)
 
     def _starting(self, step: int) -> list[int]:
         h, fragments = self.config.inner_steps, self.config.fragments
@@ -233,10 +287,12 @@ class StreamingDiLoCo(AccountedStrategy):
         self._syncs_started[fragment] += 1
         key = f"round/{k}/fragment/{fragment}"
         indices = self.fragments[fragment]
-        delta = pseudo_gradient(
-            [self._outer[i] for i in indices], [self._inner[i] for i in indices]
-        )
-        sync = _FragmentSync(fragment, key, apply_at=step + self.config.overlap_steps)
+        base = self._start if self.config.eager else self._outer
+        delta = pseudo_gradient([base[i] for i in indices], [self._inner[i] for i in indices])
+        if self.config.eager:  # applied at the fragment's next sync (or at finish)
+            sync = _FragmentSync(fragment, key, apply_at=step + self.config.inner_steps, own=delta)
+        else:
+            sync = _FragmentSync(fragment, key, apply_at=step + self.config.overlap_steps)
         self._pending.append(sync)
         return sync, delta
 
@@ -304,17 +360,22 @@ class StreamingDiLoCo(AccountedStrategy):
         return self._apply_arrived(sync, started=started)
 
     def _apply_arrived(self, sync: _FragmentSync, *, started: float) -> OuterStepReport:
-        """Outer Nesterov step of the fragment with the arrived mean, then mixing (tensors only)."""
+        """Outer Nesterov step of the fragment with the arrived mean, then mixing (tensors only).
+
+        Eager: no mixing (the fragment restarts at its sync), and a failed sync is applied as
+        the worker's own Δ_p."""
         self._pending.remove(sync)
         indices = self.fragments[sync.fragment]
-        if sync.mean is not None:
+        gradient = sync.mean if sync.mean is not None or not self.config.eager else sync.own
+        if gradient is not None:
             outer = [self._outer[i] for i in indices]
-            for tilde, g in zip(outer, sync.mean, strict=True):
+            for tilde, g in zip(outer, gradient, strict=True):
                 tilde.grad = g.to(torch.float32)
             optimizer = self.outer_optimizers[sync.fragment]
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            mix_into_local([self._inner[i] for i in indices], outer, self.config.mixing)
+            if not self.config.eager:
+                mix_into_local([self._inner[i] for i in indices], outer, self.config.mixing)
             self._completed += 1
         return OuterStepReport(
             round=self._syncs_started[sync.fragment] - 1,
@@ -347,6 +408,8 @@ class StreamingDiLoCo(AccountedStrategy):
                     name, outer = self._names[i], self._outer[i]
                     outer.copy_(state["params"][name])
                     self._inner[i].copy_(outer)
+                    if self.config.eager:
+                        self._start[i].copy_(outer)
                     if name in state["momentum"]:
                         buffer = state["momentum"][name].to(torch.float32).clone()
                         optimizer.state[outer]["momentum_buffer"] = buffer
