@@ -1,8 +1,9 @@
 """Who else trains in the run, as one peer saw it recently: the basis for "did I run alone?".
 
 Theory of operation: a round of one is an ordinary round when this peer is the run's only
-trainer, and a round run alone when others train — then it must not be published (it would
-offer the others a minority state) and the peer catches up on theirs (``service.py``). Live
+trainer, and a round run alone when others train — then it is not published at once (it would
+offer the others a minority state) and the peer catches up on theirs, publishing its own only
+when none came (``service.py``). Live
 leases alone cannot tell the two apart: seen from a peer whose link was cut, every other lease
 runs out after a few seconds, and that peer would take itself for the whole run, publish every
 round it runs alone and race ahead of the run (a round of one takes no time), only to have
