@@ -64,9 +64,11 @@ from lattica.train.moe import build_moe_model
 from lattica.train.schedule import ScheduleConfig
 from lattica.train.strategies import STRATEGIES, create_strategy
 from lattica.train.strategies.accounting import optimizer_state_bytes
+from lattica.train.strategies.demo_momentum import DeMoConfig
 from lattica.train.strategies.diloco import DiLoCoConfig
 from lattica.train.strategies.eager import EagerDiLoCoConfig
 from lattica.train.strategies.noloco import NoLoCoConfig
+from lattica.train.strategies.sparseloco import SparseLoCoConfig
 from lattica.train.strategies.spes import SPESConfig
 from lattica.train.strategies.streaming import StreamingDiLoCoConfig
 from lattica.train.strategies.streaming_eager import StreamingEagerConfig
@@ -127,6 +129,10 @@ METHODS: dict[str, Method] = {
         strategy="streaming_eager",
         config=StreamingEagerConfig(inner_steps=SYNC_EVERY, fragments=2),
     ),
+    # SparseLoCo at its defaults but H = 25: 20 sparse rounds cost less than a fiftieth of
+    # DiLoCo's 10 dense ones, and with only 10 rounds too little of the model ever moves
+    "sparseloco": Method(strategy="sparseloco", config=SparseLoCoConfig(inner_steps=SYNC_EVERY // 2)),
+    "demo": Method(strategy="demo", config=DeMoConfig(inner_steps=SYNC_EVERY)),  # syncs every step
     "moe_diloco": Method(
         strategy="diloco", config=DiLoCoConfig(inner_steps=SYNC_EVERY), build_model=_tiny_moe
     ),
@@ -495,6 +501,7 @@ def summary_json(
         ("streaming_eager", "diloco"),
         ("streaming_eager", "streaming"),
         ("spes", "moe_diloco"),
+        ("sparseloco", "diloco"),
     ):
         if name in results and baseline in results:
             out[f"{name}_vs_{baseline}"] = round(
@@ -503,6 +510,10 @@ def summary_json(
     if "streaming" in results and "diloco" in results:
         out["streaming_peak_vs_diloco"] = round(
             results["streaming"]["peak_sync_bytes"] / results["diloco"]["peak_sync_bytes"], 5
+        )
+    if "sparseloco" in results and "diloco" in results and results["sparseloco"]["bytes"]:
+        out["diloco_bytes_vs_sparseloco"] = round(
+            results["diloco"]["bytes"] / results["sparseloco"]["bytes"], 2
         )
     if "spes" in results and "moe_diloco" in results:
         out["spes_optimizer_state_vs_moe_diloco"] = round(

@@ -9,11 +9,9 @@ bytes                 content
 ====================  ======================================================================
 16                    header: version, index scheme, value codec, 0, then chunk, k and the
                       number of chunks as little-endian uint32
-4 per chunk           ``2bit`` only: the chunk's scale, as two bf16 magnitudes (below)
-values                ``2bit``: 2 bits per kept value, four to a byte: the sign, and whether
-                      the magnitude is at least the mean magnitude m of the chunk's kept
-                      values; the two bf16 magnitudes are the means of the kept magnitudes
-                      below m and from m up (a one-dimensional 2-means split at the mean);
+4 per chunk           the chunk's fp32 scale (``2bit`` only)
+values                ``2bit``: 2 bits per kept value, four to a byte (sign, and magnitude
+                      s or 3s with s = absmax / 3 of the chunk's kept values);
                       ``fp16`` / ``fp32``: the values themselves
 indices               in the scheme named by the header (below), bits packed LSB first
 ====================  ======================================================================
@@ -51,7 +49,6 @@ INDEX_SCHEMES = ("offsets", "bitmap", "elias_fano")
 VALUE_CODECS = ("2bit", "fp16", "fp32")
 _VALUE_BITS = {"2bit": 2, "fp16": 16, "fp32": 32}
 _MAX_CHUNK = 1 << 24
-_BF16_MAX = 3.3895313892515355e38
 _BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 
 
@@ -114,30 +111,22 @@ def add_into(total: torch.Tensor, sparse: SparseChunks) -> None:
 
 
 def quantize_2bit(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[chunks, k]`` fp32 values -> (codes ``[chunks, k]`` uint8 in 0..3, scales ``[chunks, 2]``
-    bf16: the range of fp32, so no magnitude underflows).
+    """``[chunks, k]`` fp32 values -> (codes ``[chunks, k]`` uint8 in 0..3, scales ``[chunks]``).
 
-    Bit 0 of a code is the sign, bit 1 says the magnitude is at least the row's mean magnitude
-    m. ``scales[:, 0]`` / ``scales[:, 1]`` are the mean magnitudes of the row's values below m /
-    from m up. Signs are kept; every decoded magnitude lies
-    between the smallest and the largest magnitude of its row (up to bf16 rounding, 2**-9 relative), and the
-    row's sum of magnitudes is kept (up to that rounding). A row of zeros decodes to zeros.
+    s = absmax / 3 per row; bit 0 of a code is the sign, bit 1 chooses magnitude 3s over s
+    (threshold 2s). So the row's absmax is exact, signs are kept, and every value is off by at
+    most s. A row of zeros has scale 0 and decodes to zeros.
     """
-    magnitude = values.abs()
-    mean = magnitude.mean(dim=1, keepdim=True)
-    big = magnitude >= mean
-    levels = []
-    for side in (~big, big):
-        count = side.sum(dim=1).clamp(min=1)
-        levels.append(torch.where(side, magnitude, 0.0).sum(dim=1) / count)
-    scales = torch.stack(levels, dim=1).clamp(max=_BF16_MAX).to(torch.bfloat16)
+    scales = values.abs().amax(dim=1) / 3 if values.numel() else values.new_zeros(values.shape[0])
+    big = values.abs() >= 2 * scales[:, None]
     codes = (values < 0).to(torch.uint8) | (big.to(torch.uint8) << 1)
     return codes, scales
 
 
 def dequantize_2bit(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    magnitude = torch.gather(scales.to(torch.float32), 1, (codes >> 1).long())
-    return torch.where(codes & 1 > 0, -magnitude, magnitude)
+    magnitude = 1.0 + 2.0 * (codes >> 1).to(torch.float32)
+    signed = torch.where(codes & 1 > 0, -magnitude, magnitude)
+    return signed * scales[:, None]
 
 
 def quantized(sparse: SparseChunks, value_codec: str) -> SparseChunks:
@@ -208,7 +197,7 @@ def encode(sparse: SparseChunks, *, value_codec: str, scheme: str | None = None)
     parts = [header, dims]
     if value_codec == "2bit":
         codes, scales = quantize_2bit(sparse.values)
-        parts += [scales.reshape(-1).contiguous().view(torch.uint8), _pack_fixed(codes.reshape(-1).long(), 2)]
+        parts += [scales.contiguous().view(torch.uint8), _pack_fixed(codes.reshape(-1).long(), 2)]
     else:
         dtype = torch.float16 if value_codec == "fp16" else torch.float32
         parts.append(sparse.values.reshape(-1).to(dtype).contiguous().view(torch.uint8))
@@ -239,7 +228,7 @@ def decode(
         raise bad(f"{payload.numel()} bytes, its header implies {size}")
     at = HEADER_BYTES
     if value_codec == "2bit":
-        scales = payload[at : at + 4 * chunks].clone().view(torch.bfloat16).view(chunks, 2)
+        scales = payload[at : at + 4 * chunks].clone().view(torch.float32)
         at += 4 * chunks
         if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
             raise bad("scale not finite or negative")

@@ -61,6 +61,7 @@ class DeMoConfig:
     topk: int = 32
     momentum_decay: float = 0.999
     weight_decay: float = 0.0
+    lr_scale: float = 1.0  # the sign step is lr_scale × the trainer's learning rate
     value_codec: str = "fp16"
     max_attempts: int = 3
 
@@ -73,6 +74,8 @@ class DeMoConfig:
             raise ValueError(f"DeMoConfig.topk must be >= 1, got {self.topk}")
         if not 0.0 <= self.momentum_decay < 1.0:
             raise ValueError(f"DeMoConfig.momentum_decay must be in [0, 1), got {self.momentum_decay}")
+        if not self.lr_scale > 0:
+            raise ValueError(f"DeMoConfig.lr_scale must be > 0, got {self.lr_scale}")
         if self.weight_decay < 0:
             raise ValueError(f"DeMoConfig.weight_decay must be >= 0, got {self.weight_decay}")
         if self.value_codec not in sparse.VALUE_CODECS:
@@ -235,7 +238,7 @@ class DeMo(AccountedStrategy):
     def _lr(self) -> float:
         if self.inner_optimizer is None:
             raise LocalProtocolError("DeMo takes its learning rate from the trainer's optimizer")
-        return float(self.inner_optimizer.param_groups[0]["lr"])
+        return float(self.inner_optimizer.param_groups[0]["lr"]) * self.config.lr_scale
 
     async def before_optimizer_step(self, step: int) -> None:
         cfg, lr = self.config, self._lr()

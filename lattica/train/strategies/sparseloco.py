@@ -57,10 +57,10 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True, kw_only=True)
 class SparseLoCoConfig:
     inner_steps: int = DEFAULT_INNER_STEPS
-    outer_lr: float = 1.0  # α
+    outer_lr: float = 2.0  # α
     error_decay: float = 0.95  # β
     chunk: int = 4096
-    density: float = 1 / 64  # k = 64 of every 4096 (1.6 %)
+    density: float = 0.014  # k = 57 of every 4096
     value_codec: str = "2bit"
     max_attempts: int = 3
 
