@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
-from lattica.train.join import Fetch, flatten_outer_state
+from lattica.train.join import MANIFEST, Fetch, flatten_outer_state
 
 
 class TensorStore(Protocol):
@@ -74,6 +74,35 @@ def fetch_of_round(fetch: Fetch, rnd: int) -> Fetch:
         return {n.removeprefix(prefix): t for n, t in got.items()}
 
     return fetch_round
+
+
+class ProbedManifests:
+    """Manifests fetched to check that a holder serves the state it published, kept for the
+    fetch of that state that usually follows at once: a holder answers the same request at most
+    once per ``TensorLimits.fetch_repeat_s``, so asking for the manifest again was refused — a
+    peer restarted into a running swarm then failed to fetch the state it had just found served
+    and trained on from its stale checkpoint. Each kept manifest answers one request."""
+
+    def __init__(self, *, max_kept: int = 8) -> None:
+        self.max_kept = max_kept
+        self._kept: dict[tuple[str, int], Mapping[str, torch.Tensor]] = {}
+
+    def keep(self, holder: str, rnd: int, manifest: Mapping[str, torch.Tensor]) -> None:
+        self._kept.pop((holder, rnd), None)
+        self._kept[(holder, rnd)] = manifest
+        while len(self._kept) > self.max_kept:
+            del self._kept[next(iter(self._kept))]
+
+    def round_fetch(self, fetch: Fetch, rnd: int) -> Fetch:
+        """``fetch_of_round(fetch, rnd)``, answering a request for the manifest alone from a kept
+        probe of that holder and round (hash-verified with the rest, like any fetched bytes)."""
+        plain = fetch_of_round(fetch, rnd)
+
+        async def fetch_round(peer: str, names: Sequence[str]) -> Mapping[str, torch.Tensor]:
+            kept = self._kept.pop((peer, rnd), None) if list(names) == [MANIFEST] else None
+            return kept if kept is not None else await plain(peer, names)
+
+        return fetch_round
 
 
 def _votes(progress: dict[str, Any], live: Sequence[str], me: str) -> dict[tuple[int, str], list[str]]:
@@ -146,5 +175,5 @@ def repair_target(
 
 
 __all__ = [
-    "ServedRounds", "agreed_round", "fetch_of_round", "repair_target", "round_prefix", "serve_outer_state",
+    "ProbedManifests", "ServedRounds", "agreed_round", "fetch_of_round", "repair_target", "round_prefix", "serve_outer_state",
 ]

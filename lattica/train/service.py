@@ -38,6 +38,7 @@ from trio_typing import TaskStatus
 from lattica.config import TrainSettings
 from lattica.errors import LatticaError
 from lattica.train.membership import RecentTrainers, UnservableClaims
+from lattica.train.outer_transfer import ProbedManifests
 from lattica.train.run_config import agree_run_config
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,7 @@ class TrainingService:
         self._back_at: dict[str, float] = {}  # peer seen silent -> last time it was (settling)
         self._recent = RecentTrainers(peer_id=self.peer_id, memory_s=_VANISHED_S)
         self._unservable = UnservableClaims()  # (round, hash) claims no holder could serve
+        self._probed = ProbedManifests()  # manifests fetched by ``_servable``, for the fetch after it
         self.groups: Any = None  # GossipGroups for NoLoCo and gossip averaging (no coordinator)
 
     # -- service -------------------------------------------------------------------------
@@ -269,7 +271,9 @@ class TrainingService:
         for holder in holders:
             try:
                 with trio.fail_after(_PROBE_TIMEOUT_S):
-                    read_manifest(await fetch(holder, [MANIFEST]), peer_id=holder)
+                    manifest = await fetch(holder, [MANIFEST])
+                    read_manifest(manifest, peer_id=holder)
+                self._probed.keep(holder, rnd, manifest)
                 return True
             except (LatticaError, trio.TooSlowError) as exc:
                 log.debug("holder %s does not serve round %d: %s", holder, rnd, exc)
@@ -381,7 +385,6 @@ class TrainingService:
 
     async def _adopt(self, agreed: tuple[int, str, list[str]]) -> bool:
         from lattica.train.join import fetch_outer_state, unflatten_outer_state
-        from lattica.train.outer_transfer import fetch_of_round
 
         rnd, digest, holders = agreed
         started = time.monotonic()
@@ -391,7 +394,7 @@ class TrainingService:
         # too, and then the next (two trainers a round apart never met again)
         try:
             with trio.fail_after(max(30.0, self.settings.round_deadline_s)):
-                fetch = fetch_of_round(self.tensors.fetch, rnd)
+                fetch = self._probed.round_fetch(self.tensors.fetch, rnd)
                 flat = await fetch_outer_state(holders, fetch, expected_hash=digest)
             outer = unflatten_outer_state(flat)
         except (LatticaError, trio.TooSlowError) as exc:

@@ -30,10 +30,10 @@ ENV = {
 _SYNC = re.compile(r"sync round/(\d+) done with (\d+) member")
 
 
-def _trainer(path: Path, *, rounds: int, peers: tuple[str, ...] = ()) -> DaemonProcess:
+def _trainer(path: Path, *, rounds: int, peers: tuple[str, ...] = (), min_peers: int = 3) -> DaemonProcess:
     args = (
         "--train", "--model", "tiny", "--device", "cpu", "--log-level", "info", "--strategy", "diloco",
-        "--rounds", str(rounds), "--inner-steps", str(INNER_STEPS), "--min-peers", "3",
+        "--rounds", str(rounds), "--inner-steps", str(INNER_STEPS), "--min-peers", str(min_peers),
     )
     return DaemonProcess(path, peers=peers, extra_args=args, env=ENV)
 
@@ -105,3 +105,32 @@ def test_a_restarted_peer_a_round_behind_syncs_with_the_survivor_again(
     hashes = wait_for(final_hashes, 15, interval=0.5)
     assert hashes, cli_json("state", "--data-dir", str(a.data_dir))["progress"]
     assert len(hashes) == 1, hashes
+
+
+def test_a_peer_restarted_after_the_run_ended_takes_the_final_state(
+    tmp_path: Path, daemons: list[DaemonProcess]
+) -> None:
+    # b comes back with fewer live trainers than --min-peers: it first checks that the state
+    # published is served (a probe of its manifest), then fetches it. The holder refused the
+    # manifest asked for twice within seconds, so b trained the whole run again alone from its
+    # old checkpoint, and its state could then replace the run's.
+    rounds = 4
+    a = _trainer(tmp_path / "a", rounds=rounds, min_peers=2).start()
+    daemons.append(a)
+    a.wait_ready(60)
+    b = _trainer(tmp_path / "b", rounds=rounds, min_peers=2, peers=(a.addr,)).start()
+    daemons.append(b)
+    b.wait_ready(60)
+    assert wait_for(lambda: all(_training(d)["rounds_completed"] >= 1 for d in (a, b)), 90), a.log()
+    b.kill()
+    assert wait_for(lambda: _training(a)["phase"] == "done", 90), a.log()
+    assert a.log_path is not None
+    assert b.log_path is not None
+    a_done, restart = len(a.log_path.read_text()), len(b.log_path.read_text())
+    b.start().wait_ready(60)
+    assert wait_for(lambda: _training(b)["phase"] == "done", 90), b.log()
+    log = _log_from(b, restart)
+    assert f"adopted outer state of round {rounds}" in log, log
+    assert "could not fetch" not in log, log
+    assert _syncs(log) == [], log  # no round trained again
+    assert "adopted" not in _log_from(a, a_done), a.log()
