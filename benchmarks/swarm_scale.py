@@ -1,0 +1,602 @@
+"""DiLoCo at swarm scale over WAN sites: all-reduce against gossip averaging, stragglers, a kill.
+
+Run as root (the WAN lab builds network namespaces)::
+
+    nice -n 10 .venv/bin/python benchmarks/swarm_scale.py                        # N = 8, 16, 32
+    nice -n 10 .venv/bin/python benchmarks/swarm_scale.py --sizes 4 --steps 4 \\
+        --payload-mib 1 --window-s 15                                            # ~1-2 min
+
+Layout: four WAN-lab sites (``lattica_lab.wan.WanLab``), every pair linked with its own RTT
+(50, 70, 90, 110, 130, 150 ms; ``--mbit`` caps each link's rate). For each N the peers are
+dealt round-robin over the sites; each site runs its peers in one worker process (several real
+libp2p hosts, each with its own ``TensorService`` data plane and ``GossipGroups``, in one trio
+loop). At the straggler size two peers run alone in processes of their own, so they can be
+SIGKILLed: the lowest peer id (the peer that sealed every round under the old coordinator) and
+a random other one.
+
+Each peer is a real ``DiLoCo`` strategy (one outer step per inner phase) on a one-tensor model of
+``--payload-mib`` fp32 (16 MiB: 4,194,304 parameters). The inner phase is simulated: a fixed
+sleep (``--compute-s``), then the weights move by a drift shared by all peers plus a per-peer
+one (± a fixed random direction, 0.1 % of the weights' norm), so replicas do differ. Replicas
+start 10 % apart (relative), as after joins from different published states.
+
+Phases, all-reduce and gossip measured the same way (the same warm-up steps, the same number
+of measured steps, the same clock points):
+
+1. ``round`` (every N): ``--warmup`` + ``--steps`` outer steps. A step's round time is a
+   peer's ``sync()`` time (from the end of its inner phase to its next weights); the figure is
+   the median over steps of the mean over peers. Bytes per peer: what its data plane sent per
+   measured step (median over peers). All-reduce runs on the fixed group of all N peers (one
+   global collective per step); gossip on ``GossipGroups`` pairs redrawn every step.
+2. ``straggler`` (at N = 16, or the size of ``--straggler-size``): for ``--window-s`` seconds
+   (at least 25 of the mode's step periods, so the capped peer steps twice) without, then with, one peer whose step period is capped to 1/10 of the others' (its inner
+   phase sleeps 10x their measured period); the other peers' outer steps per minute with it,
+   divided by the same without it.
+3. ``consensus``: the gossip ``round`` phase at the straggler size, with a fixed sample of
+   coordinates of every replica after each step: the swarm's spread
+   ``‖φ_i − mean φ‖ / ‖mean φ‖`` (median over peers) per step — its value after the last step
+   and the per-step trend.
+4. ``kill`` (gossip, straggler size): during a ``--window-s`` window the lowest-id peer is
+   SIGKILLed at 1/3 and a random other peer at 2/3, each at a random point of its step. The
+   stall is the longest interval between two consecutive outer steps of any surviving peer
+   (it includes one normal step); the bound it is held to is the group grace plus one step
+   (the median interval before the first kill).
+
+The membership view is static (every peer of the run): a dead peer stays in the view, so a peer
+drawn with it learns it is gone by the handshake or the exchange (at most the grace) and steps
+alone. All runs happen in one lab; the delay lines and peers share the machine's cores, so the
+figures are for this machine (``load_avg_1m`` says how busy it was).
+
+The last line is one JSON object: ``sizes``, ``allreduce_round_s``, ``gossip_round_s``,
+``allreduce_bytes_per_peer``, ``gossip_bytes_per_peer`` (lists per N), ``straggler_rate_allreduce``,
+``straggler_rate_gossip``, ``consensus_distance`` (``value``, ``trend``, ``shrinking``),
+``kill_any_stall_s``, ``kill_stall_bound_s`` and the settings. A phase that does not finish — a
+worker that exits or misses its deadline, an all-reduce step that fails, a peer short of its
+steps — fails the run: exit status 1 and one line on stderr, no figures. Without root (or without
+the lab's tools) the run exits with status 2 and says why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import signal
+import statistics
+import sys
+import time
+from contextlib import AsyncExitStack
+
+import _checkout  # noqa: F401  (the checkout root on sys.path: lattica_lab)
+
+SITE_RTTS_MS = (50, 70, 90, 110, 130, 150)  # the six links of four sites, in pair order
+SITES = ("s1", "s2", "s3", "s4")
+INIT_SPREAD = 0.10  # replicas start this far apart (relative)
+DRIFT = 1e-3  # per inner phase: each of the shared and the per-peer drift, relative to the norm
+SAMPLE = 512  # coordinates of each replica reported for the swarm's spread
+PHASE_MARGIN_S = 120.0  # a phase's deadline: its expected length plus this
+WORKER_SCRIPT = os.path.abspath(__file__)
+
+
+class BenchmarkFailed(RuntimeError):
+    """A phase did not finish: the benchmark reports no figures."""
+
+
+# -- pure summaries (tested without a lab) ----------------------------------------------------
+
+
+def check_steps(phase: str, records: dict[str, list[dict]], peers: list[str], steps: int, *,
+                allow_alone: bool) -> None:
+    """Raise unless every peer of ``peers`` reported ``steps`` outer steps, none skipped (and,
+    for an all-reduce, none averaged alone)."""
+    missing = [p for p in peers if p not in records]
+    if missing:
+        raise BenchmarkFailed(f"{phase}: {len(missing)} of {len(peers)} peers reported nothing")
+    for peer in peers:
+        done = records[peer]
+        if len(done) < steps:
+            raise BenchmarkFailed(f"{phase}: peer {peer[-8:]} finished {len(done)} of {steps} steps")
+        for r in done[:steps]:
+            if r.get("skipped"):
+                raise BenchmarkFailed(f"{phase}: peer {peer[-8:]} skipped step {r['step']}: {r.get('detail', '')}")
+            if not allow_alone and r.get("group", 0) < len(peers):
+                raise BenchmarkFailed(f"{phase}: peer {peer[-8:]} averaged step {r['step']} with "
+                                      f"{r.get('group')} of {len(peers)} peers")
+
+
+def round_figures(records: dict[str, list[dict]], warmup: int, steps: int) -> tuple[float, float]:
+    """(round seconds: median over measured steps of the mean over peers of the sync time,
+    bytes per peer per step: median over peers)."""
+    per_step = []
+    for i in range(warmup, warmup + steps):
+        per_step.append(statistics.fmean(r[i]["t1"] - r[i]["t0"] for r in records.values()))
+    per_peer_bytes = [sum(x["bytes"] for x in r[warmup:warmup + steps]) / steps for r in records.values()]
+    return statistics.median(per_step), statistics.median(per_peer_bytes)
+
+
+def steps_per_minute(records: dict[str, list[dict]], peers: list[str], start: float, end: float) -> float:
+    """Outer steps per minute per peer of ``peers`` completed within ``[start, end]`` (mean)."""
+    if end <= start:
+        raise BenchmarkFailed("rate window is empty")
+    counts = [sum(1 for r in records.get(p, []) if start <= r["t1"] <= end) for p in peers]
+    return statistics.fmean(counts) * 60.0 / (end - start)
+
+
+def spread(samples: list[list[float]]) -> float:
+    """Median over replicas of ‖φ_i − mean φ‖ / ‖mean φ‖ on the sampled coordinates."""
+    n = len(samples)
+    mean = [sum(col) / n for col in zip(*samples, strict=True)]
+    norm = math.sqrt(sum(m * m for m in mean))
+    if norm == 0:
+        raise BenchmarkFailed("consensus: the replicas' mean is zero")
+    return statistics.median(
+        math.sqrt(sum((a - m) ** 2 for a, m in zip(s, mean, strict=True))) / norm for s in samples
+    )
+
+
+def consensus_trend(records: dict[str, list[dict]], steps: int) -> dict:
+    """The swarm's spread after each of the first ``steps`` steps; ``shrinking`` when the last
+    is below the first and the second half's mean is below the first half's."""
+    trend = []
+    for i in range(steps):
+        samples = [r[i]["sample"] for r in records.values() if len(r) > i and r[i].get("sample")]
+        if len(samples) != len(records):
+            raise BenchmarkFailed(f"consensus: step {i} sampled by {len(samples)} of {len(records)} peers")
+        trend.append(spread(samples))
+    half = max(1, len(trend) // 2)
+    shrinking = trend[-1] < trend[0] and statistics.fmean(trend[half:] or trend) < statistics.fmean(trend[:half])
+    return {"steps": steps, "value": trend[-1], "trend": [round(t, 5) for t in trend],
+            "shrinking": shrinking, "bounded": max(trend) <= trend[0] * 1.05}
+
+
+def kill_stall(records: dict[str, list[dict]], survivors: list[str], start: float, end: float) -> float:
+    """The longest interval between consecutive outer steps (ends) of any survivor in the window."""
+    longest = 0.0
+    for peer in survivors:
+        ends = [start] + sorted(r["t1"] for r in records.get(peer, []) if start <= r["t1"] <= end) + [end]
+        if len(ends) < 3:
+            raise BenchmarkFailed(f"kill: surviving peer {peer[-8:]} completed no step after the kill")
+        longest = max(longest, max(b - a for a, b in zip(ends, ends[1:], strict=False)))
+    return longest
+
+
+# -- worker process ------------------------------------------------------------------------
+
+
+def one_tensor_model(numel: int):
+    """The payload: a model of one fp32 tensor."""
+    import torch
+
+    model = torch.nn.Module()
+    model.weight = torch.nn.Parameter(torch.zeros(numel))
+    return model
+
+
+class Worker:
+    """Several peers (host + data plane + gossip groups) in one trio loop."""
+
+    def __init__(self, stack: AsyncExitStack, nursery, ip: str, seeds: list[str]) -> None:
+        self.stack, self.nursery, self.ip, self.seeds = stack, nursery, ip, seeds
+        self.peers: list[dict] = []
+
+    async def start(self) -> list[dict]:
+        import multiaddr
+        from libp2p.crypto.ed25519 import create_new_key_pair
+
+        from lattica.net.host import build_host
+        from lattica.net.tensors.transfer import TensorService, TensorServiceConfig
+
+        listen = multiaddr.Multiaddr(f"/ip4/{self.ip}/tcp/0")
+        for seed in self.seeds:
+            key_pair = create_new_key_pair(bytes.fromhex(seed))
+            host = build_host(key_pair, listen_addrs=[listen])
+            await self.stack.enter_async_context(host.run([listen]))
+            await host.get_network().auto_connector.stop()  # we connect the swarm ourselves
+            service = TensorService(host, key_pair, config=TensorServiceConfig())
+            await self.nursery.start(service.run)
+            self.peers.append({"host": host, "service": service, "id": service.peer_id})
+        return [{"peer_id": p["id"], "addr": f"{p['host'].get_addrs()[0]}"} for p in self.peers]
+
+    async def connect(self, addrs: list[str], members: list[str]) -> dict:
+        """Dial every peer listed before ours."""
+        import multiaddr
+        import trio
+        from libp2p.peer.peerinfo import info_from_p2p_addr
+
+        failed: list[str] = []
+
+        async def dial(host, addr: str) -> None:
+            try:
+                with trio.fail_after(60):
+                    await host.connect(info_from_p2p_addr(multiaddr.Multiaddr(addr)))
+            except Exception as exc:  # noqa: BLE001 - any failure to connect fails the setup, reported
+                failed.append(f"{addr}: {exc!r}"[:300])
+
+        async with trio.open_nursery() as nursery:
+            for p in self.peers:
+                mine = members.index(p["id"])
+                for addr in addrs[:mine]:
+                    nursery.start_soon(dial, p["host"], addr)
+        return {"ok": not failed, "error": f"{len(failed)} dial(s) failed, first: {failed[0]}" if failed else ""}
+
+    async def prime(self, members: list[str]) -> dict:
+        """A tiny all-reduce over all: every pair's fast channel is set up before anything is timed."""
+        import torch
+        import trio
+
+        failed: list[str] = []
+
+        async def prime(p) -> None:
+            try:
+                with trio.fail_after(120):
+                    await p["service"].allreduce([torch.ones(len(members) * 64)], group=members, tag="prime")
+            except Exception as exc:  # noqa: BLE001 - reported as a failed setup
+                failed.append(f"prime {p['id'][-8:]}: {exc}"[:300])
+
+        async with trio.open_nursery() as nursery:
+            for p in self.peers:
+                nursery.start_soon(prime, p)
+        return {"ok": not failed, "error": failed[0] if failed else ""}
+
+    async def run(self, cmd: dict) -> dict:
+        import trio
+
+        records: dict[str, list[dict]] = {}
+        async with trio.open_nursery() as nursery:
+            for p in self.peers:
+                records[p["id"]] = []
+                nursery.start_soon(self._peer_loop, p, cmd, records[p["id"]])
+        return {"ok": True, "records": records}
+
+    async def _peer_loop(self, p: dict, cmd: dict, out: list[dict]) -> None:
+        import torch
+        import trio
+
+        from lattica.coordination.gossip import GossipGroups
+        from lattica.coordination.groups import GossipGroupsConfig
+        from lattica.train.strategies.diloco import DiLoCo, DiLoCoConfig
+        from lattica_lab.collective import FixedGroups
+
+        members: list[str] = cmd["members"]
+        numel, grace = int(cmd["numel"]), float(cmd["grace_s"])
+        if cmd["mode"] == "gossip":
+            # a fresh handshake state per phase (its keys restart); it takes over the protocol
+            groups = GossipGroups(p["host"], peer_id=p["id"], run_id=cmd["phase"], members=lambda: members,
+                                  config=GossipGroupsConfig(grace_s=grace))
+            await self.nursery.start(groups.run)
+        else:
+            groups = FixedGroups(sorted(members))
+        model = one_tensor_model(numel)
+        strategy = DiLoCo(model, collective=p["service"], groups=groups, config=DiLoCoConfig(
+            inner_steps=1, averaging=cmd["mode"], exchange_timeout_s=grace, max_attempts=1))
+        common = torch.Generator().manual_seed(cmd["seed"])
+        own = torch.Generator().manual_seed(cmd["seed"] * 1000 + members.index(p["id"]) + 1)
+        base = torch.randn(numel, generator=common)
+        init = base + INIT_SPREAD * torch.randn(numel, generator=own)
+        shared_drift = DRIFT * torch.randn(numel, generator=common)
+        own_drift = DRIFT * torch.randn(numel, generator=own)
+        # distinct tags per phase: round keys start at the phase's base
+        strategy.load_outer_state_dict({"params": {"weight": init}, "round": int(cmd["round_base"])})
+        idx = torch.linspace(0, numel - 1, min(SAMPLE, numel)).long()
+        compute = float(cmd["slow"].get(p["id"], cmd["compute_s"]))
+        end_at = cmd.get("end_at")
+        total = int(cmd["steps"]) if cmd.get("steps") else 10**9
+        signs = random.Random(p["id"])
+        with trio.move_on_after(max(0.0, end_at - time.time()) if end_at else math.inf):
+            for step in range(total):
+                await trio.sleep(compute)  # the inner phase
+                with torch.no_grad():
+                    model.weight.add_(shared_drift).add_(own_drift, alpha=signs.choice((-1.0, 1.0)))
+                t0, sent = time.time(), p["service"].stats.total_sent()
+                report = await strategy.sync()
+                record = {"step": step, "t0": t0, "t1": time.time(), "group": len(report.group),
+                          "bytes": p["service"].stats.total_sent() - sent, "skipped": report.skipped,
+                          "detail": report.detail[:200]}
+                if cmd.get("sample"):
+                    record["sample"] = strategy.outer_parameters()[0][idx].tolist()
+                out.append(record)
+
+
+async def _worker_main(ip: str, seeds: list[str]) -> None:
+    import trio
+
+    def reply(obj: dict) -> None:
+        sys.stdout.write(json.dumps(obj) + "\n")
+        sys.stdout.flush()
+
+    async with AsyncExitStack() as stack, trio.open_nursery() as nursery:
+        worker = Worker(stack, nursery, ip, seeds)
+        reply({"event": "ready", "peers": await worker.start()})
+        async for line in trio.wrap_file(sys.stdin):
+            cmd = json.loads(line)
+            if cmd["cmd"] == "quit":
+                break
+            if cmd["cmd"] == "connect":
+                reply({"event": "connected", **await worker.connect(cmd["addrs"], cmd["members"])})
+            elif cmd["cmd"] == "prime":
+                reply({"event": "primed", **await worker.prime(cmd["members"])})
+            elif cmd["cmd"] == "run":
+                reply({"event": "done", "phase": cmd["phase"], **await worker.run(cmd)})
+        nursery.cancel_scope.cancel()
+
+
+# -- the parent: lab, layout, phases ----------------------------------------------------------
+
+
+def peer_id_of(seed: str) -> str:
+    from libp2p.crypto.ed25519 import create_new_key_pair
+    from libp2p.peer.id import ID
+
+    return ID.from_pubkey(create_new_key_pair(bytes.fromhex(seed)).public_key).to_base58()
+
+
+class Swarm:
+    """N peers in worker processes on the lab's sites; ``solo`` peers each in a process of their own."""
+
+    def __init__(self, lab, n: int, rng: random.Random, *, solo: int) -> None:
+        self.lab, self.n = lab, n
+        seeds = [rng.randbytes(32).hex() for _ in range(n)]
+        ids = [peer_id_of(s) for s in seeds]
+        order = sorted(range(n), key=lambda i: ids[i])
+        self.members = [ids[i] for i in order]  # sorted: members[0] is the lowest id
+        seeds = [seeds[i] for i in order]
+        victims = [0, *rng.sample(range(1, n), solo - 1)] if solo else []
+        self.victims = [self.members[i] for i in victims]
+        bulk: dict[str, list[str]] = {s: [] for s in SITES}
+        solo_at: list[tuple[str, str]] = []
+        for j, i in enumerate(rng.sample(range(n), n)):  # random site for each peer
+            site = SITES[j % len(SITES)]
+            if i in victims:
+                solo_at.append((site, seeds[i]))
+            else:
+                bulk[site].append(seeds[i])
+        self.workers: list = []
+        self.victim_workers: dict[str, object] = {}
+        for site, site_seeds in bulk.items():
+            if site_seeds:
+                self._spawn(lab.sites[site].hosts[0], site_seeds, f"{site}-bulk")
+        for k, (site, seed) in enumerate(solo_at):
+            worker = self._spawn(lab.sites[site].hosts[1], [seed], f"{site}-solo{k}")
+            self.victim_workers[peer_id_of(seed)] = worker
+        addrs: dict[str, str] = {}
+        for w in self.workers:
+            ready = self._wait(w, "ready", 120, "start")
+            addrs.update({p["peer_id"]: p["addr"] for p in ready["peers"]})
+        if sorted(addrs) != self.members:
+            raise BenchmarkFailed(f"start: {len(addrs)} of {n} peers came up")
+        for w in self.workers:
+            w.send({"cmd": "connect", "addrs": [addrs[m] for m in self.members], "members": self.members})
+        for w in self.workers:
+            reply = self._wait(w, "connected", 240, "connect")
+            if not reply.get("ok"):
+                raise BenchmarkFailed(f"connect: {w.name}: {reply.get('error')}")
+        for w in self.workers:
+            w.send({"cmd": "prime", "members": self.members})
+        for w in self.workers:
+            reply = self._wait(w, "primed", 240, "connect")
+            if not reply.get("ok"):
+                raise BenchmarkFailed(f"connect: {w.name}: {reply.get('error')}")
+
+    def _spawn(self, host, seeds: list[str], name: str):
+        worker = self.lab.spawn(host, [sys.executable, WORKER_SCRIPT, "--worker", host.ip, *seeds],
+                                name=name, stderr_path=os.path.join(LOG_DIR, f"swarm-{name}.log"))
+        self.workers.append(worker)
+        return worker
+
+    @staticmethod
+    def _wait(worker, event: str, timeout: float, phase: str) -> dict:
+        try:
+            return worker.wait_for(lambda e: e.get("event") == event, timeout, fresh=event == "done")
+        except (TimeoutError, RuntimeError) as exc:
+            raise BenchmarkFailed(f"{phase}: worker {worker.name} did not finish: {str(exc)[:300]}") from None
+
+    def run(self, phase: str, cmd: dict, timeout: float, *, kills: list[tuple[float, str]] = ()) -> dict:
+        """Run one phase on every live worker; SIGKILL the given victims at the given wall times."""
+        cmd = {"cmd": "run", "phase": phase, "members": self.members, **cmd}
+        live = [w for w in self.workers if w.popen.poll() is None]
+        for w in live:
+            w.send(cmd)
+        killed = set()
+        for at, victim in kills:
+            time.sleep(max(0.0, at - time.time()))
+            worker = self.victim_workers[victim]
+            os.kill(worker.popen.pid, signal.SIGKILL)  # the worker is this peer alone
+            killed.add(worker)
+        records: dict[str, list[dict]] = {}
+        deadline = time.monotonic() + timeout
+        for w in live:
+            if w in killed:
+                continue
+            reply = self._wait(w, "done", max(1.0, deadline - time.monotonic()), phase)
+            records.update(reply["records"])
+        return records
+
+    def close(self) -> None:
+        for w in self.workers:
+            if w.popen.poll() is None:
+                w.send({"cmd": "quit"})
+        for w in self.workers:
+            w.kill()
+
+
+LOG_DIR = os.environ.get("SWARM_LOG_DIR", "/tmp")
+
+
+def _phase_cmd(args, mode: str, numel: int, round_base: int, **extra) -> dict:
+    return {"mode": mode, "numel": numel, "grace_s": args.grace_s, "compute_s": args.compute_s,
+            "seed": args.seed, "round_base": round_base, "slow": {}, **extra}
+
+
+def measure_size(lab, args, n: int, rng: random.Random, numel: int, straggler_size: int) -> dict:
+    at_straggler = n == straggler_size
+    swarm = Swarm(lab, n, rng, solo=2 if at_straggler else 0)
+    out: dict = {}
+    try:
+        steps, warm = args.steps, args.warmup
+        per_step_s = args.compute_s + 30.0 * max(1.0, numel / 4e6) * max(1.0, n / 8)
+        timeout = (steps + warm) * per_step_s + PHASE_MARGIN_S
+        base = 0
+        for mode in ("allreduce", "gossip"):
+            base += 100_000
+            records = swarm.run(f"{mode}-round-{n}", _phase_cmd(args, mode, numel, base, steps=warm + steps,
+                                                                 sample=at_straggler), timeout)
+            check_steps(f"N={n} {mode} round phase", records, swarm.members, warm + steps,
+                        allow_alone=mode == "gossip")
+            out[f"{mode}_round_s"], out[f"{mode}_bytes"] = round_figures(records, warm, steps)
+            out[f"{mode}_alone_steps"] = sum(1 for r in records.values() for x in r[warm:] if x["group"] == 1)
+            if at_straggler and mode == "gossip":
+                out["consensus"] = consensus_trend(records, warm + steps)
+            period = statistics.median(x["t1"] - y["t1"] for r in records.values()
+                                       for y, x in zip(r[warm:], r[warm + 1:], strict=False))
+            out[f"{mode}_period_s"] = period
+            print(f"  N={n:<3} {mode:<9} round {out[f'{mode}_round_s']:7.2f} s  period {period:6.2f} s  "
+                  f"sent/peer/step {out[f'{mode}_bytes'] / 2**20:7.1f} MiB", file=sys.stderr, flush=True)
+        if not at_straggler:
+            return out
+        straggler = rng.choice([m for m in swarm.members if m not in swarm.victims])
+        others = [m for m in swarm.members if m != straggler and m not in swarm.victims]
+        for mode in ("allreduce", "gossip"):
+            rates = []
+            for capped in (False, True):
+                base += 100_000
+                period = out[f"{mode}_period_s"]
+                slow = {straggler: 10 * period} if capped else {}
+                # long enough for the capped peer to step at least twice
+                window = max(args.window_s, 25 * period)
+                start = time.time() + 2.0
+                end = start + window
+                records = swarm.run(f"{mode}-straggler-{capped}", _phase_cmd(
+                    args, mode, numel, base, end_at=end, slow=slow), window + timeout)
+                if not capped:  # with the straggler, no step at all is a measured rate of 0
+                    check_steps(f"{mode} straggler phase", records, others, 1, allow_alone=True)
+                warm_until = start + min(window / 4, 3 * period)
+                rates.append(steps_per_minute(records, others, warm_until, end))
+            out[f"straggler_rate_{mode}"] = rates[1] / rates[0]
+            out[f"straggler_steps_per_min_{mode}"] = rates
+            print(f"  N={n:<3} {mode:<9} steps/min without/with straggler {rates[0]:.1f} / {rates[1]:.1f}",
+                  file=sys.stderr, flush=True)
+        base += 100_000
+        start = time.time() + 2.0
+        end = start + args.window_s
+        kills = [(start + args.window_s * (k + 1) / 3 + rng.uniform(0, out["gossip_period_s"]), v)
+                 for k, v in enumerate(swarm.victims)]
+        records = swarm.run("gossip-kill", _phase_cmd(args, "gossip", numel, base, end_at=end),
+                            args.window_s + timeout, kills=kills)
+        survivors = [m for m in swarm.members if m not in swarm.victims]
+        check_steps("kill phase", records, survivors, 1, allow_alone=True)
+        first_kill = kills[0][0]
+        before = [x["t1"] - y["t1"] for p in survivors for y, x in zip(records[p], records[p][1:], strict=False)
+                  if x["t1"] < first_kill]
+        if not before:
+            raise BenchmarkFailed("kill phase: no step completed before the first kill")
+        step_s = statistics.median(before)
+        out["kill_any_stall_s"] = kill_stall(records, survivors, first_kill, end)
+        out["kill_stall_bound_s"] = args.grace_s + step_s
+        out["kill_step_s"] = step_s
+        out["kill_paused_peers"] = sum(
+            1 for p in survivors if kill_stall(records, [p], first_kill, end) > 1.5 * step_s + 1.0)
+        out["kill_survivors"] = len(survivors)
+        out["killed_lowest_id"] = swarm.victims[0] == swarm.members[0]
+        print(f"  N={n:<3} kill: longest pause {out['kill_any_stall_s']:.2f} s (bound {out['kill_stall_bound_s']:.2f} s), "
+              f"{out['kill_paused_peers']} of {len(survivors)} survivors paused", file=sys.stderr, flush=True)
+        return out
+    finally:
+        swarm.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", default="8,16,32", help="peer counts, comma-separated (each >= 4)")
+    parser.add_argument("--steps", type=int, default=20, help="measured outer steps per round phase")
+    parser.add_argument("--warmup", type=int, default=1, help="outer steps before measuring")
+    parser.add_argument("--payload-mib", type=float, default=16.0, help="fp32 model size (16: 4M parameters)")
+    parser.add_argument("--compute-s", type=float, default=1.0, help="the inner phase's sleep")
+    parser.add_argument("--grace-s", type=float, default=5.0, help="group handshake and exchange grace")
+    parser.add_argument("--window-s", type=float, default=60.0, help="straggler and kill windows")
+    parser.add_argument("--straggler-size", type=int, default=16)
+    parser.add_argument("--mbit", type=float, default=None, help="rate cap per WAN link (default none)")
+    parser.add_argument("--seed", type=int, default=1)
+    args = parser.parse_args()
+    try:
+        sizes = sorted({int(s) for s in args.sizes.split(",")})
+    except ValueError:
+        parser.error("--sizes must be comma-separated integers")
+    if min(sizes) < 4 or args.steps < 2 or args.warmup < 0 or args.payload_mib <= 0 or args.window_s < 5:
+        parser.error("sizes must be >= 4, --steps >= 2, --warmup >= 0, --payload-mib > 0, --window-s >= 5")
+    straggler_size = args.straggler_size if args.straggler_size in sizes else sizes[len(sizes) // 2]
+
+    from lattica_lab.wan import WanLab, wan_unavailable_reason
+
+    reason = wan_unavailable_reason()
+    if reason:
+        print(f"swarm_scale needs the WAN lab (run as root): {reason}", file=sys.stderr)
+        sys.exit(2)
+    numel = int(args.payload_mib * 2**20) // 4
+    rng = random.Random(args.seed)
+    results: dict[int, dict] = {}
+    started = time.time()
+    try:
+        with WanLab() as lab:
+            for site in SITES:
+                lab.add_site(site, hosts=2)  # host 1: the site's peers; host 2: peers alone in a process
+            pairs = [(a, b) for i, a in enumerate(SITES) for b in SITES[i + 1:]]
+            for (a, b), rtt in zip(pairs, SITE_RTTS_MS, strict=True):
+                lab.link(a, b, rtt_ms=rtt, mbit=args.mbit)
+            for n in sizes:
+                results[n] = measure_size(lab, args, n, rng, numel, straggler_size)
+    except BenchmarkFailed as exc:
+        print(f"swarm_scale benchmark failed: {exc}", file=sys.stderr)
+        sys.exit(1)
+    s = results[straggler_size]
+    ar = [results[n]["allreduce_round_s"] for n in sizes]
+    gb = [results[n]["gossip_bytes"] for n in sizes]
+    print(f"{'N':>4}{'allreduce round s':>19}{'gossip round s':>16}{'allreduce MiB/peer':>20}"
+          f"{'gossip MiB/peer':>17}{'gossip alone steps':>20}")
+    for n in sizes:
+        r = results[n]
+        print(f"{n:>4}{r['allreduce_round_s']:>19.2f}{r['gossip_round_s']:>16.2f}"
+              f"{r['allreduce_bytes'] / 2**20:>20.1f}{r['gossip_bytes'] / 2**20:>17.1f}{r['gossip_alone_steps']:>20}")
+    print(json.dumps({
+        "sizes": sizes,
+        "allreduce_round_s": [round(x, 3) for x in ar],
+        "gossip_round_s": [round(results[n]["gossip_round_s"], 3) for n in sizes],
+        "allreduce_bytes_per_peer": [round(results[n]["allreduce_bytes"]) for n in sizes],
+        "gossip_bytes_per_peer": [round(x) for x in gb],
+        "gossip_bytes_max_over_min": round(max(gb) / min(gb), 3),
+        "allreduce_round_growing": all(b > a for a, b in zip(ar, ar[1:], strict=False)),
+        "straggler_size": straggler_size,
+        "straggler_rate_allreduce": round(s["straggler_rate_allreduce"], 3),
+        "straggler_rate_gossip": round(s["straggler_rate_gossip"], 3),
+        "straggler_steps_per_min": {m: [round(x, 2) for x in s[f"straggler_steps_per_min_{m}"]]
+                                    for m in ("allreduce", "gossip")},
+        "consensus_distance": s["consensus"],
+        "kill_any_stall_s": round(s["kill_any_stall_s"], 3),
+        "kill_stall_bound_s": round(s["kill_stall_bound_s"], 3),
+        "kill_paused_peers": s["kill_paused_peers"],
+        "kill_survivors": s["kill_survivors"],
+        "killed_lowest_id": s["killed_lowest_id"],
+        "payload_mib": args.payload_mib,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "compute_s": args.compute_s,
+        "grace_s": args.grace_s,
+        "window_s": args.window_s,
+        "site_rtts_ms": list(SITE_RTTS_MS),
+        "mbit": args.mbit,
+        "wall_s": round(time.time() - started, 1),
+        "load_avg_1m": round(os.getloadavg()[0], 1),
+    }))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "--worker":
+        import logging
+
+        import trio
+
+        logging.basicConfig(level=os.environ.get("SWARM_LOG_LEVEL", "WARNING"), stream=sys.stderr)
+        trio.run(_worker_main, sys.argv[2], sys.argv[3:])
+    else:
+        main()
