@@ -337,6 +337,7 @@ class Swarm:
 
     def __init__(self, lab, n: int, rng: random.Random, *, solo: int) -> None:
         self.lab, self.n = lab, n
+        sites = list(lab.sites)
         seeds = [rng.randbytes(32).hex() for _ in range(n)]
         ids = [peer_id_of(s) for s in seeds]
         order = sorted(range(n), key=lambda i: ids[i])
@@ -344,10 +345,10 @@ class Swarm:
         seeds = [seeds[i] for i in order]
         victims = [0, *rng.sample(range(1, n), solo - 1)] if solo else []
         self.victims = [self.members[i] for i in victims]
-        bulk: dict[str, list[str]] = {s: [] for s in SITES}
+        bulk: dict[str, list[str]] = {s: [] for s in sites}
         solo_at: list[tuple[str, str]] = []
         for j, i in enumerate(rng.sample(range(n), n)):  # random site for each peer
-            site = SITES[j % len(SITES)]
+            site = sites[j % len(sites)]
             if i in victims:
                 solo_at.append((site, seeds[i]))
             else:
@@ -431,7 +432,7 @@ def _phase_cmd(args, mode: str, numel: int, round_base: int, **extra) -> dict:
 
 def measure_size(lab, args, n: int, rng: random.Random, numel: int, straggler_size: int) -> dict:
     at_straggler = n == straggler_size
-    swarm = Swarm(lab, n, rng, solo=2 if at_straggler else 0)
+    swarm = Swarm(lab, n, rng, solo=2 if at_straggler and "kill" in args.phases else 0)
     out: dict = {}
     try:
         steps, warm = args.steps, args.warmup
@@ -455,55 +456,66 @@ def measure_size(lab, args, n: int, rng: random.Random, numel: int, straggler_si
                   f"sent/peer/step {out[f'{mode}_bytes'] / 2**20:7.1f} MiB", file=sys.stderr, flush=True)
         if not at_straggler:
             return out
-        straggler = rng.choice([m for m in swarm.members if m not in swarm.victims])
-        others = [m for m in swarm.members if m != straggler and m not in swarm.victims]
-        for mode in ("allreduce", "gossip"):
-            rates = []
-            for capped in (False, True):
-                base += 100_000
-                period = out[f"{mode}_period_s"]
-                slow = {straggler: 10 * period} if capped else {}
-                # long enough for the capped peer to step at least twice
-                window = max(args.window_s, 25 * period)
-                start = time.time() + 2.0
-                end = start + window
-                records = swarm.run(f"{mode}-straggler-{capped}", _phase_cmd(
-                    args, mode, numel, base, end_at=end, slow=slow), window + timeout)
-                if not capped:  # with the straggler, no step at all is a measured rate of 0
-                    check_steps(f"{mode} straggler phase", records, others, 1, allow_alone=True)
-                warm_until = start + min(window / 4, 3 * period)
-                rates.append(steps_per_minute(records, others, warm_until, end))
-            out[f"straggler_rate_{mode}"] = rates[1] / rates[0]
-            out[f"straggler_steps_per_min_{mode}"] = rates
-            print(f"  N={n:<3} {mode:<9} steps/min without/with straggler {rates[0]:.1f} / {rates[1]:.1f}",
-                  file=sys.stderr, flush=True)
-        base += 100_000
-        start = time.time() + 2.0
-        end = start + args.window_s
-        kills = [(start + args.window_s * (k + 1) / 3 + rng.uniform(0, out["gossip_period_s"]), v)
-                 for k, v in enumerate(swarm.victims)]
-        records = swarm.run("gossip-kill", _phase_cmd(args, "gossip", numel, base, end_at=end),
-                            args.window_s + timeout, kills=kills)
-        survivors = [m for m in swarm.members if m not in swarm.victims]
-        check_steps("kill phase", records, survivors, 1, allow_alone=True)
-        first_kill = kills[0][0]
-        before = [x["t1"] - y["t1"] for p in survivors for y, x in zip(records[p], records[p][1:], strict=False)
-                  if x["t1"] < first_kill]
-        if not before:
-            raise BenchmarkFailed("kill phase: no step completed before the first kill")
-        step_s = statistics.median(before)
-        out["kill_any_stall_s"] = kill_stall(records, survivors, first_kill, end)
-        out["kill_stall_bound_s"] = args.grace_s + step_s
-        out["kill_step_s"] = step_s
-        out["kill_paused_peers"] = sum(
-            1 for p in survivors if kill_stall(records, [p], first_kill, end) > 1.5 * step_s + 1.0)
-        out["kill_survivors"] = len(survivors)
-        out["killed_lowest_id"] = swarm.victims[0] == swarm.members[0]
-        print(f"  N={n:<3} kill: longest pause {out['kill_any_stall_s']:.2f} s (bound {out['kill_stall_bound_s']:.2f} s), "
-              f"{out['kill_paused_peers']} of {len(survivors)} survivors paused", file=sys.stderr, flush=True)
+        if "straggler" in args.phases:
+            measure_straggler(swarm, args, numel, out, rng, timeout)
+        if "kill" in args.phases:
+            measure_kill(swarm, args, numel, out, rng, timeout)
         return out
     finally:
         swarm.close()
+
+
+def measure_straggler(swarm: Swarm, args, numel: int, out: dict, rng: random.Random, timeout: float) -> None:
+    n, base = swarm.n, 1_000_000
+    straggler = rng.choice([m for m in swarm.members if m not in swarm.victims])
+    others = [m for m in swarm.members if m != straggler and m not in swarm.victims]
+    for mode in ("allreduce", "gossip"):
+        rates = []
+        for capped in (False, True):
+            base += 100_000
+            period = out[f"{mode}_period_s"]
+            slow = {straggler: 10 * period} if capped else {}
+            # long enough for the capped peer to step at least twice
+            window = max(args.window_s, 25 * period)
+            start = time.time() + 2.0
+            end = start + window
+            records = swarm.run(f"{mode}-straggler-{capped}", _phase_cmd(
+                args, mode, numel, base, end_at=end, slow=slow), window + timeout)
+            if not capped:  # with the straggler, no step at all is a measured rate of 0
+                check_steps(f"{mode} straggler phase", records, others, 1, allow_alone=True)
+            warm_until = start + min(window / 4, 3 * period)
+            rates.append(steps_per_minute(records, others, warm_until, end))
+        out[f"straggler_rate_{mode}"] = rates[1] / rates[0]
+        out[f"straggler_steps_per_min_{mode}"] = rates
+        print(f"  N={n:<3} {mode:<9} steps/min without/with straggler {rates[0]:.1f} / {rates[1]:.1f}",
+              file=sys.stderr, flush=True)
+
+
+def measure_kill(swarm: Swarm, args, numel: int, out: dict, rng: random.Random, timeout: float) -> None:
+    n, base = swarm.n, 2_000_000
+    start = time.time() + 2.0
+    end = start + args.window_s
+    kills = [(start + args.window_s * (k + 1) / 3 + rng.uniform(0, out["gossip_period_s"]), v)
+             for k, v in enumerate(swarm.victims)]
+    records = swarm.run("gossip-kill", _phase_cmd(args, "gossip", numel, base, end_at=end),
+                        args.window_s + timeout, kills=kills)
+    survivors = [m for m in swarm.members if m not in swarm.victims]
+    check_steps("kill phase", records, survivors, 1, allow_alone=True)
+    first_kill = kills[0][0]
+    before = [x["t1"] - y["t1"] for p in survivors for y, x in zip(records[p], records[p][1:], strict=False)
+              if x["t1"] < first_kill]
+    if not before:
+        raise BenchmarkFailed("kill phase: no step completed before the first kill")
+    step_s = statistics.median(before)
+    out["kill_any_stall_s"] = kill_stall(records, survivors, first_kill, end)
+    out["kill_stall_bound_s"] = args.grace_s + step_s
+    out["kill_step_s"] = step_s
+    out["kill_paused_peers"] = sum(
+        1 for p in survivors if kill_stall(records, [p], first_kill, end) > 1.5 * step_s + 1.0)
+    out["kill_survivors"] = len(survivors)
+    out["killed_lowest_id"] = swarm.victims[0] == swarm.members[0]
+    print(f"  N={n:<3} kill: longest pause {out['kill_any_stall_s']:.2f} s (bound {out['kill_stall_bound_s']:.2f} s), "
+          f"{out['kill_paused_peers']} of {len(survivors)} survivors paused", file=sys.stderr, flush=True)
 
 
 def main() -> None:
@@ -516,13 +528,21 @@ def main() -> None:
     parser.add_argument("--grace-s", type=float, default=5.0, help="group handshake and exchange grace")
     parser.add_argument("--window-s", type=float, default=60.0, help="straggler and kill windows")
     parser.add_argument("--straggler-size", type=int, default=16)
+    parser.add_argument("--sites", type=int, default=4, help="WAN sites (2-4), every pair linked")
     parser.add_argument("--mbit", type=float, default=None, help="rate cap per WAN link (default none)")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--phases", default="round,straggler,kill",
+                        help="round (always), straggler, kill: the others' keys are null when left out")
     args = parser.parse_args()
+    args.phases = {p.strip() for p in args.phases.split(",") if p.strip()} | {"round"}
+    if not args.phases <= {"round", "straggler", "kill"}:
+        parser.error("--phases takes round, straggler and kill")
     try:
         sizes = sorted({int(s) for s in args.sizes.split(",")})
     except ValueError:
         parser.error("--sizes must be comma-separated integers")
+    if not 2 <= args.sites <= len(SITES):
+        parser.error(f"--sites must be within 2..{len(SITES)}")
     if min(sizes) < 4 or args.steps < 2 or args.warmup < 0 or args.payload_mib <= 0 or args.window_s < 5:
         parser.error("sizes must be >= 4, --steps >= 2, --warmup >= 0, --payload-mib > 0, --window-s >= 5")
     straggler_size = args.straggler_size if args.straggler_size in sizes else sizes[len(sizes) // 2]
@@ -539,10 +559,11 @@ def main() -> None:
     started = time.time()
     try:
         with WanLab() as lab:
-            for site in SITES:
+            sites = SITES[:args.sites]
+            for site in sites:
                 lab.add_site(site, hosts=2)  # host 1: the site's peers; host 2: peers alone in a process
-            pairs = [(a, b) for i, a in enumerate(SITES) for b in SITES[i + 1:]]
-            for (a, b), rtt in zip(pairs, SITE_RTTS_MS, strict=True):
+            pairs = [(a, b) for i, a in enumerate(sites) for b in sites[i + 1:]]
+            for (a, b), rtt in zip(pairs, SITE_RTTS_MS, strict=False):
                 lab.link(a, b, rtt_ms=rtt, mbit=args.mbit)
             for n in sizes:
                 results[n] = measure_size(lab, args, n, rng, numel, straggler_size)
@@ -550,6 +571,10 @@ def main() -> None:
         print(f"swarm_scale benchmark failed: {exc}", file=sys.stderr)
         sys.exit(1)
     s = results[straggler_size]
+
+    def figure(key: str, digits: int = 3):
+        return round(s[key], digits) if key in s else None
+
     ar = [results[n]["allreduce_round_s"] for n in sizes]
     gb = [results[n]["gossip_bytes"] for n in sizes]
     print(f"{'N':>4}{'allreduce round s':>19}{'gossip round s':>16}{'allreduce MiB/peer':>20}"
@@ -567,23 +592,25 @@ def main() -> None:
         "gossip_bytes_max_over_min": round(max(gb) / min(gb), 3),
         "allreduce_round_growing": all(b > a for a, b in zip(ar, ar[1:], strict=False)),
         "straggler_size": straggler_size,
-        "straggler_rate_allreduce": round(s["straggler_rate_allreduce"], 3),
-        "straggler_rate_gossip": round(s["straggler_rate_gossip"], 3),
+        "straggler_rate_allreduce": figure("straggler_rate_allreduce"),
+        "straggler_rate_gossip": figure("straggler_rate_gossip"),
         "straggler_steps_per_min": {m: [round(x, 2) for x in s[f"straggler_steps_per_min_{m}"]]
-                                    for m in ("allreduce", "gossip")},
+                                    for m in ("allreduce", "gossip")} if "straggler" in args.phases else None,
         "consensus_distance": s["consensus"],
-        "kill_any_stall_s": round(s["kill_any_stall_s"], 3),
-        "kill_stall_bound_s": round(s["kill_stall_bound_s"], 3),
-        "kill_paused_peers": s["kill_paused_peers"],
-        "kill_survivors": s["kill_survivors"],
-        "killed_lowest_id": s["killed_lowest_id"],
+        "kill_any_stall_s": figure("kill_any_stall_s"),
+        "kill_stall_bound_s": figure("kill_stall_bound_s"),
+        "kill_paused_peers": s.get("kill_paused_peers"),
+        "kill_survivors": s.get("kill_survivors"),
+        "killed_lowest_id": s.get("killed_lowest_id"),
+        "phases": sorted(args.phases),
         "payload_mib": args.payload_mib,
         "steps": args.steps,
         "warmup": args.warmup,
         "compute_s": args.compute_s,
         "grace_s": args.grace_s,
         "window_s": args.window_s,
-        "site_rtts_ms": list(SITE_RTTS_MS),
+        "sites": args.sites,
+        "site_rtts_ms": list(SITE_RTTS_MS[:args.sites * (args.sites - 1) // 2]),
         "mbit": args.mbit,
         "wall_s": round(time.time() - started, 1),
         "load_avg_1m": round(os.getloadavg()[0], 1),

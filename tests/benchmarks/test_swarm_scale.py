@@ -1,0 +1,135 @@
+"""``benchmarks/swarm_scale.py``: a phase that did not finish fails the run, never a number.
+
+The summaries are pure functions, fed here what an unfinished phase leaves behind. Two real
+runs: without root the benchmark exits with its reason, and (as root, with the WAN lab) the
+smallest configuration runs end to end on real hosts and prints figures that hold together.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lattica_lab.wan import wan_unavailable_reason
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "swarm_scale.py"
+
+
+@pytest.fixture(scope="module")
+def swarm():
+    """The benchmark script as a module (its helper ``_checkout`` importable, as when run)."""
+    if str(SCRIPT.parent) not in sys.path:
+        sys.path.append(str(SCRIPT.parent))
+    spec = importlib.util.spec_from_file_location("_bench_swarm_scale", SCRIPT)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _step(i: int, t0: float, t1: float, *, group: int = 2, skipped: bool = False, sample=None) -> dict:
+    record = {"step": i, "t0": t0, "t1": t1, "group": group, "bytes": 1000, "skipped": skipped, "detail": ""}
+    if sample is not None:
+        record["sample"] = sample
+    return record
+
+
+def test_a_peer_that_reported_nothing_or_too_few_steps_fails_the_phase(swarm):
+    peers = ["a", "b", "c"]
+    full = [_step(i, i, i + 0.5) for i in range(3)]
+    with pytest.raises(swarm.BenchmarkFailed, match="1 of 3 peers reported nothing"):
+        swarm.check_steps("gossip round", {"a": full, "b": full}, peers, 3, allow_alone=True)
+    with pytest.raises(swarm.BenchmarkFailed, match="finished 2 of 3 steps"):
+        swarm.check_steps("gossip round", {"a": full, "b": full, "c": full[:2]}, peers, 3, allow_alone=True)
+    swarm.check_steps("gossip round", {"a": full, "b": full, "c": full}, peers, 3, allow_alone=True)
+
+
+def test_a_skipped_or_partial_allreduce_step_fails_the_phase(swarm):
+    peers = ["a", "b", "c"]
+    whole = [_step(i, i, i + 1, group=3) for i in range(2)]
+    skipped = [whole[0], _step(1, 1, 2, group=0, skipped=True)]
+    with pytest.raises(swarm.BenchmarkFailed, match="skipped step 1"):
+        swarm.check_steps("allreduce round", {"a": whole, "b": whole, "c": skipped}, peers, 2, allow_alone=False)
+    partial = [whole[0], _step(1, 1, 2, group=2)]
+    with pytest.raises(swarm.BenchmarkFailed, match="with 2 of 3 peers"):
+        swarm.check_steps("allreduce round", {"a": whole, "b": whole, "c": partial}, peers, 2, allow_alone=False)
+    # in gossip a peer averaging alone (its partner was gone) is a finished step
+    alone = [whole[0], _step(1, 1, 2, group=1)]
+    swarm.check_steps("gossip round", {"a": whole, "b": whole, "c": alone}, peers, 2, allow_alone=True)
+
+
+def test_round_figures_are_the_median_step_of_the_mean_over_peers(swarm):
+    records = {
+        "a": [_step(0, 0, 9), _step(1, 10, 11), _step(2, 20, 21), _step(3, 30, 33)],
+        "b": [_step(0, 0, 9), _step(1, 10, 13), _step(2, 20, 23), _step(3, 30, 31)],
+    }
+    seconds, sent = swarm.round_figures(records, warmup=1, steps=3)
+    assert seconds == 2.0  # steps 1..3: means 2, 2, 2; the warm-up step (9 s) is left out
+    assert sent == 1000
+
+
+def test_consensus_without_every_replica_sampled_fails(swarm):
+    records = {"a": [_step(0, 0, 1, sample=[1.0, 2.0])], "b": [_step(0, 0, 1)]}
+    with pytest.raises(swarm.BenchmarkFailed, match="sampled by 1 of 2"):
+        swarm.consensus_trend(records, 1)
+    records = {
+        "a": [_step(0, 0, 1, sample=[1.2, 2.0]), _step(1, 1, 2, sample=[1.01, 2.0])],
+        "b": [_step(0, 0, 1, sample=[0.8, 2.0]), _step(1, 1, 2, sample=[0.99, 2.0])],
+    }
+    trend = swarm.consensus_trend(records, 2)
+    assert trend["shrinking"]
+    assert trend["bounded"]
+    assert trend["trend"][0] == pytest.approx(0.2 / 5**0.5, abs=1e-5)
+
+
+def test_a_survivor_with_no_step_after_the_kill_fails_the_kill_phase(swarm):
+    records = {"a": [_step(0, 0, 1), _step(1, 1, 2), _step(2, 2, 8)], "b": [_step(0, 0, 1)]}
+    with pytest.raises(swarm.BenchmarkFailed, match="completed no step after the kill"):
+        swarm.kill_stall(records, ["a", "b"], 1.5, 9.0)
+    assert swarm.kill_stall(records, ["a"], 1.5, 9.0) == pytest.approx(6.0)
+
+
+def test_without_root_the_run_exits_with_its_reason():
+    argv = [sys.executable, str(SCRIPT), "--sizes", "4", "--steps", "2"]
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("setpriv is missing: cannot drop root for this run")
+        argv = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *argv]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd="/")
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("swarm_scale needs the WAN lab (run as root)"), proc.stderr
+    assert proc.stdout == ""
+
+
+@pytest.mark.netns
+def test_smallest_configuration_runs_on_real_hosts_over_wan_sites():
+    reason = wan_unavailable_reason()
+    if reason:
+        pytest.skip(f"WAN lab unavailable: {reason}")
+    argv = [sys.executable, str(SCRIPT), "--sizes", "4", "--steps", "2", "--warmup", "1",
+            "--payload-mib", "0.25", "--compute-s", "0.3", "--sites", "2", "--phases", "round"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["sizes"] == [4]
+    assert result["allreduce_round_s"][0] > 0
+    assert result["gossip_round_s"][0] > 0
+    numel = int(0.25 * 2**20) // 4
+    # all-reduce: each peer sends 2(N-1)/N of its pseudo-gradient; gossip: [φ, Δ] to one partner
+    assert result["allreduce_bytes_per_peer"][0] >= 1.5 * numel * 4 * 0.95
+    assert result["gossip_bytes_per_peer"][0] >= 2 * numel * 4
+    assert result["consensus_distance"]["steps"] == 3
+    assert result["consensus_distance"]["trend"][0] < 0.1  # replicas start 10 % apart, then average
+    assert result["straggler_rate_gossip"] is None
+    assert result["kill_any_stall_s"] is None
