@@ -97,7 +97,10 @@ class GossipGroups:
                     nursery.start_soon(ask, partner)
         group = confirmed_group(self.peer_id, proposal, answers)
         if len(group) < len(proposal):
-            log.info("group for %s: %d of %d proposed member(s) confirmed", key, len(group), len(proposal))
+            log.info(
+                "group for %s: %d of %d proposed member(s) confirmed (%s)", key, len(group), len(proposal),
+                "; ".join(_why(p, answers, self.peer_id) for p in proposal if p not in group),
+            )
         return group
 
     async def _ask(self, partner: str, key: str, proposal: Sequence[str]) -> tuple[str, ...] | None:
@@ -121,3 +124,14 @@ class GossipGroups:
             log.info("group request from %s failed: %r", peer, exc)
         finally:
             await stream.close()
+
+
+def _why(partner: str, answers: dict[str, tuple[str, ...] | None], me: str) -> str:
+    """Why ``partner`` is not in our group, for the log."""
+    short = partner[-6:]
+    if partner not in answers:
+        return f"{short}: no answer"
+    answer = answers[partner]
+    if answer is None:
+        return f"{short}: gone"
+    return f"{short}: its group is {','.join(p[-6:] for p in answer)}"
