@@ -107,11 +107,12 @@ def test_three_daemons_stay_bit_identical(tmp_path: Path, started: list[DaemonPr
     infos = _done(started, timeout=120)
     assert [i["rounds_completed"] for i in infos] == [rounds] * 3, infos
     assert len(_final_hashes(started, rounds)) == 1
-    if strategy == "sparseloco":
-        # DeMo syncs every step: right after the first round is published, a member whose
-        # publication has not reached the coordinator yet counts as behind and a step or two
-        # run without it; the daemon's catch-up then adopts the swarm's state (the hashes above)
-        assert len({i["summary"]["val_loss"] for i in infos}) == 1, infos
+    # at least one sync with all three over the real data plane; on a loaded machine a member
+    # can still run a round alone (a coordinator counts a member whose first publication has
+    # not reached it yet as behind), and the daemon's catch-up then adopts the swarm's state:
+    # the published hashes above are what the strategy promises
+    for d in started:
+        assert "done with 3 member(s)" in d.log(), d.log()
     syncs = rounds if strategy == "sparseloco" else rounds * INNER_STEPS
     sent = _metric(started[0], "lattica_strategy_bytes_sent_total")
     assert 0 < sent < syncs * DENSE_ROUND_BYTES / 20, sent  # sparse: far below dense all-reduces
