@@ -184,11 +184,12 @@ for node in bootstrap peer-1 peer-2; do wait_for 240 "$node healthy again" healt
 ids_after=$(for n in peer-1 peer-2; do in_node "$n" id --json | json 'd["peer_id"]'; done)
 wait_for 600 "$ROUNDS rounds trained after the restart" rounds_done "$ROUNDS"
 wait_for 60 "replicas identical after the restart" identical
-resumed=false
-if [ "$ids_before" = "$ids_after" ] \
-   && compose logs peer-1 | grep -q "resumed at step" && compose logs peer-2 | grep -q "resumed at step"; then
-    resumed=true
-fi
+resumed=true
+[ "$ids_before" = "$ids_after" ] || { log "peer ids changed across the restart"; resumed=false; }
+for node in peer-1 peer-2; do
+    compose logs --no-color "$node" > "$WORK/$node.log" 2>&1  # whole, then grep: no SIGPIPE under pipefail
+    grep -q "resumed at step" "$WORK/$node.log" || { log "$node did not resume from its checkpoint"; resumed=false; }
+done
 rounds=$(in_node peer-1 status --json | json 'd["training"]["rounds_completed"]')
 healthy_ok=true
 for node in bootstrap peer-1 peer-2; do healthy "$node" || healthy_ok=false; done

@@ -39,7 +39,9 @@ def test_docker_smoke_all_true():
     out = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=3500)
     assert out.returncode == 0, out.stderr[-4000:]
     [line] = out.stdout.strip().splitlines()
+    print(line)  # the figures (pytest -s or -rP shows them)
     result = json.loads(line)
+    assert all(v is not False for v in result.values()), (result, out.stderr[-3000:])
     assert result["image_mb"] > 0
     assert result["build_s"] >= 0
     assert result["peers_joined"] >= 3  # peer-1, peer-2 and the node outside the compose network
