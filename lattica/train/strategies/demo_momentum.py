@@ -224,7 +224,8 @@ class DeMo(AccountedStrategy):
         self.applied_steps = 0  # steps whose mean arrived and was applied
         self._step = 0  # the last inner step seen
         self._rounds = 0  # reported rounds of ``inner_steps`` steps
-        self._round_bytes, self._round_group, self._round_skips = 0, (), 0
+        self._round_group: tuple[str, ...] = ()
+        self._round_bytes, self._round_skips = 0, 0
         self._round_started = time.monotonic()
 
     @property
