@@ -32,6 +32,7 @@ ROUNDS_AFTER=4
 OUTSIDE=lattica-smoke-outside
 WORK=$(mktemp -d)
 DOCKERD_PID=""
+FORWARD_POLICY=""
 PY=python3
 [ -x "$ROOT/.venv/bin/python" ] && PY="$ROOT/.venv/bin/python"
 
@@ -45,6 +46,27 @@ compose() {
     $COMPOSE -p "$PROJECT" -f deploy/docker-compose.yml "$@"
 }
 
+remove_dockerd_traces() {  # what a stopped dockerd leaves: its bridge and iptables chains
+    ip link delete docker0 2>/dev/null
+    iptables -t nat -D POSTROUTING -s 198.18.200.0/24 ! -o docker0 -j MASQUERADE 2>/dev/null
+    iptables -t nat -D PREROUTING -m addrtype --dst-type LOCAL -j DOCKER 2>/dev/null
+    iptables -t nat -D OUTPUT ! -d 127.0.0.0/8 -m addrtype --dst-type LOCAL -j DOCKER 2>/dev/null
+    iptables -t nat -F DOCKER 2>/dev/null && iptables -t nat -X DOCKER 2>/dev/null
+    for rule in "-j DOCKER-USER" "-j DOCKER-ISOLATION-STAGE-1" \
+                "-o docker0 -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT" "-o docker0 -j DOCKER" \
+                "-i docker0 ! -o docker0 -j ACCEPT" "-i docker0 -o docker0 -j ACCEPT"; do
+        # shellcheck disable=SC2086
+        iptables -D FORWARD $rule 2>/dev/null
+    done
+    for chain in DOCKER DOCKER-ISOLATION-STAGE-1 DOCKER-ISOLATION-STAGE-2 DOCKER-USER; do
+        iptables -F "$chain" 2>/dev/null
+    done
+    for chain in DOCKER DOCKER-ISOLATION-STAGE-1 DOCKER-ISOLATION-STAGE-2 DOCKER-USER; do
+        iptables -X "$chain" 2>/dev/null
+    done
+    [ "$FORWARD_POLICY" = ACCEPT ] && iptables -P FORWARD ACCEPT
+}
+
 cleanup() {
     set +e
     if [ "${LATTICA_SMOKE_KEEP:-0}" != 1 ]; then
@@ -55,6 +77,7 @@ cleanup() {
     if [ -n "$DOCKERD_PID" ]; then
         kill "$DOCKERD_PID" 2>/dev/null
         for _ in $(seq 1 30); do kill -0 "$DOCKERD_PID" 2>/dev/null || break; sleep 1; done
+        remove_dockerd_traces
     fi
     rm -rf "$WORK"
 }
@@ -80,6 +103,7 @@ json() { $PY -c "import json,sys; d=json.load(sys.stdin); print($1)"; }
 if ! $DOCKER info >/dev/null 2>&1; then
     command -v dockerd >/dev/null || die "no Docker daemon and no dockerd to start"
     log "starting dockerd (bridge 198.18.200.1/24, pools 198.19.200.0/21)"
+    FORWARD_POLICY=$(iptables -S FORWARD 2>/dev/null | awk '$1 == "-P" {print $3}')  # dockerd sets DROP
     dockerd --bip 198.18.200.1/24 --default-address-pool base=198.19.200.0/21,size=24 \
         --storage-driver overlay2 --pidfile "$WORK/dockerd.pid" >"$WORK/dockerd.log" 2>&1 &
     DOCKERD_PID=$!
