@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--secret-file", type=Path, help="run secret (mode 0600); members must prove they know it")
     join.add_argument("--allow-peer", action="append", dest="allow_peers", metavar="PEER_ID", help="only these peers may take part (repeatable)")
     join.add_argument("--train", action="store_true", help="take part in training (default config unless [train] is set)")
-    join.add_argument("--strategy", help="outer strategy: diloco, eager, streaming, noloco, spes")
+    join.add_argument("--strategy", help="outer strategy: diloco, eager, streaming, streaming_eager, noloco, spes")
     join.add_argument("--model", help="built-in model preset (e.g. tiny)")
     join.add_argument("--data", help="'stdlib' (default corpus), a text file or folder, .jsonl, .bin, or hf:NAME")
     join.add_argument("--task", help="user task entry point package.module:function")
