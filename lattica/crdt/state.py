@@ -96,6 +96,7 @@ class ReplicatedState:
         self._vouched: list[str] | None = None  # the proven peers our record lists
         self._verified_cache: tuple[tuple[int, int], set[str]] | None = None  # see ``_trusted``
         self._left = False
+        self._closed = False  # run() has ended and closed the log
         self._nursery: trio.Nursery | None = None
         self.torn_bytes_at_open = 0
 
@@ -116,8 +117,14 @@ class ReplicatedState:
             # (taking the host down) if a handler is removed while a stream negotiates it.
             # With no nursery the handler resets every stream.
             self._nursery = None
-            if self._log is not None:
-                self._log.close()
+            # A write or a received update may be in a worker thread right now: close the log
+            # only between two of them, and let later ones find it closed (``_persist``).
+            with trio.CancelScope(shield=True):
+                async with self._log_lock:
+                    self._closed = True
+                    if self._log is not None:
+                        self._log.close()
+                        self._log = None
 
     async def _open_log(self) -> None:
         self._replica.tick(time.monotonic())
@@ -200,7 +207,7 @@ class ReplicatedState:
         await self._write(self.peer_id, lambda doc: documents.write_owned_experts(doc, experts))
 
     async def _write(self, doc_name: str, mutate: Callable[[Doc], None]) -> None:
-        if self._log is None:
+        if self._log is None and not self._closed:
             raise LocalProtocolError("ReplicatedState.run() has not started")
         async with self._log_lock:
             envelopes = self._replica.local_write(doc_name, mutate)
@@ -214,7 +221,14 @@ class ReplicatedState:
             self._bump()
 
     async def _persist(self, envelopes: list[Envelope]) -> None:
-        assert self._log is not None
+        """Append to the log; called with ``_log_lock`` held.
+
+        After ``run()`` has ended (the daemon is shutting down) the log is closed: the change
+        stays in memory only and is not replicated either, as if it had come a moment later."""
+        if self._log is None:
+            if envelopes:
+                log.debug("state log closed: %d change(s) not persisted at shutdown", len(envelopes))
+            return
         current = self._log
         await trio.to_thread.run_sync(current.append, [e.to_wire() for e in envelopes])
         limit = max(self.config.compact_min_records, 2 * len(self._replica.retained()))

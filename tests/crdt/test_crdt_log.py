@@ -134,3 +134,24 @@ async def test_offline_snapshot_matches_the_daemons(tmp_path):
     assert read_snapshot(tmp_path, "off", admins=[state.peer_id]) == expected
     assert read_snapshot(tmp_path, "off", admins=[])["config"] == {}
     assert read_snapshot(tmp_path, "other", admins=[]) == read_snapshot(tmp_path / "none", "x", admins=[])
+
+
+async def test_writes_racing_shutdown_neither_fail_nor_touch_a_closed_log(tmp_path):
+    # A daemon shutting down: the training service still publishes progress while the state
+    # service's run() ends and closes its log. The write used to hit the closed descriptor
+    # (OSError: Bad file descriptor) and take the process down with a non-zero exit.
+    key_pair = load_or_create_identity(tmp_path)
+    state = ReplicatedState(build_host(key_pair), key_pair, data_dir=tmp_path, run_id="race")
+    async with trio.open_nursery() as outer:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(state.run)
+            await state.set_progress(1, "first")
+            outer.start_soon(state.set_progress, 2, "racing")  # in flight as run() ends
+            await trio.lowlevel.checkpoint()
+            nursery.cancel_scope.cancel()
+        await state.set_progress(3, "after")  # run() is over: in memory only
+    assert state.snapshot()["progress"][state.peer_id]["round"] == 3
+    from lattica.crdt.offline import read_snapshot
+
+    stored = read_snapshot(tmp_path, "race", admins=[state.peer_id])
+    assert stored["progress"][state.peer_id]["round"] in (1, 2)  # what was persisted is intact
