@@ -76,7 +76,8 @@ SITES = ("s1", "s2", "s3", "s4")
 INIT_SPREAD = 0.10  # replicas start this far apart (relative)
 DRIFT = 1e-3  # per inner phase: each of the shared and the per-peer drift, relative to the norm
 SAMPLE = 512  # coordinates of each replica reported for the swarm's spread
-PHASE_MARGIN_S = 120.0  # a phase's deadline: its expected length plus this
+PHASE_MARGIN_S = 120.0
+SETUP_ATTEMPTS = 3  # a phase's deadline: its expected length plus this
 WORKER_SCRIPT = os.path.abspath(__file__)
 
 
@@ -221,7 +222,7 @@ class Worker:
                     nursery.start_soon(dial, p["host"], addr)
         return {"ok": not failed, "error": f"{len(failed)} dial(s) failed, first: {failed[0]}" if failed else ""}
 
-    async def prime(self, members: list[str]) -> dict:
+    async def prime(self, members: list[str], tag: str) -> dict:
         """A tiny all-reduce over all: every pair's fast channel is set up before anything is timed."""
         import torch
         import trio
@@ -231,7 +232,7 @@ class Worker:
         async def prime(p) -> None:
             try:
                 with trio.fail_after(120):
-                    await p["service"].allreduce([torch.ones(len(members) * 64)], group=members, tag="prime")
+                    await p["service"].allreduce([torch.ones(len(members) * 64)], group=members, tag=tag)
             except Exception as exc:  # noqa: BLE001 - reported as a failed setup
                 failed.append(f"prime {p['id'][-8:]}: {exc}"[:300])
 
@@ -316,7 +317,7 @@ async def _worker_main(ip: str, seeds: list[str]) -> None:
             if cmd["cmd"] == "connect":
                 reply({"event": "connected", **await worker.connect(cmd["addrs"], cmd["members"])})
             elif cmd["cmd"] == "prime":
-                reply({"event": "primed", **await worker.prime(cmd["members"])})
+                reply({"event": "primed", **await worker.prime(cmd["members"], cmd["tag"])})
             elif cmd["cmd"] == "run":
                 reply({"event": "done", "phase": cmd["phase"], **await worker.run(cmd)})
         nursery.cancel_scope.cancel()
@@ -367,18 +368,23 @@ class Swarm:
             addrs.update({p["peer_id"]: p["addr"] for p in ready["peers"]})
         if sorted(addrs) != self.members:
             raise BenchmarkFailed(f"start: {len(addrs)} of {n} peers came up")
-        for w in self.workers:
-            w.send({"cmd": "connect", "addrs": [addrs[m] for m in self.members], "members": self.members})
-        for w in self.workers:
-            reply = self._wait(w, "connected", 240, "connect")
-            if not reply.get("ok"):
-                raise BenchmarkFailed(f"connect: {w.name}: {reply.get('error')}")
-        for w in self.workers:
-            w.send({"cmd": "prime", "members": self.members})
-        for w in self.workers:
-            reply = self._wait(w, "primed", 240, "connect")
-            if not reply.get("ok"):
-                raise BenchmarkFailed(f"connect: {w.name}: {reply.get('error')}")
+        # py-libp2p now and then resets a fresh connection while many are set up at once: dial
+        # again (a no-op where connected) and prime again, a few times, before giving up
+        for attempt in range(SETUP_ATTEMPTS):
+            for w in self.workers:
+                w.send({"cmd": "connect", "addrs": [addrs[m] for m in self.members], "members": self.members})
+            errors = [f"{w.name}: {r.get('error')}" for w in self.workers
+                      if not (r := self._wait(w, "connected", 240, "connect")).get("ok")]
+            if not errors:
+                for w in self.workers:
+                    w.send({"cmd": "prime", "members": self.members, "tag": f"prime/{attempt}"})
+                errors = [f"{w.name}: {r.get('error')}" for w in self.workers
+                          if not (r := self._wait(w, "primed", 240, "connect")).get("ok")]
+            if not errors:
+                break
+            print(f"  N={n:<3} setup attempt {attempt + 1} failed: {errors[0]}", file=sys.stderr, flush=True)
+        else:
+            raise BenchmarkFailed(f"connect: {errors[0]}")
 
     def _spawn(self, host, seeds: list[str], name: str):
         worker = self.lab.spawn(host, [sys.executable, WORKER_SCRIPT, "--worker", host.ip, *seeds],
@@ -389,7 +395,7 @@ class Swarm:
     @staticmethod
     def _wait(worker, event: str, timeout: float, phase: str) -> dict:
         try:
-            return worker.wait_for(lambda e: e.get("event") == event, timeout, fresh=event == "done")
+            return worker.wait_for(lambda e: e.get("event") == event, timeout, fresh=event != "ready")
         except (TimeoutError, RuntimeError) as exc:
             raise BenchmarkFailed(f"{phase}: worker {worker.name} did not finish: {str(exc)[:300]}") from None
 
