@@ -38,6 +38,9 @@ DEADLINE_S = 40.0
 SWARM_TRAINS = True
 LATE = "late"
 TRAIN_ARGS = ("--train", "--model", "tiny", "--inner-steps", "5", "--rounds", "1000")
+# This swarm averages with all-reduce (identical replicas: no spread to show); the row of
+# gossip-only panels is checked against a second swarm that averages in groups.
+GOSSIP_ROW = "Gossip averaging"
 
 pytestmark = pytest.mark.skipif(
     shutil.which("prometheus") is None, reason="needs the prometheus binary (apt: prometheus)"
@@ -167,7 +170,7 @@ def test_every_dashboard_query_returns_data(swarm, prometheus, late_metrics_port
     required = [
         (row, title, expr)
         for row, title, expr in dashboard_queries()
-        if SWARM_TRAINS or row != "Training"
+        if (SWARM_TRAINS or row != "Training") and row != GOSSIP_ROW
     ]
     assert len(required) >= 10
     assert SWARM_TRAINS is False or any(t == "Checkpoint fetch time" for _, t, _ in required)
@@ -207,3 +210,34 @@ def test_every_dashboard_query_returns_data(swarm, prometheus, late_metrics_port
             lambda: _scalar(prometheus, "min(lattica_outer_round)") >= 1, DEADLINE_S
         ), swarm.logs()
         assert _scalar(prometheus, "sum(lattica_tokens_per_second)") > 0
+
+
+@pytest.fixture
+def gossip_swarm(tmp_path):
+    started = start_compose_swarm(
+        tmp_path, peers=PEERS, extra_join_args=(*TRAIN_ARGS, "--averaging", "gossip")
+    )
+    try:
+        yield started
+    finally:
+        started.stop()
+
+
+@pytest.mark.timeout(200)
+def test_gossip_panels_show_the_spread_of_a_gossip_swarm(gossip_swarm, tmp_path):
+    swarm = gossip_swarm
+    server = Prometheus(tmp_path, prometheus_config(swarm, free_port()))
+    try:
+        server.wait_ready(timeout=20)
+        wait_connected(swarm, swarm.bootstrap, peers=PEERS, timeout=DEADLINE_S)
+        required = [(title, expr) for row, title, expr in dashboard_queries() if row == GOSSIP_ROW]
+        assert required, f"the dashboard has no {GOSSIP_ROW!r} row"
+        assert _wait_until(
+            lambda: all(_has_data(server.query(expr)) for _, expr in required), 3 * DEADLINE_S
+        ), "\n".join(f"{t}: {server.query(e)}" for t, e in required) + "\n" + swarm.logs()
+        spread = server.query("lattica_consensus_distance")
+        values = [float(s["value"][1]) for s in spread if not math.isnan(float(s["value"][1]))]
+        assert values, spread
+        assert all(0 <= v < 1 for v in values), spread  # relative to the weights' norm
+    finally:
+        server.stop()
