@@ -33,7 +33,6 @@ Defaults follow the reference code (chunk 64, topk 32, β 0.999): at 64 × 64 ti
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 from collections.abc import Sequence
@@ -49,9 +48,7 @@ from lattica.net.tensors import sparse
 from lattica.train.collective import Collective
 from lattica.train.strategies.accounting import AccountedStrategy, tensor_bytes
 from lattica.train.strategies.base import GroupProvider, OuterStepReport
-from lattica.train.strategies.sparse_gather import GATHER_FAILURES, all_gather, gather_bytes
-
-log = logging.getLogger(__name__)
+from lattica.train.strategies.sparse_gather import gather_with_retries
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -272,26 +269,16 @@ class DeMo(AccountedStrategy):
     async def _gather_mean(
         self, step: int, payload: list[torch.Tensor], sent: dict[int, sparse.SparseChunks]
     ) -> tuple[list[torch.Tensor] | None, tuple[str, ...]]:
-        key, nbytes = f"step/{step}", 0
-        try:
-            for attempt in range(self.config.max_attempts):
-                group = tuple(
-                    await self.groups.group_for(key if attempt == 0 else f"{key}/retry/{attempt}")
-                )
-                nbytes += gather_bytes(payload, len(group))
-                try:
-                    gathered = await all_gather(
-                        self.collective, payload, group=group, tag=f"demo/{key}/{attempt}",
-                        decode=self._decode, own=sent,
-                    )
-                except GATHER_FAILURES as exc:
-                    log.info("step %d attempt %d with %s failed: %s", step, attempt, ", ".join(group), exc)
-                    continue
-                return mean_components(gathered, self.layout), group
+        key = f"step/{step}"
+        outcome = await gather_with_retries(
+            self.collective, self.groups, payload, key=key, tag=f"demo/{key}",
+            attempts=self.config.max_attempts, decode=self._decode, own=sent,
+        )
+        self.traffic.record_sync(outcome.bytes_sent)
+        self._round_bytes += outcome.bytes_sent
+        if outcome.gathered is None:
             return None, ()
-        finally:
-            self.traffic.record_sync(nbytes)
-            self._round_bytes += nbytes
+        return mean_components(outcome.gathered, self.layout), outcome.group
 
     def _decode(self, tensors: list[torch.Tensor], peer: str) -> dict[int, sparse.SparseChunks]:
         sizes = self.layout.sizes

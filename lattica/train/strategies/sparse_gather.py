@@ -13,15 +13,19 @@ decides (retry with a fresh group, or skip the sync).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import torch
 import trio
 
 from lattica.errors import BrokenError, PeerUnavailableError, RemoteProtocolError
 from lattica.train.collective import Collective
+from lattica.train.strategies.base import GroupProvider
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 GATHER_FAILURES = (PeerUnavailableError, BrokenError, RemoteProtocolError)
 
@@ -64,3 +68,43 @@ async def all_gather(
     if failures:
         raise failures[0]
     return [received[member] for member in group]
+
+
+@dataclass
+class GatherOutcome(Generic[T]):
+    """What ``gather_with_retries`` did: the contributions (None when every attempt failed),
+    the group they came from, every byte put on the wire across attempts, the last failure."""
+
+    gathered: list[T] | None
+    group: tuple[str, ...]
+    bytes_sent: int
+    failure: str
+
+
+async def gather_with_retries(
+    collective: Collective,
+    groups: GroupProvider,
+    payload: list[torch.Tensor],
+    *,
+    key: str,
+    tag: str,
+    attempts: int,
+    decode: Callable[[list[torch.Tensor], str], T],
+    own: T,
+) -> GatherOutcome[T]:
+    """``all_gather`` in the group agreed for ``key``; after a failure, again in a fresh group
+    (``key/retry/N``), up to ``attempts`` times. Attempt N's tag is ``tag/N``."""
+    nbytes, failure = 0, ""
+    for attempt in range(attempts):
+        group = tuple(await groups.group_for(key if attempt == 0 else f"{key}/retry/{attempt}"))
+        nbytes += gather_bytes(payload, len(group))
+        try:
+            gathered = await all_gather(
+                collective, payload, group=group, tag=f"{tag}/{attempt}", decode=decode, own=own
+            )
+        except GATHER_FAILURES as exc:
+            failure = str(exc)
+            log.info("sync %s attempt %d with %s failed: %s", key, attempt, ", ".join(group), exc)
+            continue
+        return GatherOutcome(gathered, group, nbytes, "")
+    return GatherOutcome(None, (), nbytes, failure)

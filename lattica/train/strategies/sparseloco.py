@@ -34,7 +34,6 @@ so dropping it can lose a little of one replica's progress but never applies any
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -49,9 +48,7 @@ from lattica.train.collective import Collective
 from lattica.train.strategies.accounting import AccountedStrategy, tensor_bytes
 from lattica.train.strategies.base import GroupProvider, OuterStepReport
 from lattica.train.strategies.diloco import _check_tensors, outer_copy, pseudo_gradient
-from lattica.train.strategies.sparse_gather import GATHER_FAILURES, all_gather, gather_bytes
-
-log = logging.getLogger(__name__)
+from lattica.train.strategies.sparse_gather import gather_with_retries
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -167,26 +164,15 @@ class SparseLoCo(AccountedStrategy):
             value_codec=cfg.value_codec,
         )
         payload = [sparse.encode(sent, value_codec=cfg.value_codec)]
-        nbytes, failure = 0, ""
-        for attempt in range(cfg.max_attempts):
-            group = tuple(
-                await self.groups.group_for(key if attempt == 0 else f"{key}/retry/{attempt}")
-            )
-            nbytes += gather_bytes(payload, len(group))
-            try:
-                gathered = await all_gather(
-                    self.collective, payload, group=group, tag=f"sparseloco/{key}/{attempt}",
-                    decode=self._decode, own=sent,
-                )
-            except GATHER_FAILURES as exc:
-                failure = str(exc)
-                log.info("sync %s attempt %d with %s failed: %s", key, attempt, ", ".join(group), exc)
-                continue
-            self._apply(mean_of_sparse(gathered, self._numel), new_error)
-            self.traffic.record_sync(nbytes)
-            return self._report(key, group, nbytes, started)
-        self.traffic.record_sync(nbytes)
-        return self._report(key, (), nbytes, started, skipped=True, detail=failure)
+        outcome = await gather_with_retries(
+            self.collective, self.groups, payload, key=key, tag=f"sparseloco/{key}",
+            attempts=cfg.max_attempts, decode=self._decode, own=sent,
+        )
+        self.traffic.record_sync(outcome.bytes_sent)
+        if outcome.gathered is None:
+            return self._report(key, (), outcome.bytes_sent, started, skipped=True, detail=outcome.failure)
+        self._apply(mean_of_sparse(outcome.gathered, self._numel), new_error)
+        return self._report(key, outcome.group, outcome.bytes_sent, started)
 
     def _decode(self, tensors: list[torch.Tensor], peer: str) -> sparse.SparseChunks:
         if len(tensors) != 1:
