@@ -158,7 +158,7 @@ class _DataPlane:
 
     def __init__(self, node: Any, state: Any, *, round_deadline_s: float, screen: ContributionScreen) -> None:
         from lattica.net.tensors.transfer import TensorService, TensorServiceConfig
-        from lattica.train.rounds import RoundCoordinator
+        from lattica.coordination.rounds import RoundCoordinator
 
         self.state = state
         self.tensors = TensorService(node.running_host, node.key_pair, config=TensorServiceConfig(screen=screen))

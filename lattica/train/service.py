@@ -90,7 +90,7 @@ class TrainingService:
 
     async def run(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         from lattica.net.tensors.transfer import TensorService, TensorServiceConfig
-        from lattica.train.rounds import RoundCoordinator
+        from lattica.coordination.rounds import RoundCoordinator
         from lattica.train.strategy_settings import contribution_screen
 
         host = self.node.host

@@ -20,13 +20,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lattica.control.protocol import BadRequest, decode_request, decode_response
+from lattica.coordination.rounds import RoundCoordinator
 from lattica.crdt.envelope import envelope_from_wire
 from lattica.crdt.sync import parse_batch, parse_hello
 from lattica.dht.records import InvalidRecord, decode_record
 from lattica.errors import LatticaError, LocalProtocolError, RemoteError, RemoteProtocolError
 from lattica.net.peer_exchange import parse_px_reply
 from lattica.net.wire import decode_body, read_message
-from lattica.train.rounds import RoundCoordinator
 
 PEER = "12D3KooWJbM6u2R3tE5hD3ZKg1b3wHv7n9t4yZ6JzWq2mF8o1QxA"
 FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -13,8 +13,9 @@ fragment to send, apply a mean that has arrived) may also do it in the worker th
 ``sync_in_thread``: the inner steps then go on without handing off to the event loop.
 
 Strategies see the network only through a ``Collective`` and learn who takes part in a sync from
-a ``GroupProvider`` (the daemon answers from the replicated state; tests answer with a fixed
-list). All tensor math lives in pure functions next to each strategy, tested without any I/O.
+a ``GroupProvider`` (``lattica.coordination``: the daemon answers from the replicated state;
+tests answer with a fixed list). All tensor math lives in pure functions next to each strategy,
+tested without any I/O. Blocking strategies that sync every H steps share ``EveryHSteps``.
 """
 
 from __future__ import annotations
@@ -22,22 +23,13 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, ClassVar
 
 import torch
 import trio
 
+from lattica.coordination.provider import GroupProvider
 from lattica.train.collective import Collective
-
-
-class GroupProvider(Protocol):
-    async def group_for(self, key: str) -> Sequence[str]:
-        """The agreed, identically ordered member list (including this node) for sync ``key``.
-
-        ``key`` names one sync uniquely in the run, e.g. ``"round/12"`` or
-        ``"round/12/fragment/1"``. Peers that miss the deadline are left out.
-        """
-        ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,9 +46,20 @@ class OuterStepReport:
 
 
 class OuterStrategy(ABC):
-    """Base of DiLoCo, eager/streaming DiLoCo, NoLoCo and SPES."""
+    """Base of DiLoCo, eager/streaming DiLoCo, NoLoCo and SPES.
+
+    Everything the trainer and the training service call is declared here, with a default where
+    a strategy may leave it out: hooks (``before_optimizer_step``, ``next_sync_step``,
+    ``sync_in_thread``, ``finish``, ``attach_inner_optimizer``, ``accounting``) and capabilities
+    (``replicas_agree``, ``syncs_gradients``, ``averages_in_groups``, ``trains_experts``). Nothing
+    is looked up by name: a wrapper (the daemon's outer-state sync) implements the same interface
+    around a strategy and forwards what it does not change.
+    """
 
     name: str = "base"
+    config_class: ClassVar[type | None] = None
+    """The frozen config dataclass the constructor's ``config`` takes (None: no config)."""
+
     replicas_agree: bool = False
     """True when every member of a completed sync holds bit-identical outer state (DiLoCo,
     Streaming DiLoCo, SPES); False where replicas differ by design (NoLoCo, eager DiLoCo).
@@ -71,6 +74,18 @@ class OuterStrategy(ABC):
     #: optimizer uses them (data-parallel baselines); the trainer then calls
     #: ``before_optimizer_step`` between backward and ``optimizer.step()``.
     syncs_gradients: bool = False
+
+    #: Set by strategies whose members each train a part of a mixture-of-experts model (SPES):
+    #: the built-in task then trains an MoE model, and the daemon keeps expert ownership in the
+    #: replicated state and passes it to the constructor as ``ownership``.
+    trains_experts: ClassVar[bool] = False
+
+    @classmethod
+    def averages_in_groups(cls, config: object | None) -> bool:
+        """Whether this strategy, with ``config``, syncs inside small groups drawn without a
+        coordinator (``lattica.coordination.gossip``) instead of one group per round; its
+        replicas then differ, and a replica that falls behind adopts the newest published one."""
+        return False
 
     def __init__(
         self,
@@ -87,6 +102,11 @@ class OuterStrategy(ABC):
     def bind_nursery(self, nursery: trio.Nursery) -> None:
         """Give the strategy a nursery for communication that overlaps inner steps."""
         self.nursery = nursery
+
+    def attach_inner_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """The trainer's inner optimizer, once built (accounting; SPES drops the state of the
+        experts it stops owning). Default: not needed."""
+        return None
 
     async def before_optimizer_step(self, step: int) -> None:
         """Called on the trio thread after backward of step ``step`` when ``syncs_gradients``."""
@@ -139,3 +159,39 @@ class OuterStrategy(ABC):
     def evaluation_parameters(self) -> Sequence[torch.Tensor] | None:
         """Parameters to evaluate on, when they differ from the model's (Streaming: θ̃)."""
         return None
+
+    def accounting(self) -> dict[str, int]:
+        """Traffic and memory figures for the metrics (``accounting.AccountedStrategy``);
+        empty by default."""
+        return {}
+
+
+def next_multiple(step: int, every: int) -> int:
+    """The first multiple of ``every`` after ``step``."""
+    return (step // every + 1) * every
+
+
+class EveryHSteps(OuterStrategy):
+    """The blocking every-H schedule: one sync after inner steps H, 2H, 3H, … and nothing at
+    the steps between (``next_sync_step`` lets the trainer run those in one go).
+
+    A strategy names H in ``sync_interval`` and does one sync in ``sync_at(step)``; mix it in
+    before the strategy's other base (``class DiLoCo(EveryHSteps, AccountedStrategy)``).
+    """
+
+    @property
+    @abstractmethod
+    def sync_interval(self) -> int:
+        """H: inner steps between two syncs."""
+
+    @abstractmethod
+    async def sync_at(self, step: int) -> OuterStepReport:
+        """The sync after inner step ``step``, a multiple of H."""
+
+    def next_sync_step(self, step: int) -> int:
+        return next_multiple(step, self.sync_interval)
+
+    async def after_inner_step(self, step: int) -> list[OuterStepReport]:
+        if step % self.sync_interval:
+            return []
+        return [await self.sync_at(step)]

@@ -41,7 +41,7 @@ from lattica.coordination.groups import proposed_group
 from lattica.errors import BrokenError, PeerUnavailableError
 from lattica.train.collective import Collective
 from lattica.train.strategies.accounting import AccountedStrategy, tensor_bytes
-from lattica.train.strategies.base import GroupProvider, OuterStepReport
+from lattica.train.strategies.base import EveryHSteps, GroupProvider, OuterStepReport
 from lattica.train.strategies.gossip import (
     check_averaging,
     consensus_distance,
@@ -128,12 +128,16 @@ def nesterov_sgd(outer: list[torch.Tensor], lr: float, momentum: float) -> torch
     )
 
 
-class DiLoCo(AccountedStrategy):
+class DiLoCo(EveryHSteps, AccountedStrategy):
     """Blocking DiLoCo: one all-reduce of the pseudo-gradient every ``inner_steps`` steps."""
 
     replicas_agree = True
     name = "diloco"
     config_class = DiLoCoConfig
+
+    @classmethod
+    def averages_in_groups(cls, config: object | None) -> bool:
+        return isinstance(config, DiLoCoConfig) and config.averaging == "gossip"
 
     def __init__(
         self,
@@ -170,14 +174,13 @@ class DiLoCo(AccountedStrategy):
     def outer_parameters(self) -> list[torch.Tensor]:
         return self._outer
 
-    def next_sync_step(self, step: int) -> int:
-        return (step // self.config.inner_steps + 1) * self.config.inner_steps
+    @property
+    def sync_interval(self) -> int:
+        return self.config.inner_steps
 
-    async def after_inner_step(self, step: int) -> list[OuterStepReport]:
-        if step % self.config.inner_steps:
-            return []
+    async def sync_at(self, step: int) -> OuterStepReport:
         self._step = step
-        return [await self.sync()]
+        return await self.sync()
 
     async def sync(self) -> OuterStepReport:
         """Run one outer round now (normally called every ``inner_steps`` steps)."""

@@ -98,6 +98,10 @@ class NoLoCo(AccountedStrategy):
     name = "noloco"
     config_class = NoLoCoConfig
 
+    @classmethod
+    def averages_in_groups(cls, config: object | None) -> bool:
+        return True  # small groups from the GroupProvider, never one all-reduce
+
     def __init__(self, model, *, collective, groups, config: NoLoCoConfig | None = None) -> None:
         super().__init__(model, collective=collective, groups=groups)
         self.config = config or NoLoCoConfig()

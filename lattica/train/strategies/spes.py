@@ -111,6 +111,7 @@ def merge_similar_experts(
 
 class SPES(AccountedStrategy):
     replicas_agree = True
+    trains_experts = True
 
     name = "spes"
     config_class = SPESConfig

@@ -8,8 +8,13 @@ import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.peerinfo import info_from_p2p_addr
 
+from lattica.coordination.rounds import (
+    ROUND_PROTOCOL,
+    RoundCoordinator,
+    _CoordinatorSearch,
+    round_of,
+)
 from lattica.net.host import build_host
-from lattica.train.rounds import ROUND_PROTOCOL, RoundCoordinator, _CoordinatorSearch, round_of
 
 LOOPBACK = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]
 
