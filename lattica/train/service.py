@@ -290,9 +290,10 @@ class TrainingService:
         await self._publish_if_unpublished()
         while True:
             if await self._repair_if_diverged():
-                val_loss = await trio.to_thread.run_sync(self.trainer.evaluate)
-                self.progress["val_loss"] = round(val_loss, 4)
-                self.progress["round"] = self.strategy.completed_rounds
+                # the weights are now the adopted state's: the summary's val loss must be its
+                # (not that of the lone or skipped last round it replaced)
+                await self.trainer.revalidate()  # reports through _on_progress
+                self.summary = dataclasses.asdict(self.trainer.summary())
             with trio.move_on_after(1.0):
                 await self.state.wait_changed()
 

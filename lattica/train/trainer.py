@@ -154,7 +154,9 @@ class Trainer:
         self.tokens = 0
         self.bytes_sent = 0
         self.last_loss = float("nan")
-        self.last_val_loss: float | None = None
+        self.last_val_loss: float | None = None  # of the current weights; None when unknown
+        self._started: float | None = None
+        self._seconds: float | None = None  # the run's wall time, once it ended
         self._window_tokens, self._window_start = 0, time.monotonic()
         self._rate = 0.0
         self._done_in_thread: list[RoundCompleted] = []  # by the worker, recorded on trio
@@ -165,7 +167,7 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> TrainingSummary:
-        started = time.monotonic()
+        self._started, self._seconds = time.monotonic(), None
         try:
             async with trio.open_nursery() as nursery:
                 self.strategy.bind_nursery(nursery)
@@ -181,13 +183,22 @@ class Trainer:
             if len(group.exceptions) == 1 and isinstance(group.exceptions[0], Exception):
                 raise group.exceptions[0] from None
             raise
+        self._seconds = time.monotonic() - self._started
+        return self.summary()
+
+    def summary(self) -> TrainingSummary:
+        """The run's figures as they stand now. A state adopted after ``run`` returned (a
+        replica repaired onto the swarm's final state) changes the weights, and with them the
+        validation loss: ``adopt_outer_state`` drops the old figure and ``revalidate`` measures
+        the new one, so the summary always describes the weights this replica holds."""
+        started = self._started if self._started is not None else time.monotonic()
         return TrainingSummary(
             steps=self.step,
             rounds=self.strategy.completed_rounds,
             train_loss=self.last_loss,
             val_loss=self.last_val_loss,
             tokens=self.tokens,
-            seconds=time.monotonic() - started,
+            seconds=self._seconds if self._seconds is not None else time.monotonic() - started,
             bytes_sent=self.bytes_sent,
         )
 
@@ -321,6 +332,12 @@ class Trainer:
             self.last_val_loss = await trio.to_thread.run_sync(self.evaluate)
         self._report(val_loss=self.last_val_loss)
 
+    async def revalidate(self) -> float | None:
+        """Validate the weights held now and report it (``on_progress``): after a state was
+        adopted once the run had ended, the last validation was of the weights it replaced."""
+        await self._evaluate_and_report()
+        return self.last_val_loss
+
     def evaluate(self) -> float:
         """Mean validation loss (blocking; on the strategy's evaluation weights if it has any)."""
         swap = self.strategy.evaluation_parameters()
@@ -411,6 +428,9 @@ class Trainer:
         """
         self.strategy.load_outer_state_dict(outer)
         self.step = int(outer.get("step", 0)) if step is None else step
+        # the weights changed: the last validation loss was of the replaced ones (the next
+        # validation, or ``revalidate`` once the run has ended, measures these)
+        self.last_val_loss = None
 
 
 def _next_multiple(step: int, every: int) -> int:

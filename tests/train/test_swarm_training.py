@@ -117,14 +117,29 @@ def _final_hashes(daemons: list[DaemonProcess], rounds: int) -> set[str]:
     return hashes
 
 
+def _final_val_loss(daemons: list[DaemonProcess]) -> float:
+    """The summary's val loss, once every replica reports the same: one that adopted the final
+    state after its run (its last round ran alone or failed) validates it before reporting it."""
+
+    def agreed() -> set[Any] | None:
+        losses = {(_training(d).get("summary") or {}).get("val_loss") for d in daemons}
+        return losses if len(losses) == 1 else None
+
+    losses = _wait_for(agreed, timeout=30, interval=0.5)
+    assert losses, [_training(d) for d in daemons]
+    (val_loss,) = losses
+    assert val_loss is not None
+    return val_loss
+
+
 def test_three_daemons_end_with_identical_outer_weights(swarm: Swarm) -> None:
     daemons = swarm.start_many(["a", "b", "c"], rounds=3, min_peers=3)
     infos = _wait_done(daemons, timeout=90)
     assert [i["rounds_completed"] for i in infos] == [3, 3, 3]
     assert len(_final_hashes(daemons, rounds=3)) == 1
-    val_losses = {i["summary"]["val_loss"] for i in infos}
-    assert len(val_losses) == 1, infos
-    assert None not in val_losses
+    # `lattica status` after the run: the val loss of the final replicated weights, everywhere
+    val_loss = _final_val_loss(daemons)
+    assert all(_training(d)["val_loss"] == round(val_loss, 4) for d in daemons)
     # every round ran with all three members: nobody trained alone
     for d in daemons:
         assert "sealed without" not in d.log(), d.log()
@@ -146,8 +161,7 @@ def test_joiner_fetches_the_outer_state_and_ends_identical(swarm: Swarm) -> None
     if int(adopted.group(1)) < rounds:  # it arrived in time to sync with the others
         assert _training(joiner)["bytes_sent"] > 0
     assert len(_final_hashes(daemons, rounds=rounds)) == 1
-    val_losses = {_training(d)["summary"]["val_loss"] for d in daemons}
-    assert len(val_losses) == 1, val_losses
+    _final_val_loss(daemons)
 
 
 def test_sigkilled_peer_does_not_stall_the_others(swarm: Swarm) -> None:
