@@ -34,10 +34,11 @@ def phantom_envelopes(*, vouch_for: list[str] = ()) -> tuple[str, list[Envelope]
     return me, envs
 
 
-async def push(host, target, envelopes: list[Envelope]) -> None:
-    """One sync session from ``host`` that offers ``envelopes`` to ``target``."""
+async def push(host, target, envelopes: list[Envelope], *, timeout: float = 30.0) -> None:
+    """One sync session from ``host`` that offers ``envelopes`` to ``target`` (a bound on the
+    whole session, not a pace: a loaded machine takes longer to read a large batch)."""
     stream = await host.new_stream(target.host.get_id(), [SYNC_PROTOCOL])
-    with trio.fail_after(5):
+    with trio.fail_after(timeout):
         await write_message(stream, hello(RUN, []))
         await read_message(stream, max_size=1 << 22)
         while (await read_message(stream, max_size=1 << 22))["t"] != "end":
@@ -129,6 +130,9 @@ async def _small_table_node(tmp_path, name, *, max_streams: int):
 
 
 async def test_a_flood_of_throwaway_writers_locks_no_member_out(tmp_path):
+    # signed before the nodes start: signing 900 records blocks the event loop for seconds on a
+    # loaded machine, and the nodes' leases (4 s) would run out meanwhile
+    envelopes = [env for _ in range(300) for env in phantom_envelopes()[1]]
     async with _small_table_node(tmp_path, "a", max_streams=32) as a, running_node(tmp_path, "b") as b:
         await connect(a, b)
         await b.set_progress(1, "h1")
@@ -136,17 +140,17 @@ async def test_a_flood_of_throwaway_writers_locks_no_member_out(tmp_path):
         flooder = build_host(create_new_key_pair())
         async with flooder.run([LOOPBACK]):
             await flooder.connect(info_from_p2p_addr(p2p_addr(a)))
-            envelopes = [env for _ in range(300) for env in phantom_envelopes()[1]]
-            started = trio.current_time()
             await push(flooder, a, envelopes)
-            await wait_for(lambda: a.counters()["evicted_writers"] >= 300 - 32, [a])
-            assert trio.current_time() - started < 20
+            # the flood is dealt with (every writer past the table's room evicted) within a bound
+            # that holds on a loaded machine; the table never grows past its room meanwhile
+            await wait_for(lambda: a.counters()["evicted_writers"] >= 300 - 32, [a], timeout=60)
             assert a.counters()["streams"] <= 32
             # the member that was there keeps its place, and one that comes later gets in
             await b.set_progress(2, "h2")
-            await wait_for(lambda: a.snapshot()["progress"].get(b.peer_id, {}).get("round") == 2, [a, b])
+            await wait_for(lambda: a.snapshot()["progress"].get(b.peer_id, {}).get("round") == 2, [a, b], timeout=30)
             async with running_node(tmp_path, "c") as c:
                 await c.set_progress(3, "h3")
                 await connect(c, a)
-                await wait_for(lambda: a.snapshot()["progress"].get(c.peer_id, {}).get("round") == 3, [a, c])
-                await wait_for(lambda: {b.peer_id, c.peer_id} <= set(a.live_members()), [a, b, c])
+                await wait_for(lambda: a.snapshot()["progress"].get(c.peer_id, {}).get("round") == 3, [a, c], timeout=30)
+                # live: leases renewed every 0.2 s; one late renewal under load is waited out
+                await wait_for(lambda: {b.peer_id, c.peer_id} <= set(a.live_members()), [a, b, c], timeout=30)
