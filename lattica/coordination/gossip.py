@@ -13,6 +13,12 @@ contacted, so a frozen or dead peer costs only its own group, at most the grace,
 steps it is drawn into that group. A partner that this peer does not hear (``responsive``) is
 not asked at all.
 
+A request for a step this peer has not reached is held until it opens the step or the hold ends
+(``groups.GroupHandshakes.decide``; ``late`` at once for a peer that cannot make it), so a
+partner is confirmed only once it is there: a peer drawn with a straggler is told ``late`` and
+averages alone without waiting out the grace. Every answer carries the answerer's latest step,
+and every request the asker's; ``next_step()`` tells a strategy that fell behind where the swarm is (``groups.SwarmStep``).
+
 Messages are length-prefixed msgpack (``net.wire``), capped at a few KiB; a malformed request
 ends that one stream and is logged.
 """
@@ -29,13 +35,17 @@ from libp2p.peer.id import ID
 from trio_typing import TaskStatus
 
 from lattica.coordination.groups import (
+    WAIT,
     GossipGroupsConfig,
     GroupHandshakes,
+    Reply,
+    SwarmStep,
     confirmed_group,
     handshake_request,
     parse_reply,
     parse_request,
     proposed_group,
+    step_of,
 )
 from lattica.net.wire import read_message, write_message
 
@@ -69,6 +79,8 @@ class GossipGroups:
         self.config = config or GossipGroupsConfig()
         self.responsive = responsive or (lambda peer: True)
         self._handshakes = GroupHandshakes(self.config)
+        self._swarm = SwarmStep()
+        self._opened = trio.Event()  # set (and replaced) whenever this peer opens a key
 
     async def run(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         self.host.set_stream_handler(GROUP_PROTOCOL, self._handle)
@@ -78,11 +90,18 @@ class GossipGroups:
     def proposal(self, key: str) -> tuple[str, ...]:
         return proposed_group(self.members(), self.peer_id, key=key, group_size=self.config.group_size)
 
+    def next_step(self) -> int | None:
+        """The step the swarm goes to next, as partners announced it (None: nothing heard).
+        A strategy whose next key is below it jumps there (it fell behind)."""
+        return self._swarm.next_step(len(set(self.members()) | {self.peer_id}))
+
     async def group_for(self, key: str) -> Sequence[str]:
         """This peer and the partners that confirmed the key's group (sorted)."""
         self._handshakes.open(key, trio.current_time())
+        opened, self._opened = self._opened, trio.Event()
+        opened.set()
         proposal = self.proposal(key)
-        answers: dict[str, tuple[str, ...] | None] = {}
+        answers: dict[str, Reply] = {}
 
         async def ask(partner: str) -> None:
             with trio.move_on_after(self.config.grace_s):
@@ -91,11 +110,21 @@ class GossipGroups:
                 except Exception as exc:  # noqa: BLE001 - libp2p raises many kinds on a dead peer
                     log.info("group partner %s for %s did not confirm: %r", partner, key, exc)
 
+        declined = self._handshakes.declined(key)
         async with trio.open_nursery() as nursery:
             for partner in proposal:
-                if partner != self.peer_id and self.responsive(partner):
+                if partner != self.peer_id and partner not in declined and self.responsive(partner):
                     nursery.start_soon(ask, partner)
-        group = confirmed_group(self.peer_id, proposal, answers)
+        for partner, reply in answers.items():
+            if reply.step is not None:
+                self._swarm.heard(partner, reply.step)
+            if reply.late:
+                self._handshakes.decline(key, partner)
+        # a partner we told "late" meanwhile (we had not reached the key then) is out too
+        declined = self._handshakes.declined(key)
+        group = confirmed_group(
+            self.peer_id, proposal, {p: r.group for p, r in answers.items() if p not in declined}
+        )
         if len(group) < len(proposal):
             log.info(
                 "group for %s: %d of %d proposed member(s) confirmed (%s)", key, len(group), len(proposal),
@@ -103,7 +132,7 @@ class GossipGroups:
             )
         return group
 
-    async def _ask(self, partner: str, key: str, proposal: Sequence[str]) -> tuple[str, ...] | None:
+    async def _ask(self, partner: str, key: str, proposal: Sequence[str]) -> Reply:
         stream = await self.host.new_stream(ID.from_base58(partner), [GROUP_PROTOCOL])
         try:
             await write_message(stream, handshake_request(self.run_id, key, proposal), peer_id=partner)
@@ -118,7 +147,18 @@ class GossipGroups:
             with trio.fail_after(self.config.grace_s + 5.0):
                 request = await read_message(stream, max_size=_MESSAGE_BYTES, peer_id=peer)
                 key, _ = parse_request(request, run_id=self.run_id, peer_id=peer)
-                reply = self._handshakes.answer(key, self.proposal(key), trio.current_time())
+                asked_at = trio.current_time()
+                asker_step = step_of(key)
+                if asker_step is not None:
+                    self._swarm.heard(peer, asker_step)  # the asker has reached that step
+                while True:
+                    verdict = self._handshakes.decide(key, asker=peer, asked_at=asked_at, now=trio.current_time())
+                    if verdict.kind != WAIT:
+                        break
+                    assert verdict.until is not None
+                    with trio.move_on_at(verdict.until):
+                        await self._opened.wait()  # this peer opened a key: decide again
+                reply = self._handshakes.answer(key, self.proposal(key), verdict, asker=peer)
                 await write_message(stream, reply, peer_id=peer)
         except Exception as exc:  # noqa: BLE001 - one bad request ends one stream
             log.info("group request from %s failed: %r", peer, exc)
@@ -126,12 +166,16 @@ class GossipGroups:
             await stream.close()
 
 
-def _why(partner: str, answers: dict[str, tuple[str, ...] | None], me: str) -> str:
+def _why(partner: str, answers: dict[str, Reply], me: str) -> str:
     """Why ``partner`` is not in our group, for the log."""
     short = partner[-6:]
     if partner not in answers:
         return f"{short}: no answer"
-    answer = answers[partner]
-    if answer is None:
-        return f"{short}: gone"
-    return f"{short}: its group is {','.join(p[-6:] for p in answer)}"
+    reply = answers[partner]
+    if reply.late:
+        return f"{short}: late (at step {reply.step})"
+    if reply.group is None:
+        return f"{short}: gone (at step {reply.step})"
+    if me not in reply.group:
+        return f"{short}: its group is {','.join(p[-6:] for p in reply.group)}"
+    return f"{short}: declined (late)"

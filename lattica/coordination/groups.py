@@ -25,6 +25,22 @@ peer decides for others.
 
 Ordering by a per-peer hash keeps a view difference local: a missing peer shifts only the
 stripes after its position in the order, not the whole permutation.
+
+Readiness (stragglers). A partner is confirmed only once it has *reached* the step itself. A
+request for a step this peer has not opened yet is held for at most ``hold_s`` (the
+``ready_wait_s`` setting; by default and at most half the grace) and answered with the proposal the moment the
+peer opens the step, or ``late`` when the hold ends first. It is answered ``late`` at once when
+the peer cannot make it in the hold: it is more than one step behind, or its own pace (the
+interval between its last syncs) puts its arrival after the hold. A peer that answered ``late``
+to a partner leaves that partner out of its own group for the key (``decline``), and so does the
+asker: the two verdicts agree, and a peer drawn with a straggler loses one round trip, or at
+most the hold, instead of the grace.
+
+Realignment. Every answer carries the answerer's latest opened step, and every request the
+step the asker has reached (its key). A peer learns from them
+where the swarm is (``SwarmStep``: the second-highest step of the last peers heard, so one peer
+announcing a far step moves nobody) and a strategy that fell behind jumps its next key there,
+instead of drawing one group after another for steps its partners have left.
 """
 
 from __future__ import annotations
@@ -49,10 +65,13 @@ _STEP = re.compile(r"^round/(\d+)(?:/.*)?$")
 class GossipGroupsConfig:
     """``group_size``: members per group (2: pairwise gossip). ``grace_s``: how long a partner
     has to answer the handshake, and how long after asking for a key this peer still counts its
-    group as open (partners may exchange with it that long). ``remembered_keys``: keys kept."""
+    group as open (partners may exchange with it that long). ``ready_wait_s``: how long a
+    request for a step this peer has not reached yet is held before it answers ``late`` (default
+    and cap: half the grace; ``hold_s``). ``remembered_keys``: keys kept."""
 
     group_size: int = DEFAULT_GROUP_SIZE
     grace_s: float = 5.0
+    ready_wait_s: float | None = None  # None: half the grace
     remembered_keys: int = 256
 
     def __post_init__(self) -> None:
@@ -60,8 +79,17 @@ class GossipGroupsConfig:
             raise ValueError(f"group_size must be an integer in [2, {MAX_GROUP_LEN // 2}], got {self.group_size!r}")
         if not self.grace_s > 0:
             raise ValueError(f"grace_s must be positive, got {self.grace_s!r}")
+        if self.ready_wait_s is not None and not self.ready_wait_s >= 0:
+            raise ValueError(f"ready_wait_s must be >= 0, got {self.ready_wait_s!r}")
         if self.remembered_keys < 1:
             raise ValueError(f"remembered_keys must be >= 1, got {self.remembered_keys!r}")
+
+    @property
+    def hold_s(self) -> float:
+        """How long a request for a step not reached yet is held: ``ready_wait_s``, at most
+        (and by default) half the grace, so the answer reaches the asker within its grace."""
+        half = self.grace_s / 2
+        return half if self.ready_wait_s is None else min(self.ready_wait_s, half)
 
 
 def step_of(key: str) -> int | None:
@@ -134,13 +162,28 @@ def parse_request(message: object, *, run_id: str, peer_id: str) -> tuple[str, t
     return key, group
 
 
-def parse_reply(message: object, *, peer_id: str) -> tuple[str, ...] | None:
-    """The partner's proposal, or ``None`` when its group for the key is gone."""
-    if isinstance(message, dict) and message.get("gone") is True:
-        return None
+@dataclass(frozen=True)
+class Reply:
+    """A partner's answer: its proposal (``group``; None when the key is gone for it or it is
+    ``late``) and its latest opened step (``step``; None when it announced none)."""
+
+    group: tuple[str, ...] | None
+    step: int | None = None
+    late: bool = False
+
+
+def parse_reply(message: object, *, peer_id: str) -> Reply:
+    """The partner's answer; ``RemoteProtocolError`` when malformed."""
     if not isinstance(message, dict):
         raise RemoteProtocolError("malformed group reply", peer_id=peer_id)
-    return _peer_list(message.get("group"), peer_id=peer_id)
+    step = message.get("step")
+    if step is not None and (not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < 2**53):
+        raise RemoteProtocolError("malformed group reply step", peer_id=peer_id)
+    if message.get("gone") is True:
+        return Reply(None, step)
+    if message.get("late") is True:
+        return Reply(None, step, late=True)
+    return Reply(_peer_list(message.get("group"), peer_id=peer_id), step)
 
 
 def _peer_list(value: object, *, peer_id: str) -> tuple[str, ...]:
@@ -156,19 +199,47 @@ def _peer_list(value: object, *, peer_id: str) -> tuple[str, ...]:
 # -- what this peer answers ----------------------------------------------------------------------
 
 
-class GroupHandshakes:
-    """The answering side, as state: which keys this peer opened and when.
+READY = "ready"
+LATE = "late"
+GONE = "gone"
+WAIT = "wait"
+_PACE_WEIGHT = 0.3  # weight of the newest interval in this peer's pace (moving average)
 
-    A request for a key is answered with this peer's proposal — computed from its own view, at
-    once, whether or not it reached that step (a partner that is a little ahead then waits for
-    it in the exchange, up to the grace) — except when the key is *gone*: this peer opened it
-    more than ``grace_s`` ago (it has averaged and moved on), or it already opened a later step.
+
+@dataclass(frozen=True)
+class Verdict:
+    """How to answer a request now: ``ready``, ``late``, ``gone``, or ``wait`` (until ``until``,
+    or until this peer opens a key, then decide again)."""
+
+    kind: str
+    until: float | None = None
+
+
+class GroupHandshakes:
+    """The answering side, as state: which keys this peer opened, when, and its pace.
+
+    A request is answered with this peer's proposal once this peer has opened the key itself
+    (``ready``); ``gone`` when it opened the key more than ``grace_s`` ago (it has averaged and
+    moved on) or already opened a later step; for a step it has not reached, held up to
+    ``hold_s`` and then ``late`` — or ``late`` at once when it is more than one step behind, or
+    its pace puts its arrival after the hold. Keys that name no step are answered at once.
     """
 
     def __init__(self, config: GossipGroupsConfig) -> None:
         self.config = config
         self._opened: OrderedDict[str, float] = OrderedDict()
+        self._declined: OrderedDict[str, set[str]] = OrderedDict()
         self._latest_step: int | None = None
+        self._latest_at: float | None = None
+        self._pace: float | None = None  # seconds between two of this peer's step syncs
+
+    @property
+    def latest_step(self) -> int | None:
+        return self._latest_step
+
+    @property
+    def pace(self) -> float | None:
+        return self._pace
 
     def open(self, key: str, now: float) -> None:
         """This peer asks for ``key`` now (its step reached the sync)."""
@@ -177,7 +248,12 @@ class GroupHandshakes:
             self._opened.popitem(last=False)
         step = step_of(key)
         if step is not None and (self._latest_step is None or step > self._latest_step):
-            self._latest_step = step
+            if self._latest_at is not None:
+                interval = now - self._latest_at
+                self._pace = interval if self._pace is None else (
+                    _PACE_WEIGHT * interval + (1 - _PACE_WEIGHT) * self._pace
+                )
+            self._latest_step, self._latest_at = step, now
 
     def gone(self, key: str, now: float) -> bool:
         opened = self._opened.get(key)
@@ -186,7 +262,74 @@ class GroupHandshakes:
         step = step_of(key)
         return step is not None and self._latest_step is not None and step < self._latest_step
 
-    def answer(self, key: str, proposal: Sequence[str], now: float) -> dict[str, Any]:
+    def decide(self, key: str, *, asker: str, asked_at: float, now: float) -> Verdict:
+        """How to answer ``asker``'s request for ``key``, received at ``asked_at``."""
         if self.gone(key, now):
-            return {"gone": True}
-        return {"group": list(proposal)}
+            return Verdict(GONE)
+        if asker in self._declined.get(key, ()):
+            return Verdict(LATE)
+        if key in self._opened:
+            return Verdict(READY)
+        step = step_of(key)
+        if step is None:
+            return Verdict(READY)
+        until = asked_at + self.config.hold_s
+        if now >= until:
+            return Verdict(LATE)
+        if self._latest_step is not None:
+            if step > self._latest_step + 1:
+                return Verdict(LATE)  # more than a whole step behind: cannot make it
+            if self._pace is not None and self._latest_at is not None and self._latest_at + self._pace > until:
+                return Verdict(LATE)  # at its pace it reaches the step after the hold
+        return Verdict(WAIT, until)
+
+    def decline(self, key: str, peer: str) -> None:
+        """``peer`` is out of this peer's group for ``key`` (one of the two was late)."""
+        self._declined.setdefault(key, set()).add(peer)
+        while len(self._declined) > self.config.remembered_keys:
+            self._declined.popitem(last=False)
+
+    def declined(self, key: str) -> frozenset[str]:
+        return frozenset(self._declined.get(key, ()))
+
+    def answer(self, key: str, proposal: Sequence[str], verdict: Verdict, *, asker: str) -> dict[str, Any]:
+        """The reply for a final verdict (``late`` declines the asker for the key)."""
+        message: dict[str, Any] = {}
+        if verdict.kind == GONE:
+            message["gone"] = True
+        elif verdict.kind == LATE:
+            self.decline(key, asker)
+            message["late"] = True
+        elif verdict.kind == READY:
+            message["group"] = list(proposal)
+        else:
+            raise ValueError(f"no reply for verdict {verdict.kind!r}")
+        if self._latest_step is not None:
+            message["step"] = self._latest_step
+        return message
+
+
+class SwarmStep:
+    """Where the swarm is, from the steps partners announced in their answers.
+
+    ``heard(peer, step)`` keeps each of the last ``remembered`` peers' highest step;
+    ``next_step(members)`` is the step after the second-highest of them (the highest when this
+    peer knows only one other member) — one peer announcing a far step moves nobody — or None
+    when nothing was heard.
+    """
+
+    def __init__(self, remembered: int = 8) -> None:
+        self.remembered = remembered
+        self._steps: OrderedDict[str, int] = OrderedDict()
+
+    def heard(self, peer: str, step: int) -> None:
+        self._steps[peer] = max(step, self._steps.pop(peer, step))
+        while len(self._steps) > self.remembered:
+            self._steps.popitem(last=False)
+
+    def next_step(self, members: int) -> int | None:
+        steps = sorted(self._steps.values(), reverse=True)
+        needed = 1 if members <= 2 else 2
+        if len(steps) < needed:
+            return None
+        return steps[needed - 1] + 1

@@ -104,17 +104,88 @@ async def test_a_late_peer_finds_its_group_gone_and_goes_alone() -> None:
         async with trio.open_nursery() as nursery:
             peers = await _peers(nursery, 2)
             early, late = sorted(peers)
-            # the late peer has not reached the step: it still answers, so the early one is confirmed
-            groups, _ = await _ask_all(peers, "round/0", only=[early])
-            assert groups[early] == tuple(sorted(peers))
-            await trio.sleep(GRACE_S + 0.2)  # the early peer averaged (or gave up) and moved on
+            hold = GossipGroupsConfig(grace_s=GRACE_S).hold_s
+            # the late peer has not reached the step: it holds the request, then answers late
+            groups, took = await _ask_all(peers, "round/0", only=[early])
+            assert groups[early] == (early,)
+            assert hold - 0.1 <= took[early] < GRACE_S
+            # reaching it, the late peer leaves out the partner it told late, without waiting
             groups, took = await _ask_all(peers, "round/0", only=[late])
             assert groups[late] == (late,)
-            assert took[late] < GRACE_S  # told at once, not timed out
-            # and a step the early peer moved past is gone as well
-            await peers[early].group_for("round/1")
-            groups, _ = await _ask_all(peers, "round/0", only=[late])
+            assert took[late] < hold
+            # and a step the early peer moved past is gone: told at once
+            await peers[early].group_for("round/2")
+            groups, took = await _ask_all(peers, "round/1", only=[late])
             assert groups[late] == (late,)
+            assert took[late] < hold
+            assert peers[late].next_step() == 3  # the gone answer carried the early peer's step 2
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_partner_arriving_within_the_hold_is_confirmed() -> None:
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            peers = await _peers(nursery, 2)
+            first, second = sorted(peers)
+            groups: dict[str, tuple[str, ...]] = {}
+
+            async def ask(me: str, after: float) -> None:
+                await trio.sleep(after)
+                groups[me] = tuple(await peers[me].group_for("round/0"))
+
+            async with trio.open_nursery() as inner:
+                inner.start_soon(ask, first, 0.0)
+                inner.start_soon(ask, second, 0.3)  # within the hold (0.75 s)
+            assert groups[first] == groups[second] == (first, second)
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_straggler_is_left_out_at_once_by_whoever_draws_it() -> None:
+    """One peer stays at step 0 while the others go on: the peer drawn with it each step is
+    told ``late`` at once (it is more than a step behind) and averages alone; before, it was
+    confirmed and then waited out the grace in its exchange."""
+    with trio.fail_after(90):
+        async with trio.open_nursery() as nursery:
+            peers = await _peers(nursery, 4)
+            hold = GossipGroupsConfig(grace_s=GRACE_S).hold_s
+            await _ask_all(peers, "round/0")
+            straggler = sorted(peers)[0]
+            others = [p for p in peers if p != straggler]
+            for t in range(2, 6):
+                key = f"round/{t}"
+                groups, took = await _ask_all(peers, key, only=others)
+                stripe = next(s for s in draw_step_groups(peers, key=key, group_size=2) if straggler in s)
+                for me in others:
+                    assert straggler not in groups[me]
+                    if me in stripe:
+                        assert took[me] < hold  # told late at once, not held, not the grace
+                        assert groups[me] == tuple(sorted(p for p in stripe if p != straggler)) or len(stripe) == 2
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_peer_behind_learns_the_swarms_step_and_pairs_again() -> None:
+    with trio.fail_after(90):
+        async with trio.open_nursery() as nursery:
+            peers = await _peers(nursery, 5)
+            def partners(p: str) -> set[str]:
+                return {q for t in range(5) for s in draw_step_groups(peers, key=f"round/{t}", group_size=2)
+                        if p in s for q in s if q != p}
+
+            # a peer drawn with at least two others in steps 0..4 (so two peers vouch for the step)
+            behind = max(sorted(peers), key=lambda p: len(partners(p)))
+            assert len(partners(behind)) >= 2
+            others = [p for p in peers if p != behind]
+            for t in range(5):  # the others sync steps 0..4 without it (it is slow)
+                await _ask_all(peers, f"round/{t}", only=others)
+            # from the requests its partners sent it, it knows where the swarm is going
+            assert peers[behind].next_step() == 5
+            # asking for a step it missed, it is told gone at once
+            groups, _ = await _ask_all(peers, "round/1", only=[behind])
+            assert groups[behind] == (behind,)
+            # jumping there, it is in a group again at the swarm's next step
+            groups, _ = await _ask_all(peers, "round/5")
+            stripe = next(s for s in draw_step_groups(peers, key="round/5", group_size=2) if behind in s)
+            assert groups[behind] == stripe
             nursery.cancel_scope.cancel()
 
 

@@ -5,8 +5,15 @@ from __future__ import annotations
 import pytest
 
 from lattica.coordination.groups import (
+    GONE,
+    LATE,
+    READY,
+    WAIT,
     GossipGroupsConfig,
     GroupHandshakes,
+    Reply,
+    SwarmStep,
+    Verdict,
     confirmed_group,
     draw_step_groups,
     handshake_request,
@@ -109,16 +116,98 @@ def test_an_answer_that_does_not_hold_me_is_not_a_partner() -> None:
 
 def test_handshakes_answer_until_gone() -> None:
     book = GroupHandshakes(GossipGroupsConfig(grace_s=2.0))
-    # not reached yet: answered with the proposal at once (the asker waits in its exchange)
-    assert book.answer("round/3", ("a", "b"), now=0.0) == {"group": ["a", "b"]}
     book.open("round/3", now=10.0)
-    assert book.answer("round/3", ("a", "b"), now=11.9) == {"group": ["a", "b"]}
-    assert book.answer("round/3", ("a", "b"), now=12.1) == {"gone": True}  # averaged and moved on
+    ready = book.decide("round/3", asker="b", asked_at=11.9, now=11.9)
+    assert ready == Verdict(READY)
+    assert book.answer("round/3", ("a", "b"), ready, asker="b") == {"group": ["a", "b"], "step": 3}
+    gone = book.decide("round/3", asker="b", asked_at=12.1, now=12.1)  # averaged and moved on
+    assert gone == Verdict(GONE)
+    assert book.answer("round/3", ("a", "b"), gone, asker="b") == {"gone": True, "step": 3}
     book.open("round/4", now=13.0)
     assert book.gone("round/3", now=13.0)
     assert not book.gone("round/4", now=13.0)
     assert book.gone("round/2", now=13.0)  # an older step: never again
     assert not book.gone("round/5", now=13.0)
+    # keys that name no step are answered at once, reached or not
+    assert book.decide("other/1", asker="b", asked_at=0.0, now=0.0) == Verdict(READY)
+
+
+def test_a_step_not_reached_is_held_then_late() -> None:
+    config = GossipGroupsConfig(grace_s=4.0, ready_wait_s=1.0)
+    book = GroupHandshakes(config)
+    # nothing opened yet: held for the hold, then late (and the asker is declined for the key)
+    assert book.decide("round/0", asker="b", asked_at=0.0, now=0.0) == Verdict(WAIT, 1.0)
+    late = book.decide("round/0", asker="b", asked_at=0.0, now=1.0)
+    assert late == Verdict(LATE)
+    assert book.answer("round/0", ("a", "b"), late, asker="b") == {"late": True}
+    assert book.declined("round/0") == {"b"}
+    # once declined, always late for that asker and key, even after reaching the step
+    book.open("round/0", now=1.5)
+    assert book.decide("round/0", asker="b", asked_at=1.6, now=1.6) == Verdict(LATE)
+    assert book.decide("round/0", asker="c", asked_at=1.6, now=1.6) == Verdict(READY)
+    # the next step, with no pace known yet: held
+    assert book.decide("round/1", asker="c", asked_at=2.0, now=2.0) == Verdict(WAIT, 3.0)
+    # more than a step behind: late at once
+    assert book.decide("round/2", asker="c", asked_at=2.0, now=2.0) == Verdict(LATE)
+
+
+def test_the_hold_is_at_most_half_the_grace() -> None:
+    assert GossipGroupsConfig(grace_s=5.0).hold_s == 2.5
+    assert GossipGroupsConfig(grace_s=5.0, ready_wait_s=1.0).hold_s == 1.0
+    assert GossipGroupsConfig(grace_s=1.0, ready_wait_s=3.0).hold_s == 0.5
+
+
+def test_a_slow_peer_answers_late_at_once_from_its_pace() -> None:
+    book = GroupHandshakes(GossipGroupsConfig(grace_s=5.0, ready_wait_s=1.0))
+    for t in range(4):
+        book.open(f"round/{t}", now=20.0 * t)  # one sync every 20 s
+    assert book.pace == 20.0
+    # asked for its next step 2 s after its last sync: it arrives in ~18 s, after the hold
+    assert book.decide("round/4", asker="b", asked_at=62.0, now=62.0) == Verdict(LATE)
+    # asked 19.5 s after: it is due within the hold, so the request is held
+    assert book.decide("round/4", asker="b", asked_at=79.5, now=79.5) == Verdict(WAIT, 80.5)
+    # a fast peer (1 s per sync) asked for its next step is held too
+    fast = GroupHandshakes(GossipGroupsConfig(grace_s=5.0, ready_wait_s=1.0))
+    for t in range(4):
+        fast.open(f"round/{t}", now=1.0 * t)
+    assert fast.decide("round/4", asker="b", asked_at=3.2, now=3.2).kind == WAIT
+
+
+def test_late_verdicts_agree_on_both_sides() -> None:
+    """The straggler ``s`` tells ``a`` late; ``a`` leaves ``s`` out, and ``s`` leaves ``a`` out
+    when it reaches the step, so neither waits for the other in an exchange."""
+    config = GossipGroupsConfig(grace_s=4.0, ready_wait_s=1.0)
+    a, s = GroupHandshakes(config), GroupHandshakes(config)
+    a.open("round/0", now=0.0)
+    s.open("round/0", now=0.0)
+    a.open("round/1", now=10.0)
+    verdict = s.decide("round/1", asker="a", asked_at=10.0, now=11.0)
+    reply = parse_reply(s.answer("round/1", ("a", "s"), verdict, asker="a"), peer_id="s")
+    assert reply == Reply(None, 0, late=True)
+    a.decline("round/1", "s")  # what the shell does with a late reply
+    s.open("round/1", now=30.0)
+    assert confirmed_group("a", ("a", "s"), {"s": None}) == ("a",)
+    # s would ask a: a answers it late (declined), and s has declined a itself
+    assert a.decide("round/1", asker="s", asked_at=12.0, now=12.0) == Verdict(LATE)
+    assert "a" in s.declined("round/1")
+
+
+def test_swarm_step_needs_two_peers_to_move_anyone() -> None:
+    swarm = SwarmStep(remembered=3)
+    assert swarm.next_step(members=8) is None
+    swarm.heard("x", 10**9)  # one peer announcing a far step
+    assert swarm.next_step(members=8) is None
+    swarm.heard("b", 40)
+    assert swarm.next_step(members=8) == 41
+    swarm.heard("c", 42)
+    assert swarm.next_step(members=8) == 43
+    swarm.heard("b", 30)  # steps only grow per peer
+    swarm.heard("d", 1)  # x is forgotten (the last 3 peers are kept)
+    assert swarm.next_step(members=8) == 41
+    # with a single other member, its step is enough
+    pair = SwarmStep()
+    pair.heard("b", 7)
+    assert pair.next_step(members=2) == 8
 
 
 def test_handshakes_remember_a_bounded_number_of_keys() -> None:
@@ -131,8 +220,10 @@ def test_handshakes_remember_a_bounded_number_of_keys() -> None:
 def test_messages_round_trip_and_bad_ones_are_remote_errors() -> None:
     request = handshake_request("run", "round/1", ("a", "b"))
     assert parse_request(request, run_id="run", peer_id="a") == ("round/1", ("a", "b"))
-    assert parse_reply({"group": ["a", "b"]}, peer_id="b") == ("a", "b")
-    assert parse_reply({"gone": True}, peer_id="b") is None
+    assert parse_reply({"group": ["a", "b"]}, peer_id="b") == Reply(("a", "b"))
+    assert parse_reply({"group": ["a", "b"], "step": 4}, peer_id="b") == Reply(("a", "b"), 4)
+    assert parse_reply({"gone": True}, peer_id="b") == Reply(None)
+    assert parse_reply({"late": True, "step": 2}, peer_id="b") == Reply(None, 2, late=True)
     bad_requests: list[object] = [
         None, [], {"run": "other", "key": "round/1", "group": ["a"]},
         {"run": "run", "key": "", "group": ["a"]}, {"run": "run", "key": "x" * 201, "group": ["a"]},
@@ -144,7 +235,10 @@ def test_messages_round_trip_and_bad_ones_are_remote_errors() -> None:
         with pytest.raises(RemoteProtocolError) as info:
             parse_request(bad, run_id="run", peer_id="a")
         assert info.value.peer_id == "a"
-    for bad_reply in (None, {"group": "ab"}, {"gone": 1}, {"group": []}):
+    for bad_reply in (
+        None, {"group": "ab"}, {"gone": 1}, {"group": []}, {"gone": True, "step": -1},
+        {"gone": True, "step": "3"}, {"group": ["a"], "step": True}, {"late": True, "step": 2**60},
+    ):
         with pytest.raises(RemoteProtocolError):
             parse_reply(bad_reply, peer_id="b")
 
@@ -157,6 +251,6 @@ def test_step_of_keys() -> None:
 
 
 def test_config_is_validated() -> None:
-    for bad in ({"group_size": 1}, {"group_size": 33}, {"grace_s": 0}, {"remembered_keys": 0}):
+    for bad in ({"group_size": 1}, {"group_size": 33}, {"grace_s": 0}, {"remembered_keys": 0}, {"ready_wait_s": -1}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             GossipGroupsConfig(**bad)  # type: ignore[arg-type]
