@@ -102,11 +102,24 @@ def test_config_defaults_and_registration():
         DeMoConfig(topk=0)
 
 
-def _replicas(network, config):
+class CountingGroups(FixedGroups):
+    """The same members every time, and the keys asked for."""
+
+    def __init__(self, members):
+        super().__init__(members)
+        self.keys: list[str] = []
+
+    async def group_for(self, key):
+        self.keys.append(key)
+        return await super().group_for(key)
+
+
+def _replicas(network, config, groups=None):
     strategies = []
     for peer in PEERS:
         model = build_model(TINY, seed=0)
-        s = create_strategy("demo", model, collective=network.member(peer), groups=FixedGroups(PEERS), config=config)
+        provider = groups[peer] if groups else FixedGroups(PEERS)
+        s = create_strategy("demo", model, collective=network.member(peer), groups=provider, config=config)
         s.attach_inner_optimizer(torch.optim.SGD(model.parameters(), lr=0.01))
         strategies.append(s)
     return strategies
@@ -155,7 +168,9 @@ async def test_three_replicas_take_the_same_sign_step():
 
 async def test_a_failed_step_leaves_weights_and_puts_the_components_back():
     network = InMemoryCollectiveGroup(PEERS)
-    strategies = _replicas(network, DeMoConfig(chunk=8, topk=4, max_attempts=1, momentum_decay=0.5))
+    strategies = _replicas(
+        network, DeMoConfig(chunk=8, topk=4, max_attempts=1, momentum_decay=0.5, grad_clip=0.0)
+    )
     a = strategies[0]
     _set_grads(strategies, 1)
     await _step_all(strategies, 1)
@@ -189,3 +204,55 @@ async def test_a_round_is_reported_every_inner_steps_with_its_bytes():
     strategies[1].load_outer_state_dict(state)
     assert strategies[1].completed_rounds == 1
     assert not any(bool(m.any()) for m in strategies[1].momenta)  # a loaded state starts with m = 0
+
+
+async def test_the_group_is_agreed_once_per_window_not_every_step():
+    network = InMemoryCollectiveGroup(PEERS)
+    groups = {peer: CountingGroups(PEERS) for peer in PEERS}
+    strategies = _replicas(network, DeMoConfig(inner_steps=3, chunk=8, topk=4), groups)
+    for step in range(1, 8):
+        _set_grads(strategies, step)
+        await _step_all(strategies, step)
+    assert all(s.applied_steps == 7 for s in strategies)
+    assert groups["a"].keys == ["round/0", "round/1", "round/2"]  # steps 1, 4 and 7
+    strategies[0].load_outer_state_dict(strategies[1].outer_state_dict())
+    _set_grads(strategies, 8)
+    await _step_all(strategies, 8)
+    assert groups["a"].keys[-1] == "round/2"  # a loaded state agrees on its group afresh
+    assert len(groups["a"].keys) == 4
+    assert len(groups["b"].keys) == 3
+
+
+async def test_a_failed_exchange_retries_in_a_fresh_group_that_serves_the_window():
+    class DropsCOnRetry(CountingGroups):
+        async def group_for(self, key):
+            self.keys.append(key)
+            return list(PEERS) if key.startswith("round/") else list(PEERS[:2])
+
+    network = InMemoryCollectiveGroup(PEERS)
+    groups = {peer: DropsCOnRetry(PEERS) for peer in PEERS}
+    strategies = _replicas(network, DeMoConfig(inner_steps=4, chunk=8, topk=4), groups)
+    a, b = strategies[:2]
+    network.fail("c")  # gone after the window's group was agreed with it
+    for step in (1, 2):
+        _set_grads(strategies, step)
+        async with trio.open_nursery() as nursery:
+            for s in (a, b):
+                nursery.start_soon(s.before_optimizer_step, step)
+    assert a.applied_steps == b.applied_steps == 2
+    assert groups["a"].keys == ["round/0", "step/1/retry/1"]  # step 2 kept the retry's group
+    assert all(torch.equal(x, y) for x, y in zip(a.model.parameters(), b.model.parameters(), strict=True))
+
+
+async def test_the_gradient_is_clipped_on_each_replica_before_it_enters_m():
+    network = InMemoryCollectiveGroup(PEERS)
+    strategies = _replicas(network, DeMoConfig(chunk=8, topk=4, max_attempts=1, grad_clip=0.5))
+    a = strategies[0]
+    _set_grads(strategies, 1)
+    grads = [p.grad.clone() for p in a.model.parameters()]
+    norm = math.sqrt(sum(float(g.pow(2).sum()) for g in grads))
+    assert norm > 1
+    network.fail("b")  # the step fails: m keeps everything folded in, nothing removed
+    await a.before_optimizer_step(1)
+    for m, g in zip(a.momenta, grads, strict=True):
+        assert torch.allclose(m, 0.01 * g * 0.5 / norm, atol=1e-7)

@@ -13,7 +13,10 @@ m per parameter (fp32, CPU). After backward of every step, with the step's learn
    ``value_codec``, fp16 by default) and removed from m: m ← m − IDCT(q); what was not sent stays
    in m (error feedback);
 4. members exchange their q (``sparse_gather``: indices in the smallest scheme, values), and
-   each computes Q = (1/M) Σ q_m in fp32 in group order;
+   each computes Q = (1/M) Σ q_m in fp32 in group order. The group is agreed with the group
+   provider once per window of ``inner_steps`` steps (key ``round/W``, at the window's first
+   step) and reused for every step of the window: a per-step exchange waits for no agreement
+   (a round coordinator's seal can take up to its deadline on a loaded machine);
 5. θ ← (1 − ηλ)·θ − η·sign(IDCT(Q)), and the gradient is cleared so the trainer's optimizer
    step leaves the parameter alone.
 
@@ -21,7 +24,8 @@ Invariants: every member of a completed step applies the same Q to the same θ w
 CPU fp32 arithmetic, so replicas stay bit-identical; the momenta differ by design (they are
 each replica's own backlog, like AdamW moments, and are never exchanged).
 
-Failure: a failed exchange is retried with a fresh group; if every attempt fails the step is
+Failure: a failed exchange is retried with a fresh group from the provider (``step/S/retry/N``),
+which then serves the rest of the window; if every attempt fails the step is
 skipped: θ keeps its value and IDCT(q) is added back to m, so nothing leaves m that was not
 applied. A joiner or a restarted replica starts with m = 0: like any inner optimizer state it
 is local, and an empty backlog is consistent (it owes nothing). The parameters are the only
@@ -58,6 +62,9 @@ class DeMoConfig:
     topk: int = 32
     momentum_decay: float = 0.999
     weight_decay: float = 0.0
+    # each replica clips its own gradient (global L2 norm) before folding it into m, as the
+    # reference does; the trainer's clip runs after this strategy's hook, too late for m
+    grad_clip: float = 1.0
     lr_scale: float = 1.0  # the sign step is lr_scale × the trainer's learning rate
     value_codec: str = "fp16"
     max_attempts: int = 3
@@ -75,6 +82,8 @@ class DeMoConfig:
             raise ValueError(f"DeMoConfig.lr_scale must be > 0, got {self.lr_scale}")
         if self.weight_decay < 0:
             raise ValueError(f"DeMoConfig.weight_decay must be >= 0, got {self.weight_decay}")
+        if self.grad_clip < 0:
+            raise ValueError(f"DeMoConfig.grad_clip must be >= 0 (0: no clipping), got {self.grad_clip}")
         if self.value_codec not in sparse.VALUE_CODECS:
             raise ValueError(f"DeMoConfig.value_codec must be one of {sparse.VALUE_CODECS}")
         if self.max_attempts < 1:
@@ -88,6 +97,15 @@ def dct_matrix(n: int) -> torch.Tensor:
     d = torch.cos(math.pi * (2 * i[None, :] + 1) * i[:, None] / (2 * n)) * math.sqrt(2 / n)
     d[0] /= math.sqrt(2)
     return d.to(torch.float32)
+
+
+def clip_factor(grads: Sequence[torch.Tensor], max_norm: float) -> float:
+    """The factor that brings the global L2 norm of ``grads`` down to ``max_norm`` (1.0 when it
+    is within, or when ``max_norm`` is 0: no clipping)."""
+    if not max_norm:
+        return 1.0
+    norm = math.sqrt(sum(float(g.pow(2).sum()) for g in grads))
+    return min(1.0, max_norm / (norm + 1e-6))
 
 
 def largest_divisor(n: int, at_most: int) -> int:
@@ -222,6 +240,8 @@ class DeMo(AccountedStrategy):
         self._step = 0  # the last inner step seen
         self._rounds = 0  # reported rounds of ``inner_steps`` steps
         self._round_group: tuple[str, ...] = ()
+        # the group of the current window of ``inner_steps`` steps: agreed once per window
+        self._window, self._window_group = -1, ()
         self._round_bytes, self._round_skips = 0, 0
         self._round_started = time.monotonic()
 
@@ -241,9 +261,13 @@ class DeMo(AccountedStrategy):
     async def before_optimizer_step(self, step: int) -> None:
         cfg, lr = self.config, self._lr()
         with torch.no_grad():
-            for m, p in zip(self.momenta, self._params, strict=True):
-                g = p.grad if p.grad is not None else torch.zeros_like(p)
-                m.mul_(cfg.momentum_decay).add_(g.detach().to("cpu", torch.float32), alpha=lr)
+            grads = [
+                (p.grad if p.grad is not None else torch.zeros_like(p)).detach().to("cpu", torch.float32)
+                for p in self._params
+            ]
+            scale = clip_factor(grads, cfg.grad_clip)
+            for m, g in zip(self.momenta, grads, strict=True):
+                m.mul_(cfg.momentum_decay).add_(g, alpha=lr * scale)
             sent = extract_fast_components(self.momenta, self.layout, cfg.value_codec)
             removed = dense_tensors(sent, self.layout)
             for m, r in zip(self.momenta, removed, strict=True):
@@ -273,12 +297,24 @@ class DeMo(AccountedStrategy):
         outcome = await gather_with_retries(
             self.collective, self.groups, payload, key=key, tag=f"demo/{key}",
             attempts=self.config.max_attempts, decode=self._decode, own=sent,
+            group=await self._group_of_window(step),
         )
         self.traffic.record_sync(outcome.bytes_sent)
         self._round_bytes += outcome.bytes_sent
         if outcome.gathered is None:
             return None, ()
+        self._window_group = outcome.group  # a retry's fresh group serves the rest of the window
         return mean_components(outcome.gathered, self.layout), outcome.group
+
+    async def _group_of_window(self, step: int) -> tuple[str, ...]:
+        """The group for the steps of one window (``inner_steps`` steps, the reported round):
+        agreed with the provider (``round/W``) at the window's first step, then reused — the
+        per-step exchange needs no agreement, so a slow agreement costs once per window."""
+        window = (step - 1) // self.config.inner_steps
+        if window != self._window:
+            self._window_group = tuple(await self.groups.group_for(f"round/{window}"))
+            self._window = window
+        return self._window_group
 
     def _decode(self, tensors: list[torch.Tensor], peer: str) -> dict[int, sparse.SparseChunks]:
         sizes = self.layout.sizes
@@ -328,5 +364,6 @@ class DeMo(AccountedStrategy):
                 p.copy_(given.to(p.device, p.dtype))
         for m in self.momenta:
             m.zero_()
+        self._window, self._window_group = -1, ()  # the next step agrees on a group afresh
         self._rounds = int(state.get("completed_rounds", state.get("round", 0)))
         self._step = int(state.get("step", self._rounds * self.config.inner_steps))

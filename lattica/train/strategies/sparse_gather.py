@@ -91,20 +91,25 @@ async def gather_with_retries(
     attempts: int,
     decode: Callable[[list[torch.Tensor], str], T],
     own: T,
+    group: Sequence[str] | None = None,
 ) -> GatherOutcome[T]:
-    """``all_gather`` in the group agreed for ``key``; after a failure, again in a fresh group
-    (``key/retry/N``), up to ``attempts`` times. Attempt N's tag is ``tag/N``."""
+    """``all_gather`` in the group agreed for ``key`` (or in ``group`` when the caller already
+    holds an agreed one: no agreement for the first attempt); after a failure, again in a fresh
+    group (``key/retry/N``), up to ``attempts`` times. Attempt N's tag is ``tag/N``."""
     nbytes, failure = 0, ""
     for attempt in range(attempts):
-        group = tuple(await groups.group_for(key if attempt == 0 else f"{key}/retry/{attempt}"))
-        nbytes += gather_bytes(payload, len(group))
+        if attempt == 0 and group is not None:
+            members = tuple(group)
+        else:
+            members = tuple(await groups.group_for(key if attempt == 0 else f"{key}/retry/{attempt}"))
+        nbytes += gather_bytes(payload, len(members))
         try:
             gathered = await all_gather(
-                collective, payload, group=group, tag=f"{tag}/{attempt}", decode=decode, own=own
+                collective, payload, group=members, tag=f"{tag}/{attempt}", decode=decode, own=own
             )
         except GATHER_FAILURES as exc:
             failure = str(exc)
-            log.info("sync %s attempt %d with %s failed: %s", key, attempt, ", ".join(group), exc)
+            log.info("sync %s attempt %d with %s failed: %s", key, attempt, ", ".join(members), exc)
             continue
-        return GatherOutcome(gathered, group, nbytes, "")
+        return GatherOutcome(gathered, members, nbytes, "")
     return GatherOutcome(None, (), nbytes, failure)
