@@ -36,7 +36,10 @@ ROUTES: dict[str, Mapping[str, str]] = {
     },
     "spes": {"inner_steps": "sync_every"},
     # no outer momentum: the error-feedback decay takes its place (its own default, 0.95)
-    "sparseloco": {"inner_steps": "inner_steps", "outer_lr": "outer_lr"},
+    "sparseloco": {
+        "inner_steps": "inner_steps", "outer_lr": "outer_lr",
+        "averaging": "averaging", "group_size": "group_size", "group_grace_s": "exchange_timeout_s",
+    },
     "demo": {"inner_steps": "inner_steps"},  # syncs every step; H: steps per reported round
     "ddp": {},  # averages gradients every step: H only sets the trainer's round length
     "nocomm": {},

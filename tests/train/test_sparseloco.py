@@ -14,6 +14,7 @@ from lattica.train.strategies.sparseloco import (
     SparseLoCo,
     SparseLoCoConfig,
     compress_with_feedback,
+    flatten,
     mean_of_sparse,
 )
 from lattica.train.strategy_settings import strategy_config
@@ -157,3 +158,82 @@ def test_a_loaded_state_starts_with_an_empty_backlog():
     assert set(state) == {"round", "step", "completed_rounds", "params"}  # e is not shared
     s.load_outer_state_dict(state)
     assert not bool(s.error.any())
+
+
+FOUR = ("a", "b", "c", "d")
+
+
+def _gossip_replicas(network: InMemoryCollectiveGroup, config: SparseLoCoConfig):
+    strategies = []
+    for i, peer in enumerate(FOUR):
+        model = build_model(TINY, seed=0)
+        strategy = create_strategy(
+            "sparseloco", model, collective=network.member(peer), groups=FixedGroups(FOUR), config=config
+        )
+        with torch.no_grad():
+            gen = torch.Generator().manual_seed(i)
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=gen) * 0.01)
+        strategies.append(strategy)
+    return strategies
+
+
+async def test_gossip_averages_the_sparse_contributions_inside_each_group():
+    config = SparseLoCoConfig(inner_steps=1, chunk=256, density=0.05, averaging="gossip", group_size=2)
+    assert SparseLoCo.averages_in_groups(config)
+    network = InMemoryCollectiveGroup(FOUR)
+    strategies = _gossip_replicas(network, config)
+    assert not strategies[0].replicas_agree
+    theta0 = torch.cat([p.reshape(-1) for p in strategies[0].outer_parameters()])
+    deltas, sents = [], []
+    for s in strategies:
+        delta = flatten([o - p.detach() for o, p in zip(s.outer_parameters(), s.model.parameters(), strict=True)])
+        sent, _ = compress_with_feedback(s.error, delta, decay=config.error_decay, chunk=256, k=config.k,
+                                         value_codec="2bit")
+        deltas.append(delta)
+        sents.append(sent)
+    reports = await _sync_all(strategies)
+    numel = theta0.numel()
+    for i, (s, report) in enumerate(zip(strategies, reports, strict=True)):
+        assert len(report.group) == 2  # pairs drawn from the four
+        assert FOUR[i] in report.group
+        members = [FOUR.index(p) for p in report.group]
+        mean = mean_of_sparse([sents[j] for j in members], numel)
+        theta = torch.cat([p.reshape(-1) for p in s.outer_parameters()])
+        assert torch.equal(theta, theta0 - config.outer_lr * mean)  # this group's mean, nothing else
+        # e holds what was not sent; what was sent was applied (to this group)
+        assert torch.allclose(s.error, deltas[i] - sparse.densify(sents[i], numel), atol=1e-7)
+        assert report.bytes_sent == sparse.encode(sents[i], value_codec="2bit").numel()  # one partner
+    groups = {r.group for r in reports}
+    assert len(groups) == 2  # two disjoint pairs: their replicas now differ
+    a, b = (next(s for s, r in zip(strategies, reports, strict=True) if r.group == g) for g in groups)
+    assert not torch.equal(a.outer_parameters()[0], b.outer_parameters()[0])
+
+
+async def test_gossip_alone_when_the_partner_is_gone_applies_its_own_contribution():
+    config = SparseLoCoConfig(
+        inner_steps=1, chunk=256, density=0.05, averaging="gossip", group_size=2, exchange_timeout_s=1.0
+    )
+    network = InMemoryCollectiveGroup(FOUR)
+    strategies = _gossip_replicas(network, config)
+    for peer in FOUR[1:]:
+        network.fail(peer)
+    a = strategies[0]
+    theta0 = torch.cat([p.reshape(-1) for p in a.outer_parameters()])
+    delta = flatten([o - p.detach() for o, p in zip(a.outer_parameters(), a.model.parameters(), strict=True)])
+    sent, _ = compress_with_feedback(a.error, delta, decay=config.error_decay, chunk=256, k=config.k,
+                                     value_codec="2bit")
+    report = await a.sync()
+    assert report.group == ("a",)
+    assert not report.skipped
+    assert "no answer from" in report.detail
+    theta = torch.cat([p.reshape(-1) for p in a.outer_parameters()])
+    assert torch.equal(theta, theta0 - config.outer_lr * sparse.densify(sent, theta0.numel()))
+
+
+def test_gossip_run_settings_reach_the_config():
+    settings = TrainSettings(strategy="sparseloco", averaging="gossip", group_size=3, group_grace_s=2.0)
+    config = strategy_config(settings)
+    assert (config.averaging, config.group_size, config.exchange_timeout_s) == ("gossip", 3, 2.0)
+    with pytest.raises(ValueError, match="averaging"):
+        SparseLoCoConfig(averaging="ring")

@@ -34,6 +34,7 @@ so dropping it can lose a little of one replica's progress but never applies any
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,13 +43,17 @@ from typing import Any
 import torch
 
 from lattica.config import DEFAULT_INNER_STEPS
+from lattica.coordination.groups import proposed_group
 from lattica.errors import RemoteProtocolError
 from lattica.net.tensors import sparse
 from lattica.train.collective import Collective
 from lattica.train.strategies.accounting import AccountedStrategy, tensor_bytes
 from lattica.train.strategies.base import GroupProvider, OuterStepReport
 from lattica.train.strategies.diloco import _check_tensors, outer_copy, pseudo_gradient
+from lattica.train.strategies.gossip import check_averaging, exchange_with_partners
 from lattica.train.strategies.sparse_gather import gather_with_retries
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,6 +65,9 @@ class SparseLoCoConfig:
     density: float = 0.014  # k = 57 of every 4096
     value_codec: str = "2bit"
     max_attempts: int = 3
+    averaging: str = "allreduce"  # or "gossip": average the sparse ŝ inside small groups
+    group_size: int = 2  # gossip: members per group
+    exchange_timeout_s: float = 5.0  # gossip: the grace a partner has (the run setting group_grace_s)
 
     def __post_init__(self) -> None:
         if self.inner_steps < 1:
@@ -76,6 +84,9 @@ class SparseLoCoConfig:
             raise ValueError(f"SparseLoCoConfig.value_codec must be one of {sparse.VALUE_CODECS}")
         if self.max_attempts < 1:
             raise ValueError(f"SparseLoCoConfig.max_attempts must be >= 1, got {self.max_attempts}")
+        check_averaging(self.averaging, self.group_size)
+        if not self.exchange_timeout_s > 0:
+            raise ValueError(f"SparseLoCoConfig.exchange_timeout_s must be > 0, got {self.exchange_timeout_s}")
 
     @property
     def k(self) -> int:
@@ -116,6 +127,10 @@ class SparseLoCo(AccountedStrategy):
     name = "sparseloco"
     config_class = SparseLoCoConfig
 
+    @classmethod
+    def averages_in_groups(cls, config: object | None) -> bool:
+        return isinstance(config, SparseLoCoConfig) and config.averaging == "gossip"
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -133,6 +148,8 @@ class SparseLoCo(AccountedStrategy):
         self._round = 0
         self._completed = 0
         self._step = 0
+        # gossip: each replica applies its own group's mean, so replicas differ by design
+        self.replicas_agree = self.config.averaging == "allreduce"
 
     @property
     def completed_rounds(self) -> int:
@@ -164,6 +181,8 @@ class SparseLoCo(AccountedStrategy):
             value_codec=cfg.value_codec,
         )
         payload = [sparse.encode(sent, value_codec=cfg.value_codec)]
+        if cfg.averaging == "gossip":
+            return await self._gossip(key, payload, sent, new_error, started)
         outcome = await gather_with_retries(
             self.collective, self.groups, payload, key=key, tag=f"sparseloco/{key}",
             attempts=cfg.max_attempts, decode=self._decode, own=sent,
@@ -173,6 +192,36 @@ class SparseLoCo(AccountedStrategy):
             return self._report(key, (), outcome.bytes_sent, started, skipped=True, detail=outcome.failure)
         self._apply(mean_of_sparse(outcome.gathered, self._numel), new_error)
         return self._report(key, outcome.group, outcome.bytes_sent, started)
+
+    async def _gossip(
+        self, key: str, payload: list[torch.Tensor], sent: sparse.SparseChunks, new_error: torch.Tensor,
+        started: float,
+    ) -> OuterStepReport:
+        """Exchange ŝ with the partners of this round's group (each under the grace), average
+        over this replica and the partners whose payload arrived intact, apply. Alone (nobody
+        answered) the replica applies its own ŝ: it was applied, so e ← c − ŝ holds either way."""
+        me = self.collective.peer_id
+        members = await self.groups.group_for(key)
+        partners = [p for p in proposed_group(members, me, key=key, group_size=self.config.group_size) if p != me]
+        answers, silent = await exchange_with_partners(
+            self.collective, partners, payload, tag=f"sparseloco/gossip/{key}", codec="raw",
+            timeout_s=self.config.exchange_timeout_s,
+        )
+        answered = [p for p in partners if p not in silent]
+        contributions = {me: sent}
+        for partner, answer in zip(answered, answers, strict=True):
+            try:
+                contributions[partner] = self._decode(answer, partner)
+            except RemoteProtocolError as exc:  # a malformed payload: that partner is left out
+                log.info("sync %s: payload of %s dropped: %s", key, partner, exc)
+        group = tuple(sorted(contributions))
+        nbytes = sum(t.numel() * t.element_size() for t in payload) * len(partners)
+        self.traffic.record_sync(nbytes)
+        self._apply(mean_of_sparse([contributions[p] for p in group], self._numel), new_error)
+        missing = sorted(set(partners) - set(group))
+        return self._report(
+            key, group, nbytes, started, detail=f"no answer from: {', '.join(missing)}" if missing else ""
+        )
 
     def _decode(self, tensors: list[torch.Tensor], peer: str) -> sparse.SparseChunks:
         if len(tensors) != 1:
