@@ -1,38 +1,65 @@
-"""Assembling a daemon: the node plus the run's services, chosen from the config."""
+"""Assembling a daemon: the composition root of ``lattica join``.
+
+``build_node`` gives the node one ``ServiceBuilder``, ``daemon_services``, which the node calls
+once its host runs and bootstrap succeeded. It builds the run's services in dependency order —
+the replicated state, the DHT, the NAT wiring, training and its metrics — passing each one what
+it needs (the host, the state, the connectivity, the metrics) and nothing more, and returns them
+in the order they start.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import trio
 from libp2p.crypto.keys import KeyPair
+from libp2p.peer.peerinfo import PeerInfo
 from trio_typing import TaskStatus
 
 from lattica.config import NodeConfig
+from lattica.control.protocol import ControlRequest
+from lattica.net.host import LatticaHost
 from lattica.node import Node
+from lattica.observability import NodeMetrics
+from lattica.services import NodeContext, NodeService
+
+if TYPE_CHECKING:
+    from lattica.crdt.state import ReplicatedState
+    from lattica.dht.discovery import RunDiscovery
+    from lattica.net.connectivity import Connectivity
+    from lattica.train.service import TrainingService
 
 log = logging.getLogger(__name__)
 
+_METRICS_INTERVAL_S = 2.0
 
-class StateExtension:
+
+class StateService:
     """The replicated run state as a daemon service: ``lattica state`` and membership."""
 
-    def __init__(self, node: Node, *, role: str | None = None) -> None:
+    name = "state"
+
+    def __init__(
+        self, host: LatticaHost, key_pair: KeyPair, config: NodeConfig, *,
+        own_addrs: Callable[[], list[str]], metrics: NodeMetrics, role: str | None = None,
+    ) -> None:
         from lattica.crdt import StateConfig
         from lattica.crdt.state import ReplicatedState
 
-        self.node = node
         self.role = role
+        self._own_addrs = own_addrs
+        self._metrics = metrics
         self.state = ReplicatedState(
-            node.running_host, node.key_pair, data_dir=node.config.data_dir, run_id=node.config.run_id,
-            config=StateConfig(admins=run_admins(node.config, node.peer_id.to_base58())),
+            host, key_pair, data_dir=config.data_dir, run_id=config.run_id,
+            config=StateConfig(admins=run_admins(config, host.get_id().to_base58())),
         )
 
     async def run(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -40,44 +67,45 @@ class StateExtension:
             await nursery.start(self.state.run)
             # a restarted node's record still holds the role of its previous life: replace it
             # with the first write, before the training service gets to it
-            fields: dict[str, Any] = {"addrs": self.node.dialable_addrs()}
             if self.role is not None:
-                fields["role"] = self.role
-            await self.state.update_member(**fields)
+                await self.state.update_member(addrs=self._own_addrs(), role=self.role)
+            else:
+                await self.state.update_member(addrs=self._own_addrs())
             task_status.started()
             nursery.start_soon(self._export_metrics)
 
     async def _export_metrics(self) -> None:
-        metrics = self.node.metrics
         while True:
-            counters = self.state.counters()
-            metrics.replicated_state_bytes.set(counters.get("log_bytes", 0))
-            await trio.sleep(2.0)
+            log_bytes = self.state.counters().get("log_bytes", 0)
+            self._metrics.replicated_state_bytes.set(log_bytes if isinstance(log_bytes, int) else 0)
+            await trio.sleep(_METRICS_INTERVAL_S)
 
     async def on_shutdown(self) -> None:
         await self.state.leave()
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> dict[str, object]:
         return {"state": {"live_members": len(self.state.live_members()), **_scalars(self.state.counters())}}
 
-    async def handle_control(self, request: Any) -> Any:
+    async def handle_control(self, request: ControlRequest) -> object | None:
         if request.method == "state":
             return self.state.dump()
         return None
 
 
-class DiscoveryExtension:
+class DiscoveryService:
     """The Kademlia DHT: run discovery (``/lattica/run/<id>``) and content routing."""
 
-    def __init__(self, node: Node) -> None:
+    name = "dht"
+
+    def __init__(self, host: LatticaHost, *, run_id: str, connectivity: Connectivity, metrics: NodeMetrics) -> None:
         from lattica.dht.config import DHTConfig
         from lattica.dht.discovery import RunDiscovery
 
-        self.node = node
-        self.discovery = RunDiscovery(
-            node.running_host, run_id=node.config.run_id, config=DHTConfig(),
-            connect=lambda info: node.dial_peer(info.peer_id.to_base58(), [str(a) for a in info.addrs]),
-        )
+        async def connect(info: PeerInfo) -> bool:
+            return await connectivity.dial_peer(info.peer_id.to_base58(), [str(a) for a in info.addrs])
+
+        self._metrics = metrics
+        self.discovery: RunDiscovery = RunDiscovery(host, run_id=run_id, config=DHTConfig(), connect=connect)
 
     async def run(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         # bootstrapping and the first lookups take network round trips: do not hold start-up
@@ -88,24 +116,26 @@ class DiscoveryExtension:
 
     async def _export_metrics(self) -> None:
         while True:
-            self.node.metrics.dht_routing_table_peers.set(self.discovery.routing_table_size())
-            await trio.sleep(2.0)
+            self._metrics.dht_routing_table_peers.set(self.discovery.routing_table_size())
+            await trio.sleep(_METRICS_INTERVAL_S)
 
     async def set_reachability(self, public: bool) -> None:
         await self.discovery.set_reachability(public)
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> dict[str, object]:
         return {"dht": self.discovery.status()}
 
 
 class TrainingMetricsExporter:
     """Copies the training service's progress into the node's Prometheus metrics."""
 
-    def __init__(self, node: Node, training: Any, state: Any) -> None:
-        self.node, self.training, self.state = node, training, state
+    name = "training-metrics"
+
+    def __init__(self, training: TrainingService, state: ReplicatedState, metrics: NodeMetrics) -> None:
+        self.training, self.state, self.metrics = training, state, metrics
 
     async def run(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        metrics = self.node.metrics
+        metrics = self.metrics
         task_status.started()
         last_round, last_round_at, last_step, last_step_at = 0, trio.current_time(), 0, trio.current_time()
         accounted: dict[str, int] = {}
@@ -128,7 +158,7 @@ class TrainingMetricsExporter:
                 if info.get(name) is not None:
                     gauge.set(info[name])
             progress = self.state.snapshot().get("progress", {})
-            newest = max((p.get("round", 0) for p in progress.values() if isinstance(p.get("round"), int)), default=0)
+            newest = max((r for p in progress.values() if isinstance(r := p.get("round"), int)), default=0)
             metrics.staleness_rounds.set(max(0, newest - rounds))
             figures = self.training.accounting()
             if figures:
@@ -147,48 +177,63 @@ def run_admins(config: NodeConfig, self_id: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(p.split("/p2p/")[-1].split("/")[0] for p in config.peers))
 
 
-def _scalars(values: dict[str, Any]) -> dict[str, Any]:
+def _scalars(values: Mapping[str, object]) -> dict[str, object]:
     return {k: v for k, v in values.items() if isinstance(v, int | float | str)}
 
 
-def build_node(config: NodeConfig, key_pair: KeyPair, *, secret: bytes | None = None) -> Node:
-    node = Node(config, key_pair, secret=secret)
-    states: list[StateExtension] = []
-
-    def make_state(n: Node) -> StateExtension:
-        # a trainer is "joining" until its training service can sync (lattica.train.service)
-        states.append(StateExtension(n, role="joining" if config.train is not None else None))
-        return states[0]
-
-    node.service_factories.append(make_state)
-    dhts: list[DiscoveryExtension] = []
+def daemon_services(context: NodeContext) -> Sequence[NodeService]:
+    """The services of ``lattica join``, built in dependency order from the running node."""
+    config = context.config
+    # a trainer is "joining" until its training service can sync (lattica.train.service)
+    state = StateService(
+        context.host, context.key_pair, config, own_addrs=context.dialable_addrs,
+        metrics=context.metrics, role="joining" if config.train is not None else None,
+    )
+    services: list[NodeService] = [state]
+    discovery: DiscoveryService | None = None
     if config.dht:
-
-        def make_dht(n: Node) -> DiscoveryExtension:
-            dhts.append(DiscoveryExtension(n))
-            return dhts[0]
-
-        node.service_factories.append(make_dht)
-    if config.nat:
-        from lattica.net.nat.daemon_services import NatServices
-
-        node.service_factories.append(
-            lambda n: NatServices(n, state=states[0].state, on_reachability=dhts[0].set_reachability if dhts else None)
+        discovery = DiscoveryService(
+            context.host, run_id=config.run_id, connectivity=context.connectivity, metrics=context.metrics,
         )
+        services.append(discovery)
+    traversal = context.connectivity.nat
+    if traversal is not None:
+        from lattica.nat_service import NatService, port_mapper_for
+
+        services.append(NatService(
+            traversal, host=context.host, peers=context.connectivity, state=state.state,
+            metrics=context.metrics, dial_members=config.peer_exchange,
+            port_mapper=port_mapper_for(config.listen) if config.upnp else None,
+            on_reachability=discovery.set_reachability if discovery is not None else None,
+        ))
     if config.train is not None:
-        from lattica.train.service import TrainingService, check_settings
+        from lattica.net.tensors.transfer import TensorService, TensorServiceConfig
+        from lattica.train.service import TrainingService
+        from lattica.train.strategy_settings import contribution_screen
+
+        # the tensor data plane: the Collective training syncs through, and where it serves its state
+        screen = contribution_screen(config.train)
+        tensors = TensorService(context.host, context.key_pair, config=TensorServiceConfig(screen=screen))
+        training = TrainingService(context, state.state, config.train, tensors=tensors)
+        services += [training, TrainingMetricsExporter(training, state.state, context.metrics)]
+    return services
+
+
+def build_node(
+    config: NodeConfig, key_pair: KeyPair, *, secret: bytes | None = None,
+    extra: Callable[[NodeContext], Sequence[NodeService]] | None = None,
+) -> Node:
+    """The daemon's node; ``extra`` builds services started after the daemon's own."""
+    if config.train is not None:
+        from lattica.train.service import check_settings
 
         check_settings(config.train)
-        settings = config.train
-        trainings: list[TrainingService] = []
+    builder = daemon_services if extra is None else functools.partial(_with_extra, extra)
+    return Node(config, key_pair, secret=secret, services=builder)
 
-        def make_training(n: Node) -> TrainingService:
-            trainings.append(TrainingService(n, states[0].state, settings))
-            return trainings[0]
 
-        node.service_factories.append(make_training)
-        node.service_factories.append(lambda n: TrainingMetricsExporter(n, trainings[0], states[0].state))
-    return node
+def _with_extra(extra: Callable[[NodeContext], Sequence[NodeService]], context: NodeContext) -> Sequence[NodeService]:
+    return [*daemon_services(context), *extra(context)]
 
 
 # -- running a daemon process ------------------------------------------------------------------

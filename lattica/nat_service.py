@@ -1,32 +1,32 @@
-"""NAT traversal inside the daemon: reachability, relay service, path dialing, path book.
+"""NAT traversal inside the daemon: reservations, advertised addresses, members, peer table.
 
-Theory of operation: the node runs AutoNAT against its directly connected peers. While it is
-public it serves circuit relay v2 (with limits); once it is known to be private — or earlier,
-as soon as peers see it at an address that is not its own (behind a NAT) — it keeps
-reservations on relays among its peers and advertises the ``/p2p-circuit`` addresses in its
-replicated membership record and in what the host tells every libp2p peer (identify's listen
-addresses, pushed on change; signed peer records; DHT provider records), again whenever its
-reservations change (a relay went away).
-A PUBLIC verdict drops the reservations.
+Theory of operation: the node's ``NatTraversal`` (``lattica.net.nat.traversal``, run by its
+connectivity) runs AutoNAT against the directly connected peers, serves circuit relay v2 while
+public and dials through the best path. This service acts on its verdicts: once the node is
+known to be private — or earlier, as soon as peers see it at an address that is not its own
+(behind a NAT) — it keeps reservations on relays among its peers and advertises the
+``/p2p-circuit`` addresses in its replicated membership record and in what the host tells every
+libp2p peer (identify's listen addresses, pushed on change; signed peer records; DHT provider
+records), again whenever its reservations change (a relay went away). A PUBLIC verdict drops
+the reservations.
 
 Every member's advertised addresses are copied from the replicated state into the node's
-peer book, so peer exchange passes a NAT'd peer's relay addresses on, and the node's
-``Dialer`` is installed as the node's dialer: direct first, then relayed, then a DCUtR hole
-punch (kept going for relayed peers). Live members that no connection reaches yet are dialed
-with their advertised addresses, with a per-member backoff. The path book follows every
-connection (direct, hole-punched or relayed, and through which relay) and samples RTTs; the
-daemon's peer table shows both (``lattica peers``).
+peer book, so peer exchange passes a NAT'd peer's relay addresses on. Live members that no
+connection reaches yet are dialed with their advertised addresses, with a per-member backoff.
+The path book follows every connection (direct, hole-punched or relayed, and through which
+relay) and samples RTTs; the daemon's peer table shows both (``lattica peers``).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 import trio
 from libp2p.peer.id import ID
+from multiaddr import Multiaddr
 from trio_typing import TaskStatus
 
 from lattica.net.host import LatticaHost
@@ -36,12 +36,16 @@ from lattica.net.nat.addresses import (
     predicted_external_addrs,
     relay_of,
 )
-from lattica.net.nat.autonat import Reachability, ReachabilityService
-from lattica.net.nat.dialer import Dialer
-from lattica.net.nat.holepunch import HolePuncher
-from lattica.net.nat.paths import Path, PathBook
-from lattica.net.nat.relay import RelayReservations, RelayServer
+from lattica.net.nat.autonat import Reachability
+from lattica.net.nat.paths import Path
+from lattica.net.nat.relay import RelayReservations
+from lattica.net.nat.traversal import NatTraversal
 from lattica.net.nat.upnp import PortMapper
+from lattica.net.peerbook import PeerBook
+from lattica.observability import NodeMetrics
+
+if TYPE_CHECKING:
+    from lattica.crdt.state import ReplicatedState
 
 log = logging.getLogger(__name__)
 
@@ -50,36 +54,51 @@ _MEMBER_DIAL_BACKOFF_S = (2.0, 60.0)
 _MAX_MEMBER_ADDRS = 16
 
 
-class NatServices:
+class NodePeers(Protocol):
+    """What the NAT service needs of the node's connectivity (``lattica.net.connectivity``)."""
+
+    @property
+    def peer_book(self) -> PeerBook: ...
+
+    def dialable_addrs(self) -> list[str]: ...
+
+    async def dial_peer(self, peer_id: str, addrs: Sequence[str] = ()) -> bool: ...
+
+
+class NatService:
+    """The daemon's NAT wiring; ``traversal`` must run (the node's connectivity runs it)."""
+
+    name = "nat"
+
     def __init__(
         self,
-        node: Any,
+        traversal: NatTraversal,
         *,
-        state: Any | None = None,
+        host: LatticaHost,
+        peers: NodePeers,
+        state: ReplicatedState | None,
+        metrics: NodeMetrics,
+        port_mapper: PortMapper | None = None,
+        dial_members: bool = True,
         on_reachability: Callable[[bool], Awaitable[None]] | None = None,
     ) -> None:
-        host = node.host
-        self.node = node
+        self.peers = peers
         self.state = state
         self.on_reachability = on_reachability
-        self.reachability = ReachabilityService(host)
-        self.relay_server = RelayServer(host, serve="auto", reachability=self.reachability)
-        self.hole_puncher = HolePuncher(host)
-        self.paths = PathBook(host)
-        self.dialer = Dialer(host, relay=self.relay_server, paths=self.paths,
-                             holepuncher=self.hole_puncher)
+        self.reachability = traversal.reachability
+        self.relay_server = traversal.relay_server
+        self.paths = traversal.paths
         self.reservations: RelayReservations | None = None
         self._reservations_scope: trio.CancelScope | None = None
-        self.port_mapper = _port_mapper(node.config) if getattr(node.config, "upnp", False) else None
+        self.port_mapper = port_mapper
+        self._metrics = metrics
+        self._dial_members = dial_members  # like peer exchange, dialing members is learning peers from others
         self._host = host
+        self._me = host.get_id().to_base58()
         self._member_backoff: dict[str, tuple[float, float]] = {}  # peer -> (next try, pause)
 
     async def run(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
-            for service in (self.relay_server, self.hole_puncher, self.paths, self.dialer,
-                            self.reachability):
-                await nursery.start(service.run)
-            self.node.dialer = self.dialer
             task_status.started()
             if self.port_mapper is not None:
                 nursery.start_soon(self._map_port, self.port_mapper)
@@ -87,12 +106,12 @@ class NatServices:
             nursery.start_soon(self._reserve_early, nursery)
             nursery.start_soon(self._copy_paths)
             if self.state is not None:
-                nursery.start_soon(self._follow_members, nursery)
+                nursery.start_soon(self._follow_members, nursery, self.state)
 
     async def _follow_reachability(self, nursery: trio.Nursery) -> None:
         while True:
             verdict = await self.reachability.wait_change()
-            log.info("reachability: %s", verdict.value if hasattr(verdict, "value") else verdict)
+            log.info("reachability: %s", verdict.value)
             if verdict == Reachability.PRIVATE:
                 await self._start_reservations(nursery)
             elif verdict == Reachability.PUBLIC:
@@ -154,45 +173,40 @@ class NatServices:
         mapper = self.port_mapper
         if mapper is None or mapper.external_addr is None:
             return []
-        return [f"{mapper.external_addr}/p2p/{self.node.peer_id.to_base58()}"]
+        return [f"{mapper.external_addr}/p2p/{self._me}"]
 
     async def _publish(self) -> None:
-        if isinstance(self._host, LatticaHost):
-            # identify (pushed on change), signed peer records and DHT provider records
-            # carry them to any libp2p peer, not only to Lattica members
-            self._host.set_circuit_addrs(self.relay_addrs())
+        # identify (pushed on change), signed peer records and DHT provider records carry
+        # them to any libp2p peer, not only to Lattica members
+        self._host.set_circuit_addrs(self.relay_addrs())
         if self.state is None:
             return
-        addrs = [*self.node.dialable_addrs(), *self.mapped_addrs(), *(str(a) for a in self.relay_addrs())]
+        addrs = [*self.peers.dialable_addrs(), *self.mapped_addrs(), *(str(a) for a in self.relay_addrs())]
         try:
             await self.state.update_member(addrs=addrs, reachability=self._reachability_text())
         except Exception as exc:  # noqa: BLE001 - best effort; the next change retries
             log.debug("could not publish reachability: %r", exc)
 
-    def relay_addrs(self) -> list[Any]:
+    def relay_addrs(self) -> list[Multiaddr]:
         return self.reservations.relay_addrs() if self.reservations is not None else []
 
     def _reachability_text(self) -> str:
-        value = self.reachability.reachability
-        return str(getattr(value, "value", value))
+        return str(self.reachability.reachability.value)
 
     # -- run members: their advertised addresses, and dialing those not connected yet ---------
 
-    async def _follow_members(self, nursery: trio.Nursery) -> None:
-        assert self.state is not None
-        me = self.node.peer_id.to_base58()
-        # like peer exchange, dialing members is learning peers from others: off with it
-        dial = bool(getattr(self.node.config, "peer_exchange", True))
+    async def _follow_members(self, nursery: trio.Nursery, state: ReplicatedState) -> None:
+        me, dial = self._me, self._dial_members
         while True:
-            members = self.state.snapshot().get("members", {})
-            live = set(self.state.live_members())
+            members = state.snapshot().get("members", {})
+            live = set(state.live_members())
             connected = {p.to_base58() for p in self._host.get_connected_peers()}
             now = time.monotonic()
             for peer_id, record in members.items():
-                addrs = _advertised_addrs(peer_id, record)
+                addrs = advertised_addrs(peer_id, record)
                 if peer_id == me or not addrs:
                     continue
-                self.node.peer_book.learn(peer_id, addrs, now=time.time())
+                self.peers.peer_book.learn(peer_id, addrs, now=time.time())
                 if not dial or peer_id in connected or peer_id not in live or (
                     record.get("reachability") == "private" and not any(map(is_circuit, addrs))
                 ):  # a private member is reachable only through a relay: wait for its address
@@ -201,28 +215,27 @@ class NatServices:
                 when, pause = self._member_backoff.get(peer_id, (now, _MEMBER_DIAL_BACKOFF_S[0]))
                 if when <= now:
                     self._member_backoff[peer_id] = (now + pause, min(pause * 2, _MEMBER_DIAL_BACKOFF_S[1]))
-                    nursery.start_soon(self.node.dial_peer, peer_id)
+                    nursery.start_soon(self.peers.dial_peer, peer_id)
             await trio.sleep(_SYNC_INTERVAL_S)
 
     # -- the peer table ------------------------------------------------------------------------
 
     async def _copy_paths(self) -> None:
-        metrics = getattr(self.node, "metrics", None)
         while True:
             self.refresh_peer_table()
-            if metrics is not None and self.reservations is not None:
-                metrics.relay_reservations.set(len(self.relay_addrs()))
+            if self.reservations is not None:
+                self._metrics.relay_reservations.set(len(self.relay_addrs()))
             await trio.sleep(_SYNC_INTERVAL_S)
 
     def refresh_peer_table(self) -> None:
         """Copy each connected peer's path (and relay) and RTT into the node's peer book."""
-        for record in self.node.peer_book.records():
+        for record in self.peers.peer_book.records():
             if not record.connected:
                 continue
             peer = ID.from_base58(record.peer_id)
             path = self.paths.path(peer)
             if path is not None:
-                record.path = str(getattr(path, "value", path))
+                record.path = path.value
             record.relay = self._relay_in_use(peer) if path is Path.RELAYED else None
             rtt = self.paths.rtt_ms(peer)
             if rtt is not None:
@@ -230,31 +243,31 @@ class NatServices:
 
     def _relay_in_use(self, peer: ID) -> str | None:
         conns = self._host.get_network().connections.get(peer) or []
-        me = self.node.peer_id.to_base58()
+        me = self._me
         for conn in conns if isinstance(conns, list) else [conns]:
             if conn_is_relayed(conn) and (relay := relay_of(conn, me)) is not None:
                 return relay
         return None
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> dict[str, object]:
         return {
             "reachability": self._reachability_text(),
-            "relay_serving": bool(getattr(self.relay_server, "serving", False)),
+            "relay_serving": self.relay_server.serving,
             "relay_addrs": [str(a) for a in self.relay_addrs()],
             "upnp": "off" if self.port_mapper is None else (self.mapped_addrs() or ["no gateway"])[0],
         }
 
 
-def _port_mapper(config: Any) -> PortMapper | None:
+def port_mapper_for(listen: Sequence[str]) -> PortMapper | None:
     """A mapper for the first TCP listen port (UPnP maps one port; the daemon listens on one)."""
-    for addr in config.listen:
+    for addr in listen:
         parts = str(addr).split("/")
         if len(parts) >= 5 and parts[3] == "tcp" and 0 < int(parts[4]) < 65536:
             return PortMapper(int(parts[4]))
     return None
 
 
-def _advertised_addrs(peer_id: str, record: Any) -> list[str]:
+def advertised_addrs(peer_id: str, record: object) -> list[str]:
     """The addresses a member record advertises (peer-written, so checked): strings naming
     that peer; relay addresses must end in its id."""
     addrs = record.get("addrs") if isinstance(record, dict) else None

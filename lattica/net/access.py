@@ -13,12 +13,15 @@ The MAC binds both authenticated peer ids, so a non-member cannot relay a member
 third peer, and the fresh nonce makes a recorded answer useless. The secret never crosses the
 wire. Each side verifies the other on its own initiative, so membership is mutual.
 
-Every protocol is checked, not only the connection: ``AccessGate.install(host)`` makes every
-stream handler registered *after* it go through ``guard`` first, and every stream this host
-opens on one of those protocols is guarded too (we neither serve nor send run data to a
-non-member). A denied stream is reset and counted per protocol. Verdicts are cached per peer
-for the life of the connection they were reached on; a new connection is verified again.
-Handlers registered before ``install`` (identify, ping) and the auth protocol stay open.
+Every protocol is checked, not only the connection: a host built with the gate as its stream
+guard (``build_host(..., guard=gate)``, see ``LatticaHost``) passes every stream handler
+registered after its construction through ``guard_handler`` and every stream it opens through
+``check_opened``, so the handlers go through ``guard`` first and every stream this host opens on
+one of those protocols is guarded too (we neither serve nor send run data to a non-member).
+``attach(host)`` then serves the auth protocol on it. A denied stream is reset and counted per
+protocol. Verdicts are cached per peer for the life of the connection they were reached on; a
+new connection is verified again. Handlers the host registers itself (identify, ping) and the
+auth protocol stay open.
 
 A peer that stalls or fails the handshake must not hold anyone's streams for long: one
 handshake per peer runs at a time, at most ``_MAX_WAITING_PER_PEER`` of its streams wait for it
@@ -37,14 +40,13 @@ import logging
 import re
 import secrets
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import trio
 from libp2p.abc import IHost, INetStream
-from libp2p.custom_types import TProtocol
+from libp2p.custom_types import StreamHandlerFn, TProtocol
 from libp2p.peer.id import ID
 
 from lattica.errors import ConfigError, PeerUnavailableError, RemoteProtocolError
@@ -125,7 +127,7 @@ class RunAccess:
         expected = self.proof(nonce, verifier=verifier, prover=prover)
         return hmac.compare_digest(expected, mac)
 
-    def answer(self, request: object, *, verifier: str) -> dict[str, Any]:
+    def answer(self, request: object, *, verifier: str) -> dict[str, object]:
         """The prover's reply to a challenge message."""
         if not isinstance(request, dict) or request.get("run") != self.run_id:
             return {"error": "unknown run"}
@@ -137,9 +139,6 @@ class RunAccess:
         return {"mac": self.proof(nonce, verifier=verifier, prover=self.self_id)}
 
 
-Handler = Callable[[INetStream], Awaitable[None]]
-
-
 class AccessGate:
     """Applies a ``RunAccess`` to every stream of a host; see the module docstring."""
 
@@ -147,35 +146,36 @@ class AccessGate:
         self.access = access
         self.denied: Counter[str] = Counter()
         self.verified = 0
-        self._verdicts: dict[str, tuple[Any, bool]] = {}
-        self._failed_until: dict[str, tuple[Any, float]] = {}  # peer -> (connection, until when)
+        self._verdicts: dict[str, tuple[object, bool]] = {}
+        self._failed_until: dict[str, tuple[object, float]] = {}  # peer -> (connection, until when)
         self._locks: dict[str, trio.Lock] = {}
         self._waiting: Counter[str] = Counter()  # streams waiting for a peer's handshake
         self._answering: Counter[str] = Counter()  # challenges of a peer being answered
         self._guarded: set[str] = set()
-        self._open_unguarded: Callable[[ID, Sequence[TProtocol]], Awaitable[INetStream]] | None = None
+        self._host: IHost | None = None  # opens our challenges, once attached
 
-    def install(self, host: IHost) -> None:
-        """Serve the auth protocol and guard every handler registered and stream opened later."""
-        set_handler, new_stream = host.set_stream_handler, host.new_stream
-        self._open_unguarded = new_stream
-        set_handler(AUTH_PROTOCOL, self._answer_challenge)
+    def attach(self, host: IHost) -> None:
+        """Serve the auth protocol on ``host`` (built with this gate as its stream guard) and
+        send our challenges through it."""
+        self._host = host
+        host.set_stream_handler(AUTH_PROTOCOL, self._answer_challenge)
 
-        # the same parameter names as IHost's, so keyword callers reach the guarded versions too
-        def guarded_set_stream_handler(protocol_id: TProtocol, stream_handler: Handler) -> None:
-            self._guarded.add(str(protocol_id))
-            set_handler(protocol_id, self.wrap(stream_handler, str(protocol_id)))
+    def guard_handler(self, protocol_id: TProtocol, handler: StreamHandlerFn) -> StreamHandlerFn:
+        """The handler the host registers for ``protocol_id``: members only, except the
+        handshake itself."""
+        if protocol_id == AUTH_PROTOCOL:
+            return handler
+        self._guarded.add(str(protocol_id))
+        return self.wrap(handler, str(protocol_id))
 
-        async def guarded_new_stream(peer_id: ID, protocol_ids: Sequence[TProtocol]) -> INetStream:
-            stream = await new_stream(peer_id, protocol_ids)
-            if any(str(p) in self._guarded for p in protocol_ids) and not await self.guard(stream):
-                raise AccessDeniedError("peer is not a member of this run", peer_id=peer_id.to_base58())
-            return stream
+    async def check_opened(self, stream: INetStream, protocol_ids: Sequence[TProtocol]) -> None:
+        """Raise ``AccessDeniedError`` (the stream reset) when a stream the host opened on a
+        guarded protocol reaches a non-member."""
+        if any(str(p) in self._guarded for p in protocol_ids) and not await self.guard(stream):
+            peer_id = stream.muxed_conn.peer_id.to_base58()
+            raise AccessDeniedError("peer is not a member of this run", peer_id=peer_id)
 
-        host.set_stream_handler = guarded_set_stream_handler  # type: ignore[method-assign]
-        host.new_stream = guarded_new_stream  # type: ignore[method-assign]
-
-    def wrap(self, handler: Handler, protocol: str) -> Handler:
+    def wrap(self, handler: StreamHandlerFn, protocol: str) -> StreamHandlerFn:
         async def guarded_handler(stream: INetStream) -> None:
             if await self.guard(stream, protocol=protocol):
                 await handler(stream)
@@ -194,7 +194,7 @@ class AccessGate:
         await _reset_quietly(stream)
         return False
 
-    async def admit(self, peer_id: str, conn: Any) -> bool:
+    async def admit(self, peer_id: str, conn: object) -> bool:
         if not self.access.listed(peer_id):
             return False
         if self.access.secret is None:
@@ -219,7 +219,7 @@ class AccessGate:
                 del self._waiting[peer_id]
                 self._locks.pop(peer_id, None)  # nobody holds or awaits it
 
-    def _cached(self, peer_id: str, conn: Any) -> bool | None:
+    def _cached(self, peer_id: str, conn: object) -> bool | None:
         """The verdict on ``peer_id`` without a handshake, if there is one: False while a recent
         failure is remembered, else what this connection was found to be."""
         failed = self._failed_until.get(peer_id)
@@ -238,7 +238,7 @@ class AccessGate:
             log.debug("could not verify %s: %r", peer_id, exc)
         return None
 
-    def _remember(self, peer_id: str, conn: Any, ok: bool | None) -> None:
+    def _remember(self, peer_id: str, conn: object, ok: bool | None) -> None:
         if ok:
             self.verified += 1
         else:  # wrong proof, stalled or broken: no new handshake on this connection for a while
@@ -260,12 +260,12 @@ class AccessGate:
             self._failed_until.pop(next(iter(self._failed_until)))
 
     async def _verify(self, peer_id: str) -> bool:
-        if self._open_unguarded is None:
-            raise PeerUnavailableError("the access gate is not installed on a host", peer_id=peer_id)
+        if self._host is None:
+            raise PeerUnavailableError("the access gate is not attached to a host", peer_id=peer_id)
         nonce = self.access.challenge()
         me = self.access.self_id
         with trio.fail_after(_VERIFY_TIMEOUT_S):
-            stream = await self._open_unguarded(ID.from_base58(peer_id), [AUTH_PROTOCOL])
+            stream = await self._host.new_stream(ID.from_base58(peer_id), [AUTH_PROTOCOL])  # not guarded
             try:
                 await write_message(stream, {"run": self.access.run_id, "nonce": nonce}, peer_id=peer_id)
                 reply = await read_message(stream, max_size=_MAX_AUTH_MESSAGE, peer_id=peer_id)
@@ -293,7 +293,7 @@ class AccessGate:
                 del self._answering[peer_id]
             await _close_quietly(stream)
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> dict[str, object]:
         return {
             "mode": _mode(self.access),
             "verified_peers": self.verified,

@@ -12,6 +12,11 @@ What the host tells other peers (identify) follows what it does:
   stores — so a NAT'd node can be found through a DHT server that knows nothing of Lattica.
   (py-libp2p's own ``get_addrs`` cuts a circuit address at its first ``/p2p/``, turning the
   relay's address into a false direct address of ours; circuits are appended after it.)
+- ``LatticaHost`` takes an optional ``StreamGuard`` (the run's access gate): every stream
+  handler registered after construction, and every stream opened, goes through it, so a
+  members-only run serves and sends nothing to non-members whoever registers the protocol
+  (our services or py-libp2p's Kademlia). Handlers the host registers while it is built
+  (identify, ping) stay open.
 - ``AnnouncementWatcher`` pushes identify (``/ipfs/id/push/1.0.0``) to every connected peer
   whenever the protocols we serve or the addresses we advertise change. Services register
   their handlers after the bootstrap peers identified us (``/ipfs/kad/1.0.0`` among them); a
@@ -23,14 +28,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import Protocol
 
 import multiaddr
 import trio
 from libp2p import new_swarm
-from libp2p.abc import IHost
+from libp2p.abc import IHost, INetStream
 from libp2p.crypto.keys import KeyPair
 from libp2p.crypto.x25519 import create_new_key_pair as _new_x25519
-from libp2p.custom_types import TProtocol
+from libp2p.custom_types import StreamHandlerFn, TProtocol
 from libp2p.host.basic_host import BasicHost
 from libp2p.identity.identify_push.identify_push import push_identify_to_peers
 from libp2p.network.config import ConnectionConfig
@@ -48,13 +54,35 @@ MUXER_PROTOCOLS = (YAMUX_PROTOCOL_ID,)
 MAX_CIRCUIT_ADDRS = 8
 
 
-class LatticaHost(BasicHost):
-    """A ``BasicHost`` that also advertises its relay (``/p2p-circuit``) addresses."""
+class StreamGuard(Protocol):
+    """Decides which streams a host serves and keeps (``lattica.net.access.AccessGate``)."""
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
+    def guard_handler(self, protocol_id: TProtocol, handler: StreamHandlerFn) -> StreamHandlerFn: ...
+
+    async def check_opened(self, stream: INetStream, protocol_ids: Sequence[TProtocol]) -> None: ...
+
+
+class LatticaHost(BasicHost):
+    """A ``BasicHost`` that also advertises its relay (``/p2p-circuit``) addresses and puts
+    its streams through an optional ``StreamGuard``."""
+
+    def __init__(self, *args: object, guard: StreamGuard | None = None, **kwargs: object) -> None:
         # set before BasicHost.__init__, which signs a peer record from get_addrs()
         self._circuit_addrs: tuple[multiaddr.Multiaddr, ...] = ()
+        self._guard: StreamGuard | None = None  # identify and ping, registered next, stay open
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self._guard = guard
+
+    def set_stream_handler(self, protocol_id: TProtocol, stream_handler: StreamHandlerFn) -> None:
+        if self._guard is not None:
+            stream_handler = self._guard.guard_handler(protocol_id, stream_handler)
+        super().set_stream_handler(protocol_id, stream_handler)
+
+    async def new_stream(self, peer_id: ID, protocol_ids: Sequence[TProtocol]) -> INetStream:
+        stream = await super().new_stream(peer_id, protocol_ids)
+        if self._guard is not None:
+            await self._guard.check_opened(stream, protocol_ids)
+        return stream
 
     def set_circuit_addrs(self, addrs: Sequence[multiaddr.Multiaddr | str]) -> bool:
         """Advertise these relay addresses (ours: each ends in ``/p2p-circuit/p2p/<our id>``,
@@ -94,8 +122,9 @@ def build_host(
     *,
     listen_addrs: Sequence[multiaddr.Multiaddr] = (),
     announce_addrs: Sequence[multiaddr.Multiaddr] = (),
+    guard: StreamGuard | None = None,
 ) -> LatticaHost:
-    """A libp2p host that speaks TCP + Noise + Yamux only."""
+    """A libp2p host that speaks TCP + Noise + Yamux only; ``guard`` sees every stream."""
     from libp2p.rcmgr import new_resource_manager
 
     noise = NoiseTransport(libp2p_keypair=key_pair, noise_privkey=_new_x25519().private_key)
@@ -112,6 +141,7 @@ def build_host(
         network=swarm,
         resource_manager=resources,
         announce_addrs=list(announce_addrs) or None,
+        guard=guard,
     )
 
 

@@ -19,10 +19,10 @@ from libp2p.crypto.keys import KeyPair
 from lattica.diagnostics import NodeFacts, PeerFacts
 from lattica.net.addrs import peer_info_from_addr
 from lattica.net.clock import measure_clocks
+from lattica.net.dialing import short_reason
 from lattica.net.host import build_host, stop_auto_connector
 from lattica.net.nat.autonat import ReachabilityService
 from lattica.net.nat.observations import observations
-from lattica.node import _short_reason
 
 _DIAL_TIMEOUT_S = 10.0
 _IDENTIFY_WAIT_S = 1.5
@@ -48,7 +48,7 @@ async def probe(
             except ValueError as exc:
                 failures[addr] = str(exc)
             except Exception as exc:  # noqa: BLE001 - every dial failure is a finding
-                failures[addr] = _short_reason(exc)
+                failures[addr] = short_reason(exc)
             else:
                 reached.append(info.peer_id.to_base58())
 

@@ -72,9 +72,9 @@ async def node_facts(node: Any) -> dict[str, Any]:
 def _nat_services(node: Any) -> Any:
     if not getattr(node.config, "nat", False):
         return None
-    from lattica.net.nat.daemon_services import NatServices
+    from lattica.nat_service import NatService
 
-    return next((e for e in node.extensions if isinstance(e, NatServices)), None)
+    return next((e for e in node.services if isinstance(e, NatService)), None)
 
 
 def _last_transfers(node: Any) -> dict[str, tuple[int, float]]:
@@ -83,7 +83,7 @@ def _last_transfers(node: Any) -> dict[str, tuple[int, float]]:
         return {}
     from lattica.train.service import TrainingService
 
-    training = next((e for e in node.extensions if isinstance(e, TrainingService)), None)
+    training = next((e for e in node.services if isinstance(e, TrainingService)), None)
     if training is None or training.tensors is None:
         return {}
     return {peer: (size, round(size * 8 / seconds / 1e6, 2))
@@ -91,9 +91,9 @@ def _last_transfers(node: Any) -> dict[str, tuple[int, float]]:
 
 
 def _member_reachability(node: Any) -> dict[str, str]:
-    from lattica.daemon import StateExtension
+    from lattica.daemon import StateService
 
-    state = next((e for e in node.extensions if isinstance(e, StateExtension)), None)
+    state = next((e for e in node.services if isinstance(e, StateService)), None)
     if state is None:
         return {}
     members = state.state.snapshot().get("members", {})

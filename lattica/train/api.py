@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import trio
@@ -40,6 +40,9 @@ from lattica.net.tensors.screen import DEFAULT_SCREEN, ContributionScreen
 from lattica.train.collective import Collective
 from lattica.train.strategies import create_strategy
 from lattica.train.strategies.base import GroupProvider, OuterStepReport, OuterStrategy
+
+if TYPE_CHECKING:
+    from lattica.services import NodeContext, NodeService
 
 
 class Node(Protocol):
@@ -156,14 +159,16 @@ class TrainingNode:
 class _DataPlane:
     """The node service behind ``TrainingNode``: tensors and round groups for the user's loop."""
 
-    def __init__(self, node: Any, state: Any, *, round_deadline_s: float, screen: ContributionScreen) -> None:
-        from lattica.net.tensors.transfer import TensorService, TensorServiceConfig
+    name = "data-plane"
+
+    def __init__(self, context: NodeContext, state: Any, *, round_deadline_s: float, screen: ContributionScreen) -> None:
         from lattica.coordination.rounds import RoundCoordinator
+        from lattica.net.tensors.transfer import TensorService, TensorServiceConfig
 
         self.state = state
-        self.tensors = TensorService(node.running_host, node.key_pair, config=TensorServiceConfig(screen=screen))
+        self.tensors = TensorService(context.host, context.key_pair, config=TensorServiceConfig(screen=screen))
         self.coordinator = RoundCoordinator(
-            node.running_host, peer_id=node.peer_id.to_base58(), run_id=node.config.run_id,
+            context.host, peer_id=context.peer_id.to_base58(), run_id=context.config.run_id,
             candidates=self._candidates, deadline_s=round_deadline_s,
         )
 
@@ -189,7 +194,7 @@ async def open_node(
     """Run a node for ``config`` (its ``train`` settings are not used: the loop is yours) until
     the block ends. The key is ``config.data_dir``'s identity unless ``key_pair`` is given; the
     run secret is read from ``config.secret_file``."""
-    from lattica.daemon import DiscoveryExtension, StateExtension
+    from lattica.daemon import DiscoveryService, StateService
     from lattica.net.access import read_secret_file
     from lattica.net.identity import load_or_create_identity
     from lattica.node import Node
@@ -197,24 +202,21 @@ async def open_node(
     if key_pair is None:
         key_pair = load_or_create_identity(config.data_dir)
     secret = read_secret_file(config.secret_file) if config.secret_file is not None else None
-    node = Node(config, key_pair, secret=secret)
-    made: dict[str, Any] = {}
 
-    def make_state(n: Node) -> StateExtension:
-        made["state"] = StateExtension(n, role=_TRAINER)
-        return made["state"]  # type: ignore[no-any-return]
+    def services(context: NodeContext) -> list[NodeService]:
+        state = StateService(context.host, context.key_pair, config, own_addrs=context.dialable_addrs,
+                             metrics=context.metrics, role=_TRAINER)
+        built: list[NodeService] = [state]
+        if config.dht:
+            built.append(DiscoveryService(context.host, run_id=config.run_id,
+                                          connectivity=context.connectivity, metrics=context.metrics))
+        built.append(_DataPlane(context, state.state, round_deadline_s=round_deadline_s, screen=screen))
+        return built
 
-    def make_data_plane(n: Node) -> _DataPlane:
-        made["plane"] = _DataPlane(n, made["state"].state, round_deadline_s=round_deadline_s, screen=screen)
-        return made["plane"]  # type: ignore[no-any-return]
-
-    node.service_factories.append(make_state)
-    if config.dht:
-        node.service_factories.append(DiscoveryExtension)
-    node.service_factories.append(make_data_plane)
+    node = Node(config, key_pair, secret=secret, services=services)
     async with trio.open_nursery() as nursery:
         await nursery.start(node.run)
-        plane = made["plane"]
+        plane = next(s for s in node.services if isinstance(s, _DataPlane))
         try:
             yield TrainingNode(node, plane.state, plane.tensors, plane.coordinator)
         finally:

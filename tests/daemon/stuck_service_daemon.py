@@ -15,14 +15,16 @@ from trio_typing import TaskStatus
 from lattica.config import NodeConfig
 from lattica.daemon import build_node, serve
 from lattica.net.identity import load_or_create_identity
-from lattica.node import Node
+from lattica.services import NodeContext
 
 
 class StuckInAThread:
     """Blocks a worker thread for two minutes: cancelling it waits for the thread."""
 
-    def __init__(self, node: Node) -> None:
-        self.node = node
+    name = "stuck"
+
+    def __init__(self, context: NodeContext) -> None:
+        self.context = context
 
     async def run(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
@@ -35,8 +37,7 @@ def main() -> None:
         data_dir=data_dir, listen=("/ip4/127.0.0.1/tcp/0",), metrics_addr=None, nat=False, dht=False,
     )
     data_dir.mkdir(parents=True, exist_ok=True)
-    node = build_node(config, load_or_create_identity(data_dir))
-    node.service_factories.append(StuckInAThread)
+    node = build_node(config, load_or_create_identity(data_dir), extra=lambda context: [StuckInAThread(context)])
     trio.run(lambda: serve(node, on_started=lambda _: print("ready", flush=True)))
 
 

@@ -13,10 +13,10 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.peerinfo import PeerInfo
 
 from lattica.net.addrs import peer_info_from_addr
+from lattica.net.dialing import dial_addrs_for
 from lattica.net.host import AnnouncementWatcher, build_host, circuit_addr_for
 from lattica.net.identity import peer_id_of
 from lattica.net.nat.circuit import parse_circuit_addr
-from lattica.node import dial_addrs_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "net"))
 from standard_node import standard_node  # noqa: E402

@@ -3,10 +3,10 @@
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 
-from lattica.net.nat.daemon_services import _advertised_addrs
+from lattica.nat_service import advertised_addrs
+from lattica.net.dialing import dial_addrs_for
 from lattica.net.peer_exchange import MAX_ADDRS, px_reply
 from lattica.net.peerbook import MAX_CIRCUITS_PER_PEER, PeerBook
-from lattica.node import dial_addrs_for
 
 
 def _pid() -> str:
@@ -57,6 +57,6 @@ def test_dial_addrs_keep_only_relay_addresses_that_end_in_the_peer():
 def test_member_record_addresses_are_checked():
     record = {"addrs": [DIRECT, VIA1, f"/ip4/198.18.0.1/tcp/4001/p2p/{OTHER}", 7, "x" * 600,
                         f"/p2p/{RELAY1}/p2p-circuit/p2p/{OTHER}/p2p/{PEER}"]}
-    assert _advertised_addrs(PEER, record) == [DIRECT, VIA1]
-    assert _advertised_addrs(PEER, {"addrs": "not a list"}) == []
-    assert _advertised_addrs(PEER, None) == []
+    assert advertised_addrs(PEER, record) == [DIRECT, VIA1]
+    assert advertised_addrs(PEER, {"addrs": "not a list"}) == []
+    assert advertised_addrs(PEER, None) == []

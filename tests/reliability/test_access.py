@@ -104,23 +104,29 @@ async def _start(nursery, data_dir: Path, *, key_pair, peers=(), allow=(), secre
         data_dir=data_dir, listen=("/ip4/127.0.0.1/tcp/0",), peers=tuple(peers), run_id="guarded",
         metrics_addr=None, nat=False, allow_peers=tuple(allow), bootstrap_timeout_s=10,
     )
-    node = build_node(config, key_pair, secret=secret)
-    parts: dict[str, object] = {}
-
-    def make_tensors(n):
-        parts["tensors"] = TensorService(n.host, n.key_pair, config=TensorServiceConfig())
-        return parts["tensors"]
-
-    def make_rounds(n):
-        parts["rounds"] = RoundCoordinator(
-            n.host, peer_id=n.peer_id.to_base58(), run_id="guarded",
-            candidates=lambda: n.peer_book.connected_ids(), deadline_s=1.0,
-        )
-        return parts["rounds"]
-
-    node.service_factories += [make_tensors, make_rounds]
+    node = build_node(config, key_pair, secret=secret, extra=lambda context: [_DataPlane(context)])
     await nursery.start(node.run)
-    return _Member(node, parts["tensors"], parts["rounds"])  # type: ignore[arg-type]
+    plane = node.services[-1]
+    return _Member(node, plane.tensors, plane.rounds)
+
+
+class _DataPlane:
+    """Tensors and round groups, the run protocols a non-member must be refused on."""
+
+    name = "data-plane"
+
+    def __init__(self, context) -> None:
+        self.tensors = TensorService(context.host, context.key_pair, config=TensorServiceConfig())
+        self.rounds = RoundCoordinator(
+            context.host, peer_id=context.peer_id.to_base58(), run_id="guarded",
+            candidates=context.peer_book.connected_ids, deadline_s=1.0,
+        )
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.tensors.run)
+            await nursery.start(self.rounds.run)
+            task_status.started()
 
 
 async def _request(member: _Member, peer: str, protocol, message) -> object:
@@ -187,7 +193,7 @@ async def test_a_non_member_is_refused_on_every_protocol_and_a_member_is_served(
 
 
 def _state_members(member: _Member) -> set[str]:
-    return set(member.node.extensions[0].state.snapshot().get("members", {}))
+    return set(member.node.services[0].state.snapshot().get("members", {}))
 
 
 async def test_an_uninstalled_gate_admits_nobody_with_a_secret() -> None:

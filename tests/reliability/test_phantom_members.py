@@ -139,7 +139,7 @@ async def _gated_node(nursery, data_dir: Path, *, peers: tuple[str, ...] = (), s
     )
     node = build_node(config, create_new_key_pair(), secret=secret)
     await nursery.start(node.run)
-    return node, node.extensions[0].state
+    return node, node.services[0].state
 
 
 async def test_a_connected_peer_the_gate_refuses_is_no_member_even_when_a_member_relays_it(tmp_path: Path) -> None:

@@ -1,0 +1,473 @@
+"""Whom a node is connected to: bootstrap, redial, peer exchange, goodbyes, and how to dial.
+
+Theory of operation: ``Connectivity.run`` serves peer exchange (``PX_PROTOCOL``) and goodbyes
+(``BYE_PROTOCOL``), watches the host's connections into the peer book, dials the bootstrap
+peers (``--peer``) until one answers within ``bootstrap_timeout_s`` — with a run secret, until
+one proved membership — and then keeps each bootstrap peer connected with exponential backoff
+and asks connected peers every two seconds whom they know (peer exchange), dialing those it
+does not. Start-up fails with ``ConfigError`` (one line for the user) when no bootstrap peer
+answers; after that, losing them only triggers reconnection attempts.
+
+Dialing (one dial per peer at a time): until the NAT traversal runs (start-up, or
+``nat = false``) peers are dialed at their direct addresses with ``host.connect``, and a relay
+address (a ``--peer``) with ``dial_circuit``. Once ``NatTraversal`` runs — started right after
+bootstrap — every dial (bootstrap redials, peer exchange, DHT run members, replicated-state
+members through ``dial_peer``) goes through its ``Dialer`` with the peer's direct and relay
+addresses, so two peers behind NATs reach each other. Relay addresses are accepted only when
+they end in the peer's own id (``dial_addrs_for``).
+
+On the way out, ``say_goodbye`` tells every connected peer we leave, so they mark us as gone
+at once instead of redialing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import trio
+from libp2p.abc import IHost, INetStream
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo
+from trio_typing import TaskStatus
+
+from lattica.config import NodeConfig
+from lattica.errors import ConfigError, LatticaError, LocalProtocolError
+from lattica.net.access import AccessGate
+from lattica.net.addrs import dialable_addrs, peer_info_from_addr
+from lattica.net.dialing import dial_addrs_for, short_reason
+from lattica.net.host import circuit_addr_for, peer_may_support
+from lattica.net.nat.circuit import dial_circuit
+from lattica.net.nat.dialer import Dialer
+from lattica.net.nat.traversal import NatTraversal
+from lattica.net.peer_exchange import (
+    BYE_PROTOCOL,
+    MAX_REPLY_BYTES,
+    PX_PROTOCOL,
+    parse_px_reply,
+    px_reply,
+)
+from lattica.net.peerbook import PeerBook
+from lattica.net.wire import ByteStream, read_message, write_message
+
+log = logging.getLogger(__name__)
+
+_WATCH_INTERVAL_S = 0.5
+_PX_INTERVAL_S = 2.0
+_DIAL_TIMEOUT_S = 5.0
+_PATH_DIAL_TIMEOUT_S = 15.0  # direct (3 s) then up to three relays in turn
+_STREAM_TIMEOUT_S = 5.0
+_IDENTIFY_WAIT_S = 3.0  # for a bootstrap peer's identify, to tell a Lattica node from others
+
+StreamMeter = Callable[[INetStream, str], ByteStream]
+"""Wraps a stream so that its bytes are counted under a protocol label."""
+
+
+class PeerMetrics(Protocol):
+    """What connectivity reports: the connected peers, by path."""
+
+    def set_peers(self, paths: Iterable[str]) -> None: ...
+
+
+@dataclass(frozen=True)
+class JoinOutcome:
+    """The bootstrap peers that are members of the run, and why the others are not."""
+
+    members: tuple[str, ...] = ()
+    refused: dict[str, str] = field(default_factory=dict)
+
+    def summary(self, run_id: str) -> str:
+        others = len(self.refused)
+        if self.members:
+            text = f"joined run {run_id!r} through {len(self.members)} member(s)"
+            return text + (f"; {others} bootstrap peer(s) are not members" if others else "")
+        if others:
+            return (f"connected to {others} bootstrap peer(s) that speak no Lattica protocol (a plain "
+                    f"libp2p relay or DHT node); run {run_id!r} members are found through the DHT")
+        return f"joined run {run_id!r}"
+
+
+class Connectivity:
+    """The connection management of one node; see the module docstring."""
+
+    def __init__(
+        self, host: IHost, config: NodeConfig, *, access: AccessGate, peer_book: PeerBook,
+        metrics: PeerMetrics, meter: StreamMeter, nat: bool,
+    ) -> None:
+        self._host = host
+        self.config = config
+        self.peer_id = host.get_id()
+        self.access = access
+        self.peer_book = peer_book
+        self._metrics = metrics
+        self._meter = meter
+        self._use_nat = nat
+        self.nat: NatTraversal | None = None  # built and started right after bootstrap
+        self._dialer: Dialer | None = None  # the NAT traversal's, once it runs
+        self._dialing: dict[str, bool] = {}  # peer -> the dial in flight includes relay addrs
+        self._no_px: set[str] = set()  # connected peers that refused peer exchange
+        self.joined = JoinOutcome()  # what bootstrap reached
+        self.bootstrap_errors: dict[str, str] = {}  # bootstrap address -> why its last dial failed
+
+    async def run(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve peer exchange and goodbyes, bootstrap, then keep connected; started once
+        bootstrap succeeded (raises ``ConfigError`` when it did not)."""
+        self._host.set_stream_handler(PX_PROTOCOL, self._handle_px)
+        self._host.set_stream_handler(BYE_PROTOCOL, self._handle_bye)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._watch_connections)
+            await self._bootstrap()
+            for peer in self.config.peers:
+                nursery.start_soon(self._keep_connected, peer)
+            if self.config.peer_exchange:
+                nursery.start_soon(self._peer_exchange_loop)
+            if self._use_nat:
+                self.nat = NatTraversal(self._host)
+                await nursery.start(self.nat.run)
+                self._dialer = self.nat.dialer  # from now on every dial takes the best path
+            task_status.started()
+
+    # -- addresses -------------------------------------------------------------------------
+
+    def dialable_addrs(self) -> list[str]:
+        """Where others can reach this node: ``--announce`` if given, else the listen addresses."""
+        if self.config.announce:
+            return [f"{a.split('/p2p/')[0]}/p2p/{self.peer_id}" for a in self.config.announce]
+        return dialable_addrs(self._host.get_transport_addrs(), self.peer_id.to_base58())
+
+    def connected_ids(self) -> set[str]:
+        return {p.to_base58() for p in self._host.get_connected_peers()}
+
+    def join_summary(self) -> str:
+        """One line on what start-up joined, for the user."""
+        return self.joined.summary(self.config.run_id)
+
+    # -- bootstrap and reconnection ----------------------------------------------------------
+
+    async def _bootstrap(self) -> None:
+        """Reach at least one bootstrap peer within the timeout, retrying with backoff."""
+        if not self.config.peers:
+            return
+        for peer in self.config.peers:
+            try:
+                info = peer_info_from_addr(peer)
+            except ValueError as exc:
+                raise ConfigError(f"--peer: {exc}") from None
+            self.peer_book.learn(info.peer_id.to_base58(), [peer], now=time.time(), bootstrap=True)
+        errors: dict[str, str] = {}
+        outcome = JoinOutcome()
+        with trio.move_on_after(self.config.bootstrap_timeout_s):
+            delay = 0.5
+            while True:
+                async with trio.open_nursery() as nursery:
+                    for peer in self.config.peers:
+                        nursery.start_soon(self._try_dial_addr, peer, errors)
+                if self.connected_ids():
+                    outcome = await self._bootstrap_outcome()
+                    # a run with a secret is joined only through a member that proved it
+                    if outcome.members or self.access.access.secret is None:
+                        self.joined = outcome
+                        return
+                await trio.sleep(delay)
+                delay = min(delay * 2, self.config.max_backoff_s)
+        if outcome.refused:
+            reasons = "; ".join(f"{peer}: {why}" for peer, why in outcome.refused.items())
+            raise ConfigError(
+                f"no bootstrap peer proved to be a member of run {self.config.run_id!r} within "
+                f"{self.config.bootstrap_timeout_s:g} s ({reasons})"
+            )
+        reasons = "; ".join(f"{addr}: {why}" for addr, why in errors.items()) or "timed out"
+        raise ConfigError(
+            f"could not reach any bootstrap peer within {self.config.bootstrap_timeout_s:g} s ({reasons})"
+        )
+
+    async def _bootstrap_outcome(self) -> JoinOutcome:
+        """Which connected bootstrap peers are members of the run, by what their identify
+        says (a Lattica protocol) and, with a secret or allowlist, the access check."""
+        host = self._host
+        ids = [r.peer_id for r in self.peer_book.records() if r.bootstrap and r.peer_id in self.connected_ids()]
+        with trio.move_on_after(_IDENTIFY_WAIT_S):  # identify runs right after connecting
+            while not all(_identified(host, peer_id) for peer_id in ids):
+                await trio.sleep(0.05)
+        members: list[str] = []
+        refused: dict[str, str] = {}
+        for peer_id in ids:
+            if not _speaks_lattica(host, peer_id):
+                refused[peer_id] = "speaks no Lattica protocol (a plain libp2p node)"
+                continue
+            conns = host.get_network().connections.get(ID.from_base58(peer_id)) or []
+            if conns and await self.access.admit(peer_id, conns[0].muxed_conn):
+                members.append(peer_id)
+            else:
+                refused[peer_id] = "did not prove membership of the run (secret or allowlist)"
+        return JoinOutcome(members=tuple(members), refused=refused)
+
+    async def _try_dial_addr(self, addr: str, errors: dict[str, str]) -> bool:
+        info = peer_info_from_addr(addr)
+        try:
+            await self._dial(info)
+        except Exception as exc:  # noqa: BLE001 - any dial failure is reported the same way
+            reason = short_reason(exc)
+            if errors.get(addr) != reason:  # each new cause once, not every retry
+                log.info("cannot reach bootstrap peer %s: %s", addr, reason)
+            errors[addr] = reason
+            self.bootstrap_errors[addr] = reason
+            return False
+        errors.pop(addr, None)
+        self.bootstrap_errors.pop(addr, None)
+        return True
+
+    async def _keep_connected(self, addr: str) -> None:
+        """Redial a bootstrap peer whenever it is not connected, backing off exponentially."""
+        info = peer_info_from_addr(addr)
+        key = info.peer_id.to_base58()
+        delay = 1.0
+        while True:
+            if key in self.connected_ids():
+                delay = 1.0
+                await trio.sleep(1.0)
+                continue
+            record = self.peer_book.get(key)
+            errors: dict[str, str] = {}
+            if (record is None or not record.left) and await self._try_dial_addr(addr, errors):
+                if key in self.connected_ids():
+                    log.info("reconnected to bootstrap peer %s", key)
+                    delay = 1.0
+                    continue
+                # the dial "succeeded" but the connection is already gone (py-libp2p can
+                # return from connect() on a stale entry): back off like any failure
+            await trio.sleep(delay)
+            delay = min(delay * 2, self.config.max_backoff_s)
+
+    # -- dialing ---------------------------------------------------------------------------
+
+    async def dial_peer(self, peer_id: str, addrs: Sequence[str] = ()) -> bool:
+        """Connect to ``peer_id`` at ``addrs`` plus every address known for it (direct and
+        relayed); True when connected afterwards. For run members found in the DHT or the
+        replicated state."""
+        if peer_id == self.peer_id.to_base58():
+            return False
+        if peer_id in self.connected_ids():
+            return True
+        record = self.peer_book.learn(peer_id, list(addrs), now=time.time())
+        if record is None or record.left:
+            return False
+        return await self._dial_any(peer_id, list(record.addrs))
+
+    async def _dial_any(self, peer_id: str, addrs: list[str]) -> bool:
+        maddrs = dial_addrs_for(peer_id, addrs, relayed=self._dialer is not None)
+        if not maddrs:
+            return False
+        try:
+            await self._dial(PeerInfo(ID.from_base58(peer_id), maddrs))
+        except Exception as exc:  # noqa: BLE001 - unreachable addresses are common and harmless
+            log.debug("could not dial %s: %s", peer_id, short_reason(exc))
+            return False
+        return peer_id in self.connected_ids()
+
+    async def _dial(self, info: PeerInfo) -> None:
+        key = info.peer_id.to_base58()
+        relayed = any("/p2p-circuit" in str(a) for a in info.addrs)
+        inflight = self._dialing.get(key)
+        # one dial per peer, except that relay addresses heard while a direct-only dial waits
+        # on a silent NAT (seconds) get their own dial at once
+        if inflight is not None and (inflight or not relayed):
+            return
+        self._dialing[key] = relayed
+        # our own backoff decides when to redial; py-libp2p's negative dial cache would
+        # otherwise refuse a peer that came back on the same address
+        unblock = getattr(self._host.get_network(), "unblock_peer", None)
+        if unblock is not None:
+            unblock(info.peer_id)
+        try:
+            if self._dialer is not None:
+                with trio.fail_after(_PATH_DIAL_TIMEOUT_S):
+                    await self._dialer.connect(info.peer_id, info.addrs)
+            elif relayed:  # a relay address before the NAT traversal runs (a --peer)
+                await self._dial_without_dialer(info)
+            else:
+                with trio.fail_after(_DIAL_TIMEOUT_S):
+                    await self._host.connect(info)
+        finally:
+            if self._dialing.get(key) == relayed:
+                del self._dialing[key]
+
+    async def _dial_without_dialer(self, info: PeerInfo) -> None:
+        """Direct addresses first, then each relay address in turn (``host.connect`` refuses
+        ``/p2p-circuit``)."""
+        direct = [a for a in info.addrs if "/p2p-circuit" not in str(a)]
+        failure: Exception | None = None
+        if direct:
+            try:
+                with trio.fail_after(_DIAL_TIMEOUT_S):
+                    await self._host.connect(PeerInfo(info.peer_id, direct))
+                return
+            except Exception as exc:  # noqa: BLE001 - the relay addresses may still work
+                failure = exc
+        for addr in info.addrs:
+            if "/p2p-circuit" not in str(addr):
+                continue
+            try:
+                with trio.fail_after(_DIAL_TIMEOUT_S * 2):
+                    await dial_circuit(self._host, addr)
+                return
+            except Exception as exc:  # noqa: BLE001 - try the next relay
+                failure = exc
+        raise failure if failure is not None else LocalProtocolError("no address to dial")
+
+    # -- connection watching and peer exchange ----------------------------------------------
+
+    async def _watch_connections(self) -> None:
+        while True:
+            joined, gone = self.peer_book.set_connected(self.connected_ids(), now=time.time())
+            for peer_id in joined:
+                addrs = self._peerstore_addrs(peer_id)
+                self.peer_book.learn(peer_id, addrs, now=time.time())
+                record = self.peer_book.get(peer_id)
+                if record is not None and record.path == "unknown" and self._dialer is None:
+                    record.path = "direct"  # relayed connections exist only with the NAT traversal
+                log.info("peer connected: %s", peer_id)
+            for peer_id in gone:
+                self._no_px.discard(peer_id)  # it may come back as a newer version
+                log.info("peer disconnected: %s", peer_id)
+            self._metrics.set_peers(r.path for r in self.peer_book.records() if r.connected)
+            await trio.sleep(_WATCH_INTERVAL_S)
+
+    def _known_addrs(self, peer_id: str) -> list[str]:
+        """Addresses to tell others for ``peer_id``; refreshed from identify as it arrives."""
+        fresh = self._peerstore_addrs(peer_id)
+        record = self.peer_book.learn(peer_id, fresh, now=time.time())
+        return list(record.addrs) if record is not None else fresh
+
+    def _peerstore_addrs(self, peer_id: str) -> list[str]:
+        try:
+            addrs = self._host.get_peerstore().addrs(ID.from_base58(peer_id))
+        except Exception:  # noqa: BLE001 - an unknown peer simply has no addresses yet
+            return []
+        out = []
+        for a in addrs:
+            text = str(a)
+            if "/p2p-circuit" in text:  # identify's relay addresses (no trailing id)
+                circuit = circuit_addr_for(text, peer_id)
+                if circuit is not None:
+                    out.append(circuit)
+            elif "/tcp/" in text:
+                out.append(text if "/p2p/" in text else f"{text}/p2p/{peer_id}")
+        return out
+
+    async def _peer_exchange_loop(self) -> None:
+        # dials of newly heard peers run beside the exchanges: a relayed dial takes seconds
+        async with trio.open_nursery() as dials:
+            while True:
+                async with trio.open_nursery() as nursery:
+                    for peer_id in self.peer_book.connected_ids():
+                        if self._may_exchange_with(peer_id):
+                            nursery.start_soon(self._exchange_with, peer_id, dials)
+                await trio.sleep(_PX_INTERVAL_S)
+
+    def _may_exchange_with(self, peer_id: str) -> bool:
+        """Not with a peer that refused it, nor one whose identify lacks it (a plain libp2p
+        relay or DHT server): no stream opened every two seconds for nothing."""
+        if peer_id in self._no_px:
+            return False
+        return peer_may_support(self._host, ID.from_base58(peer_id), PX_PROTOCOL)
+
+    async def _exchange_with(self, peer_id: str, dials: trio.Nursery) -> None:
+        try:
+            with trio.fail_after(_STREAM_TIMEOUT_S):
+                started = time.perf_counter()
+                raw = await self._host.new_stream(ID.from_base58(peer_id), [PX_PROTOCOL])
+                stream = self._meter(raw, str(PX_PROTOCOL))
+                try:
+                    await write_message(stream, {"run": self.config.run_id}, peer_id=peer_id)
+                    reply = await read_message(stream, max_size=MAX_REPLY_BYTES, peer_id=peer_id)
+                finally:
+                    await raw.close()
+                rtt_ms = (time.perf_counter() - started) * 1000
+            entries = parse_px_reply(reply, peer_id=peer_id)
+        except LatticaError as exc:
+            log.warning("peer exchange with %s failed: %s", peer_id, exc)
+            return
+        except Exception as exc:  # noqa: BLE001 - network failures of any kind end this exchange
+            if "not supported" in str(exc):
+                self._no_px.add(peer_id)
+            log.debug("peer exchange with %s failed: %r", peer_id, exc)
+            return
+        record = self.peer_book.get(peer_id)
+        if record is not None:
+            record.rtt_ms = round(rtt_ms, 2)
+        connected = self.connected_ids()
+        for other, addrs in entries:
+            rec = self.peer_book.learn(other, addrs, now=time.time())
+            if rec is None or other in connected or rec.left or not addrs or self._dialing.get(other):
+                continue
+            dials.start_soon(self._dial_any, other, list(rec.addrs))
+
+    async def _handle_px(self, raw: INetStream) -> None:
+        peer_id = raw.muxed_conn.peer_id.to_base58()
+        stream = self._meter(raw, str(PX_PROTOCOL))
+        try:
+            with trio.fail_after(_STREAM_TIMEOUT_S):
+                request = await read_message(stream, max_size=1024, peer_id=peer_id)
+                same_run = isinstance(request, dict) and request.get("run") == self.config.run_id
+                entries = []
+                if same_run:
+                    entries = [
+                        (pid, self._known_addrs(pid))
+                        for pid in self.peer_book.connected_ids()
+                        if pid != peer_id
+                    ]
+                await write_message(stream, px_reply(entries), peer_id=peer_id)
+        except Exception as exc:  # noqa: BLE001 - a bad request only ends this stream
+            log.debug("peer-exchange request from %s failed: %r", peer_id, exc)
+        finally:
+            await raw.close()
+
+    # -- goodbyes --------------------------------------------------------------------------
+
+    async def _handle_bye(self, stream: INetStream) -> None:
+        peer_id = stream.muxed_conn.peer_id.to_base58()
+        try:
+            with trio.fail_after(_STREAM_TIMEOUT_S):
+                await read_message(stream, max_size=1024, peer_id=peer_id)
+                self.peer_book.mark_left(peer_id, now=time.time())
+                log.info("peer %s is leaving", peer_id)
+                await write_message(stream, {"ok": True}, peer_id=peer_id)
+        except Exception as exc:  # noqa: BLE001 - best effort: a goodbye on a stream that may be gone
+            log.debug("goodbye from %s failed: %r", peer_id, exc)
+        finally:
+            await stream.close()
+
+    async def say_goodbye(self) -> None:
+        """Tell every connected peer we leave (best effort; bound it with a deadline)."""
+
+        async def bye(peer_id: str) -> None:
+            try:
+                stream = await self._host.new_stream(ID.from_base58(peer_id), [BYE_PROTOCOL])
+                await write_message(stream, {"run": self.config.run_id}, peer_id=peer_id)
+                await read_message(stream, max_size=1024, peer_id=peer_id)  # the ack
+                await stream.close()
+            except Exception as exc:  # noqa: BLE001 - best effort on the way out
+                log.debug("goodbye to %s failed: %r", peer_id, exc)
+
+        async with trio.open_nursery() as nursery:
+            for peer_id in sorted(self.connected_ids()):
+                nursery.start_soon(bye, peer_id)
+
+
+def _identified(host: IHost, peer_id: str) -> bool:
+    try:
+        return bool(host.get_peerstore().get_protocols(ID.from_base58(peer_id)))
+    except Exception:  # noqa: BLE001 - not in the peerstore yet
+        return False
+
+
+def _speaks_lattica(host: IHost, peer_id: str) -> bool:
+    try:
+        protocols = host.get_peerstore().get_protocols(ID.from_base58(peer_id))
+    except Exception:  # noqa: BLE001 - not in the peerstore yet
+        return False
+    return any(str(p).startswith("/lattica/") for p in protocols)
