@@ -1,4 +1,12 @@
-"""Who else trains in the run, as one peer saw it recently: the basis for "did I run alone?".
+"""The run's members as training sees them: the one reader of the replicated state's schema.
+
+``MembershipView`` is a typed view over ``ReplicatedState``: live members and their roles
+(``joining`` until a trainer can sync, ``trainer``, ``done``), heartbeats, the published
+``(round, weights hash)`` records, the run config and SPES's expert claims, and the writes
+training makes (role, device, progress, run config, owned experts). Nothing else in
+``lattica.train`` reads the state's documents by key.
+
+Who else trains in the run, as one peer saw it recently, is the basis for "did I run alone?".
 
 Theory of operation: a round of one is an ordinary round when this peer is the run's only
 trainer, and a round run alone when others train — then it is not published at once (it would
@@ -31,9 +39,134 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Mapping
-from typing import Any
+from typing import Protocol, TypedDict, cast
 
-TRAINER_ROLE, DONE_ROLE = "trainer", "done"
+from lattica.crdt.config import StateConfig
+
+JOINING_ROLE, TRAINER_ROLE, DONE_ROLE = "joining", "trainer", "done"
+TRAINING_ROLES = (JOINING_ROLE, TRAINER_ROLE, DONE_ROLE)
+
+
+class MemberRecord(TypedDict, total=False):
+    """One member's record (``crdt.documents.read_member``); the fields training reads."""
+
+    role: str | None
+    heartbeat: int
+    left: bool
+    device: str | None
+
+
+class ProgressRecord(TypedDict, total=False):
+    """One member's published progress (``crdt.documents.read_progress``)."""
+
+    round: int | None
+    weights_hash: str | None
+
+
+class RunState(Protocol):
+    """What training needs of ``ReplicatedState``."""
+
+    @property
+    def config(self) -> StateConfig: ...
+
+    def snapshot(self) -> Mapping[str, object]: ...
+
+    def live_members(self) -> list[str]: ...
+
+    async def wait_changed(self) -> None: ...
+
+    async def update_member(self, **fields: str) -> None: ...
+
+    async def set_progress(self, round: int, weights_hash: str) -> None: ...
+
+    async def set_run_config(self, config: dict[str, object]) -> None: ...
+
+    async def set_owned_experts(self, experts: list[str]) -> None: ...
+
+
+class MembershipView:
+    """Typed reads and writes of the replicated run state, as this peer (``peer_id``) sees it."""
+
+    def __init__(self, state: RunState, *, peer_id: str) -> None:
+        self.state, self.peer_id = state, peer_id
+
+    # -- reads ------------------------------------------------------------------------------
+
+    def live(self) -> list[str]:
+        """Verified members whose lease is current (this peer included)."""
+        return self.state.live_members()
+
+    def members(self) -> Mapping[str, MemberRecord]:
+        return cast("Mapping[str, MemberRecord]", self._section("members"))
+
+    def role(self, peer: str) -> str | None:
+        return self.members().get(peer, {}).get("role")
+
+    def live_with_role(self, *roles: str) -> list[str]:
+        members = self.members()
+        return [p for p in self.live() if members.get(p, {}).get("role") in roles]
+
+    def trainers(self) -> list[str]:
+        """Live members that train and can sync now."""
+        return self.live_with_role(TRAINER_ROLE)
+
+    def heartbeat(self, peer: str) -> int | None:
+        """The counter ``peer`` bumps with every lease renewal (None: no record)."""
+        return (self.members().get(peer) or {}).get("heartbeat")
+
+    @property
+    def heartbeat_interval(self) -> float:
+        return self.state.config.lease.heartbeat_interval
+
+    @property
+    def admins(self) -> tuple[str, ...]:
+        return tuple(self.state.config.admins)
+
+    def progress(self) -> Mapping[str, ProgressRecord]:
+        """Every member's published ``(round, weights hash)``, live or not."""
+        return cast("Mapping[str, ProgressRecord]", self._section("progress"))
+
+    def published_claim(self, peer: str) -> tuple[int, str | None] | None:
+        """The round ``peer`` published and its hash; None when it published no round."""
+        record = self.progress().get(peer) or {}
+        rnd = record.get("round")
+        return (rnd, record.get("weights_hash")) if type(rnd) is int else None
+
+    def newest_published_round(self) -> int:
+        return max((c[0] for p in self.progress() if (c := self.published_claim(p)) is not None), default=0)
+
+    def run_config(self) -> Mapping[str, object]:
+        """The run config an admin published (empty when none)."""
+        return self._section("config")
+
+    def expert_claims(self) -> Mapping[str, object]:
+        """SPES: expert id -> the members claiming it (untrusted, see ``ownership.claimed_owners``)."""
+        return self._section("experts")
+
+    def _section(self, name: str) -> Mapping[str, object]:
+        section = self.state.snapshot().get(name)
+        return section if isinstance(section, Mapping) else {}
+
+    # -- writes and waiting -----------------------------------------------------------------
+
+    async def set_role(self, role: str) -> None:
+        await self.state.update_member(role=role)
+
+    async def set_device(self, description: str) -> None:
+        await self.state.update_member(device=description)
+
+    async def publish_progress(self, rnd: int, digest: str) -> None:
+        await self.state.set_progress(rnd, digest)
+
+    async def publish_run_config(self, config: dict[str, object]) -> None:
+        """Raises ``LocalProtocolError`` when this peer is no admin."""
+        await self.state.set_run_config(config)
+
+    async def set_owned_experts(self, experts: list[str]) -> None:
+        await self.state.set_owned_experts(experts)
+
+    async def wait_changed(self) -> None:
+        await self.state.wait_changed()
 
 
 class RecentTrainers:
@@ -47,7 +180,7 @@ class RecentTrainers:
         self._seen: dict[str, float] = {}  # peer -> last time it was a live trainer
 
     def observe(
-        self, members: Mapping[str, Mapping[str, Any]], live: Iterable[str], connected: Collection[str],
+        self, members: Mapping[str, Mapping[str, object]], live: Iterable[str], connected: Collection[str],
         now: float,
     ) -> None:
         live = set(live)
@@ -92,15 +225,15 @@ class UnservableClaims:
         """A fetch of ``claim`` succeeded: it is trusted again."""
         self._claims.pop(claim, None)
 
-    def distrusted(self, claim: tuple[Any, Any]) -> bool:
+    def distrusted(self, claim: tuple[int, str | None]) -> bool:
         """Whether a fetch of ``claim`` failed and none succeeded since."""
         return claim in self._claims
 
-    def backing_off(self, claim: tuple[Any, Any], now: float) -> bool:
+    def backing_off(self, claim: Claim, now: float) -> bool:
         entry = self._claims.get(claim)
         return entry is not None and now < entry[0]
 
-    def trusted_progress(self, progress: Mapping[str, Any], now: float) -> dict[str, Any]:
+    def trusted_progress(self, progress: Mapping[str, ProgressRecord], now: float) -> dict[str, ProgressRecord]:
         """The published progress records, without the claims still backing off (those due
         for a retry stay: adopting one is the retry)."""
         return {
@@ -109,7 +242,7 @@ class UnservableClaims:
         }
 
 
-def _claim_of(record: Any) -> Claim | None:
+def _claim_of(record: object) -> Claim | None:
     if not isinstance(record, Mapping):
         return None
     rnd, digest = record.get("round"), record.get("weights_hash")

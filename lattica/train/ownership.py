@@ -25,21 +25,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
 
+from lattica.train.membership import MembershipView
 from lattica.train.strategies.experts import assign_experts, experts_of
 
 log = logging.getLogger(__name__)
 
 
 def claimed_owners(
-    snapshot: Mapping[str, Any], live: Sequence[str], num_experts: int
+    experts: Mapping[str, object], live: Sequence[str], num_experts: int
 ) -> dict[int, str]:
-    """expert -> owner from the state's claims by live members (lowest id on a conflict)."""
+    """expert -> owner from the claims by live members (``MembershipView.expert_claims``: expert
+    id -> claimants; lowest id on a conflict)."""
     owners: dict[int, str] = {}
-    experts = snapshot.get("experts")
-    if not isinstance(experts, Mapping):
-        return owners
     alive = set(live)
     for key, claimants in experts.items():
         if not (isinstance(key, str) and key.isdigit() and isinstance(claimants, list)):
@@ -56,18 +54,17 @@ class ReplicatedOwnership:
 
     def __init__(
         self,
-        state: Any,
+        view: MembershipView,
         *,
-        peer_id: str,
         num_experts: int,
         candidates: Callable[[], Sequence[str]],
     ) -> None:
-        self.state = state
-        self.peer_id = peer_id
+        self.view = view
+        self.peer_id = peer_id = view.peer_id
         self.num_experts = num_experts
         # read here, on the event-loop thread (the strategy may be built in a worker thread)
         live = sorted(set(candidates()) | {peer_id})
-        claims = claimed_owners(state.snapshot(), live, num_experts)
+        claims = claimed_owners(view.expert_claims(), live, num_experts)
         self._owners = assign_experts(live, num_experts, previous=claims or None)
         self._published: list[str] | None = None
 
@@ -91,5 +88,5 @@ class ReplicatedOwnership:
         """Write this node's experts into the replicated state (only when they changed)."""
         mine = [str(e) for e in experts_of(self._owners, self.peer_id)]
         if mine != self._published:
-            await self.state.set_owned_experts(mine)
+            await self.view.set_owned_experts(mine)
             self._published = mine

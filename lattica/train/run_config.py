@@ -24,12 +24,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Mapping
-from typing import Any, Protocol
 
 import trio
 
 from lattica.config import TrainSettings
 from lattica.errors import LocalProtocolError
+from lattica.train.membership import TRAINING_ROLES, MembershipView
 
 log = logging.getLogger(__name__)
 
@@ -37,70 +37,58 @@ RUN_WIDE: tuple[str, ...] = (
     "strategy", "model", "inner_steps", "rounds", "seq_len", "inner_lr", "warmup_steps",
     "outer_lr", "outer_momentum", "seed", "averaging", "group_size", "group_grace_s",
 )
-_TRAINING_ROLES = ("joining", "trainer", "done")
 _FIRST_SYNC_S = 5.0
 
-
-class RunState(Protocol):
-    """What this module needs of ``ReplicatedState``."""
-
-    def snapshot(self) -> dict[str, Any]: ...
-
-    def live_members(self) -> list[str]: ...
-
-    async def wait_changed(self) -> None: ...
-
-    async def set_run_config(self, config: dict[str, Any]) -> None: ...
+RunConfig = dict[str, object]  # run-wide setting -> value (JSON)
 
 
-def run_config_of(settings: TrainSettings) -> dict[str, Any]:
+def run_config_of(settings: TrainSettings) -> RunConfig:
     """The run-wide settings as a run config (unset optional values are left out)."""
     return {name: getattr(settings, name) for name in RUN_WIDE if getattr(settings, name) is not None}
 
 
-def apply_run_config(settings: TrainSettings, published: Mapping[str, Any]) -> tuple[TrainSettings, dict[str, Any]]:
+def apply_run_config(settings: TrainSettings, published: Mapping[str, object]) -> tuple[TrainSettings, RunConfig]:
     """``settings`` with the run-wide values of ``published``; also the values of ours it
     replaced. An optional setting the config leaves out is unset (the strategy default)."""
     defaults = {f.name: f.default for f in dataclasses.fields(TrainSettings)}
-    values: dict[str, Any] = {
+    values: RunConfig = {
         name: published[name] if name in published else getattr(settings, name) if defaults[name] is not None else None
         for name in RUN_WIDE
     }
-    adopted = dataclasses.replace(settings, **values)  # validated again: a bad config is a ConfigError
+    adopted = dataclasses.replace(settings, **values)  # type: ignore[arg-type]  # validated again: a bad config is a ConfigError
     replaced = {name: getattr(settings, name) for name in RUN_WIDE if getattr(settings, name) != getattr(adopted, name)}
     return adopted, replaced
 
 
-def published_config(state: RunState) -> dict[str, Any] | None:
-    config = state.snapshot().get("config") or {}
+def published_config(view: MembershipView) -> Mapping[str, object] | None:
+    config = view.run_config()
     return config if any(name in config for name in RUN_WIDE) else None
 
 
-async def agree_run_config(
-    state: RunState, settings: TrainSettings, *, admins: tuple[str, ...], wait_s: float
-) -> TrainSettings:
-    """The settings to train with (see the module docstring)."""
+async def agree_run_config(view: MembershipView, settings: TrainSettings, *, wait_s: float) -> TrainSettings:
+    """The settings to train with (see the module docstring); ``view.admins`` may write the
+    run config."""
     from lattica.train.settings_check import check_settings
 
-    published = published_config(state)
-    if published is not None and _differs(published, settings) and await _publish_as_admin(state, settings):
+    published = published_config(view)
+    if published is not None and _differs(published, settings) and await _publish_as_admin(view, settings):
         log.warning("run config updated by this admin: %s (was %s)", run_config_of(settings), published)
         return settings
     if published is None:
         try:
-            await state.set_run_config(run_config_of(settings))
+            await view.publish_run_config(run_config_of(settings))
             log.info("published the run config: %s", run_config_of(settings))
         except LocalProtocolError:
             # the first sync with the admins may still be under way: give it a moment, then
             # wait for as long as an admin trains (it publishes before its training starts)
             first_sync_until = trio.current_time() + min(wait_s, _FIRST_SYNC_S)
             with trio.move_on_after(wait_s):
-                while published_config(state) is None and (
-                    trio.current_time() < first_sync_until or _admin_trains(state, admins)
+                while published_config(view) is None and (
+                    trio.current_time() < first_sync_until or _admin_trains(view)
                 ):
                     with trio.move_on_after(0.5):
-                        await state.wait_changed()
-        published = published_config(state)
+                        await view.wait_changed()
+        published = published_config(view)
     if published is None:
         log.warning("no admin published a run config: training with this node's settings")
         return settings
@@ -111,20 +99,19 @@ async def agree_run_config(
     return adopted
 
 
-def _differs(published: Mapping[str, Any], settings: TrainSettings) -> bool:
+def _differs(published: Mapping[str, object], settings: TrainSettings) -> bool:
     return {name: published[name] for name in RUN_WIDE if name in published} != run_config_of(settings)
 
 
-async def _publish_as_admin(state: RunState, settings: TrainSettings) -> bool:
+async def _publish_as_admin(view: MembershipView, settings: TrainSettings) -> bool:
     """Publish our run-wide settings; False when this node is no admin."""
     try:
-        await state.set_run_config(run_config_of(settings))
+        await view.publish_run_config(run_config_of(settings))
     except LocalProtocolError:
         return False
     return True
 
 
-def _admin_trains(state: RunState, admins: tuple[str, ...]) -> bool:
-    members = state.snapshot().get("members", {})
-    live = set(state.live_members())
-    return any(a in live and (members.get(a) or {}).get("role") in _TRAINING_ROLES for a in admins)
+def _admin_trains(view: MembershipView) -> bool:
+    live = set(view.live())
+    return any(a in live and view.role(a) in TRAINING_ROLES for a in view.admins)

@@ -112,14 +112,14 @@ async def test_a_replica_repaired_after_its_run_reports_the_final_states_val_los
     async def nothing_to_publish() -> None:
         return None
 
-    service._repair_if_diverged = repair  # type: ignore[method-assign]
-    service._publish_if_unpublished = nothing_to_publish  # type: ignore[method-assign]
+    service.outer_sync.repair_if_diverged = repair  # type: ignore[method-assign]
+    service.outer_sync.publish_if_unpublished = nothing_to_publish  # type: ignore[method-assign]
 
     def reported() -> Any:
         return service.status()["training"]["summary"]["val_loss"]
 
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(service._settle)
+        nursery.start_soon(service._settle, lone)
         with trio.fail_after(60):
             while not (repairs and service.progress.get("round") == swarm.strategy.completed_rounds):
                 await trio.sleep(0.01)  # until the repaired replica reported its progress
@@ -134,5 +134,10 @@ def _service() -> TrainingService:
         await trio.sleep_forever()
 
     state = SimpleNamespace(config=SimpleNamespace(lease=LeasePolicy()), wait_changed=wait_changed)
-    node = SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: "me"))
-    return TrainingService(node, state, TrainSettings())
+    fetch_seconds = SimpleNamespace(observe=lambda seconds: None)
+    node = SimpleNamespace(
+        peer_id=SimpleNamespace(to_base58=lambda: "me"), host=None, config=SimpleNamespace(run_id="run"),
+        metrics=SimpleNamespace(checkpoint_fetch_seconds=fetch_seconds),
+    )
+    tensors = SimpleNamespace(stats=SimpleNamespace(total_received=lambda: 0))
+    return TrainingService(node, state, TrainSettings(), tensors=tensors)  # type: ignore[arg-type]

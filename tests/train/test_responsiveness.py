@@ -1,5 +1,5 @@
-"""TrainingService's view of its peers: who is responsive (heartbeats, settling, who is behind) and
-whether a round of one was run alone."""
+"""A training member's view of its peers (``PeerLiveness``: heartbeats, settling, who is behind,
+whether a round of one was run alone) and the catch-up wrapper around its strategy."""
 
 from __future__ import annotations
 
@@ -10,16 +10,10 @@ import pytest
 
 from lattica.config import TrainSettings
 from lattica.crdt.liveness import LeasePolicy
-from lattica.train import service as service_module
-from lattica.train.service import TrainingService
-
-
-class _Id:
-    def __init__(self, text: str) -> None:
-        self.text = text
-
-    def to_base58(self) -> str:
-        return self.text
+from lattica.train.liveness import PeerLiveness
+from lattica.train.membership import MembershipView
+from lattica.train.outer_sync import CatchingUpStrategy, OuterStateSync
+from lattica.train.strategies.base import OuterStepReport, OuterStrategy
 
 
 class _Clock:
@@ -31,109 +25,144 @@ class _Clock:
 
 
 @pytest.fixture
-def clock(monkeypatch: pytest.MonkeyPatch) -> _Clock:
-    clock = _Clock()
-    monkeypatch.setattr(service_module.time, "monotonic", clock)
-    return clock
+def clock() -> _Clock:
+    return _Clock()
 
 
-def _service(snapshot: dict[str, Any], connected: list[str], live: list[str] | None = None) -> TrainingService:
-    host = SimpleNamespace(get_connected_peers=lambda: [_Id(p) for p in connected])
-    node = SimpleNamespace(peer_id=_Id("me"), host=host)
+def _view(snapshot: dict[str, Any], live: list[str] | None = None) -> MembershipView:
     state = SimpleNamespace(
         snapshot=lambda: snapshot, config=SimpleNamespace(lease=LeasePolicy()),
         live_members=lambda: list(live if live is not None else ["me"]),
     )
-    return TrainingService(node, state, TrainSettings())
+    return MembershipView(state, peer_id="me")  # type: ignore[arg-type]
+
+
+def _sync(view: MembershipView, clock: _Clock, mine: tuple[int, str | None] = (0, None)) -> OuterStateSync:
+    sync = OuterStateSync(view, store=None, settings=TrainSettings(), ran_alone=lambda report: False, clock=clock)  # type: ignore[arg-type]
+    sync.mine = mine
+    return sync
+
+
+def _liveness(
+    snapshot: dict[str, Any], connected: list[str], clock: _Clock, *, live: list[str] | None = None,
+    mine: tuple[int, str | None] = (0, None),
+) -> PeerLiveness:
+    view = _view(snapshot, live)
+    sync = _sync(view, clock, mine)
+    return PeerLiveness(
+        view, connected=lambda: set(connected), candidates=view.trainers, not_behind=sync.not_behind, clock=clock,
+    )
 
 
 def _beat(snapshot: dict[str, Any], peer: str, beat: int) -> None:
     snapshot["members"][peer] = {"role": "trainer", "heartbeat": beat}
 
 
+def _report(*group: str) -> OuterStepReport:
+    return OuterStepReport(round=0, key="round/0", group=group, bytes_sent=0, seconds=0.0)
+
+
 def test_a_peer_back_from_silence_settles_before_it_is_waited_for(clock: _Clock) -> None:
     snapshot: dict[str, Any] = {"members": {}, "progress": {"a": {"round": 7}}}
-    service = _service(snapshot, ["a"])
-    service._mine = (9, "h")
+    peers = _liveness(snapshot, ["a"], clock, mine=(9, "h"))
     _beat(snapshot, "a", 1)
-    assert service._responsive("a")
+    assert peers.responsive("a")
     clock.now += 4.0  # no lease renewal for 4 heartbeats: silent
-    assert not service._responsive("a")
+    assert not peers.responsive("a")
     _beat(snapshot, "a", 2)  # heard again, but behind us: it catches up first
     clock.now += 1.0
-    assert not service._responsive("a")
+    assert not peers.responsive("a")
     _beat(snapshot, "a", 3)
     clock.now += 3.0
-    assert service._responsive("a")
+    assert peers.responsive("a")
 
 
 def test_peers_that_are_not_behind_need_no_settling(clock: _Clock) -> None:
     # seen from a peer whose own link was cut: everyone went silent, and everyone is ahead
     snapshot: dict[str, Any] = {"members": {}, "progress": {"a": {"round": 7}}}
-    service = _service(snapshot, ["a"])
-    service._mine = (5, "h")
+    peers = _liveness(snapshot, ["a"], clock, mine=(5, "h"))
     _beat(snapshot, "a", 1)
-    assert service._responsive("a")
+    assert peers.responsive("a")
     clock.now += 4.0
-    assert not service._responsive("a")
+    assert not peers.responsive("a")
     _beat(snapshot, "a", 2)
     clock.now += 0.5
-    assert service._responsive("a")
+    assert peers.responsive("a")
 
 
 def test_a_disconnected_peer_is_not_responsive(clock: _Clock) -> None:
     snapshot: dict[str, Any] = {"members": {}, "progress": {}}
-    service = _service(snapshot, [])
+    peers = _liveness(snapshot, [], clock)
     _beat(snapshot, "a", 1)
-    assert not service._responsive("a")
+    assert not peers.responsive("a")
 
 
 def test_a_round_of_one_after_our_link_was_cut_was_run_alone(clock: _Clock) -> None:
     snapshot: dict[str, Any] = {"members": {"me": {"role": "trainer"}, "a": {"role": "trainer"}}, "progress": {}}
     live = ["a", "me"]
-    service = _service(snapshot, ["a"], live)
-    assert not service._ran_alone(SimpleNamespace(skipped=False, group=("a", "me")))  # a full round
+    peers = _liveness(snapshot, ["a"], clock, live=live)
+    assert not peers.ran_alone(_report("a", "me"))  # a full round
     live.remove("a")  # cut off: a's lease runs out here, but no connection broke
     clock.now += 6.0
-    assert service._ran_alone(SimpleNamespace(skipped=False, group=("me",)))
+    assert peers.ran_alone(_report("me"))
 
 
 def test_a_round_of_one_after_the_others_were_killed_is_the_runs_round(clock: _Clock) -> None:
     snapshot: dict[str, Any] = {"members": {"me": {"role": "trainer"}, "a": {"role": "trainer"}}, "progress": {}}
     live, connected = ["a", "me"], ["a"]
-    service = _service(snapshot, connected, live)
-    assert not service._ran_alone(SimpleNamespace(skipped=False, group=("a", "me")))
+    peers = _liveness(snapshot, connected, clock, live=live)
+    assert not peers.ran_alone(_report("a", "me"))
     connected.remove("a")  # killed: its connection dropped, then its lease ran out
     live.remove("a")
     clock.now += 6.0
-    assert not service._ran_alone(SimpleNamespace(skipped=False, group=("me",)))
+    assert not peers.ran_alone(_report("me"))
 
 
-class _Strategy:
+class _Strategy(OuterStrategy):
     def __init__(self) -> None:
+        super().__init__(None, collective=None, groups=None)  # type: ignore[arg-type]
         self.synced: list[int] = []
 
-    async def after_inner_step(self, step: int) -> list[Any]:
+    async def after_inner_step(self, step: int) -> list[OuterStepReport]:
         self.synced.append(step)
-        return []
+        return [_report("me")] if step == 30 else []
 
     def next_sync_step(self, step: int) -> int:
         return step + 10
 
+    @property
+    def completed_rounds(self) -> int:
+        return len(self.synced)
 
-async def test_no_sync_for_the_old_step_after_a_state_was_adopted_there() -> None:
-    service = _service({"members": {}, "progress": {}}, connected=[])
-    service.strategy = strategy = _Strategy()
-    adopting = [True]
+    def outer_state_dict(self) -> dict[str, Any]:
+        return {}
 
-    async def repair() -> bool:
-        return adopting[0]
+    def load_outer_state_dict(self, state: dict[str, Any]) -> None:
+        return None
 
-    service._repair_if_diverged = repair  # type: ignore[method-assign]
-    service._wrap_strategy_for_catch_up()
+
+class _Repairing(OuterStateSync):
+    """Outer-state sync whose repair adopts a state while ``adopting`` (no network)."""
+
+    adopting = True
+
+    async def repair_if_diverged(self) -> bool:
+        return self.adopting
+
+
+async def test_no_sync_for_the_old_step_after_a_state_was_adopted_there(clock: _Clock) -> None:
+    view = _view({"members": {}, "progress": {}})
+    sync = _Repairing(view, store=None, settings=TrainSettings(), ran_alone=lambda report: True, clock=clock)  # type: ignore[arg-type]
+    inner = _Strategy()
+    strategy = CatchingUpStrategy(inner, sync)
     # the adopted state's round already ran; the trainer moved to its step
     assert await strategy.after_inner_step(10) == []
-    assert strategy.synced == []
-    adopting[0] = False
+    assert inner.synced == []
+    sync.adopting = False
     await strategy.after_inner_step(20)
-    assert strategy.synced == [20]
+    assert inner.synced == [20]
+    assert strategy.next_sync_step(20) == 30  # the inner strategy's schedule
+    await strategy.after_inner_step(30)  # a round of one while others train: a catch-up is owed
+    assert sync.catch_up_owed is not None
+    assert strategy.next_sync_step(30) == 31  # the trainer stops at once for it
+    assert strategy.completed_rounds == inner.completed_rounds == 2  # the rest is the inner strategy's

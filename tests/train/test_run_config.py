@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 
 from lattica.config import TrainSettings
+from lattica.crdt.config import StateConfig
 from lattica.errors import ConfigError
+from lattica.train.membership import MembershipView
 from lattica.train.run_config import RUN_WIDE, apply_run_config, run_config_of
 from lattica_lab.daemons import DaemonProcess, cli_json, wait_for
 
@@ -77,10 +79,11 @@ class _MemoryRunState:
     """An in-memory stand-in for the replicated state's run-config part."""
 
     def __init__(self, config, *, admin: bool) -> None:
-        self.config, self.admin = dict(config), admin
+        self.run_config, self.admin = dict(config), admin
+        self.config = StateConfig()
 
     def snapshot(self):
-        return {"config": dict(self.config), "members": {}}
+        return {"config": dict(self.run_config), "members": {}}
 
     def live_members(self):
         return []
@@ -93,7 +96,7 @@ class _MemoryRunState:
 
         if not self.admin:
             raise LocalProtocolError("only admin keys may change the run config")
-        self.config = dict(config)
+        self.run_config = dict(config)
 
 
 async def test_an_admin_restarted_with_other_run_wide_settings_updates_the_config():
@@ -101,14 +104,14 @@ async def test_an_admin_restarted_with_other_run_wide_settings_updates_the_confi
 
     state = _MemoryRunState(run_config_of(TrainSettings(rounds=200)), admin=True)
     extended = TrainSettings(rounds=7)
-    assert await agree_run_config(state, extended, admins=(), wait_s=1) == extended
-    assert state.config["rounds"] == 7
+    assert await agree_run_config(MembershipView(state, peer_id="me"), extended, wait_s=1) == extended
+    assert state.run_config["rounds"] == 7
 
 
 async def test_a_member_that_is_no_admin_follows_the_published_config():
     from lattica.train.run_config import agree_run_config
 
     state = _MemoryRunState(run_config_of(TrainSettings(rounds=200)), admin=False)
-    adopted = await agree_run_config(state, TrainSettings(rounds=7), admins=(), wait_s=1)
+    adopted = await agree_run_config(MembershipView(state, peer_id="me"), TrainSettings(rounds=7), wait_s=1)
     assert adopted.rounds == 200
-    assert state.config["rounds"] == 200
+    assert state.run_config["rounds"] == 200

@@ -195,3 +195,85 @@ class EveryHSteps(OuterStrategy):
         if step % self.sync_interval:
             return []
         return [await self.sync_at(step)]
+
+
+class WrappedStrategy(OuterStrategy):
+    """A strategy around another one: forwards every call and capability to ``inner``; a
+    subclass overrides only the hooks whose behaviour it adds to (the daemon's outer-state sync
+    in ``train/outer_sync.py``), so the inner strategy is never patched."""
+
+    def __init__(self, inner: OuterStrategy) -> None:
+        super().__init__(inner.model, collective=inner.collective, groups=inner.groups)
+        self.inner = inner
+
+    # the capabilities are the inner strategy's (DiLoCo's ``consensus_distance`` changes with
+    # every gossip round): read and written through
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    @name.setter
+    def name(self, value: str) -> None:
+        self.inner.name = value
+
+    @property
+    def replicas_agree(self) -> bool:
+        return self.inner.replicas_agree
+
+    @replicas_agree.setter
+    def replicas_agree(self, value: bool) -> None:
+        self.inner.replicas_agree = value
+
+    @property
+    def consensus_distance(self) -> float | None:
+        return self.inner.consensus_distance
+
+    @consensus_distance.setter
+    def consensus_distance(self, value: float | None) -> None:
+        self.inner.consensus_distance = value
+
+    @property
+    def syncs_gradients(self) -> bool:
+        return self.inner.syncs_gradients
+
+    @syncs_gradients.setter
+    def syncs_gradients(self, value: bool) -> None:
+        self.inner.syncs_gradients = value
+
+    def bind_nursery(self, nursery: trio.Nursery) -> None:
+        super().bind_nursery(nursery)
+        self.inner.bind_nursery(nursery)
+
+    def attach_inner_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        self.inner.attach_inner_optimizer(optimizer)
+
+    async def before_optimizer_step(self, step: int) -> None:
+        await self.inner.before_optimizer_step(step)
+
+    async def after_inner_step(self, step: int) -> list[OuterStepReport]:
+        return await self.inner.after_inner_step(step)
+
+    def next_sync_step(self, step: int) -> int | None:
+        return self.inner.next_sync_step(step)
+
+    def sync_in_thread(self, step: int) -> list[OuterStepReport] | None:
+        return self.inner.sync_in_thread(step)
+
+    async def finish(self) -> list[OuterStepReport]:
+        return await self.inner.finish()
+
+    @property
+    def completed_rounds(self) -> int:
+        return self.inner.completed_rounds
+
+    def outer_state_dict(self) -> dict[str, Any]:
+        return self.inner.outer_state_dict()
+
+    def load_outer_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_outer_state_dict(state)
+
+    def evaluation_parameters(self) -> Sequence[torch.Tensor] | None:
+        return self.inner.evaluation_parameters()
+
+    def accounting(self) -> dict[str, int]:
+        return self.inner.accounting()

@@ -1,0 +1,125 @@
+"""From the run settings to a ready ``Trainer``: the task, the model, the outer strategy.
+
+The daemon's training service decides *when* to build (after the run config is agreed) and
+what to wrap the strategy in; this module decides *what* is built:
+
+- the task: a user's ``package.module:function`` (``train.task``), or the built-in language
+  model on the configured data, with the same model seed everywhere (identical initial weights)
+  and a data seed per peer (different data order);
+- a strategy that ``trains_experts`` (SPES) trains a mixture-of-experts model instead of the
+  dense preset, with the expert ownership the service keeps in the replicated state;
+- the strategy from its registered class and the config ``strategy_settings`` maps the run
+  settings onto, talking to the network only through the ``Collective`` and ``GroupProvider``
+  it is given;
+- the trainer's schedule: ``rounds × inner_steps`` steps, warm-up, a validation every round.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from lattica.config import TrainSettings
+from lattica.coordination.provider import GroupProvider
+from lattica.train.checkpoint import CheckpointStore
+from lattica.train.collective import Collective
+from lattica.train.data import DataConfig
+from lattica.train.device import select_device
+from lattica.train.model import GPTConfig, preset
+from lattica.train.moe import MOE_PRESETS, build_moe_model
+from lattica.train.schedule import ScheduleConfig
+from lattica.train.strategies import strategy_class
+from lattica.train.strategies.base import OuterStrategy
+from lattica.train.strategies.experts import ExpertOwnership
+from lattica.train.strategy_settings import strategy_config
+from lattica.train.task import Task, TaskContext, builtin_task, load_task
+from lattica.train.trainer import Progress, RoundCompleted, Trainer, TrainerConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerParts:
+    """What a trainer is built from besides the settings."""
+
+    peer_id: str
+    collective: Collective
+    groups: GroupProvider
+    checkpoint_dir: Path
+    members: tuple[str, ...] = ()  # SPES without an ownership source: the initial expert owners
+    ownership: ExpertOwnership | None = None
+    on_progress: Callable[[Progress], None] | None = None
+    on_round: Callable[[RoundCompleted], None] | None = None
+
+
+def averages_in_groups(settings: TrainSettings) -> bool:
+    """Whether the strategy of ``settings`` syncs in coordinator-free groups (NoLoCo, DiLoCo
+    with ``averaging = "gossip"``): then the service starts ``GossipGroups`` for it."""
+    return strategy_class(settings.strategy).averages_in_groups(strategy_config(settings))
+
+
+def trains_experts(settings: TrainSettings) -> bool:
+    """Whether each member trains its own experts of a built-in MoE model (SPES without a
+    user task): then the service keeps expert ownership in the replicated state."""
+    return strategy_class(settings.strategy).trains_experts and not settings.task
+
+
+def expert_count(settings: TrainSettings) -> int:
+    return MOE_PRESETS[moe_preset(settings.model)].num_experts
+
+
+def build_trainer(
+    settings: TrainSettings, parts: TrainerParts, *, wrap: Callable[[OuterStrategy], OuterStrategy] = lambda s: s,
+) -> Trainer:
+    """The trainer of ``settings``; ``wrap`` may put the strategy inside another one that
+    implements the same interface (the daemon's outer-state sync). Blocking: model building
+    and data loading, so call it in a worker thread."""
+    s = settings
+    task = build_task(s, peer_id=parts.peer_id)
+    cls = strategy_class(s.strategy)
+    extra = {} if parts.ownership is None else {"ownership": parts.ownership}
+    strategy = cls(  # type: ignore[call-arg]
+        task.model, collective=parts.collective, groups=parts.groups,
+        config=strategy_config(s, members=parts.members), **extra,
+    )
+    total = s.rounds * s.inner_steps
+    trainer_config = TrainerConfig(
+        total_steps=total,
+        schedule=ScheduleConfig(lr=s.inner_lr, warmup_steps=min(s.warmup_steps, total - 1), total_steps=total),
+        eval_every=s.inner_steps,
+        log_every=max(1, min(10, s.inner_steps // 2)),
+    )
+    return Trainer(
+        task, wrap(strategy), trainer_config,
+        device=select_device(s.device),
+        checkpoints=CheckpointStore(parts.checkpoint_dir, keep=s.keep_checkpoints),
+        on_progress=parts.on_progress,
+        on_round=parts.on_round,
+    )
+
+
+def build_task(settings: TrainSettings, *, peer_id: str) -> Task:
+    """The user's task or the built-in one (module docstring)."""
+    s = settings
+    # identical initial weights everywhere (model seed), different data order per peer
+    context = TaskContext(seed=s.seed * 1_000_003 + zlib.crc32(peer_id.encode()))
+    if s.task:
+        return load_task(s.task, context)
+    task = builtin_task(
+        model=model_config(s), data=DataConfig(source=s.data), batch_size=s.batch_size,
+        context=context, model_seed=s.seed,
+    )
+    if strategy_class(s.strategy).trains_experts:
+        task.model = build_moe_model(moe_preset(s.model), seed=s.seed)
+    return task
+
+
+def model_config(settings: TrainSettings) -> GPTConfig:
+    """The preset, trained on sequences of ``seq_len`` tokens (at most the preset's context)."""
+    gpt = preset(settings.model)
+    return dataclasses.replace(gpt, context=min(settings.seq_len, gpt.context))
+
+
+def moe_preset(model: str) -> str:
+    return model if model in MOE_PRESETS else "tiny-moe"
