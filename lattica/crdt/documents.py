@@ -24,11 +24,12 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TypedDict
 
 from pycrdt import Doc, Map
 
 from lattica.crdt.liveness import MAX_VOUCHES, vouches
+from lattica.decoding import bounded_text, finite_float, str_map
 
 CONFIG_DOC = "config"
 MEMBER_FIELDS = ("addrs", "device", "throughput", "reachability", "role")
@@ -36,6 +37,50 @@ KEEP_COMPLETED_ROUNDS = 16
 _MAX_TEXT = 512
 _MAX_ADDRS = 32
 _SEP = "|"
+
+
+# -- typed views (what the readers below return) ------------------------------------------------
+
+
+class MemberRecord(TypedDict):
+    addrs: list[str]
+    device: str | None
+    throughput: float | None
+    reachability: str | None
+    role: str | None
+    lease_expires_ms: int
+    heartbeat: int
+    left: bool
+    peers: list[str]  # its vouches
+
+
+class CompletedRound(TypedDict):
+    round: int
+    weights_hash: str
+
+
+class ProgressRecord(TypedDict):
+    round: int | None
+    weights_hash: str | None
+    completed: list[CompletedRound]
+
+
+class Snapshot(TypedDict):
+    members: dict[str, MemberRecord]
+    progress: dict[str, ProgressRecord]
+    config: dict[str, object]  # key -> JSON value, as written by an admin (untrusted shape)
+    checkpoints: dict[str, dict[str, list[str]]]  # round -> content hash -> holders
+    experts: dict[str, list[str]]  # expert id -> owners
+
+
+class MemberFields(TypedDict, total=False):
+    """The fields of a membership record a writer sets itself (validated by ``validate_member_fields``)."""
+
+    addrs: list[str]
+    device: str
+    throughput: float
+    reachability: str
+    role: str
 
 
 # -- exact integers ---------------------------------------------------------------------------
@@ -47,7 +92,7 @@ def encode_int(value: int) -> str:
     return str(value)
 
 
-def decode_int(value: Any) -> int | None:
+def decode_int(value: object) -> int | None:
     if not isinstance(value, str) or not 0 < len(value) <= 24:
         return None
     body = value[1:] if value.startswith("-") else value
@@ -57,7 +102,7 @@ def decode_int(value: Any) -> int | None:
 # -- validation of local writes ----------------------------------------------------------------
 
 
-def _check_text(name: str, value: Any, *, allow_sep: bool = True) -> str:
+def _check_text(name: str, value: object, *, allow_sep: bool = True) -> str:
     if not isinstance(value, str) or not 0 < len(value) <= _MAX_TEXT:
         raise ValueError(f"{name} must be a non-empty string of at most {_MAX_TEXT} chars")
     if not allow_sep and _SEP in value:
@@ -65,56 +110,59 @@ def _check_text(name: str, value: Any, *, allow_sep: bool = True) -> str:
     return value
 
 
-def _check_round(value: Any) -> int:
+def _check_round(value: object) -> int:
     if type(value) is not int or value < 0:
         raise ValueError(f"round must be a non-negative int, got {value!r}")
     return value
 
 
-def validate_member_fields(fields: Mapping[str, Any]) -> dict[str, Any]:
+def validate_member_fields(fields: Mapping[str, object]) -> MemberFields:
     unknown = set(fields) - set(MEMBER_FIELDS)
     if unknown:
         raise ValueError(f"unknown member fields: {sorted(unknown)}; allowed: {MEMBER_FIELDS}")
-    clean: dict[str, Any] = {}
+    clean: MemberFields = {}
     if "addrs" in fields:
         addrs = fields["addrs"]
         if isinstance(addrs, str) or not isinstance(addrs, Iterable):
             raise ValueError("addrs must be a list of strings")
         clean["addrs"] = [_check_text("addr", str(a)) for a in addrs][:_MAX_ADDRS]
-    for name in ("device", "reachability", "role"):
-        if name in fields:
-            clean[name] = _check_text(name, fields[name])
+    if "device" in fields:
+        clean["device"] = _check_text("device", fields["device"])
+    if "reachability" in fields:
+        clean["reachability"] = _check_text("reachability", fields["reachability"])
+    if "role" in fields:
+        clean["role"] = _check_text("role", fields["role"])
     if "throughput" in fields:
-        value = fields["throughput"]
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        throughput = finite_float(fields["throughput"])
+        if throughput is None:
             raise ValueError("throughput must be a finite number")
-        clean["throughput"] = float(value)
+        clean["throughput"] = throughput
     return clean
 
 
 # -- writers (mutate the local writer's own document) -------------------------------------------
 
 
-def write_member(doc: Doc, fields: Mapping[str, Any]) -> None:
+def write_member(doc: Doc[Map[object]], fields: Mapping[str, object]) -> None:
     member = doc.get("member", type=Map)
     for name, value in validate_member_fields(fields).items():
         member[name] = value
 
 
-def write_lease(doc: Doc, *, lease_expires_ms: int, heartbeat: int, left: bool = False) -> None:
+def write_lease(doc: Doc[Map[object]], *, lease_expires_ms: int, heartbeat: int, left: bool = False) -> None:
     member = doc.get("member", type=Map)
     member["lease_expires_ms"] = encode_int(lease_expires_ms)
     member["heartbeat"] = encode_int(heartbeat)
     member["left"] = left
 
 
-def write_vouches(doc: Doc, peers: Iterable[str]) -> None:
+def write_vouches(doc: Doc[Map[object]], peers: Iterable[str]) -> None:
     """The peers that proved themselves to the writer (sorted, at most ``MAX_VOUCHES``)."""
     clean = sorted({_check_text("peer", p) for p in peers})[:MAX_VOUCHES]
     doc.get("member", type=Map)["peers"] = clean
 
 
-def write_progress(doc: Doc, *, round: int, weights_hash: str) -> None:
+def write_progress(doc: Doc[Map[object]], *, round: int, weights_hash: str) -> None:
     _check_round(round)
     _check_text("weights_hash", weights_hash)
     progress = doc.get("progress", type=Map)
@@ -122,12 +170,12 @@ def write_progress(doc: Doc, *, round: int, weights_hash: str) -> None:
     progress["weights_hash"] = weights_hash
     completed = doc.get("completed", type=Map)
     completed[encode_int(round)] = weights_hash
-    rounds = sorted(r for r in (decode_int(k) for k in completed.keys()) if r is not None)
+    rounds = sorted(r for r in map(decode_int, completed.keys()) if r is not None)
     for old in rounds[:-KEEP_COMPLETED_ROUNDS]:
         del completed[encode_int(old)]
 
 
-def write_checkpoint(doc: Doc, *, round: int, hashes: Iterable[str], holder: str) -> None:
+def write_checkpoint(doc: Doc[Map[object]], *, round: int, hashes: Iterable[str], holder: str) -> None:
     _check_round(round)
     _check_text("holder", holder, allow_sep=False)
     checkpoints = doc.get("checkpoints", type=Map)
@@ -136,7 +184,7 @@ def write_checkpoint(doc: Doc, *, round: int, hashes: Iterable[str], holder: str
         checkpoints[_SEP.join((encode_int(round), content_hash, holder))] = True
 
 
-def write_expert(doc: Doc, *, expert: str, owned: bool) -> None:
+def write_expert(doc: Doc[Map[object]], *, expert: str, owned: bool) -> None:
     _check_text("expert", expert)
     experts = doc.get("experts", type=Map)
     if owned:
@@ -145,17 +193,18 @@ def write_expert(doc: Doc, *, expert: str, owned: bool) -> None:
         del experts[expert]
 
 
-def write_owned_experts(doc: Doc, experts: Iterable[str]) -> None:
+def write_owned_experts(doc: Doc[Map[object]], experts: Iterable[str]) -> None:
     """Replace the writer's whole set of owned experts (one update for a new ownership map)."""
     wanted = {_check_text("expert", e) for e in experts}
     root = doc.get("experts", type=Map)
-    for expert in [k for k in root.keys() if k not in wanted]:
+    present = set(root.keys())
+    for expert in sorted(present - wanted):
         del root[expert]
-    for expert in sorted(wanted - set(root.keys())):
+    for expert in sorted(wanted - present):
         root[expert] = True
 
 
-def write_config(doc: Doc, config: Mapping[str, Any]) -> None:
+def write_config(doc: Doc[Map[object]], config: Mapping[str, object]) -> None:
     encoded = {}
     for key, value in config.items():
         _check_text("config key", key)
@@ -164,7 +213,7 @@ def write_config(doc: Doc, config: Mapping[str, Any]) -> None:
         except (TypeError, ValueError) as exc:
             raise ValueError(f"config value for {key!r} is not JSON: {exc}") from None
     root = doc.get("config", type=Map)
-    for key in [k for k in root.keys() if k not in encoded]:
+    for key in sorted(set(root.keys()) - set(encoded)):
         del root[key]
     for key, text in encoded.items():
         if root.get(key) != text:
@@ -174,19 +223,19 @@ def write_config(doc: Doc, config: Mapping[str, Any]) -> None:
 # -- readers (untrusted content -> typed, JSON-able views) ---------------------------------------
 
 
-def _root(doc: Doc, name: str) -> dict[str, Any]:
+def _root(doc: Doc[Map[object]], name: str) -> dict[str, object]:
     try:
-        value = doc.get(name, type=Map).to_py()
+        value: object = doc.get(name, type=Map).to_py()
     except Exception:  # noqa: BLE001 - pycrdt raises its own kinds for a root of another type (untrusted content)
         return {}
-    return value if isinstance(value, dict) else {}
+    return str_map(value) or {}
 
 
-def _text_or_none(value: Any) -> str | None:
-    return value if isinstance(value, str) and len(value) <= _MAX_TEXT else None
+def _text_or_none(value: object) -> str | None:
+    return bounded_text(value, max_len=_MAX_TEXT)
 
 
-def read_member(doc: Doc) -> dict[str, Any] | None:
+def read_member(doc: Doc[Map[object]]) -> MemberRecord | None:
     raw = _root(doc, "member")
     if not raw:
         return None
@@ -205,13 +254,14 @@ def read_member(doc: Doc) -> dict[str, Any] | None:
     }
 
 
-def read_progress(doc: Doc) -> dict[str, Any] | None:
+def read_progress(doc: Doc[Map[object]]) -> ProgressRecord | None:
     raw = _root(doc, "progress")
-    completed = []
+    completed: list[CompletedRound] = []
     for key, value in _root(doc, "completed").items():
         round_ = decode_int(key)
-        if round_ is not None and _text_or_none(value):
-            completed.append({"round": round_, "weights_hash": value})
+        weights_hash = _text_or_none(value)
+        if round_ is not None and weights_hash:
+            completed.append({"round": round_, "weights_hash": weights_hash})
     if not raw and not completed:
         return None
     completed.sort(key=lambda item: item["round"])
@@ -222,7 +272,7 @@ def read_progress(doc: Doc) -> dict[str, Any] | None:
     }
 
 
-def read_checkpoint_claims(doc: Doc) -> list[tuple[int, str, str]]:
+def read_checkpoint_claims(doc: Doc[Map[object]]) -> list[tuple[int, str, str]]:
     claims = []
     for key, value in _root(doc, "checkpoints").items():
         parts = key.split(_SEP)
@@ -232,12 +282,12 @@ def read_checkpoint_claims(doc: Doc) -> list[tuple[int, str, str]]:
     return claims
 
 
-def read_experts(doc: Doc) -> list[str]:
+def read_experts(doc: Doc[Map[object]]) -> list[str]:
     return sorted(k for k, v in _root(doc, "experts").items() if v is True and len(k) <= _MAX_TEXT)
 
 
-def read_config(doc: Doc) -> dict[str, Any]:
-    config = {}
+def read_config(doc: Doc[Map[object]]) -> dict[str, object]:
+    config: dict[str, object] = {}
     for key, text in _root(doc, "config").items():
         if not isinstance(text, str):
             continue
@@ -248,10 +298,12 @@ def read_config(doc: Doc) -> dict[str, Any]:
     return dict(sorted(config.items()))
 
 
-def build_snapshot(writer_docs: Mapping[str, Doc], config_doc: Doc | None) -> dict[str, Any]:
+def build_snapshot(
+    writer_docs: Mapping[str, Doc[Map[object]]], config_doc: Doc[Map[object]] | None
+) -> Snapshot:
     """The whole state as plain JSON-able data; identical docs give identical snapshots."""
-    members: dict[str, Any] = {}
-    progress: dict[str, Any] = {}
+    members: dict[str, MemberRecord] = {}
+    progress: dict[str, ProgressRecord] = {}
     experts: dict[str, list[str]] = {}
     checkpoints: dict[str, dict[str, set[str]]] = {}
     for writer in sorted(writer_docs):

@@ -23,7 +23,6 @@ that is not Ed25519 or does not match the writer, or a bad signature raise ``Rej
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import msgpack
 from libp2p.crypto.keys import KeyPair, KeyType
@@ -62,7 +61,7 @@ class Envelope:
     def stream(self) -> tuple[str, str]:
         return (self.doc, self.writer)
 
-    def to_wire(self) -> dict[str, Any]:
+    def to_wire(self) -> dict[str, object]:
         return {
             "run": self.run,
             "doc": self.doc,
@@ -79,7 +78,8 @@ class Envelope:
 
 
 def signed_bytes(run: str, doc: str, writer: str, seq: int, full: bool, update: bytes) -> bytes:
-    return msgpack.packb([SIGNING_DOMAIN, run, doc, writer, seq, full, update], use_bin_type=True)
+    packed: bytes = msgpack.packb([SIGNING_DOMAIN, run, doc, writer, seq, full, update], use_bin_type=True)
+    return packed
 
 
 def sign_envelope(
@@ -91,7 +91,7 @@ def sign_envelope(
 
 
 def envelope_from_wire(
-    obj: Any, *, max_update_bytes: int, peer_id: str | None = None
+    obj: object, *, max_update_bytes: int, peer_id: str | None = None
 ) -> Envelope:
     """Parse an untrusted wire object into an ``Envelope`` (structure only, no signature check)."""
     if not isinstance(obj, dict):

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,7 +57,7 @@ class LeasePolicy:
 
 
 def is_live(
-    record: Mapping[str, Any], *, now_ms: int, clock_skew_ms: int = 0, max_ahead_ms: int | None = None
+    record: Mapping[str, object], *, now_ms: int, clock_skew_ms: int = 0, max_ahead_ms: int | None = None
 ) -> bool:
     if record.get("left") is True:
         return False
@@ -71,7 +70,7 @@ def is_live(
 
 
 def live_members(
-    members: Mapping[str, Mapping[str, Any]],
+    members: Mapping[str, Mapping[str, object]],
     *,
     now_ms: int,
     clock_skew_ms: int = 0,
@@ -91,7 +90,7 @@ MAX_VOUCHES = 128  # peers a member lists in its record
 VOUCH_QUORUM = 2
 
 
-def vouches(record: Mapping[str, Any]) -> list[str]:
+def vouches(record: Mapping[str, object]) -> list[str]:
     peers = record.get("peers")
     if not isinstance(peers, list):
         return []
@@ -99,7 +98,7 @@ def vouches(record: Mapping[str, Any]) -> list[str]:
 
 
 def verified_writers(
-    members: Mapping[str, Mapping[str, Any]],
+    members: Mapping[str, Mapping[str, object]],
     *,
     me: str,
     proven: Collection[str],

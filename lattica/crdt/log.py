@@ -19,7 +19,6 @@ import struct
 import zlib
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
 import msgpack
 
@@ -28,14 +27,14 @@ _HEADER = struct.Struct(">II")
 MAX_RECORD_BYTES = 4 * 1024 * 1024
 
 
-def _encode_record(obj: Any) -> bytes:
-    body = msgpack.packb(obj, use_bin_type=True)
+def _encode_record(obj: object) -> bytes:
+    body: bytes = msgpack.packb(obj, use_bin_type=True)
     return _HEADER.pack(len(body), zlib.crc32(body)) + body
 
 
-def _scan(data: bytes) -> tuple[list[Any], int]:
+def _scan(data: bytes) -> tuple[list[object], int]:
     """Decode records; return them and the offset just past the last good one."""
-    records: list[Any] = []
+    records: list[object] = []
     offset = len(MAGIC)
     while offset + _HEADER.size <= len(data):
         length, crc = _HEADER.unpack_from(data, offset)
@@ -51,7 +50,7 @@ def _scan(data: bytes) -> tuple[list[Any], int]:
     return records, offset
 
 
-def read_records(path: Path) -> list[Any]:
+def read_records(path: Path) -> list[object]:
     """The intact records of the log at ``path``, read only: a torn tail is ignored, not cut,
     and a file that is not a state log yields nothing."""
     data = path.read_bytes()
@@ -69,16 +68,15 @@ class AppendLog:
         self.torn_bytes = torn_bytes
 
     @classmethod
-    def open(cls, path: Path) -> tuple[AppendLog, list[Any]]:
+    def open(cls, path: Path) -> tuple[AppendLog, list[object]]:
         """Open (or create) the log; return it with every intact record, in order."""
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             data = _read_all(fd)
             if len(data) < len(MAGIC) or not data.startswith(MAGIC):
-                if data and not MAGIC.startswith(data):
-                    raise ValueError(f"{path} is not a state log")
-                records: list[Any] = []
+                _check_header_prefix(data, path)
+                records: list[object] = []
                 good_end, torn = len(MAGIC), 0
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, MAGIC, 0)
@@ -93,7 +91,7 @@ class AppendLog:
             raise
         return cls(path, fd, size=good_end, records=len(records), torn_bytes=torn), records
 
-    def append(self, objs: Iterable[Any]) -> None:
+    def append(self, objs: Iterable[object]) -> None:
         """Append records and fsync; when this returns they survive a crash."""
         records = [_encode_record(obj) for obj in objs]
         blob = b"".join(records)
@@ -106,7 +104,7 @@ class AppendLog:
         self.size_bytes += len(blob)
         self.record_count += len(records)
 
-    def rewrite(self, objs: Iterable[Any]) -> None:
+    def rewrite(self, objs: Iterable[object]) -> None:
         """Atomically replace the log's content with ``objs`` (compaction)."""
         tmp = self.path.with_name(self.path.name + ".compact")
         records = [_encode_record(obj) for obj in objs]
@@ -128,6 +126,12 @@ class AppendLog:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+def _check_header_prefix(data: bytes, path: Path) -> None:
+    """A file shorter than a header is a log torn while it was created, or not a log."""
+    if data and not MAGIC.startswith(data):
+        raise ValueError(f"{path} is not a state log")
 
 
 def _read_all(fd: int) -> bytes:

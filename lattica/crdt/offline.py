@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
 from libp2p.crypto.ed25519 import create_new_key_pair
 
+from lattica.crdt.documents import Snapshot
 from lattica.crdt.envelope import RejectedUpdate
 from lattica.crdt.log import read_records
 from lattica.crdt.replica import Replica
@@ -24,7 +24,7 @@ from lattica.errors import ConfigError
 _LOG_PREFIX, _LOG_SUFFIX = "state-", ".log"
 
 
-def read_snapshot(data_dir: Path, run_id: str, *, admins: Iterable[str] = ()) -> dict[str, Any]:
+def read_snapshot(data_dir: Path, run_id: str, *, admins: Iterable[str] = ()) -> Snapshot:
     """The snapshot stored under ``data_dir`` for ``run_id`` (empty state if there is no log)."""
     replica = Replica(run_id=run_id, key_pair=create_new_key_pair(), admins=admins)
     path = state_log_path(data_dir, run_id)
@@ -49,7 +49,7 @@ def stored_runs(data_dir: Path) -> list[str]:
     return sorted(n[len(_LOG_PREFIX) : -len(_LOG_SUFFIX)] for n in names)
 
 
-def offline_dump(data_dir: Path, run_id: str | None = None) -> dict[str, Any] | None:
+def offline_dump(data_dir: Path, run_id: str | None = None) -> dict[str, object] | None:
     """What ``lattica state`` shows for a stopped node: the stored snapshot, nobody live.
     None when the data dir holds no state (of ``run_id``, if given)."""
     runs = stored_runs(data_dir)

@@ -41,13 +41,12 @@ import hashlib
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID
-from pycrdt import Doc
+from pycrdt import Doc, Map
 
-from lattica.crdt.documents import CONFIG_DOC, build_snapshot
+from lattica.crdt.documents import CONFIG_DOC, Snapshot, build_snapshot
 from lattica.crdt.envelope import (
     Envelope,
     RejectedUpdate,
@@ -134,7 +133,7 @@ class Replica:
         self.trusted = trusted or (lambda writer: False)
         self.accepted = 0
         self.rejected: Counter[str] = Counter()
-        self._docs: dict[str, Doc] = {}
+        self._docs: dict[str, Doc[Map[object]]] = {}
         self._streams: dict[StreamKey, _Stream] = {}
         self._pending_total = 0  # early arrivals buffered over all streams
         self._now = 0.0  # the owner's clock, as of the last ``tick``
@@ -145,7 +144,7 @@ class Replica:
 
     # -- local writes --------------------------------------------------------------------------
 
-    def local_write(self, doc_name: str, mutate: Callable[[Doc], None]) -> list[Envelope]:
+    def local_write(self, doc_name: str, mutate: Callable[[Doc[Map[object]]], None]) -> list[Envelope]:
         """Apply ``mutate`` to one of our documents; return the envelopes to persist and send."""
         if doc_name == CONFIG_DOC and self.peer_id not in self.admins:
             raise LocalProtocolError("only admin keys may change the run config")
@@ -176,7 +175,7 @@ class Replica:
 
     # -- remote envelopes ----------------------------------------------------------------------
 
-    def receive_wire(self, obj: Any, *, from_peer: str | None = None) -> list[Envelope]:
+    def receive_wire(self, obj: object, *, from_peer: str | None = None) -> list[Envelope]:
         """Validate and apply an untrusted wire envelope; return those newly applied."""
         try:
             cap = max(self.limits.max_update_bytes, self.limits.max_snapshot_bytes)
@@ -357,7 +356,7 @@ class Replica:
 
     # -- anti-entropy --------------------------------------------------------------------------
 
-    def state_vector(self) -> list[list[Any]]:
+    def state_vector(self) -> list[list[str | int]]:
         """``[[doc, writer, have, head], ...]``: ``head`` names the envelope at ``have``, so two
         replicas that hold different envelopes under the same seqs (a fork) can tell."""
         return [
@@ -365,7 +364,7 @@ class Replica:
             for (doc, writer), s in sorted(self._streams.items()) if s.have and s.retained
         ]
 
-    def missing_for(self, vector: Iterable[Any]) -> list[Envelope]:
+    def missing_for(self, vector: object) -> list[Envelope]:
         """Envelopes a replica whose ``state_vector()`` is ``vector`` lacks (unknown rows ignored),
         our envelope at its head where the two differ (it proves the fork to the other side), and
         the evidence against every banned writer it still holds."""
@@ -382,7 +381,7 @@ class Replica:
             missing.extend(self._banned[writer])
         return missing
 
-    def wants_from(self, vector: Iterable[Any]) -> bool:
+    def wants_from(self, vector: object) -> bool:
         """Whether a replica with ``vector`` holds something we lack (and would take)."""
         return any(
             have > (self._streams[key].have if key in self._streams else 0)
@@ -407,11 +406,11 @@ class Replica:
     def writers(self) -> set[str]:
         return {writer for _, writer in self._streams}
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> Snapshot:
         writer_docs = {name: doc for name, doc in self._docs.items() if name != CONFIG_DOC}
         return build_snapshot(writer_docs, self._docs.get(CONFIG_DOC))
 
-    def counters(self) -> dict[str, Any]:
+    def counters(self) -> dict[str, int | dict[str, int]]:
         return {
             "updates_accepted": self.accepted,
             "updates_rejected": dict(sorted(self.rejected.items())),
@@ -424,7 +423,7 @@ class Replica:
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _doc(self, name: str) -> Doc:
+    def _doc(self, name: str) -> Doc[Map[object]]:
         doc = self._docs.get(name)
         if doc is None:
             doc = self._docs[name] = Doc()
@@ -450,12 +449,12 @@ def _digest(env: Envelope) -> str:
     return hashlib.sha256(env.sig).hexdigest()[:16]
 
 
-def parse_state_vector(vector: Any, *, max_rows: int = 100_000) -> Mapping[StreamKey, int]:
+def parse_state_vector(vector: object, *, max_rows: int = 100_000) -> Mapping[StreamKey, int]:
     """Untrusted ``[[doc, writer, have(, head)], ...]`` -> mapping; malformed rows are skipped."""
     return {key: have for key, (have, _) in _parse_rows(vector, max_rows=max_rows).items()}
 
 
-def _parse_rows(vector: Any, *, max_rows: int = 100_000) -> dict[StreamKey, tuple[int, str | None]]:
+def _parse_rows(vector: object, *, max_rows: int = 100_000) -> dict[StreamKey, tuple[int, str | None]]:
     result: dict[StreamKey, tuple[int, str | None]] = {}
     if not isinstance(vector, list | tuple):
         return result

@@ -29,17 +29,18 @@ The service wraps a sans-IO ``Replica`` with three kinds of I/O:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
 
 import trio
 from libp2p.abc import IHost, INetStream
 from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID
-from pycrdt import Doc
+from pycrdt import Doc, Map
+from trio_typing import TaskStatus
 
 from lattica.crdt import documents, sync
 from lattica.crdt.config import StateConfig
@@ -87,7 +88,7 @@ class ReplicatedState:
         self._not_durable: set[tuple[str, str, int]] = set()
         self._changed = trio.Event()
         self._generation = 0
-        self._snapshot_cache: tuple[int, dict[str, Any]] | None = None
+        self._snapshot_cache: tuple[int, documents.Snapshot] | None = None
         self._peers: set[str] = set()
         self._retry_at: dict[str, float] = {}  # outbound sessions that failed
         self._penalized_until: dict[str, float] = {}  # peers that sent bad input
@@ -102,7 +103,7 @@ class ReplicatedState:
 
     # -- service -------------------------------------------------------------------------------
 
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         await self._open_log()
         self.host.set_stream_handler(sync.SYNC_PROTOCOL, self._handle_stream)
         try:
@@ -146,7 +147,7 @@ class ReplicatedState:
 
     # -- writes (our own documents) -------------------------------------------------------------
 
-    async def update_member(self, **fields: Any) -> None:
+    async def update_member(self, **fields: object) -> None:
         """Set fields of our membership record: addrs, device, throughput, reachability, role."""
         documents.validate_member_fields(fields)
         await self._write(self.peer_id, lambda doc: documents.write_member(doc, fields))
@@ -160,7 +161,7 @@ class ReplicatedState:
         vouched = sorted(self.proven_peers())[:MAX_VOUCHES]
         changed, self._vouched = vouched != self._vouched, vouched
 
-        def renew(doc: Doc) -> None:
+        def renew(doc: Doc[Map[object]]) -> None:
             documents.write_lease(doc, lease_expires_ms=expires, heartbeat=beat)
             if changed:
                 documents.write_vouches(doc, vouched)
@@ -184,7 +185,7 @@ class ReplicatedState:
             lambda doc: documents.write_progress(doc, round=round, weights_hash=weights_hash),
         )
 
-    async def set_run_config(self, config: dict[str, Any]) -> None:
+    async def set_run_config(self, config: Mapping[str, object]) -> None:
         """Replace the run config (admins only; raises ``LocalProtocolError`` otherwise)."""
         if self.peer_id not in self._replica.admins:
             raise LocalProtocolError("only admin keys may change the run config")
@@ -206,7 +207,7 @@ class ReplicatedState:
         """Replace the set of experts this node owns (SPES) in one write."""
         await self._write(self.peer_id, lambda doc: documents.write_owned_experts(doc, experts))
 
-    async def _write(self, doc_name: str, mutate: Callable[[Doc], None]) -> None:
+    async def _write(self, doc_name: str, mutate: Callable[[Doc[Map[object]]], None]) -> None:
         if self._log is None and not self._closed:
             raise LocalProtocolError("ReplicatedState.run() has not started")
         async with self._log_lock:
@@ -238,7 +239,7 @@ class ReplicatedState:
 
     # -- reads -----------------------------------------------------------------------------------
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> documents.Snapshot:
         """The replicated state as JSON-able data: members, progress, config, checkpoints, experts."""
         if self._snapshot_cache is None or self._snapshot_cache[0] != self._generation:
             self._snapshot_cache = (self._generation, self._replica.snapshot())
@@ -298,12 +299,12 @@ class ReplicatedState:
         self._vouched = vouched
         await self._write(self.peer_id, lambda doc: documents.write_vouches(doc, vouched))
 
-    def counters(self) -> dict[str, Any]:
+    def counters(self) -> dict[str, int | dict[str, int]]:
         counters = self._replica.counters()
         counters["log_bytes"] = self._log.size_bytes if self._log else 0
         return counters
 
-    def dump(self) -> dict[str, Any]:
+    def dump(self) -> dict[str, object]:
         """What ``lattica state --json`` prints: the snapshot plus this node's local view."""
         return {
             **self.snapshot(),
@@ -328,16 +329,16 @@ class ReplicatedState:
 
     # -- SyncEndpoint ----------------------------------------------------------------------------
 
-    def state_vector(self) -> list[list[Any]]:
+    def state_vector(self) -> list[list[str | int]]:
         return self._replica.state_vector()
 
-    def missing_for(self, vector: Any) -> list[Envelope]:
+    def missing_for(self, vector: object) -> list[Envelope]:
         missing = self._replica.missing_for(vector)
         if not self._not_durable:
             return missing
         return [e for e in missing if (e.doc, e.writer, e.seq) not in self._not_durable]
 
-    async def accept_batch(self, wire_envelopes: list[Any], *, from_peer: str) -> None:
+    async def accept_batch(self, wire_envelopes: list[object], *, from_peer: str) -> None:
         applied: list[Envelope] = []
         failure: RejectedUpdate | None = None
         for raw in wire_envelopes:
@@ -421,7 +422,6 @@ class ReplicatedState:
                 finally:
                     await _close_quietly(stream)
             self._mark_proven(peer)
-            return True
         except RemoteProtocolError as exc:
             log.warning("state sync: dropping bad input from %s: %s", peer, exc)
             self._penalized_until[peer] = trio.current_time() + self.config.max_backoff
@@ -429,6 +429,8 @@ class ReplicatedState:
             log.debug("state sync with %s failed: %s", peer, exc)
         except Exception as exc:  # noqa: BLE001 - libp2p raises many kinds when a stream cannot be opened
             log.debug("state sync with %s could not start: %r", peer, exc)
+        else:
+            return True
         return False
 
     async def _handle_stream(self, stream: INetStream) -> None:
@@ -464,14 +466,12 @@ def state_log_path(data_dir: Path, run_id: str) -> Path:
 
 
 async def _close_quietly(stream: INetStream) -> None:
-    try:
+    # best effort on a stream that may be gone; libp2p raises many kinds
+    with contextlib.suppress(Exception):
         await stream.close()
-    except Exception:  # noqa: BLE001 - best effort on a stream that may be gone; libp2p raises many kinds
-        pass
 
 
 async def _reset_quietly(stream: INetStream) -> None:
-    try:
+    # best effort on a stream that may be gone; libp2p raises many kinds
+    with contextlib.suppress(Exception):
         await stream.reset()
-    except Exception:  # noqa: BLE001 - best effort on a stream that may be gone; libp2p raises many kinds
-        pass

@@ -27,7 +27,7 @@ without it, such as a plain libp2p relay or DHT server among the bootstrap peers
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 from libp2p.abc import IHost, INetStream
 from libp2p.custom_types import TProtocol
@@ -49,11 +49,11 @@ class SyncEndpoint(Protocol):
 
     run_id: str
 
-    def state_vector(self) -> list[list[Any]]: ...
+    def state_vector(self) -> list[list[str | int]]: ...
 
-    def missing_for(self, vector: Any) -> list[Envelope]: ...
+    def missing_for(self, vector: object) -> list[Envelope]: ...
 
-    async def accept_batch(self, wire_envelopes: list[Any], *, from_peer: str) -> None: ...
+    async def accept_batch(self, wire_envelopes: list[object], *, from_peer: str) -> None: ...
 
 
 def serves_sync(host: IHost, peer: str) -> bool:
@@ -65,22 +65,24 @@ def serves_sync(host: IHost, peer: str) -> bool:
 # -- sans-IO message helpers ---------------------------------------------------------------------
 
 
-def hello(run_id: str, vector: list[list[Any]]) -> dict[str, Any]:
+def hello(run_id: str, vector: list[list[str | int]]) -> dict[str, object]:
     return {"t": "hello", "run": run_id, "sv": vector}
 
 
-def parse_hello(obj: Any, *, run_id: str, peer_id: str) -> list[Any]:
-    if not isinstance(obj, dict) or obj.get("t") != "hello" or not isinstance(obj.get("sv"), list):
+def parse_hello(obj: object, *, run_id: str, peer_id: str) -> list[object]:
+    """A ``hello`` -> the peer's state vector (its rows are checked by the replica)."""
+    vector = obj.get("sv") if isinstance(obj, dict) and obj.get("t") == "hello" else None
+    if not isinstance(obj, dict) or not isinstance(vector, list):
         raise RemoteProtocolError("expected a sync hello", peer_id=peer_id)
     if obj.get("run") != run_id:
         raise RemoteProtocolError(f"peer is in run {obj.get('run')!r}", peer_id=peer_id)
-    return obj["sv"]
+    return list(vector)
 
 
-def batches(envelopes: Iterable[Envelope], *, max_bytes: int = BATCH_BYTES) -> list[dict[str, Any]]:
+def batches(envelopes: Iterable[Envelope], *, max_bytes: int = BATCH_BYTES) -> list[dict[str, object]]:
     """Group envelopes into ``envs`` messages of about ``max_bytes`` each."""
-    out: list[dict[str, Any]] = []
-    current: list[dict[str, Any]] = []
+    out: list[dict[str, object]] = []
+    current: list[dict[str, object]] = []
     size = 0
     for env in envelopes:
         cost = env.encoded_size()
@@ -94,19 +96,20 @@ def batches(envelopes: Iterable[Envelope], *, max_bytes: int = BATCH_BYTES) -> l
     return out
 
 
-def parse_batch(obj: Any, *, peer_id: str) -> list[Any] | None:
-    """An ``envs`` message -> its raw envelopes; ``end`` -> None."""
+def parse_batch(obj: object, *, peer_id: str) -> list[object] | None:
+    """An ``envs`` message -> its raw envelopes (checked by the replica); ``end`` -> None."""
     if isinstance(obj, dict) and obj.get("t") == "end":
         return None
-    if isinstance(obj, dict) and obj.get("t") == "envs" and isinstance(obj.get("envs"), list):
-        return obj["envs"]
+    envs = obj.get("envs") if isinstance(obj, dict) and obj.get("t") == "envs" else None
+    if isinstance(envs, list):
+        return list(envs)
     raise RemoteProtocolError("expected an envs or end message", peer_id=peer_id)
 
 
 # -- the session over a stream -------------------------------------------------------------------
 
 
-async def _send_all(stream: INetStream, messages: Sequence[dict[str, Any]], peer_id: str) -> None:
+async def _send_all(stream: INetStream, messages: Sequence[dict[str, object]], peer_id: str) -> None:
     for message in messages:
         await write_message(stream, message, peer_id=peer_id)
     await write_message(stream, {"t": "end"}, peer_id=peer_id)

@@ -9,7 +9,7 @@ so a lying or hostile peer costs at most ``max_size`` bytes of memory. Anything 
 from __future__ import annotations
 
 import struct
-from typing import Any, Protocol
+from typing import Protocol
 
 import msgpack
 
@@ -28,12 +28,13 @@ class ByteStream(Protocol):
     async def write(self, data: bytes) -> None: ...
 
 
-def encode_message(obj: Any) -> bytes:
-    body = msgpack.packb(obj, use_bin_type=True)
+def encode_message(obj: object) -> bytes:
+    body: bytes = msgpack.packb(obj, use_bin_type=True)
     return _HEADER.pack(len(body)) + body
 
 
-def decode_body(body: bytes, *, peer_id: str | None = None) -> Any:
+def decode_body(body: bytes, *, peer_id: str | None = None) -> object:
+    """The decoded body, untrusted: callers narrow it (see ``lattica.decoding``)."""
     try:
         return msgpack.unpackb(body, raw=False, strict_map_key=False)
     except (ValueError, TypeError, msgpack.UnpackException) as exc:
@@ -61,7 +62,7 @@ async def read_exactly(stream: ByteStream, n: int, *, peer_id: str | None = None
 
 async def read_message(
     stream: ByteStream, *, max_size: int = DEFAULT_MAX_MESSAGE, peer_id: str | None = None
-) -> Any:
+) -> object:
     """Read one framed message; raises ``RemoteProtocolError`` or ``BrokenError``."""
     (length,) = _HEADER.unpack(await read_exactly(stream, _HEADER.size, peer_id=peer_id))
     if length > max_size:
@@ -71,7 +72,7 @@ async def read_message(
     return decode_body(await read_exactly(stream, length, peer_id=peer_id), peer_id=peer_id)
 
 
-async def write_message(stream: ByteStream, obj: Any, *, peer_id: str | None = None) -> None:
+async def write_message(stream: ByteStream, obj: object, *, peer_id: str | None = None) -> None:
     try:
         await stream.write(encode_message(obj))
     except Exception as exc:  # noqa: BLE001 - libp2p raises many kinds on a broken stream
