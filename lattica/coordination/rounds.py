@@ -69,6 +69,7 @@ _OPEN_TIMEOUT_S = 3.0
 _STALE_REDIRECT_PAUSE_S = 0.25
 _RETRY = re.compile(r"^(.+)/retry/(\d+)$")
 _ROUND = re.compile(r"^round/(\d+)(?:/retry/\d+)?$")  # blocking strategies' keys, in round order
+_FRAGMENT = re.compile(r"^round/\d+/fragment/\d+$")  # Streaming DiLoCo's overlapped fragment syncs
 
 
 def round_of(key: str) -> int | None:
@@ -203,7 +204,7 @@ class RoundCoordinator:
         expected = self._expected(key)
         if expected is not None and self.peer_id in expected:
             pool = sorted(expected & set(pool))
-        behind = self._behind(1)
+        behind = self._behind(1, key=key)
         for coordinator in pool:
             if coordinator in failed:
                 continue
@@ -218,7 +219,7 @@ class RoundCoordinator:
             return False
         return self.responsive(peer)
 
-    def _behind(self, rounds: int = 2) -> set[str]:
+    def _behind(self, rounds: int = 2, *, key: str | None = None) -> set[str]:
         """Candidates whose published round is ``rounds`` or more behind the swarm's (or who
         published none while others have). Two behind: catching up (back from a restart or a
         cut, fetching the run's state, which takes rounds) — not waited for; one behind is the
@@ -229,7 +230,13 @@ class RoundCoordinator:
         The swarm's round is the one at least half the candidates have published, not the
         newest: measured against a lone peer ahead, everyone else looked behind and it sealed
         its rounds alone at once. Relative, so a round every replica skipped (keys move on,
-        completed rounds do not) shifts nobody."""
+        completed rounds do not) shifts nobody.
+
+        For a fragment sync (``round/N/fragment/f``), one round more of slack, and a peer that
+        published nothing yet counts as at round -1: its round number counts fragment syncs
+        applied (÷ P), which a peer at the same sync may have done one more of, and a first
+        record replicates with a lag — in a two-peer swarm the peer behind by that lag lost its
+        coordinator role, each peer sealed the sync alone, and eager replicas kept the split."""
         if self.published_round is None:
             return set()
         published = {p: self.published_round(p) for p in self._candidates()}
@@ -237,6 +244,9 @@ class RoundCoordinator:
         if not known:
             return set()
         swarm = known[(len(known) - 1) // 2]
+        if key is not None and _FRAGMENT.match(key):
+            rounds += 1
+            return {p for p, r in published.items() if p != self.peer_id and swarm - (-1 if r is None else r) >= rounds}
         return {p for p, r in published.items() if p != self.peer_id and (r is None or swarm - r >= rounds)}
 
     def _learn(self, key: str, group: Sequence[str]) -> None:
@@ -356,7 +366,7 @@ class RoundCoordinator:
         }
         if self._fell_behind(key):
             awaited.discard(self.peer_id)
-        awaited -= self._behind()
+        awaited -= self._behind(key=key)
         expected = self._expected(key)
         return awaited if expected is None else awaited & expected
 
@@ -368,7 +378,7 @@ class RoundCoordinator:
         expected = self._expected(key)
         if expected is not None:
             pool &= expected
-        behind = self._behind(1)
+        behind = self._behind(1, key=key)
         lower = sorted(p for p in pool if p < self.peer_id and p not in behind and self._can_coordinate(p))
         return lower[0] if lower else None
 

@@ -1,5 +1,10 @@
 """``lattica demo --strategy streaming_eager``: two real daemons train Streaming DiLoCo with eager
-fragment updates over the real data plane and finish."""
+fragment updates over the real data plane, finish, and end with identical outer states.
+
+Every fragment sync of both is one group of both, so both apply the same means in the same order:
+the published hashes of the outer weights and momentum must be equal. They differed when a peer
+whose first progress record had not reached the other yet counted as behind it, lost its
+coordinator role there, and each side sealed the last fragment syncs alone."""
 
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ def test_demo_runs_streaming_eager(tmp_path):
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["strategy"] == "streaming_eager", summary
     assert summary["ok"], summary
+    assert summary["replicas_identical"], summary
     for node in summary["nodes"].values():
         assert node["phase"] == "done", summary
         assert node["rounds"] >= 2, summary  # 5 fragment syncs of P = 2 in 12 steps
