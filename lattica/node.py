@@ -139,6 +139,7 @@ class Node:
                 await nursery.start(connectivity.run)
                 self.services = tuple(self._build_services(self._context(host, connectivity)))
                 for service in self.services:
+                    log.debug("starting service %s", service.name)
                     await nursery.start(service.run)
                 task_status.started(self)
                 await self._shutdown.wait()
