@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import trio
@@ -87,7 +87,10 @@ class NodeHandle(Protocol):
 
 
 class ReceivedBytes(Protocol):
-    last_sent: Mapping[str, tuple[int, float]]
+    @property
+    def last_sent(self) -> Mapping[str, tuple[int, float]]:
+        """peer -> (bytes, seconds) of the last large message sent to it (``lattica doctor``)."""
+        ...
 
     def total_received(self) -> int: ...
 
@@ -329,9 +332,10 @@ class TrainingService:
 
     # -- control API ---------------------------------------------------------------------------
 
-    def status(self) -> dict[str, object]:
+    def status(self) -> dict[str, Any]:
+        """``{"training": {...}}``: JSON for ``lattica status`` and the metrics exporter."""
         strategy = self.strategy
-        info: dict[str, object] = {
+        info: dict[str, Any] = {
             "phase": self.phase,
             "strategy": self.settings.strategy,
             "replicas_agree": bool(strategy is not None and strategy.replicas_agree),

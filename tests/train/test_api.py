@@ -72,7 +72,7 @@ def _node_config(data_dir, peers=()):
 async def test_users_own_loop_on_two_real_nodes(tmp_path):
     """``open_node`` + ``wrap``: two nodes on loopback (real hosts, state, data plane) run the
     documented loop and end with the same weights after two all-reduce rounds together."""
-    from lattica.train.api import open_node
+    from lattica.training_node import open_node
 
     out = {}
     with trio.fail_after(120):
