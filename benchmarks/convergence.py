@@ -31,6 +31,12 @@ without a finite validation loss) fails the run: exit status 1, one line on stde
 Every method gets the same inner hyperparameters (AdamW, warmup + cosine over ``--steps``).
 ``--outer-lr`` / ``--outer-momentum`` change only the two DiLoCo runs (``diloco``,
 ``moe_diloco``), for sweeps; without them DiLoCo runs with its defaults η 0.7, μ 0.9.
+
+``--measure-memory`` runs each method in a forked child process and reports
+``<name>_peak_memory_bytes``: the child's peak resident memory (``VmHWM``, reset through
+``/proc/self/clear_refs`` right after the fork) minus its resident memory at that moment, divided
+by the number of workers — what one worker's model, optimizer and strategy state, activations and
+sync buffers added at their peak, measured the same way for every method (Linux only).
 """
 
 from __future__ import annotations
@@ -39,11 +45,13 @@ import argparse
 import dataclasses
 import json
 import math
+import multiprocessing
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import _checkout  # noqa: F401  (the checkout root on sys.path: lattica_lab)
@@ -117,7 +125,7 @@ METHODS: dict[str, Method] = {
         ),
         evaluate_average=True,
     ),
-    # eager and Streaming-eager at their defaults (η 0.7, μ 0.9), like DiLoCo
+    # eager and Streaming-eager at their defaults (eager η 0.5, Streaming-eager η 0.7; μ 0.9)
     "eager": Method(strategy="eager", config=EagerDiLoCoConfig(inner_steps=SYNC_EVERY)),
     "streaming": Method(
         strategy="streaming",
@@ -370,6 +378,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--threads", type=int, default=1, help="torch threads per operation")
     parser.add_argument("--workers", type=int, default=WORKERS, help=f"in-process workers (default {WORKERS})")
+    parser.add_argument(
+        "--measure-memory", action="store_true",
+        help="each method in a forked child: peak resident memory per worker (<name>_peak_memory_bytes)",
+    )
     return parser.parse_args(argv)
 
 
@@ -427,7 +439,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for name in names:
             method = methods[name]
-            results[name] = _timed(
+            run = _measured if args.measure_memory else _timed
+            results[name] = run(
                 name, method, corpus, budget, args.seed, initial.get(method.build_model), args.workers
             )
         if initial:  # the headline pair again from fresh weights, so both regimes are on record
@@ -440,9 +453,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"{'method':<16}{'val loss':>10}{'spread':>9}{'MB sent/worker':>16}{'seconds':>9}")
     for name, r in results.items():
+        memory = f"{r['peak_memory_bytes'] / 1e6:>10.1f} MB peak/worker" if "peak_memory_bytes" in r else ""
         print(
             f"{name:<16}{r['loss']:>10.4f}{r['loss_spread']:>9.4f}"
-            f"{r['bytes'] / 1e6:>16.2f}{r['seconds']:>9.1f}"
+            f"{r['bytes'] / 1e6:>16.2f}{r['seconds']:>9.1f}{memory}"
         )
     summary = summary_json(results, args.seed, tokens, args.workers)
     summary["warm_start_steps"] = args.warm_start_steps
@@ -462,6 +476,45 @@ def _timed(
         raise BenchmarkFailed(f"{name} did not finish: {type(exc).__name__}: {exc}") from exc
     result["seconds"] = time.monotonic() - started
     return result
+
+
+def _resident_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _measured(
+    name: str, method: Method, corpus, budget: Budget, seed: int, initial, workers: int = WORKERS
+) -> dict[str, float]:
+    """``_timed`` in a forked child, with ``peak_memory_bytes``: the child's peak resident memory
+    above its resident memory right after the fork (the peak reset through ``clear_refs``), per
+    worker. A child per method: memory freed by one method and kept by the allocator would
+    hide the next method's growth."""
+    context = multiprocessing.get_context("fork")
+    receive, send = context.Pipe(duplex=False)
+
+    def child() -> None:
+        try:
+            Path("/proc/self/clear_refs").write_text("5")  # VmHWM ← VmRSS
+            base = _resident_kib("VmRSS")
+            result = _timed(name, method, corpus, budget, seed, initial, workers)
+            result["peak_memory_bytes"] = (_resident_kib("VmHWM") - base) * 1024 / workers
+            send.send(("ok", result))
+        except BaseException as exc:  # noqa: BLE001 - reported by the parent as a failed method
+            send.send(("failed", str(exc)))
+
+    process = context.Process(target=child)
+    process.start()
+    try:
+        status, payload = receive.recv()
+    except EOFError:
+        status, payload = "failed", f"{name} did not finish: its process exited with no result"
+    process.join()
+    if status != "ok":
+        raise BenchmarkFailed(payload)
+    return payload
 
 
 def _with_outer(
@@ -491,6 +544,8 @@ def summary_json(
             continue
         out[f"{name}_peak_sync_bytes"] = int(r["peak_sync_bytes"])
         out[f"{name}_optimizer_state_bytes"] = int(r["optimizer_state_bytes"])
+        if "peak_memory_bytes" in r:
+            out[f"{name}_peak_memory_bytes"] = int(r["peak_memory_bytes"])
         if "avg_weights_loss" in r:
             out[f"{name}_avg_weights_loss"] = round(r["avg_weights_loss"], 5)
     for name, baseline in (
