@@ -50,6 +50,17 @@ def test_the_cli_entry_point_is_imported_by_no_command() -> None:
     assert [m for m in _imports_of(_graph(), "lattica.cli.main") if m != "lattica.cli.main"] == []
 
 
+def test_the_network_layer_imports_nothing_above_it() -> None:
+    """``net/`` (host, connectivity, NAT traversal, data plane) is built on by the services
+    and the composition root; it never reaches up into them (docs/architecture.md)."""
+    above = ("lattica.node", "lattica.daemon", "lattica.services", "lattica.nat_service", "lattica.control",
+             "lattica.observability", "lattica.crdt", "lattica.dht", "lattica.coordination", "lattica.train",
+             "lattica.cli", "lattica.demo", "lattica.progress")
+    graph = _graph()
+    upward = sorted({m for target in above for m in _imports_of(graph, target) if m.startswith("lattica.net")})
+    assert upward == []
+
+
 # -- training reaches the network only through its interfaces ---------------------------------
 
 # The data plane's pure modules that training may use: the encodings a ``Collective`` carries
