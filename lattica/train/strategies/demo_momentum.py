@@ -5,7 +5,9 @@ Theory of operation
 DeMo replaces the inner optimizer and syncs at every step. Each replica keeps a local momentum
 m per parameter (fp32, CPU). After backward of every step, with the step's learning rate η:
 
-1. m ← β·m + η·g (β 0.999);
+1. m ← β·m + η·ĝ (β 0.999), ĝ this replica's gradient clipped to global L2 norm ``grad_clip``
+   (1.0), as the reference's trainer clips before its optimizer step (the trainer's own clip
+   runs after this hook, too late for m);
 2. m is cut into blocks — 2-D tensors into ``chunk`` × ``chunk`` tiles, 1-D tensors into runs of
    ``chunk`` (a dimension that ``chunk`` does not divide uses its largest divisor below it) — and
    each block goes through an orthonormal DCT-II (``dct_matrix``);
@@ -241,7 +243,8 @@ class DeMo(AccountedStrategy):
         self._rounds = 0  # reported rounds of ``inner_steps`` steps
         self._round_group: tuple[str, ...] = ()
         # the group of the current window of ``inner_steps`` steps: agreed once per window
-        self._window, self._window_group = -1, ()
+        self._window = -1
+        self._window_group: tuple[str, ...] = ()
         self._round_bytes, self._round_skips = 0, 0
         self._round_started = time.monotonic()
 
