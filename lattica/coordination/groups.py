@@ -30,16 +30,16 @@ Readiness (stragglers). A partner is confirmed only once it has *reached* the st
 request for a step this peer has not opened yet is held for at most ``hold_s`` (the
 ``ready_wait_s`` setting; by default and at most half the grace) and answered with the proposal the moment the
 peer opens the step, or ``late`` when the hold ends first. It is answered ``late`` at once when
-the peer cannot make it in the hold: it is more than one step behind, or its own pace (the
-interval between its last syncs) puts its arrival after the hold. A peer that answered ``late``
+the peer cannot make it in the hold: its own pace (the interval between its last syncs) puts
+its next sync after the hold. A peer that answered ``late``
 to a partner leaves that partner out of its own group for the key (``decline``), and so does the
 asker: the two verdicts agree, and a peer drawn with a straggler loses one round trip, or at
 most the hold, instead of the grace.
 
 Realignment. Every answer carries the answerer's latest opened step, and every request the
 step the asker has reached (its key). A peer learns from them
-where the swarm is (``SwarmStep``: the second-highest step of the last peers heard, so one peer
-announcing a far step moves nobody) and a strategy that fell behind jumps its next key there,
+where the swarm is (``SwarmStep``: the highest step of the last peers heard that another of
+them vouches for, within two steps, so one peer announcing a far step moves nobody) and a strategy that fell behind jumps its next key there,
 instead of drawing one group after another for steps its partners have left.
 """
 
@@ -221,8 +221,8 @@ class GroupHandshakes:
     A request is answered with this peer's proposal once this peer has opened the key itself
     (``ready``); ``gone`` when it opened the key more than ``grace_s`` ago (it has averaged and
     moved on) or already opened a later step; for a step it has not reached, held up to
-    ``hold_s`` and then ``late`` — or ``late`` at once when it is more than one step behind, or
-    its pace puts its arrival after the hold. Keys that name no step are answered at once.
+    ``hold_s`` and then ``late`` — or ``late`` at once when its pace (the moving average of the
+    intervals between its syncs) puts its next sync after the hold. Keys that name no step are answered at once.
     """
 
     def __init__(self, config: GossipGroupsConfig) -> None:
@@ -276,11 +276,10 @@ class GroupHandshakes:
         until = asked_at + self.config.hold_s
         if now >= until:
             return Verdict(LATE)
-        if self._latest_step is not None:
-            if step > self._latest_step + 1:
-                return Verdict(LATE)  # more than a whole step behind: cannot make it
-            if self._pace is not None and self._latest_at is not None and self._latest_at + self._pace > until:
-                return Verdict(LATE)  # at its pace it reaches the step after the hold
+        if self._pace is not None and self._latest_at is not None and self._latest_at + self._pace > until:
+            # at its pace its next sync comes after the hold (a peer behind jumps its next key
+            # to the swarm's step, so its next sync is the one asked for, however far)
+            return Verdict(LATE)
         return Verdict(WAIT, until)
 
     def decline(self, key: str, peer: str) -> None:
@@ -310,13 +309,16 @@ class GroupHandshakes:
 
 
 class SwarmStep:
-    """Where the swarm is, from the steps partners announced in their answers.
+    """Where the swarm is, from the steps partners announced in their answers and requests.
 
     ``heard(peer, step)`` keeps each of the last ``remembered`` peers' highest step;
-    ``next_step(members)`` is the step after the second-highest of them (the highest when this
-    peer knows only one other member) — one peer announcing a far step moves nobody — or None
-    when nothing was heard.
+    ``next_step(members)`` is the step after the highest one that another peer vouches for (it
+    announced a step at most ``VOUCH_SLACK`` below) — so one peer announcing a far step moves
+    nobody — or, when this peer knows only one other member, after that member's step; None
+    when nothing usable was heard.
     """
+
+    VOUCH_SLACK = 2
 
     def __init__(self, remembered: int = 8) -> None:
         self.remembered = remembered
@@ -329,7 +331,9 @@ class SwarmStep:
 
     def next_step(self, members: int) -> int | None:
         steps = sorted(self._steps.values(), reverse=True)
-        needed = 1 if members <= 2 else 2
-        if len(steps) < needed:
-            return None
-        return steps[needed - 1] + 1
+        if members <= 2:
+            return steps[0] + 1 if steps else None
+        for i, step in enumerate(steps[:-1]):
+            if steps[i + 1] >= step - self.VOUCH_SLACK:
+                return step + 1
+        return None

@@ -145,10 +145,9 @@ def test_a_step_not_reached_is_held_then_late() -> None:
     book.open("round/0", now=1.5)
     assert book.decide("round/0", asker="b", asked_at=1.6, now=1.6) == Verdict(LATE)
     assert book.decide("round/0", asker="c", asked_at=1.6, now=1.6) == Verdict(READY)
-    # the next step, with no pace known yet: held
+    # with no pace known yet, any later step is held (a peer behind jumps to the asked step)
     assert book.decide("round/1", asker="c", asked_at=2.0, now=2.0) == Verdict(WAIT, 3.0)
-    # more than a step behind: late at once
-    assert book.decide("round/2", asker="c", asked_at=2.0, now=2.0) == Verdict(LATE)
+    assert book.decide("round/7", asker="c", asked_at=2.0, now=2.0) == Verdict(WAIT, 3.0)
 
 
 def test_the_hold_is_at_most_half_the_grace() -> None:
@@ -164,8 +163,12 @@ def test_a_slow_peer_answers_late_at_once_from_its_pace() -> None:
     assert book.pace == 20.0
     # asked for its next step 2 s after its last sync: it arrives in ~18 s, after the hold
     assert book.decide("round/4", asker="b", asked_at=62.0, now=62.0) == Verdict(LATE)
+    # however far the step asked for: its next sync is not due within the hold
+    assert book.decide("round/40", asker="b", asked_at=62.0, now=62.0) == Verdict(LATE)
     # asked 19.5 s after: it is due within the hold, so the request is held
     assert book.decide("round/4", asker="b", asked_at=79.5, now=79.5) == Verdict(WAIT, 80.5)
+    # overdue (it was frozen, say): held, not refused
+    assert book.decide("round/9", asker="b", asked_at=200.0, now=200.0) == Verdict(WAIT, 201.0)
     # a fast peer (1 s per sync) asked for its next step is held too
     fast = GroupHandshakes(GossipGroupsConfig(grace_s=5.0, ready_wait_s=1.0))
     for t in range(4):
@@ -193,17 +196,21 @@ def test_late_verdicts_agree_on_both_sides() -> None:
 
 
 def test_swarm_step_needs_two_peers_to_move_anyone() -> None:
-    swarm = SwarmStep(remembered=3)
+    swarm = SwarmStep(remembered=4)
     assert swarm.next_step(members=8) is None
     swarm.heard("x", 10**9)  # one peer announcing a far step
     assert swarm.next_step(members=8) is None
     swarm.heard("b", 40)
+    assert swarm.next_step(members=8) is None  # nobody vouches for either
+    swarm.heard("c", 38)  # within two steps of b: b's step stands
     assert swarm.next_step(members=8) == 41
-    swarm.heard("c", 42)
+    swarm.heard("c", 42)  # the freshest step that another peer backs (b at 40)
     assert swarm.next_step(members=8) == 43
     swarm.heard("b", 30)  # steps only grow per peer
-    swarm.heard("d", 1)  # x is forgotten (the last 3 peers are kept)
-    assert swarm.next_step(members=8) == 41
+    assert swarm.next_step(members=8) == 43
+    swarm.heard("d", 1)
+    swarm.heard("e", 2)  # x is forgotten (the last 4 peers are kept)
+    assert swarm.next_step(members=8) == 43
     # with a single other member, its step is enough
     pair = SwarmStep()
     pair.heard("b", 7)

@@ -47,6 +47,7 @@ from lattica.train.strategies.gossip import (
     consensus_distance,
     exchange_with_partners,
     group_mean,
+    swarm_next_step,
 )
 from lattica.train.strategies.traffic import allreduce_bytes, payload_bytes
 
@@ -225,6 +226,7 @@ class DiLoCo(EveryHSteps, AccountedStrategy):
 
     async def _gossip_sync(self) -> OuterStepReport:
         """Average ``[φ, Δ]`` with this round's group, then step on the group's mean Δ."""
+        self._round = max(self._round, swarm_next_step(self.groups) or 0)  # behind: the swarm's step
         key, started = f"round/{self._round}", time.monotonic()
         self._round += 1
         me = self.collective.peer_id

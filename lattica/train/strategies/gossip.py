@@ -11,6 +11,12 @@ or silent is left out, and with nobody left the peer steps on its own. No all-re
 of one stripe may hold slightly different groups while views differ, and pairwise exchanges
 need no agreed list.
 
+A replica that fell behind (it was frozen, cut off, or is slow) would otherwise draw one group
+after another for steps its partners have left, and average alone each time. Before each sync
+it asks the provider where the swarm goes next (``swarm_next_step``: ``GossipGroups.next_step``,
+from the steps partners announced) and, when that is past its own next key, jumps its key there,
+so it meets partners again at the next step. Only the key moves: its weights and momentum stay.
+
 Replicas then differ. Their spread is measured where it costs nothing: at each exchange, before
 averaging, from the tensors exchanged anyway —
 
@@ -72,6 +78,17 @@ async def exchange_with_partners(
         for partner in partners:
             nursery.start_soon(one, partner)
     return [answers[p] for p in partners if p in answers], set(partners) - set(answers)
+
+
+def swarm_next_step(groups: object) -> int | None:
+    """The step the swarm goes to next, where the ``GroupProvider`` knows it
+    (``GossipGroups.next_step``); None for a provider that does not (a fixed list, the round
+    coordinator)."""
+    next_step = getattr(groups, "next_step", None)
+    if not callable(next_step):
+        return None
+    step = next_step()
+    return step if isinstance(step, int) else None
 
 
 def group_mean(contributions: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:

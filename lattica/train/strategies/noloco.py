@@ -14,7 +14,8 @@ and applies the modified Nesterov step of the paper with the group means:
 Failure: a partner that is gone (``PeerUnavailableError``) or silent past the deadline is left
 out of the means; with nobody left the worker steps on its own Δ (n = 1, the γ term vanishes).
 No one waits on anyone outside their stripe, so a dead peer stalls at most its partners, and
-those only until the deadline. Replicas are not identical: φ differs between workers.
+those only until the deadline. A worker that fell behind the swarm (frozen, slow) jumps its
+round keys to the swarm's next step (``gossip.swarm_next_step``) and pairs again there. Replicas are not identical: φ differs between workers.
 """
 
 from __future__ import annotations
@@ -31,7 +32,12 @@ import torch
 from lattica.config import DEFAULT_INNER_STEPS
 from lattica.train.strategies.accounting import AccountedStrategy, tensor_bytes
 from lattica.train.strategies.base import OuterStepReport
-from lattica.train.strategies.gossip import consensus_distance, exchange_with_partners, group_mean
+from lattica.train.strategies.gossip import (
+    consensus_distance,
+    exchange_with_partners,
+    group_mean,
+    swarm_next_step,
+)
 from lattica.train.strategies.traffic import payload_bytes
 
 
@@ -112,6 +118,7 @@ class NoLoCo(AccountedStrategy):
         self._phi = [p.detach().clone() for p in params]
         self._velocity = [torch.zeros_like(p) for p in params]
         self._rounds = 0
+        self._round_offset = 0  # round keys minus step // H, after jumps to the swarm's step
 
     @property
     def completed_rounds(self) -> int:
@@ -129,8 +136,15 @@ class NoLoCo(AccountedStrategy):
             return []
         return [await self._outer_round(step // self.config.inner_steps)]
 
-    async def _outer_round(self, round_number: int) -> OuterStepReport:
+    async def _outer_round(self, step_round: int) -> OuterStepReport:
         started = time.monotonic()
+        # a replica that fell behind the swarm jumps its round keys to the swarm's next step
+        # (the offset stays: its steps count on from there); see gossip.swarm_next_step
+        round_number = step_round + self._round_offset
+        ahead = swarm_next_step(self.groups)
+        if ahead is not None and ahead > round_number:
+            self._round_offset += ahead - round_number
+            round_number = ahead
         key = f"round/{round_number}"
         members = list(await self.groups.group_for(key))
         me = self.collective.peer_id
@@ -178,6 +192,7 @@ class NoLoCo(AccountedStrategy):
             "params": {n: t.clone() for n, t in zip(self._names, self._phi, strict=True)},
             "velocity": {n: t.clone() for n, t in zip(self._names, self._velocity, strict=True)},
             "rounds": self._rounds,
+            "round_offset": self._round_offset,
         }
 
     def load_outer_state_dict(self, state: dict[str, Any]) -> None:
@@ -188,3 +203,4 @@ class NoLoCo(AccountedStrategy):
             for p, phi in zip(self._params, self._phi, strict=True):
                 p.copy_(phi)
         self._rounds = int(state["rounds"])
+        self._round_offset = int(state.get("round_offset", 0))

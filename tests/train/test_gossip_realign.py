@@ -1,0 +1,135 @@
+"""A replica that fell behind jumps to the swarm's step and pairs again within two steps.
+
+Real ``GossipGroups`` on in-process libp2p hosts on loopback (the handshake and the steps it
+carries), with the in-memory collective for the tensors.
+"""
+
+from __future__ import annotations
+
+import multiaddr
+import torch
+import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.peer.peerinfo import info_from_p2p_addr
+
+from lattica.coordination.gossip import GossipGroups
+from lattica.coordination.groups import GossipGroupsConfig, draw_step_groups
+from lattica.net.host import build_host
+from lattica.train.strategies.diloco import DiLoCo, DiLoCoConfig
+from lattica.train.strategies.noloco import NoLoCo, NoLoCoConfig
+from lattica_lab.collective import InMemoryCollectiveGroup, scalar_model
+
+LOOPBACK = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]
+GRACE_S = 3.0  # generous: a loaded machine must not turn a hold or an exchange into a timeout
+AHEAD = 5  # steps the swarm syncs without the replica that fell behind
+
+
+async def _run_host(host, *, task_status=trio.TASK_STATUS_IGNORED):
+    async with host.run(LOOPBACK):
+        task_status.started()
+        await trio.sleep_forever()
+
+
+async def _gossip_peers(nursery: trio.Nursery, count: int) -> dict[str, GossipGroups]:
+    peers: dict[str, GossipGroups] = {}
+    ids: list[str] = []
+    for _ in range(count):
+        host = build_host(create_new_key_pair())
+        await nursery.start(_run_host, host)
+        me = host.get_id().to_base58()
+        ids.append(me)
+        peers[me] = GossipGroups(host, peer_id=me, run_id="run", members=lambda: list(ids),
+                                 config=GossipGroupsConfig(grace_s=GRACE_S))
+        await nursery.start(peers[me].run)
+    hosts = [p.host for p in peers.values()]
+    for i, host in enumerate(hosts):
+        for other in hosts[i + 1 :]:
+            await host.connect(info_from_p2p_addr(other.get_addrs()[0]))
+    return peers
+
+
+def _behind(ids: list[str]) -> str:
+    """A peer drawn with at least two others over the steps it misses (two peers vouch)."""
+    def partners(p: str) -> set[str]:
+        return {q for t in range(AHEAD) for s in draw_step_groups(ids, key=f"round/{t}", group_size=2)
+                if p in s for q in s if q != p}
+
+    behind = max(sorted(ids), key=lambda p: len(partners(p)))
+    assert len(partners(behind)) >= 2
+    return behind
+
+
+async def test_diloco_behind_jumps_to_the_swarms_step_and_pairs_again() -> None:
+    cfg = DiLoCoConfig(inner_steps=1, outer_lr=1.0, outer_momentum=0.0, averaging="gossip",
+                       group_size=2, exchange_timeout_s=GRACE_S)
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            peers = await _gossip_peers(nursery, 4)
+            ids = list(peers)
+            behind = _behind(ids)
+            collective = InMemoryCollectiveGroup(ids)
+            models = {p: scalar_model(float(i)) for i, p in enumerate(ids)}
+            strategies = {p: DiLoCo(models[p], collective=collective.member(p), groups=peers[p], config=cfg)
+                          for p in ids}
+            others = [p for p in ids if p != behind]
+            for _ in range(AHEAD):  # the swarm syncs without it (it is frozen)
+                async with trio.open_nursery() as rnd:
+                    for p in others:
+                        rnd.start_soon(strategies[p].sync)
+            assert {strategies[p].round for p in others} == {AHEAD}
+            reports: dict[str, list] = {p: [] for p in ids}
+
+            async def sync(p: str) -> None:
+                reports[p].append(await strategies[p].sync())
+
+            for _ in range(2):  # it wakes: within two of the swarm's steps it is back in step
+                async with trio.open_nursery() as rnd:
+                    for p in ids:
+                        rnd.start_soon(sync, p)
+            last = reports[behind][-1]
+            key = f"round/{AHEAD + 1}"
+            assert last.key == key
+            stripe = next(s for s in draw_step_groups(ids, key=key, group_size=2) if behind in s)
+            assert last.group == stripe, reports  # it averaged with its partner
+            partner = next(p for p in stripe if p != behind)
+            torch.testing.assert_close(models[behind].weight, models[partner].weight)
+            nursery.cancel_scope.cancel()
+
+
+async def test_noloco_behind_jumps_to_the_swarms_step_and_keeps_the_offset() -> None:
+    cfg = NoLoCoConfig(inner_steps=1, outer_lr=0.7, momentum=0.5, gamma=0.7, exchange_timeout_s=GRACE_S)
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            peers = await _gossip_peers(nursery, 4)
+            ids = list(peers)
+            behind = _behind(ids)
+            collective = InMemoryCollectiveGroup(ids)
+            models = {p: scalar_model(float(i)) for i, p in enumerate(ids)}
+            strategies = {p: NoLoCo(models[p], collective=collective.member(p), groups=peers[p], config=cfg)
+                          for p in ids}
+            others = [p for p in ids if p != behind]
+            for step in range(AHEAD):  # round r runs at step r (H = 1)
+                async with trio.open_nursery() as rnd:
+                    for p in others:
+                        rnd.start_soon(strategies[p].after_inner_step, step)
+            reports: dict[str, list] = {p: [] for p in ids}
+
+            async def sync(p: str, step: int) -> None:
+                reports[p].extend(await strategies[p].after_inner_step(step))
+
+            for i in range(2):  # it wakes at its own step 1: within two steps it is back in step
+                async with trio.open_nursery() as rnd:
+                    for p in ids:
+                        rnd.start_soon(sync, p, 1 + i if p == behind else AHEAD + i)
+            last = reports[behind][-1]
+            key = f"round/{AHEAD + 1}"
+            assert last.key == key
+            stripe = next(s for s in draw_step_groups(ids, key=key, group_size=2) if behind in s)
+            assert last.group == stripe, reports
+            assert not last.skipped
+            state = strategies[behind].outer_state_dict()
+            assert state["round_offset"] == AHEAD - 1  # its step 2 is the swarm's round 6
+            fresh = NoLoCo(scalar_model(), collective=collective.member(behind), groups=peers[behind], config=cfg)
+            fresh.load_outer_state_dict(state)
+            assert fresh._round_offset == AHEAD - 1
+            nursery.cancel_scope.cancel()
