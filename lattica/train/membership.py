@@ -39,28 +39,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Mapping
-from typing import Protocol, TypedDict, cast
+from typing import Protocol
 
 from lattica.crdt.config import StateConfig
+from lattica.crdt.documents import MemberRecord, ProgressRecord, Snapshot
 
 JOINING_ROLE, TRAINER_ROLE, DONE_ROLE = "joining", "trainer", "done"
 TRAINING_ROLES = (JOINING_ROLE, TRAINER_ROLE, DONE_ROLE)
-
-
-class MemberRecord(TypedDict, total=False):
-    """One member's record (``crdt.documents.read_member``); the fields training reads."""
-
-    role: str | None
-    heartbeat: int
-    left: bool
-    device: str | None
-
-
-class ProgressRecord(TypedDict, total=False):
-    """One member's published progress (``crdt.documents.read_progress``)."""
-
-    round: int | None
-    weights_hash: str | None
 
 
 class RunState(Protocol):
@@ -69,7 +54,7 @@ class RunState(Protocol):
     @property
     def config(self) -> StateConfig: ...
 
-    def snapshot(self) -> Mapping[str, object]: ...
+    def snapshot(self) -> Snapshot: ...
 
     def live_members(self) -> list[str]: ...
 
@@ -97,14 +82,14 @@ class MembershipView:
         return self.state.live_members()
 
     def members(self) -> Mapping[str, MemberRecord]:
-        return cast("Mapping[str, MemberRecord]", self._section("members"))
+        return self.state.snapshot().get("members", {})
 
     def role(self, peer: str) -> str | None:
-        return self.members().get(peer, {}).get("role")
+        record = self.members().get(peer)
+        return record.get("role") if record is not None else None
 
     def live_with_role(self, *roles: str) -> list[str]:
-        members = self.members()
-        return [p for p in self.live() if members.get(p, {}).get("role") in roles]
+        return [p for p in self.live() if self.role(p) in roles]
 
     def trainers(self) -> list[str]:
         """Live members that train and can sync now."""
@@ -112,7 +97,8 @@ class MembershipView:
 
     def heartbeat(self, peer: str) -> int | None:
         """The counter ``peer`` bumps with every lease renewal (None: no record)."""
-        return (self.members().get(peer) or {}).get("heartbeat")
+        record = self.members().get(peer)
+        return record.get("heartbeat") if record is not None else None
 
     @property
     def heartbeat_interval(self) -> float:
@@ -124,28 +110,25 @@ class MembershipView:
 
     def progress(self) -> Mapping[str, ProgressRecord]:
         """Every member's published ``(round, weights hash)``, live or not."""
-        return cast("Mapping[str, ProgressRecord]", self._section("progress"))
+        return self.state.snapshot().get("progress", {})
 
     def published_claim(self, peer: str) -> tuple[int, str | None] | None:
         """The round ``peer`` published and its hash; None when it published no round."""
-        record = self.progress().get(peer) or {}
-        rnd = record.get("round")
-        return (rnd, record.get("weights_hash")) if type(rnd) is int else None
+        record = self.progress().get(peer)
+        rnd = record.get("round") if record is not None else None
+        return (rnd, record.get("weights_hash")) if record is not None and type(rnd) is int else None
 
     def newest_published_round(self) -> int:
         return max((c[0] for p in self.progress() if (c := self.published_claim(p)) is not None), default=0)
 
     def run_config(self) -> Mapping[str, object]:
         """The run config an admin published (empty when none)."""
-        return self._section("config")
+        return self.state.snapshot().get("config", {})
 
     def expert_claims(self) -> Mapping[str, object]:
         """SPES: expert id -> the members claiming it (untrusted, see ``ownership.claimed_owners``)."""
-        return self._section("experts")
-
-    def _section(self, name: str) -> Mapping[str, object]:
-        section = self.state.snapshot().get(name)
-        return section if isinstance(section, Mapping) else {}
+        claims = self.state.snapshot().get("experts", {})
+        return claims if isinstance(claims, Mapping) else {}
 
     # -- writes and waiting -----------------------------------------------------------------
 

@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 import torch
 import trio
 
-from lattica.coordination.provider import GroupProvider
+from lattica.coordination.provider import GroupProvider as GroupProvider
 from lattica.train.collective import Collective
 
 
