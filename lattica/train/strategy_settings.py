@@ -34,7 +34,10 @@ ROUTES: dict[str, Mapping[str, str]] = {
         "inner_steps": "inner_steps", "outer_lr": "outer_lr", "outer_momentum": "momentum",
         "group_size": "group_size", "group_grace_s": "exchange_timeout_s",
     },
-    "spes": {"inner_steps": "sync_every"},
+    "spes": {
+        "inner_steps": "sync_every", "averaging": "averaging", "group_size": "group_size",
+        "group_grace_s": "exchange_timeout_s",
+    },
     # no outer momentum: the error-feedback decay takes its place (its own default, 0.95)
     "sparseloco": {
         "inner_steps": "inner_steps", "outer_lr": "outer_lr",

@@ -2,6 +2,8 @@ import pytest
 import torch
 import trio
 
+from lattica.config import TrainSettings
+from lattica.coordination.groups import draw_step_groups
 from lattica.train.model import lm_loss
 from lattica.train.moe import MoEConfig, build_moe_model, dense_parameters, expert_parameters
 from lattica.train.strategies.accounting import optimizer_state_bytes
@@ -12,6 +14,7 @@ from lattica.train.strategies.spes import (
     merge_alpha_at,
     merge_similar_experts,
 )
+from lattica.train.strategy_settings import strategy_config
 from lattica_lab.collective import InMemoryCollectiveGroup
 
 CFG = MoEConfig(n_layer=1, d_model=8, n_head=2, context=8, num_experts=8, top_k=2, expert_hidden=8)
@@ -187,3 +190,66 @@ async def test_owner_leaves_its_experts_are_reassigned_and_training_goes_on():
     moved = expert_parameters(a)[orphaned[0]]
     before = {id(p): i for i, p in enumerate(a.parameters())}
     assert not torch.equal(moved[0], copies_at_round_2[before[id(moved[0])]])
+
+
+async def test_gossip_averages_dense_in_pairs_and_copies_only_the_partners_experts():
+    peers = ["a", "b", "c", "d"]
+    cfg = SPESConfig(sync_every=1, merge_alpha=0.0, averaging="gossip", group_size=2, exchange_timeout_s=2.0)
+    group, nodes = make_nodes(peers, config=cfg, groups=Groups(peers))
+    for i, (model, strategy, _) in enumerate(nodes):
+        with torch.no_grad():
+            for p in dense_parameters(model):
+                p.fill_(float(i))
+            for e, params in expert_parameters(model).items():
+                value = 10.0 + e if e in strategy.owned_experts else -1.0 - i  # stale copies differ
+                for p in params:
+                    p.fill_(value)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            for _, strategy, _ in nodes:
+                nursery.start_soon(strategy.after_inner_step, 1)
+    stripes = draw_step_groups(peers, key="round/1", group_size=2)
+    for i, (model, strategy, _) in enumerate(nodes):
+        me = peers[i]
+        stripe = next(s for s in stripes if me in s)
+        partner = next(q for q in stripe if q != me)
+        assert not strategy.replicas_agree
+        for p in dense_parameters(model):
+            assert bool((p == (i + peers.index(partner)) / 2).all())  # the pair's mean only
+        for e, params in expert_parameters(model).items():
+            owner = strategy.owners[e]
+            expected = 10.0 + e if owner in stripe else -1.0 - i  # from its owner, or left as it was
+            assert all(bool((p == expected).all()) for p in params), (me, e, owner)
+        assert strategy.consensus_distance is not None
+        assert strategy.consensus_distance > 0
+        assert strategy.owners == nodes[0][1].owners  # the map does not move with a group
+    # each node sent its dense parameters and its two experts to its one partner, no all-reduce
+    expert_bytes = sum(p.numel() * 4 for p in expert_parameters(nodes[0][0])[0]) * 2
+    dense_bytes = sum(p.numel() * 4 for p in dense_parameters(nodes[0][0]))
+    assert group.bytes_sent["a"] == dense_bytes + expert_bytes
+
+
+async def test_gossip_without_an_answer_keeps_the_weights_and_trains_on():
+    peers = ["a", "b"]
+    cfg = SPESConfig(sync_every=1, merge_alpha=0.0, averaging="gossip", exchange_timeout_s=0.5)
+    _, nodes = make_nodes(peers, config=cfg, groups=Groups(peers))
+    model, strategy, _ = nodes[0]
+    before = [p.detach().clone() for p in model.parameters()]
+    with trio.fail_after(10):
+        (report,) = await strategy.after_inner_step(1)  # b never syncs
+    assert report.group == ("a",)
+    assert "b" in report.detail
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+    assert strategy.completed_rounds == 1
+
+
+def test_gossip_settings_reach_spes():
+    cfg = strategy_config(TrainSettings(strategy="spes", averaging="gossip", group_size=3, group_grace_s=2.5),
+                          members=("a", "b"))
+    assert (cfg.averaging, cfg.group_size, cfg.exchange_timeout_s) == ("gossip", 3, 2.5)
+    assert SPES.averages_in_groups(cfg)
+    assert not SPES.averages_in_groups(SPESConfig(members=("a",)))
+    with pytest.raises(ValueError, match="averaging"):
+        SPESConfig(averaging="ring")
+    with pytest.raises(ValueError, match="exchange_timeout_s"):
+        SPESConfig(averaging="gossip", exchange_timeout_s=0)

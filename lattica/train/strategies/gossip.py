@@ -30,7 +30,7 @@ each step, so over steps it samples the swarm's spread; it is 0 while a peer ave
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import trio
@@ -58,9 +58,11 @@ async def exchange_with_partners(
     tag: str,
     codec: str,
     timeout_s: float,
+    expect: Callable[[str], Sequence[torch.Size]] | None = None,
 ) -> tuple[list[list[torch.Tensor]], set[str]]:
     """Exchange ``tensors`` with every partner concurrently, each under ``timeout_s``; return
-    the answers (in ``partners`` order, shapes checked) and the partners that failed."""
+    the answers (in ``partners`` order, shapes checked) and the partners that failed.
+    ``expect(partner)``: the shapes that partner sends (default: those of ``tensors``)."""
     answers: dict[str, list[torch.Tensor]] = {}
 
     async def one(partner: str) -> None:
@@ -69,9 +71,8 @@ async def exchange_with_partners(
                 answer = await collective.exchange(tensors, peer=partner, tag=tag, codec=codec)
             except _EXCHANGE_ERRORS:
                 return
-            if len(answer) == len(tensors) and all(
-                a.shape == t.shape for a, t in zip(answer, tensors, strict=True)
-            ):
+            shapes = [t.shape for t in tensors] if expect is None else list(expect(partner))
+            if len(answer) == len(shapes) and all(a.shape == s for a, s in zip(answer, shapes, strict=True)):
                 answers[partner] = answer
 
     async with trio.open_nursery() as nursery:

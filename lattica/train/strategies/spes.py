@@ -24,7 +24,20 @@ Every S inner steps (one sync, key ``round/r``):
    newly owned expert was copied from its source in step 2 of this very sync, so its new owner
    trains it from the latest copy. The first sync takes its map from its agreed members.
 
-After a completed sync all members hold bit-identical weights. Failure: if any part of the sync
+Gossip (``averaging = "gossip"``, ``group_size``, ``exchange_timeout_s``): instead of the
+all-reduce over every member, each node exchanges with its small group for the round (the
+``GroupProvider``'s answer, its stripe drawn as in ``gossip.py``) its dense parameters and the
+experts it owns, concurrently, each partner under the grace. Dense parameters become the plain
+mean over itself and the partners that answered; each expert owned by an answering partner is
+copied from it; its own experts, and copies of experts whose owner is not in the group, stay as
+they are (a copy is refreshed whenever its owner is drawn into the node's group). The map does
+not move with a group — a group is not the membership — : it is the one in force
+(``ownership.current()``, the replicated map in the daemon), so experts stay with their owners.
+Replicas then differ (``replicas_agree`` False); the spread of the dense parameters is measured
+as ``consensus_distance``. A partner that is silent, gone, or answers tensors that do not fit
+its experts in the map is left out; alone, a node keeps its weights and trains on.
+
+After a completed all-reduce sync all members hold bit-identical weights. Failure: if any part of the sync
 fails (a peer vanished), nothing is applied and the sync is retried with the group agreed for
 ``round/N/retry/1`` (without the peer that failed it), whose member list reassigns the experts
 of a node that left; if the retry fails too, the round is reported skipped. The departed
@@ -43,6 +56,7 @@ import torch
 import trio
 
 from lattica.config import DEFAULT_INNER_STEPS
+from lattica.coordination.groups import proposed_group
 from lattica.errors import BrokenError, PeerUnavailableError, RemoteProtocolError
 from lattica.train.moe import MoEGPT, dense_parameters, expert_parameters
 from lattica.train.strategies.accounting import AccountedStrategy
@@ -52,6 +66,12 @@ from lattica.train.strategies.experts import (
     ExpertOwnership,
     assign_experts,
     experts_of,
+)
+from lattica.train.strategies.gossip import (
+    check_averaging,
+    consensus_distance,
+    exchange_with_partners,
+    group_mean,
 )
 from lattica.train.strategies.traffic import allreduce_bytes, payload_bytes
 
@@ -73,8 +93,14 @@ class SPESConfig:
     codec: str = "fp32"
     members: tuple[str, ...] = field(default=())
     max_attempts: int = 2  # a failed sync is retried once with the group agreed for the retry
+    averaging: str = "allreduce"  # or "gossip": dense mean and owners' experts inside small groups
+    group_size: int = 2  # gossip: members per group
+    exchange_timeout_s: float = 5.0  # gossip: the grace a partner has (the run setting group_grace_s)
 
     def __post_init__(self) -> None:
+        check_averaging(self.averaging, self.group_size)
+        if not self.exchange_timeout_s > 0:
+            raise ValueError(f"exchange_timeout_s must be positive, got {self.exchange_timeout_s!r}")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
         if self.sync_every < 1:
@@ -141,6 +167,12 @@ class SPES(AccountedStrategy):
         self.owners: dict[int, str] = dict(ownership.current())
         self._completed = 0
         self._apply_ownership()
+        # gossip: replicas differ by design, and their spread is measured
+        self.replicas_agree = self.config.averaging == "allreduce"
+
+    @classmethod
+    def averages_in_groups(cls, config: object | None) -> bool:
+        return getattr(config, "averaging", "allreduce") == "gossip"
 
     @property
     def completed_rounds(self) -> int:
@@ -163,6 +195,8 @@ class SPES(AccountedStrategy):
         return [await self._sync(step, step // self.config.sync_every)]
 
     async def _sync(self, step: int, round_number: int) -> OuterStepReport:
+        if self.config.averaging == "gossip":
+            return await self._gossip_sync(step, round_number)
         started, key = time.monotonic(), f"round/{round_number}"
         dense_sent, failure = 0, ""
         for attempt in range(self.config.max_attempts):
@@ -218,6 +252,60 @@ class SPES(AccountedStrategy):
             bytes_sent=dense_sent + expert_sent,
             seconds=time.monotonic() - started,
             detail=f"experts owned: {self.owned_experts}",
+        )
+
+    async def _gossip_sync(self, step: int, round_number: int) -> OuterStepReport:
+        """Dense mean and the owners' experts inside this round's small group."""
+        started, key = time.monotonic(), f"round/{round_number}"
+        me = self.collective.peer_id
+        members = await self.groups.group_for(key)
+        stripe = proposed_group(members, me, key=key, group_size=self.config.group_size)
+        partners = [p for p in stripe if p != me]
+        self.owners = dict(self.ownership.current())  # the map in force; a group does not move it
+        dense = [p.detach() for p in self._dense]
+        payload = dense + [t.detach() for e in experts_of(self.owners, me) for t in self._experts[e]]
+
+        def expect(partner: str) -> list[torch.Size]:
+            return [p.shape for p in dense] + [
+                t.shape for e in experts_of(self.owners, partner) for t in self._experts[e]
+            ]
+
+        answers, missing = await exchange_with_partners(
+            self.collective, partners, payload, tag=f"spes/gossip/{key}", codec=self.config.codec,
+            timeout_s=self.config.exchange_timeout_s, expect=expect,
+        )
+        answered = [p for p in partners if p not in missing]
+        n = len(dense)
+        copies: dict[int, list[torch.Tensor]] = {}
+        if answers:
+            mean = group_mean([dense, *[a[:n] for a in answers]])
+            self.consensus_distance = consensus_distance(dense, mean)
+            for partner, answer in zip(answered, answers, strict=True):
+                offset = n
+                for e in experts_of(self.owners, partner):
+                    count = len(self._experts[e])
+                    copies[e] = list(answer[offset : offset + count])
+                    offset += count
+        else:
+            mean = [t.clone() for t in dense]
+        self._apply(mean, copies)
+        if self.config.merge_alpha > 0 and step % self.config.merge_every == 0:
+            alpha = merge_alpha_at(
+                step, alpha=self.config.merge_alpha, decay_steps=self.config.merge_decay_steps
+            )
+            for layer in self._layers:
+                merge_similar_experts(layer, neighbors=self.config.merge_neighbors, alpha=alpha)
+        self._apply_ownership()
+        self._completed += 1
+        sent = payload_bytes(payload, self.config.codec) * len(partners)
+        self.traffic.record_sync(sent)
+        return OuterStepReport(
+            round=round_number,
+            key=key,
+            group=tuple(sorted({me, *answered})),
+            bytes_sent=sent,
+            seconds=time.monotonic() - started,
+            detail=f"no answer from: {', '.join(sorted(missing))}" if missing else "",
         )
 
     async def _exchange(
