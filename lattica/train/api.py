@@ -95,7 +95,7 @@ def wrap(
     *,
     node: Node,
     strategy: str = "diloco",
-    config: Any = None,
+    config: object | None = None,
 ) -> OuterOptimizer:
     """Wrap ``model`` and its inner optimizer with the named outer strategy on ``node``."""
     outer = create_strategy(

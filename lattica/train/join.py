@@ -48,10 +48,10 @@ _MAX_MANIFEST_BYTES = 4 << 20
 _MAX_TENSORS = 100_000
 
 
-def flatten_outer_state(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+def flatten_outer_state(state: Mapping[str, object]) -> dict[str, torch.Tensor]:
     """Named tensors of an ``outer_state_dict``, plus the ``meta/json`` manifest."""
     flat: dict[str, torch.Tensor] = {}
-    meta: dict[str, Any] = {}
+    meta: dict[str, object] = {}
     for key, value in state.items():
         if isinstance(value, Mapping) and value and all(isinstance(t, torch.Tensor) for t in value.values()):
             flat.update({f"{key}/{name}": t for name, t in value.items()})
@@ -100,7 +100,7 @@ def unflatten_outer_state(flat: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     return state
 
 
-def outer_state_hash(state: Mapping[str, Any]) -> str:
+def outer_state_hash(state: Mapping[str, object]) -> str:
     """The hash a member publishes so that joiners can verify the state they fetch."""
     return weights_hash(flatten_outer_state(state))
 

@@ -16,10 +16,11 @@ fetch of the round the joiner saw still finds the bytes that hash to the publish
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
+from lattica.crdt.documents import ProgressRecord
 from lattica.train.join import MANIFEST, Fetch, flatten_outer_state
 
 
@@ -33,7 +34,7 @@ def round_prefix(rnd: int) -> str:
     return f"outer/{rnd}/"
 
 
-def serve_outer_state(store: TensorStore, state: dict[str, Any], *, prefix: str = "") -> list[str]:
+def serve_outer_state(store: TensorStore, state: Mapping[str, object], *, prefix: str = "") -> list[str]:
     """Offer ``state`` to joiners as the named tensors ``join.fetch_outer_state`` asks for
     (each name behind ``prefix``); returns the names served."""
     names = []
@@ -52,7 +53,7 @@ class ServedRounds:
         self.store, self.keep = store, keep
         self._names: dict[int, list[str]] = {}
 
-    def publish(self, rnd: int, state: dict[str, Any]) -> None:
+    def publish(self, rnd: int, state: Mapping[str, object]) -> None:
         for name in self._names.pop(rnd, []):
             self.store.unserve(name)
         self._names[rnd] = serve_outer_state(self.store, state, prefix=round_prefix(rnd))
@@ -105,7 +106,7 @@ class ProbedManifests:
         return fetch_round
 
 
-def _votes(progress: dict[str, Any], live: Sequence[str], me: str) -> dict[tuple[int, str], list[str]]:
+def _votes(progress: Mapping[str, ProgressRecord], live: Sequence[str], me: str) -> dict[tuple[int, str], list[str]]:
     """Live peers other than ``me`` by the (round, weights hash) they published; round 0 skipped."""
     votes: dict[tuple[int, str], list[str]] = {}
     for peer in sorted(live):
@@ -126,7 +127,9 @@ def _most_held(counts: Mapping[tuple[int, str], int]) -> tuple[int, str]:
     return min(counts, key=lambda state: (-counts[state], -state[0], state[1]))
 
 
-def agreed_round(progress: dict[str, Any], live: Sequence[str], me: str) -> tuple[int, str, list[str]] | None:
+def agreed_round(
+    progress: Mapping[str, ProgressRecord], live: Sequence[str], me: str,
+) -> tuple[int, str, list[str]] | None:
     """The outer state most live peers hold: (round, weights hash, holders).
 
     Most holders, not newest round: a peer cut off from the others may have run rounds on its
@@ -140,7 +143,7 @@ def agreed_round(progress: dict[str, Any], live: Sequence[str], me: str) -> tupl
 
 
 def repair_target(
-    progress: dict[str, Any],
+    progress: Mapping[str, ProgressRecord],
     live: Sequence[str],
     me: str,
     mine: tuple[int, str | None],

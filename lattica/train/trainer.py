@@ -143,9 +143,8 @@ class Trainer:
             betas=(0.9, 0.95),
             weight_decay=config.weight_decay,
         )
-        attach = getattr(strategy, "attach_inner_optimizer", None)
-        if attach is not None:  # SPES freezes non-owned experts and drops their inner state
-            attach(self.optimizer)
+        # accounting; SPES freezes non-owned experts and drops their inner state
+        strategy.attach_inner_optimizer(self.optimizer)
         self._base_lrs = [group["lr"] for group in self.optimizer.param_groups]
         self.checkpoints = checkpoints
         self.on_progress = on_progress or (lambda progress: None)
