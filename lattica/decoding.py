@@ -10,11 +10,10 @@ field or a default is the caller's decision.
 from __future__ import annotations
 
 import math
-from typing import cast
+from collections.abc import Callable, Mapping
+from typing import TypeVar, cast
 
-JSONScalar = str | int | float | bool | None
-# What ``json.loads`` may return; containers hold ``object`` so that callers narrow each level.
-JSONValue = JSONScalar | list[object] | dict[str, object]
+_Built = TypeVar("_Built")
 
 
 def str_map(value: object) -> dict[str, object] | None:
@@ -46,3 +45,10 @@ def finite_float(value: object) -> float | None:
 def bounded_text(value: object, *, max_len: int) -> str | None:
     """A string of at most ``max_len`` characters."""
     return value if isinstance(value, str) and len(value) <= max_len else None
+
+
+def build(factory: Callable[..., _Built], fields: Mapping[str, object]) -> _Built:
+    """``factory(**fields)`` for a validating constructor (a config or record dataclass whose
+    ``__post_init__`` checks its fields) given decoded keyword arguments: a wrong key or value
+    raises ``TypeError`` or ``ValueError`` there, not here."""
+    return factory(**fields)

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from lattica.cli.common import install_signal_exit, print_json, resolve_data_dir
 from lattica.cli.render import key_values, short_id, table
 from lattica.control import client
-from lattica.errors import DaemonNotRunningError
+from lattica.decoding import str_list, str_map
+from lattica.errors import DaemonNotRunningError, LocalProtocolError
+
+if TYPE_CHECKING:
+    from lattica.node import Node
 
 
 def join(args: argparse.Namespace) -> int:
@@ -68,7 +73,7 @@ def join(args: argparse.Namespace) -> int:
     return run_until_stopped(config, key_pair, secret=secret, on_started=_announce_started)
 
 
-def _announce_started(node: Any) -> None:
+def _announce_started(node: Node) -> None:
     addrs = node.dialable_addrs()
     lines = [f"lattica node {node.peer_id} is up (run {node.config.run_id!r}, data dir {node.config.data_dir})"]
     if not node.config.peers:
@@ -90,7 +95,7 @@ def identity(args: argparse.Namespace) -> int:
     install_signal_exit()
     data_dir = resolve_data_dir(args)
     try:
-        result = client.call(data_dir / "control.sock", "id")
+        result = _reply_map(client.call(data_dir / "control.sock", "id"))
     except DaemonNotRunningError:
         flags = {
             "data_dir": data_dir,
@@ -111,8 +116,8 @@ def identity(args: argparse.Namespace) -> int:
     if args.json:
         print_json(result)
     else:
-        print(result["peer_id"])
-        for addr in result["addrs"]:
+        print(result.get("peer_id"))
+        for addr in str_list(result.get("addrs")) or []:
             print(addr)
     return 0
 
@@ -121,23 +126,44 @@ def _env_without_train() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("LATTICA_TRAIN_")}
 
 
-def _call(args: argparse.Namespace, method: str) -> Any:
+def _call(args: argparse.Namespace, method: str) -> object:
     return client.call(resolve_data_dir(args) / "control.sock", method)
+
+
+def _reply_map(reply: object) -> dict[str, object]:
+    """A daemon reply that must be a JSON object (another version's daemon may answer otherwise)."""
+    result = str_map(reply)
+    if result is None:
+        raise LocalProtocolError("daemon sent a malformed reply")
+    return result
 
 
 def status(args: argparse.Namespace) -> int:
     install_signal_exit()
-    result = _call(args, "status")
+    reply = _call(args, "status")
     if args.json:
-        print_json(result)
+        print_json(reply)
         return 0
+    result = _reply_map(reply)
     pairs = [(k.replace("_", " "), v) for k, v in result.items() if not isinstance(v, dict)]
     print(key_values(pairs))
     for key, value in result.items():
-        if isinstance(value, dict):
+        section = str_map(value)
+        if section is not None:
             print(f"\n[{key}]")
-            print(key_values([(k.replace("_", " "), v) for k, v in value.items()]))
+            print(key_values([(k.replace("_", " "), v) for k, v in section.items()]))
     return 0
+
+
+def _peer_row(p: Mapping[str, object]) -> tuple[str, str, str, str, str]:
+    relay, rtt_ms, addrs = p.get("relay"), p.get("rtt_ms"), p.get("addrs")
+    return (
+        short_id(str(p.get("peer_id"))),
+        "yes" if p.get("connected") else ("left" if p.get("left") else "no"),
+        (f"relayed via {short_id(str(relay))}" if relay else str(p.get("path") or "")) or "-",
+        f"{rtt_ms:.1f}" if isinstance(rtt_ms, int | float) else "-",
+        str(addrs[0]) if isinstance(addrs, list) and addrs else "-",
+    )
 
 
 def peers(args: argparse.Namespace) -> int:
@@ -146,16 +172,9 @@ def peers(args: argparse.Namespace) -> int:
     if args.json:
         print_json(result)
         return 0
-    rows = [
-        (
-            short_id(p["peer_id"]),
-            "yes" if p["connected"] else ("left" if p.get("left") else "no"),
-            (f"relayed via {short_id(p['relay'])}" if p.get("relay") else p.get("path")) or "-",
-            f"{p['rtt_ms']:.1f}" if p.get("rtt_ms") is not None else "-",
-            (p["addrs"] or ["-"])[0],
-        )
-        for p in result
-    ]
+    if not isinstance(result, list):
+        raise LocalProtocolError("daemon sent a malformed reply")
+    rows = [_peer_row(_reply_map(p)) for p in result]
     print(table(("PEER", "CONNECTED", "PATH", "RTT MS", "ADDRESS"), rows) if rows else "no peers known")
     return 0
 
@@ -164,29 +183,36 @@ def state(args: argparse.Namespace) -> int:
     from lattica.crdt.offline import offline_dump
 
     install_signal_exit()
+    reply: object
     try:
-        result = _call(args, "state")
+        reply = _call(args, "state")
     except DaemonNotRunningError:
         # a stopped node: what its data dir holds (``crdt/offline.py``)
-        result = offline_dump(resolve_data_dir(args), args.run_id)
-        if result is None:
+        reply = offline_dump(resolve_data_dir(args), args.run_id)
+        if reply is None:
             raise
-    if args.json or not isinstance(result, dict):
-        print_json(result)
+    result = str_map(reply)
+    if args.json or result is None:
+        print_json(reply)
         return 0
-    if result.get("node", {}).get("offline"):
-        print(f"no daemon running: state as stored in {result['node']['log']}")
-    members = result.get("members", {})
+    node = str_map(result.get("node")) or {}
+    if node.get("offline"):
+        print(f"no daemon running: state as stored in {node.get('log')}")
+    members = str_map(result.get("members")) or {}
+    all_progress = str_map(result.get("progress")) or {}
+    live = str_list(result.get("live")) or []
     rows = []
-    for peer_id, m in sorted(members.items()):
-        progress = result.get("progress", {}).get(peer_id, {})
+    for peer_id, record in sorted(members.items()):
+        member = str_map(record) or {}
+        progress = str_map(all_progress.get(peer_id)) or {}
+        weights_hash = progress.get("weights_hash")
         rows.append(
             (
                 short_id(peer_id),
-                "yes" if peer_id in result.get("live", []) else "no",
-                m.get("device", "-"),
+                "yes" if peer_id in live else "no",
+                member.get("device", "-"),
                 progress.get("round", "-"),
-                (progress.get("weights_hash") or "-")[:12],
+                (weights_hash if isinstance(weights_hash, str) and weights_hash else "-")[:12],
             )
         )
     print(table(("MEMBER", "LIVE", "DEVICE", "ROUND", "WEIGHTS"), rows) if rows else "no members yet")

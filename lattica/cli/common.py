@@ -12,7 +12,6 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Any
 
 
 def resolve_data_dir(args: argparse.Namespace) -> Path:
@@ -24,7 +23,7 @@ def resolve_data_dir(args: argparse.Namespace) -> Path:
     return Path(env).expanduser() if env else default_data_dir()
 
 
-def print_json(obj: Any) -> None:
+def print_json(obj: object) -> None:
     json.dump(obj, sys.stdout, indent=2, default=str)
     sys.stdout.write("\n")
 

@@ -14,15 +14,15 @@ import dataclasses
 import os
 import shutil
 from pathlib import Path
-from typing import Any
 
+from lattica.decoding import build, str_map
 from lattica.diagnostics import Diagnosis, MachineFacts, NodeFacts, Observation, PeerFacts, diagnose
-from lattica.errors import DaemonNotRunningError
+from lattica.errors import DaemonNotRunningError, LocalProtocolError
 
 _MARKS = {"ok": "ok     ", "warn": "WARN   ", "problem": "PROBLEM"}
 
 
-def add_parser(sub: Any) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     doctor = sub.add_parser("doctor", help="diagnose connectivity (NAT, relays, peers, bootstrap), clock, disk and device")
     doctor.add_argument("--data-dir", type=Path, help="node data dir (default: $XDG_DATA_HOME/lattica)")
     doctor.add_argument("--config", type=Path, help="TOML config file (listen/announce for a probe)")
@@ -54,7 +54,7 @@ def doctor(args: argparse.Namespace) -> int:
     return 0 if diagnosis.healthy else 1
 
 
-def report_json(mode: str, node: NodeFacts | None, diagnosis: Diagnosis) -> dict[str, Any]:
+def report_json(mode: str, node: NodeFacts | None, diagnosis: Diagnosis) -> dict[str, object]:
     return {
         "mode": mode,
         "healthy": diagnosis.healthy,
@@ -78,15 +78,30 @@ def render(mode: str, diagnosis: Diagnosis) -> str:
     return "\n".join(out)
 
 
-def node_facts_from_json(raw: Any) -> NodeFacts:
+def node_facts_from_json(raw: object) -> NodeFacts:
     """The daemon's answer (our own process's JSON) back into ``NodeFacts``."""
-    data = dict(raw)
-    data["observations"] = tuple(Observation(**o) for o in data.get("observations", ()))
-    data["peers"] = tuple(PeerFacts(**p) for p in data.get("peers", ()))
+    data = dict(_json_object(raw))
+    data["observations"] = tuple(build(Observation, _json_object(o)) for o in _json_list(data.get("observations")))
+    data["peers"] = tuple(build(PeerFacts, _json_object(p)) for p in _json_list(data.get("peers")))
     for key in ("listen", "announce", "advertised", "relay_addrs"):
-        data[key] = tuple(data.get(key, ()))
+        data[key] = tuple(_json_list(data.get(key)))
     known = {f.name for f in dataclasses.fields(NodeFacts)}
-    return NodeFacts(**{k: v for k, v in data.items() if k in known})
+    return build(NodeFacts, {k: v for k, v in data.items() if k in known})
+
+
+def _json_object(value: object) -> dict[str, object]:
+    data = str_map(value)
+    if data is None:
+        raise LocalProtocolError("daemon sent a malformed doctor reply")
+    return data
+
+
+def _json_list(value: object) -> list[object]:
+    if value is None:
+        return []
+    if not isinstance(value, list | tuple):
+        raise LocalProtocolError("daemon sent a malformed doctor reply")
+    return list(value)
 
 
 def _probe(args: argparse.Namespace, data_dir: Path) -> NodeFacts:

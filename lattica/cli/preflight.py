@@ -47,9 +47,10 @@ def check_metrics_host(host: str) -> None:
         try:
             with socket.socket(family, kind, proto) as probe:
                 probe.bind((sockaddr[0], 0, *sockaddr[2:]))
-            return
         except OSError as exc:
             errors.append(exc)
+        else:
+            return
     reason = errors[0].strerror if errors else "no address"
     raise ConfigError(f"metrics host {host!r} is not an address of this machine ({reason})")
 

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 
-def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     cells = [[str(h) for h in headers]] + [["" if c is None else str(c) for c in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells]
@@ -14,13 +13,14 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join(lines)
 
 
-def key_values(pairs: Sequence[tuple[str, Any]]) -> str:
+def key_values(pairs: Sequence[tuple[str, object]]) -> str:
     width = max((len(k) for k, _ in pairs), default=0)
     out = []
     for key, value in pairs:
+        shown = value
         if isinstance(value, list | tuple):
-            value = ("\n" + " " * (width + 2)).join(str(v) for v in value) or "-"
-        out.append(f"{key.ljust(width)}  {value}")
+            shown = ("\n" + " " * (width + 2)).join(str(v) for v in value) or "-"
+        out.append(f"{key.ljust(width)}  {shown}")
     return "\n".join(out)
 
 

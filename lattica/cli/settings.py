@@ -13,9 +13,10 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import fields
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import get_type_hints
 
 from lattica.config import DEFAULT_PORT, NodeConfig, TrainSettings
+from lattica.decoding import build, str_map
 from lattica.errors import ConfigError
 from lattica.files import read_text
 
@@ -38,6 +39,8 @@ _KINDS: dict[object, str] = {
     Path | None: "path",
 }
 _CLI_ONLY_KEYS = {"peers_file": "path"}
+# what ``_coerce`` turns a value of each kind into
+SettingValue = int | float | str | bool | Path | tuple[str, ...] | None
 
 
 def _keys_of(cls: type, *, skip: tuple[str, ...] = ()) -> dict[str, str]:
@@ -68,7 +71,7 @@ def default_data_dir() -> Path:
     return Path(base) / "lattica"
 
 
-def read_toml(path: Path) -> dict[str, Any]:
+def read_toml(path: Path) -> dict[str, object]:
     text = read_text(path, what="config file", max_bytes=MAX_CONFIG_BYTES)
     try:
         return tomllib.loads(text)
@@ -76,43 +79,48 @@ def read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
 
 
-def _coerce(key: str, kind: str, value: Any, source: str) -> Any:
+def _convert(kind: str, value: object) -> SettingValue:
+    """``value`` as a setting of ``kind``; ``TypeError``/``ValueError`` when it is not one."""
+    if kind == "list":
+        if isinstance(value, str):
+            return tuple(v.strip() for v in value.split(",") if v.strip())
+        if isinstance(value, list | tuple) and all(isinstance(v, str) for v in value):
+            return tuple(value)
+        raise TypeError
+    if kind == "path":
+        if not isinstance(value, str | Path) or not str(value):
+            raise TypeError
+        return Path(value).expanduser()
+    if kind == "int":
+        # TOML 1.5 or an env "1.5" is refused, not truncated
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+            return int(value)
+        raise TypeError
+    if kind in ("float", "float?"):
+        if kind == "float?" and isinstance(value, str) and value.strip().lower() in ("off", "none"):
+            return None
+        if isinstance(value, bool) or not isinstance(value, int | float | str):
+            raise TypeError
+        number = float(value)
+        if not math.isfinite(number):
+            raise ValueError
+        return number
+    if kind == "bool":
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            return value.lower() in ("1", "true", "yes", "on")
+        raise TypeError
+    if not isinstance(value, str):
+        raise TypeError
+    return value
+
+
+def _coerce(key: str, kind: str, value: object, source: str) -> SettingValue:
     try:
-        if kind == "list":
-            if isinstance(value, str):
-                return tuple(v.strip() for v in value.split(",") if v.strip())
-            if isinstance(value, list | tuple) and all(isinstance(v, str) for v in value):
-                return tuple(value)
-            raise TypeError
-        if kind == "path":
-            if not isinstance(value, str | Path) or not str(value):
-                raise TypeError
-            return Path(value).expanduser()
-        if kind == "int":
-            # TOML 1.5 or an env "1.5" is refused, not truncated
-            if isinstance(value, int) and not isinstance(value, bool):
-                return value
-            if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
-                return int(value)
-            raise TypeError
-        if kind in ("float", "float?"):
-            if kind == "float?" and isinstance(value, str) and value.strip().lower() in ("off", "none"):
-                return None
-            if isinstance(value, bool) or not isinstance(value, int | float | str):
-                raise TypeError
-            number = float(value)
-            if not math.isfinite(number):
-                raise ValueError
-            return number
-        if kind == "bool":
-            if isinstance(value, bool):
-                return value
-            if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-                return value.lower() in ("1", "true", "yes", "on")
-            raise TypeError
-        if not isinstance(value, str):
-            raise TypeError
-        return value
+        return _convert(kind, value)
     except (TypeError, ValueError):
         name = key.rpartition(".")[2].removeprefix("train_")
         optional = "a finite number or 'off'" if name in _OFF_WHEN_NONE else "a finite number, or 'none' for the default"
@@ -122,8 +130,10 @@ def _coerce(key: str, kind: str, value: Any, source: str) -> Any:
         ) from None
 
 
-def _layer(data: Mapping[str, Any], keys: dict[str, str], source: str, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
+def _layer(
+    data: Mapping[str, object], keys: dict[str, str], source: str, prefix: str = ""
+) -> dict[str, SettingValue]:
+    out: dict[str, SettingValue] = {}
     for key, value in data.items():
         if key not in keys:
             raise ConfigError(f"{source}: unknown key {prefix + key!r}")
@@ -131,9 +141,9 @@ def _layer(data: Mapping[str, Any], keys: dict[str, str], source: str, prefix: s
     return out
 
 
-def env_layer(environ: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, Any]]:
-    node: dict[str, Any] = {}
-    train: dict[str, Any] = {}
+def env_layer(environ: Mapping[str, str]) -> tuple[dict[str, SettingValue], dict[str, SettingValue]]:
+    node: dict[str, SettingValue] = {}
+    train: dict[str, SettingValue] = {}
     for name, value in environ.items():
         if not name.startswith(ENV_PREFIX) or name == "LATTICA_CONFIG":
             continue
@@ -147,12 +157,13 @@ def env_layer(environ: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, Any
     return node, train
 
 
-def file_layer(path: Path | None) -> tuple[dict[str, Any], dict[str, Any] | None]:
+def file_layer(path: Path | None) -> tuple[dict[str, SettingValue], dict[str, SettingValue] | None]:
     if path is None:
         return {}, None
     data = read_toml(path)
-    train_section = data.pop("train", None)
-    if train_section is not None and not isinstance(train_section, dict):
+    raw_train = data.pop("train", None)
+    train_section = str_map(raw_train)  # TOML table keys are strings
+    if raw_train is not None and train_section is None:
         raise ConfigError(f"{path}: [train] must be a table")
     node = _layer(data, NODE_KEYS, str(path))
     train = _layer(train_section, TRAIN_KEYS, str(path), "train.") if train_section is not None else None
@@ -171,9 +182,9 @@ def _ipv6_available() -> bool:
     try:
         with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
             s.bind(("::1", 0))
-        return True
     except OSError:
         return False
+    return True
 
 
 def default_listen() -> tuple[str, ...]:
@@ -185,8 +196,8 @@ def default_listen() -> tuple[str, ...]:
 
 def build_node_config(
     *,
-    flags: Mapping[str, Any],
-    train_flags: Mapping[str, Any] | None = None,
+    flags: Mapping[str, object],
+    train_flags: Mapping[str, object] | None = None,
     config_path: Path | None,
     environ: Mapping[str, str],
     with_training: bool = False,
@@ -196,18 +207,29 @@ def build_node_config(
         config_path = Path(environ["LATTICA_CONFIG"])
     file_node, file_train = file_layer(config_path)
     env_node, env_train = env_layer(environ)
-    merged: dict[str, Any] = {**file_node, **env_node, **{k: v for k, v in flags.items() if v is not None}}
-    peers = tuple(merged.pop("peers", ()))
+    merged: dict[str, object] = {**file_node, **env_node, **{k: v for k, v in flags.items() if v is not None}}
+    peers = _str_tuple(merged.pop("peers", ()), "peers")
     peers_file = merged.pop("peers_file", None)
     if peers_file is not None:
-        peers = peers + read_peers_file(peers_file)
+        if not isinstance(peers_file, str | Path):
+            raise ConfigError(f"peers_file must be a path, not {peers_file!r}")
+        peers = peers + read_peers_file(Path(peers_file))
     merged["peers"] = tuple(dict.fromkeys(peers))
     merged.setdefault("data_dir", default_data_dir())
     if "listen" not in merged:
         merged["listen"] = default_listen()
     if merged.get("metrics_addr") in ("", "off", "none"):
         merged["metrics_addr"] = None
-    train_values = {**(file_train or {}), **env_train, **{k: v for k, v in (train_flags or {}).items() if v is not None}}
+    train_values: dict[str, object] = {
+        **(file_train or {}), **env_train, **{k: v for k, v in (train_flags or {}).items() if v is not None}
+    }
     if with_training or file_train is not None or train_values:
-        merged["train"] = TrainSettings(**train_values)
-    return NodeConfig(**merged)
+        merged["train"] = build(TrainSettings, train_values)
+    return build(NodeConfig, merged)
+
+
+def _str_tuple(value: object, key: str) -> tuple[str, ...]:
+    if isinstance(value, list | tuple) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise ConfigError(f"{key} must be a list of strings, not {value!r}")
+
