@@ -31,7 +31,7 @@ import torch
 
 from lattica.config import DEFAULT_INNER_STEPS
 from lattica.train.strategies.accounting import AccountedStrategy, tensor_bytes
-from lattica.train.strategies.base import OuterStepReport
+from lattica.train.strategies.base import EveryHSteps, OuterStepReport
 from lattica.train.strategies.gossip import (
     consensus_distance,
     exchange_with_partners,
@@ -100,7 +100,7 @@ def noloco_outer_step(
         p.add_(v)
 
 
-class NoLoCo(AccountedStrategy):
+class NoLoCo(EveryHSteps, AccountedStrategy):
     name = "noloco"
     config_class = NoLoCoConfig
 
@@ -128,13 +128,12 @@ class NoLoCo(AccountedStrategy):
     def outer_state_bytes(self) -> int:
         return tensor_bytes(self._phi) + tensor_bytes(self._velocity)
 
-    def next_sync_step(self, step: int) -> int:
-        return (step // self.config.inner_steps + 1) * self.config.inner_steps
+    @property
+    def sync_interval(self) -> int:
+        return self.config.inner_steps
 
-    async def after_inner_step(self, step: int) -> list[OuterStepReport]:
-        if step % self.config.inner_steps:
-            return []
-        return [await self._outer_round(step // self.config.inner_steps)]
+    async def sync_at(self, step: int) -> OuterStepReport:
+        return await self._outer_round(step // self.config.inner_steps)
 
     async def _outer_round(self, step_round: int) -> OuterStepReport:
         started = time.monotonic()

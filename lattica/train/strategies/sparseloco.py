@@ -48,7 +48,7 @@ from lattica.errors import RemoteProtocolError
 from lattica.net.tensors import sparse
 from lattica.train.collective import Collective
 from lattica.train.strategies.accounting import AccountedStrategy, tensor_bytes
-from lattica.train.strategies.base import GroupProvider, OuterStepReport
+from lattica.train.strategies.base import EveryHSteps, GroupProvider, OuterStepReport
 from lattica.train.strategies.diloco import _check_tensors, outer_copy, pseudo_gradient
 from lattica.train.strategies.gossip import check_averaging, exchange_with_partners
 from lattica.train.strategies.sparse_gather import gather_with_retries
@@ -120,7 +120,7 @@ def mean_of_sparse(contributions: Sequence[sparse.SparseChunks], numel: int) -> 
     return total[:numel]
 
 
-class SparseLoCo(AccountedStrategy):
+class SparseLoCo(EveryHSteps, AccountedStrategy):
     """Every H steps: gather every member's sparse 2-bit ŝ, θ ← θ − α·mean; no outer momentum."""
 
     replicas_agree = True
@@ -162,14 +162,13 @@ class SparseLoCo(AccountedStrategy):
     def outer_parameters(self) -> list[torch.Tensor]:
         return self._outer
 
-    def next_sync_step(self, step: int) -> int:
-        return (step // self.config.inner_steps + 1) * self.config.inner_steps
+    @property
+    def sync_interval(self) -> int:
+        return self.config.inner_steps
 
-    async def after_inner_step(self, step: int) -> list[OuterStepReport]:
-        if step % self.config.inner_steps:
-            return []
+    async def sync_at(self, step: int) -> OuterStepReport:
         self._step = step
-        return [await self.sync()]
+        return await self.sync()
 
     async def sync(self) -> OuterStepReport:
         """One outer round now: compress, gather, apply — or leave θ and e as they were."""
