@@ -23,8 +23,10 @@ def findings(report: dict, check: str) -> list[dict]:
     return [f for f in report["findings"] if f["check"] == check or f["check"].startswith(check + " ")]
 
 
-@pytest.fixture
-def pair(tmp_path):
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """Two daemons shared by the tests that only read from them (doctor asks, changes nothing)."""
+    tmp_path = tmp_path_factory.mktemp("pair")
     a = DaemonProcess(tmp_path / "a").start()
     b = None
     try:

@@ -241,7 +241,11 @@ def _expert_owners(data_dir: Path, live: set[str]) -> dict[int, list[str]] | Non
     return owners
 
 
-@pytest.mark.parametrize("leave", ["sigterm", "sigkill"])
+# SIGKILL (the lease runs out) is the default case; SIGTERM differs only in how the leaver stops
+# being live ("left" in the state, covered by tests/daemon/test_swarm_processes.py::
+# test_sigterm_exits_zero_within_five_seconds_and_says_goodbye and tests/crdt), the
+# reassignment at the next sync is the same (tests/train/test_ownership.py, test_spes.py)
+@pytest.mark.parametrize("leave", [pytest.param("sigterm", marks=pytest.mark.slow), "sigkill"])
 def test_owner_leaves_its_experts_are_reassigned_and_training_goes_on(swarm: Swarm, leave: str) -> None:
     rounds = 8
     env = {"LATTICA_TRAIN_ROUND_DEADLINE_S": "3"}
