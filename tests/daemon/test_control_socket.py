@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -129,14 +130,25 @@ def test_max_clients_must_be_positive(tmp_path):
 # -- a real daemon ---------------------------------------------------------------------------
 
 
-@pytest.fixture
-def daemon(tmp_path):
-    d = DaemonProcess(tmp_path / "d").start()
+def _running_daemon(path: Path) -> Iterator[DaemonProcess]:
+    d = DaemonProcess(path).start()
     try:
         d.wait_ready()
         yield d
     finally:
         d.kill()
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory) -> Iterator[DaemonProcess]:
+    """One daemon for the tests that must leave it running (each checks it still is)."""
+    yield from _running_daemon(tmp_path_factory.mktemp("shared") / "d")
+
+
+@pytest.fixture
+def own_daemon(tmp_path) -> Iterator[DaemonProcess]:
+    """A daemon of its own, for a test that stops it."""
+    yield from _running_daemon(tmp_path / "d")
 
 
 def _raw(path: Path, data: bytes, *, read: bool = True, shut: bool = True) -> bytes:
@@ -189,7 +201,8 @@ def test_garbage_oversized_truncated_and_vanishing_clients_do_not_kill_the_daemo
     _assert_alive(daemon)
 
 
-def test_many_slow_clients_do_not_lock_out_lattica_stop(daemon):
+def test_many_slow_clients_do_not_lock_out_lattica_stop(own_daemon):
+    daemon = own_daemon
     sock = daemon.data_dir / "control.sock"
     hogs = []
     try:
