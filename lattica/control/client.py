@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import socket
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 from lattica.control.protocol import MAX_RESPONSE_BYTES, decode_response, encode_request
 from lattica.errors import DaemonNotRunningError, LocalProtocolError
 
 
-def call(socket_path: Path, method: str, params: dict[str, Any] | None = None, *, timeout: float = 15.0) -> Any:
+def call(
+    socket_path: Path, method: str, params: Mapping[str, object] | None = None, *, timeout: float = 15.0
+) -> object:
     """One blocking request/response with the daemon behind ``socket_path``."""
     if not socket_path.exists():
         raise DaemonNotRunningError(f"no daemon running for data dir {socket_path.parent}")

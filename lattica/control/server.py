@@ -19,7 +19,6 @@ import os
 import socket
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
 
 import trio
 from trio_typing import TaskStatus
@@ -36,7 +35,7 @@ from lattica.errors import ConfigError, LatticaError
 
 log = logging.getLogger(__name__)
 
-Handler = Callable[[ControlRequest], Awaitable[Any]]
+Handler = Callable[[ControlRequest], Awaitable[object]]  # the result, sent back as JSON
 READ_TIMEOUT_S = 5.0
 HANDLER_TIMEOUT_S = 10.0
 WRITE_TIMEOUT_S = 10.0

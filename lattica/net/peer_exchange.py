@@ -12,11 +12,10 @@ Replies are size-capped and validated; a malformed reply is a ``RemoteProtocolEr
 
 from __future__ import annotations
 
-from typing import Any
-
 from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 
+from lattica.decoding import str_list
 from lattica.errors import RemoteProtocolError
 
 PX_PROTOCOL = TProtocol("/lattica/px/1.0.0")
@@ -30,7 +29,7 @@ MAX_ADDR_LEN = 256
 MAX_RELAY_ADDRS = 3  # of the MAX_ADDRS: room kept for a NAT'd peer's /p2p-circuit addresses
 
 
-def px_reply(entries: list[tuple[str, list[str]]]) -> dict[str, Any]:
+def px_reply(entries: list[tuple[str, list[str]]]) -> dict[str, list[dict[str, object]]]:
     return {"peers": [{"id": pid, "addrs": _pick_addrs(addrs)} for pid, addrs in entries[:MAX_PEERS]]}
 
 
@@ -41,21 +40,22 @@ def _pick_addrs(addrs: list[str]) -> list[str]:
     return direct + relayed
 
 
-def parse_px_reply(obj: Any, *, peer_id: str) -> list[tuple[str, list[str]]]:
+def parse_px_reply(obj: object, *, peer_id: str) -> list[tuple[str, list[str]]]:
     """Validate a peer-exchange reply; ids are checked to be well-formed peer ids."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("peers"), list):
+    peers = obj.get("peers") if isinstance(obj, dict) else None
+    if not isinstance(peers, list):
         raise RemoteProtocolError("peer-exchange reply is not {peers: [...]}", peer_id=peer_id)
-    peers = obj["peers"]
     if len(peers) > MAX_PEERS:
         raise RemoteProtocolError(f"peer-exchange reply lists {len(peers)} > {MAX_PEERS} peers", peer_id=peer_id)
     out: list[tuple[str, list[str]]] = []
     for entry in peers:
         if not isinstance(entry, dict):
             raise RemoteProtocolError("peer-exchange entry is not an object", peer_id=peer_id)
-        pid, addrs = entry.get("id"), entry.get("addrs")
-        if not isinstance(pid, str) or not isinstance(addrs, list) or len(addrs) > MAX_ADDRS:
+        pid, raw_addrs = entry.get("id"), entry.get("addrs")
+        if not isinstance(pid, str) or not isinstance(raw_addrs, list) or len(raw_addrs) > MAX_ADDRS:
             raise RemoteProtocolError("peer-exchange entry has bad id/addrs", peer_id=peer_id)
-        if not all(isinstance(a, str) and len(a) <= MAX_ADDR_LEN for a in addrs):
+        addrs = str_list(raw_addrs)
+        if addrs is None or not all(len(a) <= MAX_ADDR_LEN for a in addrs):
             raise RemoteProtocolError("peer-exchange entry has a bad address", peer_id=peer_id)
         try:
             ID.from_base58(pid)
