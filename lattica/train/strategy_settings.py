@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any
 
 from lattica.config import TrainSettings
 from lattica.errors import ConfigError
@@ -52,7 +51,7 @@ STRATEGY_SETTINGS = ("inner_steps", "outer_lr", "outer_momentum", "averaging", "
 _TRAINER_TOO = ("inner_steps",)
 _SPES_WARMUP_STEPS = 500  # SPES merges similar experts about every 500 steps, a multiple of S
 # a setting left at its default (``None``: the strategy's own) is not "set"
-_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(TrainSettings)}
+_DEFAULTS: dict[str, object] = {f.name: f.default for f in dataclasses.fields(TrainSettings)}
 
 
 def check_strategy_settings(settings: TrainSettings) -> None:
@@ -67,16 +66,16 @@ def check_strategy_settings(settings: TrainSettings) -> None:
         )
 
 
-def strategy_config(settings: TrainSettings, *, members: tuple[str, ...] = ()) -> Any:
+def strategy_config(settings: TrainSettings, *, members: tuple[str, ...] = ()) -> object | None:
     """The config of ``settings.strategy`` (None for a strategy without one); unset settings
     keep the strategy's own defaults. ``members``: SPES's initial expert owners."""
     check_strategy_settings(settings)
     from lattica.train.strategies import strategy_class
 
-    config_cls = getattr(strategy_class(settings.strategy), "config_class", None)
+    config_cls = strategy_class(settings.strategy).config_class
     if config_cls is None:
         return None
-    values: dict[str, Any] = {}
+    values: dict[str, object] = {}
     for setting, field_name in _routes(settings.strategy).items():
         value = getattr(settings, setting)
         if value is not None:
@@ -99,12 +98,12 @@ def contribution_screen(settings: TrainSettings) -> ContributionScreen:
     )
 
 
-def _spes_derived(settings: TrainSettings, members: tuple[str, ...]) -> dict[str, Any]:
+def _spes_derived(settings: TrainSettings, members: tuple[str, ...]) -> dict[str, object]:
     h = settings.inner_steps
     return {"merge_every": h * max(1, round(_SPES_WARMUP_STEPS / h)), "members": members}
 
 
-_DERIVED: dict[str, Callable[[TrainSettings, tuple[str, ...]], dict[str, Any]]] = {"spes": _spes_derived}
+_DERIVED: dict[str, Callable[[TrainSettings, tuple[str, ...]], dict[str, object]]] = {"spes": _spes_derived}
 
 
 def _routes(strategy: str) -> Mapping[str, str]:
