@@ -41,6 +41,7 @@ def test_three_daemons_discover_each_other_and_notice_a_kill(swarm):
     for d, me in zip(swarm, ids, strict=True):
         others = set(ids) - {me}
         assert _wait_for(lambda d=d, others=others: _connected(d) >= others, timeout=20), d.log()
+    _status_reports_identity_and_peers(swarm)
 
     victim = swarm[2]
     victim.kill()  # SIGKILL: no goodbye
@@ -68,7 +69,8 @@ def test_sigterm_exits_zero_within_five_seconds_and_says_goodbye(swarm):
     ), peers
 
 
-def test_status_reports_identity_and_peers(swarm):
+def _status_reports_identity_and_peers(swarm):
+    """(on the swarm of the discovery test, before its kill: one swarm start less)"""
     status = cli_json("status", "--data-dir", str(swarm[0].data_dir))
     assert status["peer_id"] == swarm[0].peer_id
     assert status["addrs"][0].endswith(status["peer_id"])
