@@ -26,6 +26,7 @@ pytestmark = [
 ]
 
 ROUNDS = 14
+LEASE_S = 5.0  # the daemons' default lease
 ENV = {
     "LATTICA_TRAIN_BATCH_SIZE": "4",
     "LATTICA_TRAIN_SEQ_LEN": "32",
@@ -76,10 +77,16 @@ def test_a_peer_cut_off_longer_than_its_lease_rejoins_the_majoritys_state(lab_sw
     others = [d for i, d in enumerate(daemons) if i != cut]
     lab.cut_link(hosts[cut])
     before = min(_training(d)["rounds_completed"] for d in others)
-    time.sleep(10)  # the others' leases of the cut peer run out (5 s) and it trains alone
-    during = min(_training(d)["rounds_completed"] for d in others)
+    cut_at = time.monotonic()
+
+    def majority_went_on() -> bool:
+        # cut for longer than the lease (5 s), and meanwhile the connected majority completed
+        # a round without the cut peer
+        return time.monotonic() - cut_at > LEASE_S + 1 and min(_training(d)["rounds_completed"] for d in others) > before
+
+    went_on = wait_for(majority_went_on, 60)
     lab.heal_link(hosts[cut])
-    assert during > before, "the connected majority stopped training while one peer was cut off"
+    assert went_on, "the connected majority stopped training while one peer was cut off"
 
     def all_done() -> bool:
         return all(_training(d).get("phase") == "done" for d in daemons)
