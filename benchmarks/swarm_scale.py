@@ -23,13 +23,26 @@ start 10 % apart (relative), as after joins from different published states.
 Phases, all-reduce and gossip measured the same way (the same warm-up steps, the same number
 of measured steps, the same clock points):
 
-1. ``round`` (every N): ``--warmup`` + ``--steps`` outer steps. A step's round time is a
+0. Setup (every N): the workers start their hosts, dial (each peer the peers before it,
+   ``DIALS_IN_FLIGHT`` at a time per process) and set up every pair's fast channel (a tiny
+   fetch per pair, as many at a time), then prime with a tiny all-reduce over all. All at once,
+   at N = 32 some of the N(N-1)/2 handshakes outlasted py-libp2p's 10 s upgrade and negotiation
+   timeouts and it reset those connections. A pair left on libp2p streams (the data plane's
+   fallback, a tenth of the speed) fails the setup, which is tried ``SETUP_ATTEMPTS`` times.
+1. ``round`` (every N): ``--warmup`` + ``--round-steps`` (5) outer steps; the gossip phase at
+   the straggler size runs ``--steps`` (20) of them, for the consensus distance. A step's round time is a
    peer's ``sync()`` time (from the end of its inner phase to its next weights); the figure is
    the median over steps of the mean over peers. Bytes per peer: what its data plane sent per
    measured step (median over peers). All-reduce runs on the fixed group of all N peers (one
    global collective per step); gossip on ``GossipGroups`` pairs redrawn every step.
+   Gossip's exchange waits ``--exchange-timeout-s`` (30 s) for its partner's tensors (a
+   4M-parameter ``[φ, Δ]`` is 32 MiB each way); the group handshake keeps ``--grace-s``.
+   Each phase also reports the share of peer-steps averaged alone and the CPU seconds of the
+   workers and of the delay lines; the JSON's ``links`` has each delay line's drops, worst
+   late release and CPU over the run.
 2. ``straggler`` (at N = 16, or the size of ``--straggler-size``): for ``--window-s`` seconds
-   (at least 25 of the mode's step periods, so the capped peer steps twice) without, then with, one peer whose step period is capped to 1/10 of the others' (its inner
+   (and at least 10 of the mode's step periods) without, then (at least 25 periods, so the
+   capped peer steps twice) with, one peer whose step period is capped to 1/10 of the others' (its inner
    phase sleeps 10x their measured period); the other peers' outer steps per minute with it,
    divided by the same without it.
 3. ``consensus``: the gossip ``round`` phase at the straggler size, with a fixed sample of
@@ -76,8 +89,16 @@ SITES = ("s1", "s2", "s3", "s4")
 INIT_SPREAD = 0.10  # replicas start this far apart (relative)
 DRIFT = 1e-3  # per inner phase: each of the shared and the per-peer drift, relative to the norm
 SAMPLE = 512  # coordinates of each replica reported for the swarm's spread
-PHASE_MARGIN_S = 120.0
-SETUP_ATTEMPTS = 3  # a phase's deadline: its expected length plus this
+PHASE_MARGIN_S = 120.0  # a phase's deadline: its expected length plus this
+SETUP_ATTEMPTS = 3  # connect and prime again after a failed setup, at most this often
+DIALS_IN_FLIGHT = 8  # per worker process: more at once outlast py-libp2p's 10 s handshake timeouts
+DIAL_ATTEMPTS = 3
+# over a 150 ms link on a loaded machine the fast channel's setup (a libp2p stream, a round
+# trip, a TCP connect) can take longer than the data plane's default 3 s; a pair that fell
+# back to libp2p streams would move its tensors at a tenth of the speed
+FAST_CONNECT_TIMEOUT_S = 20.0
+FAST_RETRY_S = 2.0
+WARM_NAME = "swarm-scale/warm"
 WORKER_SCRIPT = os.path.abspath(__file__)
 
 
@@ -163,6 +184,11 @@ def kill_stall(records: dict[str, list[dict]], survivors: list[str], start: floa
     return longest
 
 
+def libp2p_sent(stats) -> int:
+    """Bytes the data plane sent over libp2p streams (its fallback when no fast channel)."""
+    return sum(n for (_peer, path), n in stats.bytes_sent.items() if path == "libp2p")
+
+
 # -- worker process ------------------------------------------------------------------------
 
 
@@ -195,51 +221,95 @@ class Worker:
             host = build_host(key_pair, listen_addrs=[listen])
             await self.stack.enter_async_context(host.run([listen]))
             await host.get_network().auto_connector.stop()  # we connect the swarm ourselves
-            service = TensorService(host, key_pair, config=TensorServiceConfig())
+            service = TensorService(host, key_pair, config=TensorServiceConfig(
+                fast_connect_timeout_s=FAST_CONNECT_TIMEOUT_S, fast_retry_s=FAST_RETRY_S))
             await self.nursery.start(service.run)
             self.peers.append({"host": host, "service": service, "id": service.peer_id})
         return [{"peer_id": p["id"], "addr": f"{p['host'].get_addrs()[0]}"} for p in self.peers]
 
     async def connect(self, addrs: list[str], members: list[str]) -> dict:
-        """Dial every peer listed before ours."""
+        """Dial every peer listed before ours, at most ``DIALS_IN_FLIGHT`` at a time.
+
+        All at once (N(N-1)/2 Noise handshakes and identifies on two loaded cores) some take
+        longer than py-libp2p's 10 s upgrade and negotiation timeouts, and it resets those
+        connections; a dial that failed is tried again after the others."""
         import multiaddr
         import trio
         from libp2p.peer.peerinfo import info_from_p2p_addr
 
-        failed: list[str] = []
+        failed: dict[tuple[int, str], str] = {}
+        gate = trio.Semaphore(DIALS_IN_FLIGHT)
 
-        async def dial(host, addr: str) -> None:
-            try:
-                with trio.fail_after(60):
-                    await host.connect(info_from_p2p_addr(multiaddr.Multiaddr(addr)))
-            except Exception as exc:  # noqa: BLE001 - any failure to connect fails the setup, reported
-                failed.append(f"{addr}: {exc!r}"[:300])
+        async def dial(k: int, host, addr: str) -> None:
+            async with gate:
+                try:
+                    with trio.fail_after(60):
+                        await host.connect(info_from_p2p_addr(multiaddr.Multiaddr(addr)))
+                    failed.pop((k, addr), None)
+                except Exception as exc:  # noqa: BLE001 - any failure to connect is reported
+                    failed[(k, addr)] = f"{addr}: {exc!r}"[:300]
 
-        async with trio.open_nursery() as nursery:
-            for p in self.peers:
-                mine = members.index(p["id"])
-                for addr in addrs[:mine]:
-                    nursery.start_soon(dial, p["host"], addr)
-        return {"ok": not failed, "error": f"{len(failed)} dial(s) failed, first: {failed[0]}" if failed else ""}
+        todo = [(k, p["host"], addr) for k, p in enumerate(self.peers)
+                for addr in addrs[:members.index(p["id"])]]
+        for _attempt in range(DIAL_ATTEMPTS):
+            async with trio.open_nursery() as nursery:
+                for k, host, addr in todo:
+                    nursery.start_soon(dial, k, host, addr)
+            if not failed:
+                break
+            todo = [(k, self.peers[k]["host"], addr) for k, addr in failed]
+            await trio.sleep(1.0)
+        errors = list(failed.values())
+        return {"ok": not errors, "error": f"{len(errors)} dial(s) failed, first: {errors[0]}" if errors else ""}
 
     async def prime(self, members: list[str], tag: str) -> dict:
-        """A tiny all-reduce over all: every pair's fast channel is set up before anything is timed."""
+        """Set up every pair's fast channel before anything is timed, then a tiny all-reduce
+        over all.
+
+        Each of our peers fetches a tiny served tensor from every member after it, at most
+        ``DIALS_IN_FLIGHT`` at a time per process: a fetch needs nothing from the other side's
+        caller, and its request sets up the fast channel. The all-reduce alone would set up all
+        N(N-1) channels at once; at N = 32 their libp2p setup streams then outlast
+        py-libp2p's 10 s negotiation timeout. A pair whose fast channel could not be set up
+        (its tensors would go over libp2p streams, at a tenth of the speed) fails the setup,
+        which then primes again."""
         import torch
         import trio
 
         failed: list[str] = []
+        gate = trio.Semaphore(DIALS_IN_FLIGHT)
+        for p in self.peers:
+            p["service"].serve(WARM_NAME, torch.zeros(1))
+
+        async def warm(p, q: str) -> None:
+            async with gate:
+                try:
+                    with trio.fail_after(60):
+                        await p["service"].fetch(q, [WARM_NAME])
+                except Exception as exc:  # noqa: BLE001 - reported as a failed setup
+                    failed.append(f"fetch {p['id'][-8:]} <- {q[-8:]}: {type(exc).__name__}: {exc}"[:300])
 
         async def prime(p) -> None:
+            stats = p["service"].stats
             try:
                 with trio.fail_after(120):
                     await p["service"].allreduce([torch.ones(len(members) * 64)], group=members, tag=tag)
             except Exception as exc:  # noqa: BLE001 - reported as a failed setup
-                failed.append(f"prime {p['id'][-8:]}: {exc}"[:300])
+                failed.append(f"prime {p['id'][-8:]}: {type(exc).__name__}: {exc}"[:300])
+                return
+            slow = [q for q in members if q != p["id"] and stats.bytes_sent[(q, "fast")] == 0]
+            if slow:
+                failed.append(f"prime {p['id'][-8:]}: no fast channel to {len(slow)} peer(s)")
 
-        async with trio.open_nursery() as nursery:
+        async with trio.open_nursery() as nursery:  # a channel serves both ways: one per pair
             for p in self.peers:
-                nursery.start_soon(prime, p)
-        return {"ok": not failed, "error": failed[0] if failed else ""}
+                for q in members[members.index(p["id"]) + 1:]:
+                    nursery.start_soon(warm, p, q)
+        if not failed:
+            async with trio.open_nursery() as nursery:
+                for p in self.peers:
+                    nursery.start_soon(prime, p)
+        return {"ok": not failed, "error": f"{len(failed)} failure(s), first: {failed[0]}" if failed else ""}
 
     async def run(self, cmd: dict) -> dict:
         import trio
@@ -271,7 +341,7 @@ class Worker:
             groups = FixedGroups(sorted(members))
         model = one_tensor_model(numel)
         strategy = DiLoCo(model, collective=p["service"], groups=groups, config=DiLoCoConfig(
-            inner_steps=1, averaging=cmd["mode"], exchange_timeout_s=grace, max_attempts=1))
+            inner_steps=1, averaging=cmd["mode"], exchange_timeout_s=float(cmd["exchange_s"]), max_attempts=1))
         common = torch.Generator().manual_seed(cmd["seed"])
         own = torch.Generator().manual_seed(cmd["seed"] * 1000 + members.index(p["id"]) + 1)
         base = torch.randn(numel, generator=common)
@@ -290,11 +360,12 @@ class Worker:
                 await trio.sleep(compute)  # the inner phase
                 with torch.no_grad():
                     model.weight.add_(shared_drift).add_(own_drift, alpha=signs.choice((-1.0, 1.0)))
-                t0, sent = time.time(), p["service"].stats.total_sent()
+                stats = p["service"].stats
+                t0, sent, slow = time.time(), stats.total_sent(), libp2p_sent(stats)
                 report = await strategy.sync()
                 record = {"step": step, "t0": t0, "t1": time.time(), "group": len(report.group),
-                          "bytes": p["service"].stats.total_sent() - sent, "skipped": report.skipped,
-                          "detail": report.detail[:200]}
+                          "bytes": stats.total_sent() - sent, "libp2p_bytes": libp2p_sent(stats) - slow,
+                          "skipped": report.skipped, "detail": report.detail[:200]}
                 if cmd.get("sample"):
                     record["sample"] = strategy.outer_parameters()[0][idx].tolist()
                 out.append(record)
@@ -371,16 +442,20 @@ class Swarm:
         # py-libp2p now and then resets a fresh connection while many are set up at once: dial
         # again (a no-op where connected) and prime again, a few times, before giving up
         for attempt in range(SETUP_ATTEMPTS):
+            began = time.time()
             for w in self.workers:
                 w.send({"cmd": "connect", "addrs": [addrs[m] for m in self.members], "members": self.members})
             errors = [f"{w.name}: {r.get('error')}" for w in self.workers
                       if not (r := self._wait(w, "connected", 240, "connect")).get("ok")]
             if not errors:
+                connected = time.time()
                 for w in self.workers:
                     w.send({"cmd": "prime", "members": self.members, "tag": f"prime/{attempt}"})
                 errors = [f"{w.name}: {r.get('error')}" for w in self.workers
                           if not (r := self._wait(w, "primed", 240, "connect")).get("ok")]
             if not errors:
+                print(f"  N={n:<3} connected in {connected - began:.0f} s, fast channels and prime in "
+                      f"{time.time() - connected:.0f} s", file=sys.stderr, flush=True)
                 break
             print(f"  N={n:<3} setup attempt {attempt + 1} failed: {errors[0]}", file=sys.stderr, flush=True)
         else:
@@ -403,6 +478,7 @@ class Swarm:
         """Run one phase on every live worker; SIGKILL the given victims at the given wall times."""
         cmd = {"cmd": "run", "phase": phase, "members": self.members, **cmd}
         live = [w for w in self.workers if w.popen.poll() is None]
+        cpu_before, began = self._cpu(live), time.monotonic()
         for w in live:
             w.send(cmd)
         killed = set()
@@ -418,7 +494,24 @@ class Swarm:
                 continue
             reply = self._wait(w, "done", max(1.0, deadline - time.monotonic()), phase)
             records.update(reply["records"])
+        cpu_after = self._cpu([w for w in live if w not in killed])
+        self.last_cpu = {"wall_s": time.monotonic() - began, **{
+            k: cpu_after[k] - cpu_before[k] for k in ("workers_cpu_s", "links_cpu_s")}}
         return records
+
+    def _cpu(self, workers: list) -> dict:
+        """CPU seconds so far of the given workers and of the lab's delay lines (where the
+        time of a phase goes: the peers' data planes, or the emulated wires)."""
+        from lattica_lab.wan import process_cpu_seconds
+
+        def cpu(pid: int) -> float:
+            try:
+                return process_cpu_seconds(pid)
+            except OSError:
+                return 0.0
+
+        return {"workers_cpu_s": sum(cpu(w.popen.pid) for w in workers),
+                "links_cpu_s": sum(cpu(link.pid) for link in self.lab.links.values())}
 
     def close(self) -> None:
         for w in self.workers:
@@ -432,34 +525,46 @@ LOG_DIR = os.environ.get("SWARM_LOG_DIR", "/tmp")
 
 
 def _phase_cmd(args, mode: str, numel: int, round_base: int, **extra) -> dict:
-    return {"mode": mode, "numel": numel, "grace_s": args.grace_s, "compute_s": args.compute_s,
+    return {"mode": mode, "numel": numel, "grace_s": args.grace_s, "exchange_s": args.exchange_timeout_s,
+            "compute_s": args.compute_s,
             "seed": args.seed, "round_base": round_base, "slow": {}, **extra}
 
 
 def measure_size(lab, args, n: int, rng: random.Random, numel: int, straggler_size: int) -> dict:
     at_straggler = n == straggler_size
+    began = time.time()
     swarm = Swarm(lab, n, rng, solo=2 if at_straggler and "kill" in args.phases else 0)
+    print(f"  N={n:<3} set up in {time.time() - began:.0f} s", file=sys.stderr, flush=True)
     out: dict = {}
     try:
-        steps, warm = args.steps, args.warmup
+        warm = args.warmup
         per_step_s = args.compute_s + 30.0 * max(1.0, numel / 4e6) * max(1.0, n / 8)
-        timeout = (steps + warm) * per_step_s + PHASE_MARGIN_S
+        timeout = (args.steps + warm) * per_step_s + PHASE_MARGIN_S
         base = 0
         for mode in ("allreduce", "gossip"):
             base += 100_000
+            # the consensus phase runs --steps; the others' round time needs fewer
+            steps = args.steps if at_straggler and mode == "gossip" else min(args.round_steps, args.steps)
             records = swarm.run(f"{mode}-round-{n}", _phase_cmd(args, mode, numel, base, steps=warm + steps,
                                                                  sample=at_straggler), timeout)
             check_steps(f"N={n} {mode} round phase", records, swarm.members, warm + steps,
                         allow_alone=mode == "gossip")
             out[f"{mode}_round_s"], out[f"{mode}_bytes"] = round_figures(records, warm, steps)
             out[f"{mode}_alone_steps"] = sum(1 for r in records.values() for x in r[warm:] if x["group"] == 1)
+            out[f"{mode}_libp2p_bytes"] = sum(x.get("libp2p_bytes", 0) for r in records.values() for x in r)
             if at_straggler and mode == "gossip":
                 out["consensus"] = consensus_trend(records, warm + steps)
             period = statistics.median(x["t1"] - y["t1"] for r in records.values()
                                        for y, x in zip(r[warm:], r[warm + 1:], strict=False))
             out[f"{mode}_period_s"] = period
+            out[f"{mode}_cpu"] = {k: round(v, 1) for k, v in swarm.last_cpu.items()}
+            out[f"{mode}_alone_share"] = out[f"{mode}_alone_steps"] / (n * steps)
             print(f"  N={n:<3} {mode:<9} round {out[f'{mode}_round_s']:7.2f} s  period {period:6.2f} s  "
-                  f"sent/peer/step {out[f'{mode}_bytes'] / 2**20:7.1f} MiB", file=sys.stderr, flush=True)
+                  f"sent/peer/step {out[f'{mode}_bytes'] / 2**20:7.1f} MiB  over libp2p streams "
+                  f"{out[f'{mode}_libp2p_bytes'] / 2**20:.1f} MiB  alone {out[f'{mode}_alone_share']:.0%}  "
+                  f"CPU s workers/wires {swarm.last_cpu['workers_cpu_s']:.0f}/{swarm.last_cpu['links_cpu_s']:.0f} "
+                  f"in {swarm.last_cpu['wall_s']:.0f} s  ({time.time() - began:.0f} s)",
+                  file=sys.stderr, flush=True)
         if not at_straggler:
             return out
         if "straggler" in args.phases:
@@ -482,7 +587,7 @@ def measure_straggler(swarm: Swarm, args, numel: int, out: dict, rng: random.Ran
             period = out[f"{mode}_period_s"]
             slow = {straggler: 10 * period} if capped else {}
             # long enough for the capped peer to step at least twice
-            window = max(args.window_s, 25 * period)
+            window = max(args.window_s, (25 if capped else 10) * period)
             start = time.time() + 2.0
             end = start + window
             records = swarm.run(f"{mode}-straggler-{capped}", _phase_cmd(
@@ -524,14 +629,33 @@ def measure_kill(swarm: Swarm, args, numel: int, out: dict, rng: random.Random, 
           f"{out['kill_paused_peers']} of {len(survivors)} survivors paused", file=sys.stderr, flush=True)
 
 
+def wire_summary(lab, pairs: list[tuple[str, str]]) -> dict:
+    """Per delay line, over the whole run: tail drops, how late its releases ran at worst, its
+    CPU seconds (the emulated wires stay exact only while the lines keep up)."""
+    out = {}
+    for a, b in pairs:
+        st = lab.link_stats(a, b)
+        out[f"{a}-{b}"] = {"dropped": st["a_to_b"]["dropped"] + st["b_to_a"]["dropped"],
+                           "max_late_ms": max(st["a_to_b"]["max_late_ms"], st["b_to_a"]["max_late_ms"]),
+                           "cpu_s": round(st["cpu_s"], 1),
+                           "gbytes": round((st["a_to_b"]["wire_bytes"] + st["b_to_a"]["wire_bytes"]) / 1e9, 2)}
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="8,16,32", help="peer counts, comma-separated (each >= 4)")
     parser.add_argument("--steps", type=int, default=20, help="measured outer steps per round phase")
+    parser.add_argument("--round-steps", type=int, default=5,
+                        help="measured outer steps of the round phases other than the consensus phase "
+                             "(gossip at the straggler size, which runs --steps); at most --steps")
     parser.add_argument("--warmup", type=int, default=1, help="outer steps before measuring")
     parser.add_argument("--payload-mib", type=float, default=16.0, help="fp32 model size (16: 4M parameters)")
     parser.add_argument("--compute-s", type=float, default=1.0, help="the inner phase's sleep")
     parser.add_argument("--grace-s", type=float, default=5.0, help="group handshake and exchange grace")
+    parser.add_argument("--exchange-timeout-s", type=float, default=30.0,
+                        help="gossip: how long a peer waits for its partners' tensors (a 4M-parameter "
+                             "[phi, delta] is 32 MiB each way; the handshake keeps --grace-s)")
     parser.add_argument("--window-s", type=float, default=60.0, help="straggler and kill windows")
     parser.add_argument("--straggler-size", type=int, default=16)
     parser.add_argument("--sites", type=int, default=4, help="WAN sites (2-4), every pair linked")
@@ -549,8 +673,10 @@ def main() -> None:
         parser.error("--sizes must be comma-separated integers")
     if not 2 <= args.sites <= len(SITES):
         parser.error(f"--sites must be within 2..{len(SITES)}")
-    if min(sizes) < 4 or args.steps < 2 or args.warmup < 0 or args.payload_mib <= 0 or args.window_s < 5:
-        parser.error("sizes must be >= 4, --steps >= 2, --warmup >= 0, --payload-mib > 0, --window-s >= 5")
+    if args.exchange_timeout_s <= 0 or args.grace_s <= 0:
+        parser.error("--grace-s and --exchange-timeout-s must be positive")
+    if min(sizes) < 4 or args.steps < 2 or args.round_steps < 2 or args.warmup < 0 or args.payload_mib <= 0 or args.window_s < 5:
+        parser.error("sizes must be >= 4, --steps and --round-steps >= 2, --warmup >= 0, --payload-mib > 0, --window-s >= 5")
     straggler_size = args.straggler_size if args.straggler_size in sizes else sizes[len(sizes) // 2]
 
     from lattica_lab.wan import WanLab, wan_unavailable_reason
@@ -573,6 +699,7 @@ def main() -> None:
                 lab.link(a, b, rtt_ms=rtt, mbit=args.mbit)
             for n in sizes:
                 results[n] = measure_size(lab, args, n, rng, numel, straggler_size)
+            links = wire_summary(lab, pairs)
     except BenchmarkFailed as exc:
         print(f"swarm_scale benchmark failed: {exc}", file=sys.stderr)
         sys.exit(1)
@@ -595,7 +722,12 @@ def main() -> None:
         "gossip_round_s": [round(results[n]["gossip_round_s"], 3) for n in sizes],
         "allreduce_bytes_per_peer": [round(results[n]["allreduce_bytes"]) for n in sizes],
         "gossip_bytes_per_peer": [round(x) for x in gb],
-        "gossip_bytes_max_over_min": round(max(gb) / min(gb), 3),
+        "gossip_bytes_max_over_min": round(max(gb) / min(gb), 3) if min(gb) > 0 else None,
+        "allreduce_libp2p_bytes": [results[n]["allreduce_libp2p_bytes"] for n in sizes],
+        "gossip_libp2p_bytes": [results[n]["gossip_libp2p_bytes"] for n in sizes],
+        "gossip_alone_share": [round(results[n]["gossip_alone_share"], 3) for n in sizes],
+        "round_cpu_s": {m: [results[n][f"{m}_cpu"] for n in sizes] for m in ("allreduce", "gossip")},
+        "links": links,
         "allreduce_round_growing": all(b > a for a, b in zip(ar, ar[1:], strict=False)),
         "straggler_size": straggler_size,
         "straggler_rate_allreduce": figure("straggler_rate_allreduce"),
@@ -611,9 +743,11 @@ def main() -> None:
         "phases": sorted(args.phases),
         "payload_mib": args.payload_mib,
         "steps": args.steps,
+        "round_steps": min(args.round_steps, args.steps),
         "warmup": args.warmup,
         "compute_s": args.compute_s,
         "grace_s": args.grace_s,
+        "exchange_timeout_s": args.exchange_timeout_s,
         "window_s": args.window_s,
         "sites": args.sites,
         "site_rtts_ms": list(SITE_RTTS_MS[:args.sites * (args.sites - 1) // 2]),

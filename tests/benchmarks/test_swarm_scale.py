@@ -140,3 +140,17 @@ def test_smallest_configuration_runs_on_real_hosts_over_wan_sites():
     assert result["consensus_distance"]["trend"][0] < 0.1  # replicas start 10 % apart, then average
     assert result["straggler_rate_gossip"] is None
     assert result["kill_any_stall_s"] is None
+    assert result["round_steps"] == 2  # --round-steps (5) is at most --steps
+    assert 0 <= result["gossip_alone_share"][0] <= 1
+    assert result["allreduce_libp2p_bytes"] == [0]  # every pair on its fast channel
+    (wire,) = result["links"].values()  # two sites: one delay line, its counters over the run
+    assert wire["gbytes"] > 0
+    assert wire["dropped"] == 0  # no rate cap: nothing to drop
+
+
+@pytest.mark.parametrize("bad", [["--round-steps", "1"], ["--exchange-timeout-s", "0"], ["--sizes", "4,x"]])
+def test_bad_options_exit_with_a_usage_error(bad):
+    proc = subprocess.run([sys.executable, str(SCRIPT), *bad], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "error:" in proc.stderr
+    assert proc.stdout == ""
