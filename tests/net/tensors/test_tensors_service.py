@@ -36,8 +36,14 @@ async def _pair(nursery, config: TensorServiceConfig):
     return services[0][1], services[1][1]
 
 
+@pytest.fixture
+def fast_clock() -> trio.testing.MockClock:
+    """trio's clock at 4x the wall clock: yamux's 5 s timeout and the 6 s stall are both on it."""
+    return trio.testing.MockClock(rate=4.0)
+
+
 @pytest.mark.parametrize("fast", [False, True])
-async def test_a_consumer_stalled_past_the_yamux_timeout_loses_nothing(fast):
+async def test_a_consumer_stalled_past_the_yamux_timeout_loses_nothing(fast, fast_clock):
     # yamux fails a write the receiver has not read for 5 s; readers drain into buffers at once.
     with trio.fail_after(40):
         async with trio.open_nursery() as nursery:
