@@ -117,6 +117,10 @@ class ControlRequest(Protocol):
 
 
 class TrainingService:
+    """The daemon's training (module docstring): a ``NodeService`` that wires the membership
+    view, liveness, outer-state sync, the coordinator and the trainer; ``tensors`` is the data
+    plane the composition root built for it."""
+
     name = "training"
 
     def __init__(self, node: NodeHandle, state: RunState, settings: TrainSettings, *, tensors: DataPlane) -> None:
