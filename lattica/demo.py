@@ -17,11 +17,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from lattica.control import client
+from lattica.decoding import exact_int, finite_float, str_list, str_map
 from lattica.errors import ConfigError, LatticaError
 from lattica.progress import ProgressDisplay, render_summary
 
@@ -70,23 +71,26 @@ class DaemonProcess:
             self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
         return self
 
-    def wait_ready(self, timeout: float) -> dict[str, Any]:
+    def wait_ready(self, timeout: float) -> dict[str, object]:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
                 raise RuntimeError(f"daemon exited with {self.proc.returncode}: {self.log()}")
             try:
-                return dict(self.call("status"))
+                return str_map(self.call("status")) or {}
             except LatticaError:
                 time.sleep(0.2)
         raise TimeoutError(f"daemon in {self.data_dir} not ready after {timeout} s: {self.log()}")
 
-    def call(self, method: str) -> Any:
+    def call(self, method: str) -> object:
         return client.call(self.data_dir / "control.sock", method, timeout=10.0)
 
     @property
     def addr(self) -> str:
-        return str(self.call("id")["addrs"][0])
+        addrs = str_list((str_map(self.call("id")) or {}).get("addrs"))
+        if not addrs:
+            raise RuntimeError(f"daemon in {self.data_dir} reports no address")
+        return addrs[0]
 
     def log(self) -> str:
         try:
@@ -134,10 +138,10 @@ def _start_swarm(args: argparse.Namespace, workdir: Path) -> list[DaemonProcess]
         return args.base_port + i if args.base_port else None
 
     def make(i: int, peers: tuple[str, ...]) -> DaemonProcess:
-        kwargs: dict[str, Any] = {"peers": peers, "extra_args": _train_args(args)}
-        if port(i) is not None:
-            kwargs["port"] = port(i)
-        return DaemonProcess(workdir / f"node{i}", **kwargs)
+        chosen = port(i)
+        if chosen is None:
+            return DaemonProcess(workdir / f"node{i}", peers=peers, extra_args=_train_args(args))
+        return DaemonProcess(workdir / f"node{i}", port=chosen, peers=peers, extra_args=_train_args(args))
 
     _say(f"starting {args.nodes} daemons in {workdir} ...", args.json)
     first = make(0, ()).start()
@@ -156,29 +160,34 @@ def _start_swarm(args: argparse.Namespace, workdir: Path) -> list[DaemonProcess]
     return daemons
 
 
-def _follow(daemons: list[DaemonProcess], *, json_output: bool) -> list[dict[str, Any]]:
+def _section(record: Mapping[str, object], key: str) -> dict[str, object]:
+    """``record[key]`` when it is a JSON object, else an empty one (a daemon's status as JSON)."""
+    return str_map(record.get(key)) or {}
+
+
+def _follow(daemons: list[DaemonProcess], *, json_output: bool) -> list[dict[str, object]]:
     display = ProgressDisplay(stream=sys.stderr if json_output else sys.stdout)
-    statuses: list[dict[str, Any]] = [{} for _ in daemons]
+    statuses: list[dict[str, object]] = [{} for _ in daemons]
     try:
         while True:
             for i, d in enumerate(daemons):
                 try:
-                    statuses[i] = d.call("status")
+                    statuses[i] = str_map(d.call("status")) or {}
                 except LatticaError:
                     if d.proc is not None and d.proc.poll() is not None:
                         statuses[i] = {"training": {"phase": "exited", "error": d.log().strip().splitlines()[-1:]}}
                     continue
-                t = statuses[i].get("training", {})
+                t = _section(statuses[i], "training")
                 display.update(
                     f"node{i}",
-                    round=t.get("rounds_completed"),
-                    loss=t.get("val_loss") or t.get("loss"),
-                    tokens_per_s=t.get("tokens_per_s"),
-                    peers=statuses[i].get("connected_peers"),
-                    bytes_sent=t.get("bytes_sent"),
-                    bytes_received=t.get("bytes_received"),
+                    round=exact_int(t.get("rounds_completed")),
+                    loss=finite_float(t.get("val_loss")) or finite_float(t.get("loss")),
+                    tokens_per_s=finite_float(t.get("tokens_per_s")),
+                    peers=exact_int(statuses[i].get("connected_peers")),
+                    bytes_sent=exact_int(t.get("bytes_sent")),
+                    bytes_received=exact_int(t.get("bytes_received")),
                 )
-            phases = [s.get("training", {}).get("phase") for s in statuses]
+            phases = [_section(s, "training").get("phase") for s in statuses]
             if all(p in ("done", "failed", "exited") for p in phases):
                 _attach_weights_hashes(daemons, statuses)
                 return statuses
@@ -187,39 +196,45 @@ def _follow(daemons: list[DaemonProcess], *, json_output: bool) -> list[dict[str
         display.close()
 
 
-def _attach_weights_hashes(daemons: list[DaemonProcess], statuses: list[dict[str, Any]]) -> None:
+def _attach_weights_hashes(daemons: list[DaemonProcess], statuses: list[dict[str, object]]) -> None:
     """Each node's published (round, weights hash), read from its replicated state."""
     for d, status in zip(daemons, statuses, strict=True):
         try:
-            progress = d.call("state").get("progress", {})
-            mine = progress.get(status.get("peer_id"), {})
+            progress = _section(str_map(d.call("state")) or {}, "progress")
         except LatticaError:
             continue
-        status.setdefault("training", {})["weights_hash"] = mine.get("weights_hash")
+        peer_id = status.get("peer_id")
+        mine = _section(progress, peer_id) if isinstance(peer_id, str) else {}
+        training = _section(status, "training")
+        training["weights_hash"] = mine.get("weights_hash")
+        status["training"] = training
 
 
-def _report(statuses: list[dict[str, Any]], *, json_output: bool) -> int:
+def _report(statuses: list[dict[str, object]], *, json_output: bool) -> int:
     rows: dict[str, dict[str, object]] = {}
-    hashes = set()
+    hashes: set[str | None] = set()
     for i, status in enumerate(statuses):
-        t = status.get("training", {})
-        summary = t.get("summary") or {}
+        t = _section(status, "training")
+        summary = _section(t, "summary")
+        seconds = finite_float(summary.get("seconds"))
+        weights_hash = t.get("weights_hash")
+        weights_hash = weights_hash if isinstance(weights_hash, str) else None
         rows[f"node{i}"] = {
             "phase": t.get("phase"),
             "rounds": t.get("rounds_completed"),
             "val_loss": summary.get("val_loss"),
             "tokens": summary.get("tokens"),
-            "seconds": round(summary["seconds"], 1) if "seconds" in summary else None,
+            "seconds": round(seconds, 1) if seconds is not None else None,
             "bytes_sent": summary.get("bytes_sent"),
             "bytes_received": t.get("bytes_received"),
-            "weights": (t.get("weights_hash") or "")[:12],
+            "weights": (weights_hash or "")[:12],
         }
-        hashes.add(t.get("weights_hash"))
+        hashes.add(weights_hash)
     identical = len(hashes) == 1 and None not in hashes
     # NoLoCo and eager DiLoCo keep replicas apart by design; the others must agree bit for bit
-    must_agree = all(s.get("training", {}).get("replicas_agree", True) for s in statuses)
+    must_agree = all(_section(s, "training").get("replicas_agree", True) for s in statuses)
     ok = all(r["phase"] == "done" for r in rows.values()) and (identical or not must_agree)
-    strategy = statuses[0].get("training", {}).get("strategy", "diloco") if statuses else "diloco"
+    strategy = _section(statuses[0], "training").get("strategy", "diloco") if statuses else "diloco"
     if json_output:
         print(json.dumps({"nodes": rows, "strategy": strategy, "replicas_identical": identical, "ok": ok}))
     else:
@@ -227,9 +242,10 @@ def _report(statuses: list[dict[str, Any]], *, json_output: bool) -> int:
         verdict = "yes" if identical else ("no (expected: replicas differ by design)" if not must_agree else "NO")
         print(f"replicas identical: {verdict}")
         for label, status in zip(rows, statuses, strict=True):
-            error = status.get("training", {}).get("error")
-            if error:
-                print(f"{label}: {error if isinstance(error, str) else ' '.join(error)}")
+            error = _section(status, "training").get("error")
+            message = error if isinstance(error, str) else " ".join(str_list(error) or [])
+            if message:
+                print(f"{label}: {message}")
     return 0 if ok else 1
 
 

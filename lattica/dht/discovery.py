@@ -151,12 +151,12 @@ class RunDiscovery:
             await trio.sleep(self._config.lookup_interval / (4 if short else 1))
             await self._step("lookup", self.refresh_members)
 
-    async def _every(self, period: float, name: str, step) -> None:
+    async def _every(self, period: float, name: str, step: Callable[[], Awaitable[object]]) -> None:
         while True:
             await trio.sleep(period)
             await self._step(name, step)
 
-    async def _step(self, name: str, step) -> None:
+    async def _step(self, name: str, step: Callable[[], Awaitable[object]]) -> None:
         try:
             with trio.move_on_after(max(self._config.query_timeout * 6, 10.0)):
                 await step()

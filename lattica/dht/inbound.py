@@ -40,7 +40,7 @@ class ScreenedStream:
         self._ready = bytearray()
         self.rejection: RemoteProtocolError | None = None
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> object:
         return getattr(self._stream, name)
 
     async def read(self, n: int | None = None) -> bytes:
@@ -73,6 +73,8 @@ class ScreenedStream:
 async def guarded_handler(
     stream: INetStream,
     *,
+    # Any: py-libp2p's Kademlia handler is declared for INetStream and given the ScreenedStream,
+    # which forwards everything but ``read`` to the real stream (not an INetStream subclass)
     inner: Callable[[Any], Awaitable[None]],
     validator: RecordValidator,
     max_frame: int,

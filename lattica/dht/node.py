@@ -21,7 +21,7 @@ import logging
 import time
 
 import trio
-from libp2p.abc import IHost
+from libp2p.abc import IHost, INetStream
 from libp2p.kad_dht import DHTMode, KadDHT
 from libp2p.kad_dht.common import PROTOCOL_ID
 from libp2p.peer.id import ID
@@ -83,7 +83,7 @@ class LatticaDHT:
         logger.info("DHT now in %s mode", wanted.value.lower())
 
     def _serve(self) -> None:
-        async def handler(stream) -> None:
+        async def handler(stream: INetStream) -> None:
             await guarded_handler(
                 stream,
                 inner=self.kad.handle_stream,

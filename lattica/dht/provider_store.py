@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import time
 
+from libp2p.abc import IHost
+from libp2p.kad_dht.peer_routing import PeerRouting
 from libp2p.kad_dht.provider_store import ProviderStore
 from libp2p.peer.peerinfo import PeerInfo
 
 
 class ExpiringProviderStore(ProviderStore):
-    def __init__(self, *args, ttl: float, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, host: IHost, peer_routing: PeerRouting | None = None, *, ttl: float) -> None:
+        super().__init__(host, peer_routing)
         self.ttl = ttl
 
     def get_providers(self, key: bytes) -> list[PeerInfo]:

@@ -45,9 +45,10 @@ class ExpiringRecord:
 
 
 def encode_record(record: ExpiringRecord) -> bytes:
-    return msgpack.packb(
+    packed: bytes = msgpack.packb(
         {"seq": record.seq, "exp": record.expires_at, "v": record.value}, use_bin_type=True
     )
+    return packed
 
 
 def decode_record(raw: bytes, *, max_value_bytes: int) -> ExpiringRecord:

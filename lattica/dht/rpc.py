@@ -10,11 +10,12 @@ we cannot reach or that breaks the stream raises ``PeerUnavailableError``.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import multihash
 from google.protobuf.message import DecodeError
-from libp2p.abc import IHost
+from libp2p.abc import IHost, INetStream
 from libp2p.kad_dht.common import PROTOCOL_ID
 from libp2p.kad_dht.pb.kademlia_pb2 import Message
 from libp2p.peer.id import ID
@@ -89,10 +90,9 @@ async def get_providers(host: IHost, peer: ID, key: bytes, *, caps: ResponseCaps
         await stream.write(encode_varint(len(body)) + body)
         raw = await _read_frame(stream, caps.max_message, str(peer))
     finally:
-        try:
+        # best effort on a stream that may be gone; libp2p raises many kinds
+        with contextlib.suppress(Exception):
             await stream.close()
-        except Exception:  # noqa: BLE001 - best effort on a stream that may be gone; libp2p raises many kinds
-            pass
     answer = parse_providers_answer(raw, key=key, caps=caps, peer_id=str(peer))
     store = host.get_peerstore()
     for info in answer.closer:
@@ -101,7 +101,7 @@ async def get_providers(host: IHost, peer: ID, key: bytes, *, caps: ResponseCaps
     return answer
 
 
-async def _read_frame(stream, max_message: int, peer_id: str) -> bytes:
+async def _read_frame(stream: INetStream, max_message: int, peer_id: str) -> bytes:
     decoder = FrameDecoder(max_frame=max_message, peer_id=peer_id)
     while (frame := decoder.next_frame()) is None:
         try:

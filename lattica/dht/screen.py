@@ -20,6 +20,7 @@ frames that passed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import multihash
@@ -42,6 +43,8 @@ _REQUEST_TYPES = frozenset(
         Message.MessageType.PING,
     }
 )
+
+_Reject = Callable[[str], RemoteProtocolError]  # why -> the error that rejects the request
 
 
 class RecordValidator(Protocol):
@@ -121,7 +124,7 @@ def screen_request(frame: bytes, *, validator: RecordValidator, peer_id: str | N
     return msg
 
 
-def _screen_put_value(msg: Message, validator: RecordValidator, reject) -> None:
+def _screen_put_value(msg: Message, validator: RecordValidator, reject: _Reject) -> None:
     if not msg.HasField("record") or msg.record.key != msg.key or not msg.record.value:
         raise reject("PUT_VALUE without a matching record")
     try:
@@ -134,7 +137,7 @@ def _screen_put_value(msg: Message, validator: RecordValidator, reject) -> None:
         raise reject(f"invalid record for {key[:60]!r}: {str(exc)[:120]}") from None
 
 
-def _screen_add_provider(msg: Message, reject) -> None:
+def _screen_add_provider(msg: Message, reject: _Reject) -> None:
     if len(msg.key) > MAX_PROVIDER_KEY_BYTES:
         raise reject(f"ADD_PROVIDER key of {len(msg.key)} bytes")
     if not 0 < len(msg.providerPeers) <= MAX_PROVIDERS_PER_MESSAGE:

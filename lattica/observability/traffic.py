@@ -8,7 +8,7 @@ transfers) is counted under the stream's protocol id in ``lattica_bytes_sent_tot
 
 from __future__ import annotations
 
-from typing import Any
+from libp2p.abc import INetStream
 
 from lattica.observability.metrics import NodeMetrics
 
@@ -16,7 +16,7 @@ from lattica.observability.metrics import NodeMetrics
 class MeteredStream:
     """A libp2p stream whose ``read``/``write`` payload sizes are counted per protocol."""
 
-    def __init__(self, stream: Any, metrics: NodeMetrics, protocol: str | None = None) -> None:
+    def __init__(self, stream: INetStream, metrics: NodeMetrics, protocol: str | None = None) -> None:
         self._stream = stream
         label = protocol if protocol is not None else str(stream.get_protocol())
         self._sent = metrics.bytes_sent.labels(protocol=label)
@@ -31,5 +31,5 @@ class MeteredStream:
         await self._stream.write(data)
         self._sent.inc(len(data))
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> object:
         return getattr(self._stream, name)
