@@ -139,10 +139,14 @@ def round_figures(records: dict[str, list[dict]], warmup: int, steps: int) -> tu
 
 
 def steps_per_minute(records: dict[str, list[dict]], peers: list[str], start: float, end: float) -> float:
-    """Outer steps per minute per peer of ``peers`` completed within ``[start, end]`` (mean)."""
+    """Outer steps per minute per peer of ``peers`` completed within ``[start, end]`` (mean).
+
+    A skipped step (its all-reduce failed, so no outer step was taken) is no progress and does
+    not count; a gossip step averaged alone is an outer step (on the peer's own Δ) and does."""
     if end <= start:
         raise BenchmarkFailed("rate window is empty")
-    counts = [sum(1 for r in records.get(p, []) if start <= r["t1"] <= end) for p in peers]
+    counts = [sum(1 for r in records.get(p, []) if start <= r["t1"] <= end and not r.get("skipped"))
+              for p in peers]
     return statistics.fmean(counts) * 60.0 / (end - start)
 
 
@@ -494,6 +498,9 @@ class Swarm:
                 continue
             reply = self._wait(w, "done", max(1.0, deadline - time.monotonic()), phase)
             records.update(reply["records"])
+        with open(os.path.join(LOG_DIR, f"swarm-records-{phase}.json"), "w") as f:  # for a look afterwards
+            json.dump({p: [{k: v for k, v in r.items() if k != "sample"} for r in rs]
+                       for p, rs in records.items()}, f)
         cpu_after = self._cpu([w for w in live if w not in killed])
         self.last_cpu = {"wall_s": time.monotonic() - began, **{
             k: cpu_after[k] - cpu_before[k] for k in ("workers_cpu_s", "links_cpu_s")}}
@@ -596,10 +603,11 @@ def measure_straggler(swarm: Swarm, args, numel: int, out: dict, rng: random.Ran
                 check_steps(f"{mode} straggler phase", records, others, 1, allow_alone=True)
             warm_until = start + min(window / 4, 3 * period)
             rates.append(steps_per_minute(records, others, warm_until, end))
+        out[f"straggler_skipped_{mode}"] = sum(1 for p in others for r in records.get(p, []) if r.get("skipped"))
         out[f"straggler_rate_{mode}"] = rates[1] / rates[0]
         out[f"straggler_steps_per_min_{mode}"] = rates
-        print(f"  N={n:<3} {mode:<9} steps/min without/with straggler {rates[0]:.1f} / {rates[1]:.1f}",
-              file=sys.stderr, flush=True)
+        print(f"  N={n:<3} {mode:<9} steps/min without/with straggler {rates[0]:.1f} / {rates[1]:.1f} "
+              f"({out[f'straggler_skipped_{mode}']} skipped steps with it)", file=sys.stderr, flush=True)
 
 
 def measure_kill(swarm: Swarm, args, numel: int, out: dict, rng: random.Random, timeout: float) -> None:

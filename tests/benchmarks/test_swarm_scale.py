@@ -77,6 +77,17 @@ def test_round_figures_are_the_median_step_of_the_mean_over_peers(swarm):
     assert sent == 1000
 
 
+def test_skipped_steps_are_no_progress_in_the_straggler_rate(swarm):
+    """An all-reduce that failed (the capped peer did not take part) returns at once: counting
+    those steps made the swarm look faster with the straggler than without it."""
+    done = [_step(i, i, i + 1.0, group=3) for i in range(6)]
+    failed = [_step(i, i, i + 0.2, group=0, skipped=True) for i in range(6)]
+    assert swarm.steps_per_minute({"a": done}, ["a"], 0.0, 6.0) == pytest.approx(60.0)
+    assert swarm.steps_per_minute({"a": failed}, ["a"], 0.0, 6.0) == 0.0
+    mixed = {"a": done[:3] + [_step(3, 3, 3.2, skipped=True)], "b": [_step(0, 0, 1, group=1)]}
+    assert swarm.steps_per_minute(mixed, ["a", "b"], 0.0, 6.0) == pytest.approx((3 + 1) / 2 * 10)
+
+
 def test_consensus_without_every_replica_sampled_fails(swarm):
     records = {"a": [_step(0, 0, 1, sample=[1.0, 2.0])], "b": [_step(0, 0, 1)]}
     with pytest.raises(swarm.BenchmarkFailed, match="sampled by 1 of 2"):
