@@ -29,7 +29,11 @@ from lattica_lab.netlab import LabHost, LabProcess, NetLab, ScenarioResult
 PORT = 4001
 POLL_S = 0.1
 DIRECT_PATHS = ("direct", "hole-punched")
-TRAIN_ARGS = ("--train", "--model", "tiny", "--device", "cpu", "--rounds", "4",
+# Rounds to spare: b and c start training before the relayed connection between them exists
+# (``--min-peers`` counts members in the replicated state, which a relays), and every round they
+# reach unconnected runs alone. On a loaded machine the connection takes long enough for a short
+# run to end before one round ran together; the scenario stops at the first one that did.
+TRAIN_ARGS = ("--train", "--model", "tiny", "--device", "cpu", "--rounds", "200",
               "--inner-steps", "3", "--min-peers", "2")
 TRAIN_ENV = {"LATTICA_TRAIN_BATCH_SIZE": "4", "LATTICA_TRAIN_SEQ_LEN": "32",
              "LATTICA_TRAIN_WARMUP_STEPS": "1", "OMP_NUM_THREADS": "1"}

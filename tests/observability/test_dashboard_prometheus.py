@@ -26,10 +26,12 @@ from observability_harness import (
     start_compose_swarm,
     start_service,
     wait_connected,
+    wait_healthy,
 )
 
 PEERS = 2  # plus the bootstrap: a 3-node swarm
 DEADLINE_S = 40.0
+START_S = 120.0  # a training node imports torch before its control socket answers: slow under load
 
 # The swarm trains (every node with --train, each starting as soon as it is up), so the
 # Training row's panels are required too. One more peer ("late") is started once the swarm has
@@ -138,6 +140,14 @@ def prometheus(tmp_path, swarm, late_metrics_port):
         server.stop()
 
 
+def _swarm_up(swarm: LocalSwarm) -> None:
+    """Every node answers its health check, then the bootstrap holds a connection to each peer:
+    connections are waited for from the moment the peers run, not from when they were spawned."""
+    for node in swarm.nodes:
+        wait_healthy(swarm, node, timeout=START_S)
+    wait_connected(swarm, swarm.bootstrap, peers=PEERS, timeout=DEADLINE_S)
+
+
 def _has_data(result: list[dict]) -> bool:
     return any(not math.isnan(float(series["value"][1])) for series in result)
 
@@ -148,24 +158,30 @@ def _scalar(prometheus: Prometheus, expr: str) -> float:
 
 
 def _wait_until(condition, timeout: float) -> bool:
+    """Poll ``condition`` (a query) until it holds, for at most ``timeout`` seconds. A query that
+    times out (a loaded machine) counts as not yet: the next poll asks again."""
     deadline = time.monotonic() + timeout
-    while not condition():
+    while True:
+        try:
+            if condition():
+                return True
+        except OSError:  # urllib's timeouts and refused connections
+            pass
         if time.monotonic() > deadline:
             return False
         time.sleep(1.0)
-    return True
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(540)  # the sum of the bounded waits below, on a loaded machine
 def test_every_dashboard_query_returns_data(swarm, prometheus, late_metrics_port):
-    wait_connected(swarm, swarm.bootstrap, peers=PEERS, timeout=DEADLINE_S)
+    _swarm_up(swarm)
     nodes = PEERS + 1
     if SWARM_TRAINS:
         # once a round is done, a late peer joins mid-run (it fetches the outer state)
         assert _wait_until(
             lambda: _scalar(prometheus, "max(lattica_outer_round)") >= 1, DEADLINE_S
         ), swarm.logs()
-        start_service(swarm, LATE, metrics_port=late_metrics_port)
+        wait_healthy(swarm, start_service(swarm, LATE, metrics_port=late_metrics_port), timeout=START_S)
         nodes += 1
     required = [
         (row, title, expr)
@@ -193,11 +209,17 @@ def test_every_dashboard_query_returns_data(swarm, prometheus, late_metrics_port
         lambda: _scalar(prometheus, 'lattica_peers_connected{role="bootstrap"}') == nodes - 1,
         DEADLINE_S,
     )
-    assert _scalar(prometheus, 'sum(lattica_peers_by_path{path="direct"})') >= 2 * PEERS
-    assert _scalar(prometheus, "sum(lattica_bytes_sent_total)") > 0
-    assert _scalar(prometheus, "sum(lattica_bytes_received_total)") > 0
-    peer_ids = {s["metric"]["peer_id"] for s in prometheus.query("lattica_node_info")}
-    assert len(peer_ids) == nodes
+    # (each waited for: a scrape that failed under load leaves a target's series stale for a while)
+    assert _wait_until(
+        lambda: _scalar(prometheus, 'sum(lattica_peers_by_path{path="direct"})') >= 2 * PEERS, DEADLINE_S
+    ), prometheus.query("lattica_peers_by_path")
+    assert _wait_until(lambda: _scalar(prometheus, "sum(lattica_bytes_sent_total)") > 0, DEADLINE_S)
+    assert _wait_until(lambda: _scalar(prometheus, "sum(lattica_bytes_received_total)") > 0, DEADLINE_S)
+
+    def node_ids() -> set[str]:
+        return {s["metric"]["peer_id"] for s in prometheus.query("lattica_node_info")}
+
+    assert _wait_until(lambda: len(node_ids()) == nodes, DEADLINE_S), node_ids()
     if SWARM_TRAINS:
         # the fetch was the late node's, and every node completes rounds
         late = f"127.0.0.1:{late_metrics_port}"
@@ -209,7 +231,7 @@ def test_every_dashboard_query_returns_data(swarm, prometheus, late_metrics_port
         assert _wait_until(
             lambda: _scalar(prometheus, "min(lattica_outer_round)") >= 1, DEADLINE_S
         ), swarm.logs()
-        assert _scalar(prometheus, "sum(lattica_tokens_per_second)") > 0
+        assert _wait_until(lambda: _scalar(prometheus, "sum(lattica_tokens_per_second)") > 0, DEADLINE_S)
 
 
 @pytest.fixture
@@ -223,21 +245,26 @@ def gossip_swarm(tmp_path):
         started.stop()
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(420)  # the sum of the bounded waits below, on a loaded machine
 def test_gossip_panels_show_the_spread_of_a_gossip_swarm(gossip_swarm, tmp_path):
     swarm = gossip_swarm
     server = Prometheus(tmp_path, prometheus_config(swarm, free_port()))
     try:
         server.wait_ready(timeout=20)
-        wait_connected(swarm, swarm.bootstrap, peers=PEERS, timeout=DEADLINE_S)
+        _swarm_up(swarm)
         required = [(title, expr) for row, title, expr in dashboard_queries() if row == GOSSIP_ROW]
         assert required, f"the dashboard has no {GOSSIP_ROW!r} row"
         assert _wait_until(
             lambda: all(_has_data(server.query(expr)) for _, expr in required), 3 * DEADLINE_S
         ), "\n".join(f"{t}: {server.query(e)}" for t, e in required) + "\n" + swarm.logs()
-        spread = server.query("lattica_consensus_distance")
-        values = [float(s["value"][1]) for s in spread if not math.isnan(float(s["value"][1]))]
-        assert values, spread
+        spread: list[dict] = []
+
+        def spread_values() -> list[float]:
+            spread[:] = server.query("lattica_consensus_distance")
+            return [float(s["value"][1]) for s in spread if not math.isnan(float(s["value"][1]))]
+
+        assert _wait_until(spread_values, DEADLINE_S), spread
+        values = spread_values()
         assert all(0 <= v < 1 for v in values), spread  # relative to the weights' norm
     finally:
         server.stop()
