@@ -612,12 +612,15 @@ def measure_straggler(swarm: Swarm, args, numel: int, out: dict, rng: random.Ran
 
 def measure_kill(swarm: Swarm, args, numel: int, out: dict, rng: random.Random, timeout: float) -> None:
     n, base = swarm.n, 2_000_000
+    # at least 4 of the round phase's step periods before the first kill (a step interval to
+    # measure before it, on a loaded machine) and as many after each
+    window = max(args.window_s, 12 * out["gossip_period_s"])
     start = time.time() + 2.0
-    end = start + args.window_s
-    kills = [(start + args.window_s * (k + 1) / 3 + rng.uniform(0, out["gossip_period_s"]), v)
+    end = start + window
+    kills = [(start + window * (k + 1) / 3 + rng.uniform(0, out["gossip_period_s"]), v)
              for k, v in enumerate(swarm.victims)]
     records = swarm.run("gossip-kill", _phase_cmd(args, "gossip", numel, base, end_at=end),
-                        args.window_s + timeout, kills=kills)
+                        window + timeout, kills=kills)
     survivors = [m for m in swarm.members if m not in swarm.victims]
     check_steps("kill phase", records, survivors, 1, allow_alone=True)
     first_kill = kills[0][0]
