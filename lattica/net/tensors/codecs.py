@@ -80,7 +80,7 @@ class TensorSpec:
         scales = 4 * _blocks(n)
         return scales + (n if self.codec == "int8" else (n + 1) // 2)
 
-    def to_wire(self) -> list:
+    def to_wire(self) -> list[str | list[int]]:
         return [self.name, self.dtype, list(self.shape), self.codec]
 
 

@@ -24,7 +24,7 @@ every contribution was summed — never a partial average.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractContextManager, ExitStack
 from functools import partial
 from typing import Protocol
@@ -82,7 +82,7 @@ class _Round:
         self.transport, self.tag = transport, tag
         self.failed: list[str] = []
 
-    async def guarded(self, peer: str, fn, *args) -> None:
+    async def guarded(self, peer: str, fn: Callable[..., Awaitable[object]], *args: object) -> None:
         try:
             await fn(*args)
         except _PEER_FAILURES:
@@ -90,7 +90,7 @@ class _Round:
                 self.failed.append(peer)
             self.scope.cancel()
 
-    async def run(self, body) -> None:
+    async def run(self, body: Callable[[trio.Nursery], None]) -> None:
         with trio.CancelScope() as self.scope:
             async with trio.open_nursery() as nursery:
                 body(nursery)
@@ -186,7 +186,10 @@ def _copy_results(out: Sequence[torch.Tensor], means: Sequence[torch.Tensor]) ->
             o.copy_(m)
 
 
-def _post_in_place(transport, stack: ExitStack, out, group, rank, bounds, tag) -> torch.Tensor | None:
+def _post_in_place(
+    transport: TensorTransport, stack: ExitStack, out: torch.Tensor, group: Sequence[str], rank: int,
+    bounds: Sequence[tuple[int, int]], tag: str,
+) -> torch.Tensor | None:
     """Post gathered parts into ``out`` and reduce-scatter parts into a leased scratch buffer
     (one slot per member; this member's own slot stays free). Returns the scratch buffer."""
     lo, hi = bounds[rank]
@@ -205,13 +208,15 @@ def _post_in_place(transport, stack: ExitStack, out, group, rank, bounds, tag) -
     return scratch
 
 
-def _post(transport, stack: ExitStack, peer: str, tag: str, part: int, view: memoryview) -> None:
+def _post(transport: TensorTransport, stack: ExitStack, peer: str, tag: str, part: int, view: memoryview) -> None:
     transport.post_receive(peer, tag, part, view)
     stack.callback(transport.post_receive, peer, tag, part, None)
 
 
 async def _reduce_scatter(
-    transport, flat, out, group, rank, bounds, tag, codec, screen, scratch, aliased
+    transport: TensorTransport, flat: torch.Tensor, out: torch.Tensor, group: Sequence[str], rank: int,
+    bounds: Sequence[tuple[int, int]], tag: str, codec: str, screen: ContributionScreen,
+    scratch: torch.Tensor | None, aliased: bool,
 ) -> list[Rejection]:
     """Leave the screened mean of this member's part in ``out`` (as every receiver will decode it).
 
@@ -252,7 +257,10 @@ async def _reduce_scatter(
     return rejected
 
 
-async def _all_gather(transport, out, group, rank, bounds, tag, codec) -> None:
+async def _all_gather(
+    transport: TensorTransport, out: torch.Tensor, group: Sequence[str], rank: int,
+    bounds: Sequence[tuple[int, int]], tag: str, codec: str,
+) -> None:
     mine = out[bounds[rank][0] : bounds[rank][1]]
     phase = _Round(transport, tag)
 

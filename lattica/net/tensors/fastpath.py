@@ -28,6 +28,7 @@ The plaintext is a byte stream carrying ``frames.py`` messages, exactly like a l
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import struct
 from collections.abc import Callable
@@ -86,10 +87,8 @@ class FastChannel:
         self._closed = False
         self._wake_at = 1  # the socket's SO_RCVLOWAT (the kernel's default: any byte)
         for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):  # whole frames per system call
-            try:
+            with contextlib.suppress(OSError):
                 sock.setsockopt(socket.SOL_SOCKET, option, frame_bytes + _TAG_BYTES + _LEN.size)
-            except OSError:
-                pass
 
     @property
     def closed(self) -> bool:
@@ -197,10 +196,8 @@ class FastChannel:
     def abort(self) -> None:
         """Close with a reset (SO_LINGER 0): the peer sees a broken channel, not a clean end."""
         if not self._closed:
-            try:
+            with contextlib.suppress(OSError):
                 self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            except OSError:
-                pass
         self.close()
 
     def close(self) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import struct
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import msgpack
@@ -66,8 +67,8 @@ def encode_fetch(tag: str, names: list[str]) -> bytes:
     return _frame({"k": "fetch", "tag": tag, "names": list(names)})
 
 
-def _frame(header: dict) -> bytes:
-    body = msgpack.packb(header, use_bin_type=True)
+def _frame(header: Mapping[str, object]) -> bytes:
+    body: bytes = msgpack.packb(header, use_bin_type=True)
     return _LEN.pack(len(body)) + body
 
 

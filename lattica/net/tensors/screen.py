@@ -7,7 +7,7 @@ other member's slice of it. Before averaging, ``reduce_parts`` decides, once, wh
 slices count:
 
 1. always: a slice with a NaN or an infinity is excluded (shape and dtype were already checked
-   by the decoder). Any such value makes the sum of the slices non-finite, so with the default
+   by the decoder). Such a value makes the sum of the slices non-finite, so with the default
    screen the owner sums first and checks that sum in one pass; only when it is not finite are
    the slices checked one by one and summed again without the excluded ones;
 2. ``max_norm_ratio`` (10 in ``DEFAULT_SCREEN``): with at least three finite slices, one whose
@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -99,9 +99,9 @@ def reduce_parts(
         # the common case, on this thread as in ``_plain_mean_into``: finite parts of similar
         # norms give their plain mean; anything else takes the exact path below
         floats = [p.to(torch.float32) for p in parts]
-        if screen.max_norm_ratio is None or _no_norm_outlier([_norm(p) for p in floats], screen.max_norm_ratio):
-            if _plain_mean_into(out, floats):
-                return out, []
+        no_outlier = screen.max_norm_ratio is None or _no_norm_outlier([_norm(p) for p in floats], screen.max_norm_ratio)
+        if no_outlier and _plain_mean_into(out, floats):
+            return out, []
     rejected: list[Rejection] = []
     finite: list[int] = []
     for i, part in enumerate(parts):
@@ -219,6 +219,6 @@ def _all_finite(part: torch.Tensor) -> bool:
     return bool(torch.isfinite(part).all())
 
 
-def _median(values) -> float:
+def _median(values: Iterable[float]) -> float:
     ordered = sorted(values)
     return ordered[(len(ordered) - 1) // 2] if ordered else 0.0

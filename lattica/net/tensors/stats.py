@@ -34,7 +34,7 @@ class TrafficStats:
     def total_received(self) -> int:
         return sum(self.bytes_received.values())
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> dict[str, dict[str, dict[str, int]] | dict[str, int]]:
         """Plain nested dicts, ready for a metrics exporter or JSON."""
 
         def nest(counter: Counter[tuple[str, str]]) -> dict[str, dict[str, int]]:

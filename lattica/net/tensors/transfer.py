@@ -31,6 +31,7 @@ import logging
 import os
 import socket
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 import multiaddr
@@ -41,6 +42,7 @@ from libp2p.connection_types import ConnectionType
 from libp2p.crypto.keys import KeyPair
 from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
+from trio_typing import TaskStatus
 
 from lattica.errors import (
     BrokenError,
@@ -146,7 +148,7 @@ class TensorService:
     def peer_id(self) -> str:
         return self._peer_id
 
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             try:
@@ -243,7 +245,7 @@ class TensorService:
         else:
             self.mailbox.post((tag, peer, part), buffer)
 
-    def lease_scratch(self, nbytes: int):
+    def lease_scratch(self, nbytes: int) -> AbstractContextManager[torch.Tensor]:
         """A context manager lending a uint8 buffer of ``nbytes`` (see ``ScratchPool``)."""
         return self.scratch.lease(nbytes)
 
@@ -514,10 +516,7 @@ class TensorService:
     async def _handle_fast_setup(self, stream: INetStream) -> None:
         peer = str(stream.muxed_conn.peer_id)
         try:
-            request = await read_message(stream, max_size=4096, peer_id=peer)
-            their_nonce = request.get("nonce") if isinstance(request, dict) else None
-            if not isinstance(their_nonce, bytes) or len(their_nonce) != fastpath.NONCE_BYTES:
-                raise RemoteProtocolError("bad fast path request", peer_id=peer)
+            their_nonce = _fast_setup_nonce(await read_message(stream, max_size=4096, peer_id=peer), peer)
             if self.fast_port is None or self._is_banned(peer):
                 await write_message(stream, {"err": "no fast path"}, peer_id=peer)
                 return
@@ -617,11 +616,19 @@ def _least_busy(channels: list[fastpath.FastChannel]) -> fastpath.FastChannel:
     return min(channels, key=lambda c: c.send_lock.locked())
 
 
+def _fast_setup_nonce(request: object, peer: str) -> bytes:
+    """The initiator's nonce from a fast path request; ``RemoteProtocolError`` if malformed."""
+    their_nonce = request.get("nonce") if isinstance(request, dict) else None
+    if not isinstance(their_nonce, bytes) or len(their_nonce) != fastpath.NONCE_BYTES:
+        raise RemoteProtocolError("bad fast path request", peer_id=peer)
+    return their_nonce
+
+
 def _listen_host(host: IHost) -> str:
     for addr in host.get_addrs():
         for proto in ("ip4", "ip6"):
             try:
-                return addr.value_for_protocol(proto)
+                return str(addr.value_for_protocol(proto))
             except (multiaddr.exceptions.ProtocolLookupError, ValueError):
                 continue
     return "0.0.0.0"
