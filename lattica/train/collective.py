@@ -8,7 +8,7 @@ in memory, so the same strategy code is tested both ways.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 import trio
@@ -79,8 +79,8 @@ class StallGuardedCollective:
         return await self._guarded(self.inner.exchange, tensors, members=(peer,), peer=peer, tag=tag, codec=codec)
 
     async def _guarded(
-        self, op: Callable[..., Awaitable[list[torch.Tensor]]], /, *args: Any, members: Sequence[str],
-        **kwargs: Any,
+        self, op: Callable[..., Awaitable[list[torch.Tensor]]], /, *args: object, members: Sequence[str],
+        **kwargs: object,
     ) -> list[torch.Tensor]:
         result: list[torch.Tensor] | None = None
         others = [p for p in members if p != self.peer_id]
