@@ -123,3 +123,15 @@ def test_allreduce_stays_the_default_and_agrees() -> None:
     strategy = DiLoCo(scalar_model(0.0), collective=InMemoryCollectiveGroup(["a"]).member("a"), groups=FixedGroups(["a"]))
     assert strategy.config.averaging == "allreduce"
     assert strategy.replicas_agree
+
+
+def test_gossip_steps_with_noloco_momentum_unless_set() -> None:
+    """A small group's mean Δ is noisier than the global one: gossip takes NoLoCo's μ 0.5."""
+    assert DiLoCoConfig().outer_momentum == 0.9
+    assert DiLoCoConfig(averaging="gossip").outer_momentum == 0.5
+    assert DiLoCoConfig(averaging="gossip", outer_momentum=0.8).outer_momentum == 0.8
+    assert DiLoCoConfig(outer_momentum=0.0).momentum == 0.0
+    model = scalar_model(0.0)
+    strategy = DiLoCo(model, collective=InMemoryCollectiveGroup(["a"]).member("a"), groups=FixedGroups(["a"]),
+                      config=DiLoCoConfig(averaging="gossip"))
+    assert strategy.outer_optimizer.param_groups[0]["momentum"] == 0.5

@@ -58,22 +58,32 @@ log = logging.getLogger(__name__)
 class DiLoCoConfig:
     inner_steps: int = DEFAULT_INNER_STEPS
     outer_lr: float = 0.7
-    outer_momentum: float = 0.9
+    # None: 0.9 with all-reduce (DiLoCo's paper); 0.5 with gossip — NoLoCo's μ for steps on a
+    # small group's mean Δ, noisier than the global mean (docs/strategies.md, measured)
+    outer_momentum: float | None = None
     codec: str = "fp32"
     max_attempts: int = 3
     averaging: str = "allreduce"  # or "gossip": average inside small groups redrawn every round
     group_size: int = 2  # gossip: members per group
     exchange_timeout_s: float = 5.0  # gossip: the grace a partner has (the run setting group_grace_s)
 
+    @property
+    def momentum(self) -> float:
+        """The outer momentum in force (``outer_momentum``, or its default for ``averaging``)."""
+        assert self.outer_momentum is not None  # set in __post_init__
+        return self.outer_momentum
+
     def __post_init__(self) -> None:
         check_averaging(self.averaging, self.group_size)
+        if self.outer_momentum is None:
+            object.__setattr__(self, "outer_momentum", 0.5 if self.averaging == "gossip" else 0.9)
         if not self.exchange_timeout_s > 0:
             raise ValueError(f"DiLoCoConfig.exchange_timeout_s must be > 0, got {self.exchange_timeout_s}")
         if self.inner_steps < 1:
             raise ValueError(f"DiLoCoConfig.inner_steps must be >= 1, got {self.inner_steps}")
         if not self.outer_lr > 0:
             raise ValueError(f"DiLoCoConfig.outer_lr must be > 0, got {self.outer_lr}")
-        if not 0.0 <= self.outer_momentum < 1.0:
+        if not 0.0 <= self.momentum < 1.0:
             raise ValueError(
                 f"DiLoCoConfig.outer_momentum must be in [0, 1), got {self.outer_momentum}"
             )
@@ -151,7 +161,7 @@ class DiLoCo(EveryHSteps, AccountedStrategy):
         super().__init__(model, collective=collective, groups=groups)
         self.config = config or DiLoCoConfig()
         self._names, self._inner, self._outer = outer_copy(model)
-        self.outer_optimizer = nesterov_sgd(self._outer, self.config.outer_lr, self.config.outer_momentum)
+        self.outer_optimizer = nesterov_sgd(self._outer, self.config.outer_lr, self.config.momentum)
         self._round = 0  # index of the next sync; advances even when a round is skipped
         self._completed = 0
         self._step = 0  # inner step at which the last round ran
