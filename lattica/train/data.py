@@ -28,10 +28,9 @@ import json
 import os
 import sys
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -201,7 +200,7 @@ def _jsonl_documents(path: Path, field: str) -> list[tuple[str, bytes]]:
     return documents
 
 
-def _text_field(record: Any, field: str, where: str) -> bytes:
+def _text_field(record: object, field: str, where: str) -> bytes:
     if not isinstance(record, dict):
         raise ConfigError(f"{where}: expected a JSON object, got {type(record).__name__}")
     if field not in record:
@@ -351,11 +350,14 @@ class BatchSampler:
         while True:
             yield self.next_batch()
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, torch.Tensor]:
         return {"generator": self._generator.get_state()}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._generator.set_state(state["generator"])
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
+        generator = state["generator"]
+        if not isinstance(generator, torch.Tensor):
+            raise TypeError(f"sampler state 'generator' is {type(generator).__name__}, not a tensor")
+        self._generator.set_state(generator)
 
 
 def validation_batches(
