@@ -99,6 +99,10 @@ DIAL_ATTEMPTS = 3
 FAST_CONNECT_TIMEOUT_S = 20.0
 FAST_RETRY_S = 2.0
 WARM_NAME = "swarm-scale/warm"
+# a fast channel holds three frame-sized buffers (send, receive, plaintext) and asks for
+# frame-sized socket buffers: at the default 4 MiB, 8 peers of N = 32 in one process hold
+# 248 channels, ~3 GiB, and the kernel's OOM killer ended a worker; 1 MiB frames hold a quarter
+FAST_FRAME_BYTES = 1 << 20
 WORKER_SCRIPT = os.path.abspath(__file__)
 
 
@@ -226,7 +230,8 @@ class Worker:
             await self.stack.enter_async_context(host.run([listen]))
             await host.get_network().auto_connector.stop()  # we connect the swarm ourselves
             service = TensorService(host, key_pair, config=TensorServiceConfig(
-                fast_connect_timeout_s=FAST_CONNECT_TIMEOUT_S, fast_retry_s=FAST_RETRY_S))
+                fast_connect_timeout_s=FAST_CONNECT_TIMEOUT_S, fast_retry_s=FAST_RETRY_S,
+                fast_frame_bytes=FAST_FRAME_BYTES))
             await self.nursery.start(service.run)
             self.peers.append({"host": host, "service": service, "id": service.peer_id})
         return [{"peer_id": p["id"], "addr": f"{p['host'].get_addrs()[0]}"} for p in self.peers]
