@@ -12,17 +12,21 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
 
 from lattica.diagnostics import NodeFacts, PeerFacts
 from lattica.net.clock import measure_clocks
 from lattica.net.nat.observations import observations
 
+if TYPE_CHECKING:
+    from lattica.nat_service import NatService
+    from lattica.node import Node
+
 log = logging.getLogger(__name__)
 
 
 
-async def node_facts(node: Any) -> dict[str, Any]:
+async def node_facts(node: Node) -> dict[str, object]:
     """The ``doctor`` control request: this node's facts as JSON (``NodeFacts``).
 
     Served by the node itself, so it answers while bootstrap still runs (the services, and
@@ -69,7 +73,7 @@ async def node_facts(node: Any) -> dict[str, Any]:
     return dataclasses.asdict(facts)
 
 
-def _nat_services(node: Any) -> Any:
+def _nat_services(node: Node) -> NatService | None:
     if not getattr(node.config, "nat", False):
         return None
     from lattica.nat_service import NatService
@@ -77,7 +81,7 @@ def _nat_services(node: Any) -> Any:
     return next((e for e in node.services if isinstance(e, NatService)), None)
 
 
-def _last_transfers(node: Any) -> dict[str, tuple[int, float]]:
+def _last_transfers(node: Node) -> dict[str, tuple[int, float]]:
     """peer -> (bytes, Mbit/s) of the last large tensor message sent to it."""
     if getattr(node.config, "train", None) is None:
         return {}
@@ -90,7 +94,7 @@ def _last_transfers(node: Any) -> dict[str, tuple[int, float]]:
             for peer, (size, seconds) in training.tensors.stats.last_sent.items() if seconds > 0}
 
 
-def _member_reachability(node: Any) -> dict[str, str]:
+def _member_reachability(node: Node) -> dict[str, str]:
     from lattica.daemon import StateService
 
     state = next((e for e in node.services if isinstance(e, StateService)), None)
