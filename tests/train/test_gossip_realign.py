@@ -13,11 +13,12 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.peerinfo import info_from_p2p_addr
 
 from lattica.coordination.gossip import GossipGroups
-from lattica.coordination.groups import GossipGroupsConfig, draw_step_groups
+from lattica.coordination.groups import GossipGroupsConfig, SwarmStep, draw_step_groups
 from lattica.net.host import build_host
 from lattica.train.strategies.diloco import DiLoCo, DiLoCoConfig
+from lattica.train.strategies.gossip import realigned_round
 from lattica.train.strategies.noloco import NoLoCo, NoLoCoConfig
-from lattica_lab.collective import InMemoryCollectiveGroup, scalar_model
+from lattica_lab.collective import FixedGroups, InMemoryCollectiveGroup, scalar_model
 
 LOOPBACK = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]
 GRACE_S = 3.0  # generous: a loaded machine must not turn a hold or an exchange into a timeout
@@ -133,3 +134,24 @@ async def test_noloco_behind_jumps_to_the_swarms_step_and_keeps_the_offset() -> 
             fresh.load_outer_state_dict(state)
             assert fresh._round_offset == AHEAD - 1
             nursery.cancel_scope.cancel()
+
+
+class _Heard:
+    """What a ``GossipGroups`` learned: peers and the rounds they announced."""
+
+    def __init__(self, steps: dict[str, int]) -> None:
+        self.swarm = SwarmStep()
+        for peer, step in steps.items():
+            self.swarm.heard(peer, step)
+
+    def next_step(self) -> int | None:
+        return self.swarm.next_step(members=8)
+
+
+def test_only_a_replica_behind_the_swarm_jumps() -> None:
+    swarm = _Heard({"b": 5, "c": 5})  # the swarm has reached round 5
+    assert realigned_round(swarm, 5) == 5  # in step: about to sync round 5 as well
+    assert realigned_round(swarm, 6) == 6  # in step: the others head for round 6 too
+    assert realigned_round(swarm, 2) == 6  # behind: to the swarm's next round
+    assert realigned_round(_Heard({"x": 10**9, "b": 5}), 5) == 5  # a lone far announcement
+    assert realigned_round(FixedGroups(["a", "b"]), 2) == 2  # a provider without steps

@@ -47,7 +47,7 @@ from lattica.train.strategies.gossip import (
     consensus_distance,
     exchange_with_partners,
     group_mean,
-    swarm_next_step,
+    realigned_round,
 )
 from lattica.train.strategies.traffic import allreduce_bytes, payload_bytes
 
@@ -236,7 +236,7 @@ class DiLoCo(EveryHSteps, AccountedStrategy):
 
     async def _gossip_sync(self) -> OuterStepReport:
         """Average ``[φ, Δ]`` with this round's group, then step on the group's mean Δ."""
-        self._round = max(self._round, swarm_next_step(self.groups) or 0)  # behind: the swarm's step
+        self._round = realigned_round(self.groups, self._round)  # behind: the swarm's next round
         key, started = f"round/{self._round}", time.monotonic()
         self._round += 1
         me = self.collective.peer_id
@@ -321,7 +321,7 @@ def _check_tensors(
     what: str, given: Any, names: list[str], reference: list[torch.Tensor], *, require_all: bool
 ) -> None:
     if not isinstance(given, dict):
-        raise ValueError(f"outer state {what} must be a dict of tensors")
+        raise ValueError(f"outer state {what} must be a dict of tensors")  # noqa: TRY004 - callers report a ValueError as a checkpoint mismatch
     known = dict(zip(names, reference, strict=True))
     unknown = sorted(set(given) - set(known))
     if unknown:

@@ -13,9 +13,10 @@ need no agreed list.
 
 A replica that fell behind (it was frozen, cut off, or is slow) would otherwise draw one group
 after another for steps its partners have left, and average alone each time. Before each sync
-it asks the provider where the swarm goes next (``swarm_next_step``: ``GossipGroups.next_step``,
-from the steps partners announced) and, when that is past its own next key, jumps its key there,
-so it meets partners again at the next step. Only the key moves: its weights and momentum stay.
+it asks the provider where the swarm is (``realigned_round``: ``GossipGroups.next_step``, from
+the steps partners announced) and, when its own next key is below a round the swarm has already
+reached, jumps its key to the swarm's next round, so it meets partners again there. A replica in
+step (its key is the swarm's current round or the next) never jumps. Only the key moves: its weights and momentum stay.
 
 Replicas then differ. Their spread is measured where it costs nothing: at each exchange, before
 averaging, from the tensors exchanged anyway —
@@ -81,15 +82,30 @@ async def exchange_with_partners(
     return [answers[p] for p in partners if p in answers], set(partners) - set(answers)
 
 
+def realigned_round(groups: object, next_round: int) -> int:
+    """The round key to use instead of ``next_round``: the swarm's next round when this replica
+    is behind it — ``next_round`` below a round the swarm has already reached (vouched steps,
+    ``GossipGroups.next_step``) — else ``next_round`` itself. A replica in step with the swarm
+    (its key is the swarm's current or next round) never moves. A provider that does not know
+    the swarm's step (a fixed list, the round coordinator) leaves it as it is."""
+    next_step = getattr(groups, "next_step", None)
+    if not callable(next_step):
+        return next_round
+    ahead = next_step()
+    if not isinstance(ahead, int) or next_round >= ahead - 1:
+        return next_round
+    return ahead
+
+
 def swarm_next_step(groups: object) -> int | None:
-    """The step the swarm goes to next, where the ``GroupProvider`` knows it
-    (``GossipGroups.next_step``); None for a provider that does not (a fixed list, the round
-    coordinator)."""
+    """The round the swarm has reached (vouched steps, ``GossipGroups.next_step`` − 1), or None
+    where the provider does not know it; a replica whose key is below it may jump to it
+    (``realigned_round`` jumps one further, to the swarm's next round)."""
     next_step = getattr(groups, "next_step", None)
     if not callable(next_step):
         return None
-    step = next_step()
-    return step if isinstance(step, int) else None
+    ahead = next_step()
+    return ahead - 1 if isinstance(ahead, int) else None
 
 
 def group_mean(contributions: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:

@@ -15,7 +15,7 @@ Failure: a partner that is gone (``PeerUnavailableError``) or silent past the de
 out of the means; with nobody left the worker steps on its own Δ (n = 1, the γ term vanishes).
 No one waits on anyone outside their stripe, so a dead peer stalls at most its partners, and
 those only until the deadline. A worker that fell behind the swarm (frozen, slow) jumps its
-round keys to the swarm's next step (``gossip.swarm_next_step``) and pairs again there. Replicas are not identical: φ differs between workers.
+round keys to the swarm's next step (``gossip.realigned_round``) and pairs again there. Replicas are not identical: φ differs between workers.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from lattica.train.strategies.gossip import (
     consensus_distance,
     exchange_with_partners,
     group_mean,
-    swarm_next_step,
+    realigned_round,
 )
 from lattica.train.strategies.traffic import payload_bytes
 
@@ -138,12 +138,9 @@ class NoLoCo(EveryHSteps, AccountedStrategy):
     async def _outer_round(self, step_round: int) -> OuterStepReport:
         started = time.monotonic()
         # a replica that fell behind the swarm jumps its round keys to the swarm's next step
-        # (the offset stays: its steps count on from there); see gossip.swarm_next_step
-        round_number = step_round + self._round_offset
-        ahead = swarm_next_step(self.groups)
-        if ahead is not None and ahead > round_number:
-            self._round_offset += ahead - round_number
-            round_number = ahead
+        # (the offset stays: its steps count on from there); see gossip.realigned_round
+        round_number = realigned_round(self.groups, step_round + self._round_offset)
+        self._round_offset = round_number - step_round
         key = f"round/{round_number}"
         members = list(await self.groups.group_for(key))
         me = self.collective.peer_id
