@@ -379,6 +379,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per operation")
     parser.add_argument("--workers", type=int, default=WORKERS, help=f"in-process workers (default {WORKERS})")
     parser.add_argument(
+        "--set", action="append", default=[], metavar="METHOD.FIELD=VALUE", dest="overrides",
+        help="replace one field of a method's strategy config, for sweeps (repeatable), "
+        "e.g. --set demo.topk=64 --set sparseloco.error_decay=0.9",
+    )
+    parser.add_argument(
         "--measure-memory", action="store_true",
         help="each method in a forked child: peak resident memory per worker (<name>_peak_memory_bytes)",
     )
@@ -424,6 +429,11 @@ def main(argv: list[str] | None = None) -> int:
         f"tokens = {tokens} tokens per method, seed {args.seed}"
     )
     methods = _with_outer(known, args.outer_lr, args.outer_momentum)
+    try:
+        methods = with_overrides(methods, args.overrides)
+    except ValueError as exc:
+        print(f"error: --set: {exc}", file=sys.stderr)
+        return 2
     initial: dict[Callable[[int], torch.nn.Module], dict[str, torch.Tensor]] = {}
     if args.warm_start_steps > 0:
         for build in dict.fromkeys(methods[name].build_model for name in names):
@@ -530,6 +540,26 @@ def _with_outer(
         else m
         for name, m in methods.items()
     }
+
+
+def with_overrides(methods: dict[str, Method], overrides: list[str]) -> dict[str, Method]:
+    """``methods`` with ``METHOD.FIELD=VALUE`` applied to each named method's config (the value
+    parsed as the field's current type; the config validates it)."""
+    methods = dict(methods)
+    for item in overrides:
+        target, sep, raw = item.partition("=")
+        name, dot, key = target.partition(".")
+        if not sep or not dot or name not in methods:
+            raise ValueError(f"{item!r}: expected METHOD.FIELD=VALUE with METHOD one of {sorted(methods)}")
+        config = methods[name].config
+        if config is None:
+            raise ValueError(f"{item!r}: {name} runs without a config to change")
+        if key not in {f.name for f in dataclasses.fields(config)}:
+            raise ValueError(f"{item!r}: {type(config).__name__} has no field {key!r}")
+        current = getattr(config, key)
+        value: Any = raw.lower() in ("1", "true", "yes") if isinstance(current, bool) else type(current)(raw)
+        methods[name] = dataclasses.replace(methods[name], config=dataclasses.replace(config, **{key: value}))
+    return methods
 
 
 def summary_json(
