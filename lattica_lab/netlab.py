@@ -24,6 +24,7 @@ pid), then deletes its namespaces, which destroys their veths too.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -86,10 +87,8 @@ def _pid_alive(pid: int) -> bool:
 def _delete_namespace(ns: str) -> None:
     pids = _run(["ip", "netns", "pids", ns], check=False).split()
     for pid in pids:
-        try:
+        with contextlib.suppress(ProcessLookupError, ValueError):
             os.kill(int(pid), signal.SIGKILL)
-        except (ProcessLookupError, ValueError):
-            pass
     _run(["ip", "netns", "del", ns], check=False)
 
 
@@ -189,10 +188,8 @@ class LabProcess:
     def kill(self) -> None:
         if self.popen.poll() is None:
             self.popen.kill()
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.popen.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
 
 
 @dataclass

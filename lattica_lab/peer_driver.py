@@ -20,7 +20,7 @@ class PeerProcess:
         args = [sys.executable, "-m", "lattica_lab.peer_main"]
         if not fast:
             args.append("--no-fast")
-        self.stderr = tempfile.TemporaryFile()
+        self.stderr = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the process; closed in close()
         self.proc = subprocess.Popen(
             args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, text=True, bufsize=1,
             env=lab_env(),

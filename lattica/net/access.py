@@ -34,6 +34,7 @@ new connection — a restarted member — is verified afresh). We answer at most
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import logging
@@ -307,14 +308,12 @@ def _mode(access: RunAccess) -> str:
 
 
 async def _close_quietly(stream: INetStream) -> None:
-    try:
+    # best effort on a stream that may be gone; libp2p raises many kinds
+    with contextlib.suppress(Exception):
         await stream.close()
-    except Exception:  # noqa: BLE001 - best effort on a stream that may be gone; libp2p raises many kinds
-        pass
 
 
 async def _reset_quietly(stream: INetStream) -> None:
-    try:
+    # the stream may already be gone
+    with contextlib.suppress(Exception):
         await stream.reset()
-    except Exception:  # noqa: BLE001 - the stream may already be gone
-        pass

@@ -232,13 +232,16 @@ class Connectivity:
                 continue
             record = self.peer_book.get(key)
             errors: dict[str, str] = {}
-            if (record is None or not record.left) and await self._try_dial_addr(addr, errors):
-                if key in self.connected_ids():
-                    log.info("reconnected to bootstrap peer %s", key)
-                    delay = 1.0
-                    continue
-                # the dial "succeeded" but the connection is already gone (py-libp2p can
-                # return from connect() on a stale entry): back off like any failure
+            # a dial can "succeed" with the connection already gone (py-libp2p can return
+            # from connect() on a stale entry): that backs off like any failure
+            if (
+                (record is None or not record.left)
+                and await self._try_dial_addr(addr, errors)
+                and key in self.connected_ids()
+            ):
+                log.info("reconnected to bootstrap peer %s", key)
+                delay = 1.0
+                continue
             await trio.sleep(delay)
             delay = min(delay * 2, self.config.max_backoff_s)
 
@@ -304,18 +307,20 @@ class Connectivity:
             try:
                 with trio.fail_after(_DIAL_TIMEOUT_S):
                     await self._host.connect(PeerInfo(info.peer_id, direct))
-                return
             except Exception as exc:  # noqa: BLE001 - the relay addresses may still work
                 failure = exc
+            else:
+                return
         for addr in info.addrs:
             if "/p2p-circuit" not in str(addr):
                 continue
             try:
                 with trio.fail_after(_DIAL_TIMEOUT_S * 2):
                     await dial_circuit(self._host, addr)
-                return
             except Exception as exc:  # noqa: BLE001 - try the next relay
                 failure = exc
+            else:
+                return
         raise failure if failure is not None else LocalProtocolError("no address to dial")
 
     # -- connection watching and peer exchange ----------------------------------------------

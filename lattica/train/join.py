@@ -73,7 +73,7 @@ def read_manifest(flat: Mapping[str, torch.Tensor], *, peer_id: str | None = Non
     if blob.numel() > _MAX_MANIFEST_BYTES:
         raise RemoteProtocolError("outer-state manifest too large", peer_id=peer_id)
     try:
-        meta = json.loads(bytes(blob.tolist()).decode("utf-8"))
+        meta: dict[str, Any] = json.loads(bytes(blob.tolist()).decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError):
         raise RemoteProtocolError("outer-state manifest is not JSON", peer_id=peer_id) from None
     names = meta.get("tensors") if isinstance(meta, dict) else None

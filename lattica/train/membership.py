@@ -198,7 +198,7 @@ class UnservableClaims:
     def failed(self, claim: Claim, now: float) -> float:
         """Record a failed fetch of ``claim``; returns the back-off before it is offered again."""
         failures = self._claims.pop(claim, (0.0, 0))[1] + 1
-        period = min(self.max_s, self.base_s * 2 ** (failures - 1))
+        period = min(self.max_s, self.base_s * 2.0 ** (failures - 1))
         self._claims[claim] = (now + period, failures)
         while len(self._claims) > self.max_claims:
             self._claims.popitem(last=False)

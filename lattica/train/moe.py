@@ -64,7 +64,8 @@ class Expert(nn.Module):
         self.proj = nn.Linear(hidden, d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x)))
+        out: torch.Tensor = self.proj(F.gelu(self.fc(x)))
+        return out
 
 
 class MoEFeedForward(nn.Module):
@@ -107,7 +108,8 @@ class MoEBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
-        return x + self.moe(self.ln2(x))
+        out: torch.Tensor = x + self.moe(self.ln2(x))
+        return out
 
 
 class MoEGPT(GPT):

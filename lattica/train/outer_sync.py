@@ -130,10 +130,11 @@ class OuterStateSync:
                 with trio.fail_after(_PROBE_TIMEOUT_S):
                     manifest = await fetch(holder, [MANIFEST])
                     read_manifest(manifest, peer_id=holder)
-                self._probed.keep(holder, rnd, manifest)
-                return True
             except (LatticaError, trio.TooSlowError) as exc:
                 log.debug("holder %s does not serve round %d: %s", holder, rnd, exc)
+            else:
+                self._probed.keep(holder, rnd, manifest)
+                return True
         period = self._unservable.failed((rnd, digest), self.clock())
         log.warning("no holder serves the published state of round %d; ignoring that claim for %.0f s", rnd, period)
         return False

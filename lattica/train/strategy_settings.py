@@ -84,9 +84,10 @@ def strategy_config(settings: TrainSettings, *, members: tuple[str, ...] = ()) -
     if derive is not None:
         values.update(derive(settings, members))
     try:
-        return config_cls(**values)
+        config: object = config_cls(**values)
     except ValueError as exc:
         raise ConfigError(f"strategy {settings.strategy!r}: {exc}") from None
+    return config
 
 
 def contribution_screen(settings: TrainSettings) -> ContributionScreen:

@@ -119,7 +119,7 @@ def resolve_task(spec: str) -> Callable[[TaskContext], Task]:
         module = importlib.import_module(module_name)
     except Exception as exc:  # noqa: BLE001 - importing the task module runs user code, which may raise anything
         raise ConfigError(f"cannot import task module {module_name!r}: {exc}") from None
-    function = getattr(module, attr, None)
+    function: Callable[[TaskContext], Task] | None = getattr(module, attr, None)
     if function is None:
         raise ConfigError(f"task module {module_name!r} has no attribute {attr!r}")
     if not callable(function):

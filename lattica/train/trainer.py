@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 import trio
+from trio_typing import TaskStatus
 
 from lattica.errors import ConfigError
 from lattica.train.checkpoint import CheckpointStore, weights_hash
@@ -165,7 +166,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
 
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> TrainingSummary:
+    async def run(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> TrainingSummary:
         self._started, self._seconds = time.monotonic(), None
         try:
             async with trio.open_nursery() as nursery:
@@ -289,7 +290,7 @@ class Trainer:
             loss = self.task.loss_fn(self.model, x, y)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise ConfigError("the task's loss_fn must return a scalar tensor")
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward unannotated
         self.tokens += y.numel()
         self._window_tokens += y.numel()
         return float(loss.detach())

@@ -124,5 +124,5 @@ def test_a_name_that_is_no_field_is_refused(tmp_path: Path, source: str) -> None
         {"config_path": path, "environ": {}} if source == "file"
         else {"config_path": None, "environ": {"LATTICA_TRAIN_INNER_STEP": "5"}}
     )
-    with pytest.raises(ConfigError, match="unknown (key 'train.inner_step'|variable LATTICA_TRAIN_INNER_STEP)"):
+    with pytest.raises(ConfigError, match=r"unknown (key 'train\.inner_step'|variable LATTICA_TRAIN_INNER_STEP)"):
         build_node_config(flags={"data_dir": tmp_path}, **kwargs)

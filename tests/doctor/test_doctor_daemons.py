@@ -70,7 +70,7 @@ def test_daemon_report_names_paths_clock_and_the_failed_bootstrap(pair):
 def test_probe_before_joining_reaches_the_swarm(pair, tmp_path):
     a, _, _ = pair
     port = free_port()
-    code, report = doctor("--data-dir", str(tmp_path / "new"), "--peer", a.addr,
+    _code, report = doctor("--data-dir", str(tmp_path / "new"), "--peer", a.addr,
                           "--listen", f"/ip4/127.0.0.1/tcp/{port}")
     assert report["mode"] == "probe"
     [peer] = report["node"]["peers"]

@@ -19,7 +19,7 @@ from lattica.net.identity import peer_id_of
 from lattica.net.nat.circuit import parse_circuit_addr
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "net"))
-from standard_node import standard_node  # noqa: E402
+from standard_node import standard_node
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,5 +1,7 @@
 """Malformed messages on the NAT protocols are rejected; the node keeps serving."""
 
+import contextlib
+
 import multiaddr
 import pytest
 import trio
@@ -33,10 +35,9 @@ async def test_garbage_on_nat_protocols_is_rejected_without_crash():
                 with trio.move_on_after(3):
                     stream = await client.new_stream(server.get_id(), [proto])
                     await stream.write(junk)
-                    try:
+                    # a reset stream is an acceptable answer; libp2p raises many kinds
+                    with contextlib.suppress(Exception):
                         await stream.read(1024)
-                    except Exception:  # noqa: BLE001 - a reset stream is an acceptable answer; libp2p raises many kinds
-                        pass
                     await stream.close()
         # still serving: a fresh relay stream negotiates fine
         with trio.fail_after(5):

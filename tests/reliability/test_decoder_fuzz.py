@@ -9,6 +9,7 @@ allocate what a length prefix or a msgpack header merely claims. Tensor frames a
 
 from __future__ import annotations
 
+import contextlib
 import struct
 import tracemalloc
 from types import SimpleNamespace
@@ -83,10 +84,8 @@ def _framed(obj) -> bytes:
 def test_the_framing_survives_arbitrary_bytes(data, cut) -> None:
     async def main() -> None:
         with trio.fail_after(2):
-            try:
+            with contextlib.suppress(RemoteError):
                 await read_message(_Stream(data, cut), max_size=1024, peer_id=PEER)
-            except RemoteError:
-                pass
 
     trio.run(main)
 
@@ -123,10 +122,8 @@ def test_state_sync_messages_parse_or_raise_remote_errors(obj) -> None:
         except RemoteProtocolError:
             continue
         for raw in parsed or []:
-            try:
+            with contextlib.suppress(RemoteProtocolError):
                 envelope_from_wire(raw, max_update_bytes=1024, peer_id=PEER)
-            except RemoteProtocolError:
-                pass
 
 
 @given(st.dictionaries(
@@ -134,41 +131,31 @@ def test_state_sync_messages_parse_or_raise_remote_errors(obj) -> None:
 ))
 @FUZZ
 def test_envelopes_parse_or_are_rejected(obj) -> None:
-    try:
+    with contextlib.suppress(RemoteProtocolError):
         envelope_from_wire(obj, max_update_bytes=1024, peer_id=PEER)
-    except RemoteProtocolError:
-        pass
 
 
 @given(st.one_of(st.binary(max_size=200), values.map(lambda v: msgpack.packb(v, use_bin_type=True))))
 @FUZZ
 def test_dht_records_decode_or_are_invalid(raw) -> None:
-    try:
+    with contextlib.suppress(InvalidRecord):
         decode_record(raw, max_value_bytes=128)
-    except InvalidRecord:
-        pass
 
 
 @given(st.one_of(st.binary(max_size=200), values.map(lambda v: msgpack.packb(v, use_bin_type=True))))
 @FUZZ
 def test_msgpack_bodies_decode_or_raise_remote_errors(raw) -> None:
-    try:
+    with contextlib.suppress(RemoteProtocolError):
         decode_body(raw, peer_id=PEER)
-    except RemoteProtocolError:
-        pass
 
 
 @given(st.one_of(st.binary(max_size=200), values.map(lambda v: __import__("json").dumps(v, default=str).encode())))
 @FUZZ
 def test_control_api_lines_decode_or_are_refused(line) -> None:
-    try:
+    with contextlib.suppress(BadRequest):
         decode_request(line)
-    except BadRequest:
-        pass
-    try:
+    with contextlib.suppress(LocalProtocolError):
         decode_response(line)
-    except LocalProtocolError:
-        pass
 
 
 @given(messages)

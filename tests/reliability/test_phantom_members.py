@@ -147,8 +147,8 @@ async def test_a_connected_peer_the_gate_refuses_is_no_member_even_when_a_member
         async with trio.open_nursery() as nursery:
             a, a_state = await _gated_node(nursery, tmp_path / "a", secret=SECRET)
             a_addr = str(a.dialable_addrs()[0])
-            m, m_state = await _gated_node(nursery, tmp_path / "m", peers=(a_addr,), secret=SECRET)
-            x, x_state = await _gated_node(nursery, tmp_path / "x", peers=(a_addr,))  # no secret
+            _m, m_state = await _gated_node(nursery, tmp_path / "m", peers=(a_addr,), secret=SECRET)
+            _x, x_state = await _gated_node(nursery, tmp_path / "x", peers=(a_addr,))  # no secret
             await x_state.update_member(role="trainer")
             x_id, m_id = x_state.peer_id, m_state.peer_id
 

@@ -76,13 +76,15 @@ async def test_users_own_loop_on_two_real_nodes(tmp_path):
 
     out = {}
     with trio.fail_after(120):
-        async with open_node(_node_config(tmp_path / "a")) as first:
-            async with open_node(_node_config(tmp_path / "b", peers=first.addrs()[:1])) as second:
-                for node in (first, second):
-                    await node.wait_for_members(2)
-                async with trio.open_nursery() as nursery:
-                    for i, node in enumerate((first, second)):
-                        nursery.start_soon(_user_loop, node, i, out)
+        async with (
+            open_node(_node_config(tmp_path / "a")) as first,
+            open_node(_node_config(tmp_path / "b", peers=first.addrs()[:1])) as second,
+        ):
+            for node in (first, second):
+                await node.wait_for_members(2)
+            async with trio.open_nursery() as nursery:
+                for i, node in enumerate((first, second)):
+                    nursery.start_soon(_user_loop, node, i, out)
     (m0, o0, r0), (m1, o1, r1) = out[0], out[1]
     assert [r.round for r in r0] == [0, 1]
     for report in r0 + r1:

@@ -1,3 +1,4 @@
+import itertools
 import math
 
 import pytest
@@ -14,7 +15,7 @@ def test_warmup_then_cosine_to_floor():
     assert lr_multiplier(110, cfg) == pytest.approx(0.1)
     assert lr_multiplier(500, cfg) == pytest.approx(0.1)
     values = [lr_multiplier(s, cfg) for s in range(10, 111)]
-    assert all(a >= b for a, b in zip(values, values[1:], strict=False))
+    assert all(a >= b for a, b in itertools.pairwise(values))
 
 
 def test_validation():

@@ -75,7 +75,7 @@ def test_unset_settings_keep_the_strategy_defaults():
 
 
 def test_a_strategy_config_error_is_a_config_error():
-    with pytest.raises(ConfigError, match="strategy 'streaming'.*fragments"):
+    with pytest.raises(ConfigError, match=r"strategy 'streaming'.*fragments"):
         strategy_config(TrainSettings(strategy="streaming", inner_steps=51))
 
 

@@ -21,6 +21,7 @@ messages are capped at 64 KiB (a malformed request is logged and the stream clos
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 from dataclasses import dataclass
@@ -69,7 +70,7 @@ def retry_delay(config: AutoNATConfig, *, verdicts: int, fruitless_checks: int) 
     ``fruitless_checks`` checks in a row without one, ``first_retry`` doubled each time."""
     if verdicts:
         return config.recheck_interval
-    return min(config.first_retry * 2 ** max(fruitless_checks - 1, 0), config.recheck_interval)
+    return min(config.first_retry * 2.0 ** max(fruitless_checks - 1, 0), config.recheck_interval)
 
 
 class _FreshDialAutoNAT(AutoNATService):
@@ -90,11 +91,9 @@ class _FreshDialAutoNAT(AutoNATService):
                 except Exception as exc:  # noqa: BLE001 - network: any dial failure is a failed dial-back
                     logger.debug("dial-back %s at %s failed: %r", peer_id, addr, exc)
                     continue
-                with trio.CancelScope(shield=True):
-                    try:
-                        await conn.close()
-                    except Exception:  # noqa: BLE001 - best effort on a stream that may be gone; libp2p raises many kinds
-                        pass
+                # best effort on a connection that may be gone; libp2p raises many kinds
+                with trio.CancelScope(shield=True), contextlib.suppress(Exception):
+                    await conn.close()
                 return bytes(raw)
         return None
 
@@ -117,7 +116,7 @@ class ReachabilityService:
 
     async def run(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
-        signature: tuple = ()
+        signature: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
         next_check = trio.current_time()
         while True:
             current = self._signature()
@@ -133,7 +132,7 @@ class ReachabilityService:
                 next_check = trio.current_time() + retry
             await trio.sleep(self._config.poll_interval)
 
-    def _signature(self) -> tuple:
+    def _signature(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
         return (tuple(sorted(str(p) for p in self._direct_peers())), tuple(observed_ips(self._host)))
 
     def _direct_peers(self) -> list[ID]:

@@ -183,7 +183,7 @@ class Dialer:
                 if peer_id not in relayed:
                     del self._next_punch[peer_id]  # upgraded or gone: start over if relayed again
             for peer_id in relayed:
-                when, pause = self._next_punch.setdefault(
+                when, _pause = self._next_punch.setdefault(
                     peer_id, (now + self._retry_after, self._retry_after))
                 if when > now or peer_id in self._punching or me > peer_id.to_bytes():
                     continue

@@ -25,7 +25,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import trio
 from libp2p.abc import IHost
@@ -271,7 +271,7 @@ class RelayReservations:
         return tuple(addrs)
 
 
-def _as_list(conns: object) -> list:
+def _as_list(conns: object) -> list[Any]:
     if not conns:
         return []
     return conns if isinstance(conns, list) else [conns]

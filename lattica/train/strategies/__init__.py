@@ -37,7 +37,8 @@ def strategy_class(name: str) -> type[OuterStrategy]:
     except KeyError:
         raise ValueError(f"unknown strategy {name!r}; choose one of {sorted(STRATEGIES)}") from None
     module_name, _, class_name = target.partition(":")
-    return getattr(importlib.import_module(module_name), class_name)
+    cls: type[OuterStrategy] = getattr(importlib.import_module(module_name), class_name)
+    return cls
 
 
 def create_strategy(

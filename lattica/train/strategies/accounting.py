@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from lattica.train.strategies.base import OuterStrategy
+from lattica.train.collective import Collective
+from lattica.train.strategies.base import GroupProvider, OuterStrategy
 
 
 @dataclass
@@ -62,7 +63,9 @@ class AccountedStrategy(OuterStrategy):
     counted too (and so that SPES can drop the state of experts it stops owning).
     """
 
-    def __init__(self, model, *, collective, groups) -> None:
+    def __init__(
+        self, model: torch.nn.Module, *, collective: Collective, groups: GroupProvider
+    ) -> None:
         super().__init__(model, collective=collective, groups=groups)
         self.traffic = TrafficMeter()
         self.inner_optimizer: torch.optim.Optimizer | None = None
