@@ -175,7 +175,7 @@ def test_links_are_validated_and_a_dead_delay_line_cuts_the_link():
         assert _probe(lab, a.hosts[0], "rtt", "--host", b.hosts[0].ip, "--connects", "1",
                       "--pings", "3")["ping_median_ms"] >= 18
         link.process.kill()  # no delay line, no link: packets are never forwarded undelayed
-        with pytest.raises(RuntimeError, match="timed out|unreachable|No route"):
+        with pytest.raises(RuntimeError, match=r"timed out|unreachable|No route"):
             lab.run_in(a.hosts[0], [*PROBE, "rtt", "--host", b.hosts[0].ip, "--connects", "0",
                                     "--pings", "1"], timeout=20)
 
