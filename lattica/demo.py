@@ -20,6 +20,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Self
 
 from lattica.control import client
 from lattica.decoding import exact_int, finite_float, str_list, str_map
@@ -31,10 +32,16 @@ _START_TIMEOUT_S = 120.0
 _STOP_TIMEOUT_S = 10.0
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A loopback TCP port that was free a moment ago."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def lattica_command(*args: str) -> list[str]:
+    """``lattica ARGS...`` run by this interpreter (the CLI of the installed package)."""
+    return [sys.executable, "-m", "lattica.cli.main", *args]
 
 
 @dataclass
@@ -42,33 +49,48 @@ class DaemonProcess:
     """One ``lattica join`` process of the demo swarm, started the way a user starts it.
 
     Its output goes to ``daemon.log`` in its data dir; it is asked over its control socket; it
-    is ended by PID (SIGTERM, then SIGKILL after a grace period).
+    is ended by PID (SIGTERM, then SIGKILL after a grace period). ``join_args``, ``command`` and
+    ``environment`` say what is run, so a variant changes only the part it needs.
     """
 
     data_dir: Path
-    port: int = field(default_factory=_free_port)
+    port: int = field(default_factory=free_port)
     peers: tuple[str, ...] = ()
     extra_args: tuple[str, ...] = ()
     proc: subprocess.Popen[bytes] | None = None
+    listen_ip: str = "127.0.0.1"
 
     @property
     def log_path(self) -> Path:
         return self.data_dir / "daemon.log"
 
-    def start(self) -> DaemonProcess:
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        argv = [
-            sys.executable, "-m", "lattica.cli.main", "join",
+    def join_args(self) -> list[str]:
+        args = [
+            "join",
             "--data-dir", str(self.data_dir),
-            "--listen", f"/ip4/127.0.0.1/tcp/{self.port}",
+            "--listen", f"/ip4/{self.listen_ip}/tcp/{self.port}",
             "--metrics-addr", "off",
             "--bootstrap-timeout", "20",
             *self.extra_args,
         ]
         for peer in self.peers:
-            argv += ["--peer", peer]
-        with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+            args += ["--peer", peer]
+        return args
+
+    def command(self) -> list[str]:
+        return lattica_command(*self.join_args())
+
+    def environment(self) -> dict[str, str] | None:
+        """The daemon's environment; None: this process's own."""
+        return None
+
+    def start(self) -> Self:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log:  # a restarted daemon's log follows the one before
+            self.proc = subprocess.Popen(
+                self.command(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                env=self.environment(),
+            )
         return self
 
     def wait_ready(self, timeout: float) -> dict[str, object]:
@@ -98,15 +120,18 @@ class DaemonProcess:
         except OSError:
             return ""
 
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.kill(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(_STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+    def stop(self, timeout: float = _STOP_TIMEOUT_S) -> int | None:
+        """End the process (SIGTERM, then SIGKILL after ``timeout``); its exit status."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
 
 
 def run_demo(args: argparse.Namespace) -> int:

@@ -9,18 +9,16 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
-import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
-from lattica.control import client
-from lattica.errors import LatticaError
+from lattica import demo
+from lattica.demo import free_port, lattica_command
+
+__all__ = ["DaemonProcess", "cli_json", "free_port", "lattica_command", "run_cli", "wait_for"]
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float, interval: float = 0.25) -> Any:
@@ -34,16 +32,6 @@ def wait_for(predicate: Callable[[], Any], timeout: float, interval: float = 0.2
     return predicate()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def lattica_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "lattica.cli.main", *args]
-
-
 def run_cli(*args: str, timeout: float = 30.0, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         lattica_command(*args), capture_output=True, text=True, timeout=timeout, env=env
@@ -51,79 +39,35 @@ def run_cli(*args: str, timeout: float = 30.0, env: dict[str, str] | None = None
 
 
 @dataclass
-class DaemonProcess:
-    data_dir: Path
-    port: int = field(default_factory=free_port)
-    peers: tuple[str, ...] = ()
-    extra_args: tuple[str, ...] = ()
-    env: dict[str, str] | None = None
-    proc: subprocess.Popen[str] | None = None
-    log_path: Path | None = None
-    netns: str | None = None  # run inside this network namespace (a NetLab host)
-    listen_ip: str = "127.0.0.1"
+class DaemonProcess(demo.DaemonProcess):
+    """The product's daemon process (``lattica demo`` starts the same), with what tests need
+    beside it: extra environment, a network namespace to run in, signals and a hard kill."""
 
-    def start(self) -> DaemonProcess:
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        args = [
-            "join",
-            "--data-dir", str(self.data_dir),
-            "--listen", f"/ip4/{self.listen_ip}/tcp/{self.port}",
-            "--metrics-addr", "off",
-            "--bootstrap-timeout", "20",
-            *self.extra_args,
-        ]
-        for peer in self.peers:
-            args += ["--peer", peer]
-        self.log_path = self.data_dir / "daemon.log"
-        log = self.log_path.open("a")  # a restarted daemon's log follows the one before
-        env = {**os.environ, **(self.env or {})}
-        command = lattica_command(*args)
+    env: dict[str, str] | None = None
+    netns: str | None = None  # run inside this network namespace (a NetLab host)
+
+    def command(self) -> list[str]:
+        command = super().command()
         if self.netns is not None:  # `ip netns exec` execs the command: proc.pid is the daemon
             command = ["ip", "netns", "exec", self.netns, *command]
-        self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
-        log.close()
-        return self
+        return command
+
+    def environment(self) -> dict[str, str] | None:
+        return {**os.environ, **self.env} if self.env else None
 
     def wait_ready(self, timeout: float = 30.0) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"daemon exited with {self.proc.returncode}: {self.log()}")
-            try:
-                return self.call("status")
-            except LatticaError:
-                time.sleep(0.2)
-        raise TimeoutError(f"daemon in {self.data_dir} not ready after {timeout} s: {self.log()}")
+        return super().wait_ready(timeout)
 
     def call(self, method: str) -> Any:
-        return client.call(self.data_dir / "control.sock", method, timeout=10.0)
-
-    @property
-    def addr(self) -> str:
-        return self.call("id")["addrs"][0]
+        return super().call(method)
 
     @property
     def peer_id(self) -> str:
         return self.call("id")["peer_id"]
 
-    def log(self) -> str:
-        return self.log_path.read_text()[-4000:] if self.log_path and self.log_path.exists() else ""
-
     def signal(self, signum: int) -> None:
         if self.proc is not None and self.proc.poll() is None:
             os.kill(self.proc.pid, signum)
-
-    def stop(self, timeout: float = 10.0) -> int | None:
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

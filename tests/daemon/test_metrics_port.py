@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
 import urllib.request
 from pathlib import Path
 
 from lattica.config import DEFAULT_METRICS_ADDR
-from lattica_lab.daemons import DaemonProcess, free_port, lattica_command, run_cli, wait_for
+from lattica_lab.daemons import DaemonProcess, free_port, run_cli, wait_for
 
 
 def _clean_env() -> dict[str, str]:
@@ -20,17 +19,14 @@ def _clean_env() -> dict[str, str]:
 class DefaultDaemon(DaemonProcess):
     """``lattica join --data-dir D --listen L [--peer P]``: every other setting its default."""
 
-    def start(self) -> DefaultDaemon:
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+    def join_args(self) -> list[str]:
         args = ["join", "--data-dir", str(self.data_dir), "--listen", f"/ip4/127.0.0.1/tcp/{self.port}"]
         for peer in self.peers:
             args += ["--peer", peer]
-        self.log_path = self.data_dir / "daemon.log"
-        with self.log_path.open("a") as log:
-            self.proc = subprocess.Popen(
-                lattica_command(*args), stdout=log, stderr=subprocess.STDOUT, text=True, env=_clean_env()
-            )
-        return self
+        return args
+
+    def environment(self) -> dict[str, str] | None:
+        return _clean_env()
 
 
 def _hold_default_metrics_port() -> socket.socket | None:
