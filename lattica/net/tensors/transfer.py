@@ -6,6 +6,8 @@ Sending a message (``frames.py``) to a peer takes the fast channel (``fastpath.p
 peer is directly dialable, else a fresh libp2p stream on ``TENSOR_PROTOCOL`` (which also works
 relayed or hole-punched). A fast channel is set up lazily on first use; if the dial fails the
 peer is marked not directly dialable for ``fast_retry_s`` and libp2p streams carry its traffic.
+The setup handshake of a fast channel (both sides) is in ``fast_setup.py``; a libp2p stream is
+read and written as a channel through ``streams.StreamChannel``.
 
 Every incoming stream or channel gets a reader that drains it promptly into buffers reserved in
 the ``MemoryBudget`` (so a slow consumer never stalls yamux), and delivers complete ``put``
@@ -34,11 +36,9 @@ from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
-import multiaddr
 import torch
 import trio
 from libp2p.abc import IHost, INetStream
-from libp2p.connection_types import ConnectionType
 from libp2p.crypto.keys import KeyPair
 from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
@@ -51,7 +51,7 @@ from lattica.errors import (
     RemoteProtocolError,
 )
 from lattica.net.identity import peer_id_of
-from lattica.net.tensors import codecs, collectives, fastpath, frames
+from lattica.net.tensors import codecs, collectives, fast_setup, fastpath, frames
 from lattica.net.tensors.limits import (
     FetchAnswer,
     FetchGate,
@@ -62,6 +62,7 @@ from lattica.net.tensors.limits import (
 from lattica.net.tensors.mailbox import Key, Mailbox
 from lattica.net.tensors.screen import DEFAULT_SCREEN, ContributionScreen, Rejection
 from lattica.net.tensors.stats import TrafficStats
+from lattica.net.tensors.streams import StreamChannel, close_quietly, reset_quietly
 from lattica.net.wire import read_message, write_message
 
 log = logging.getLogger(__name__)
@@ -96,29 +97,6 @@ class TensorServiceConfig:
             raise ValueError("timeouts must be positive")
 
 
-class _StreamChannel:
-    """A libp2p stream seen as the same byte channel as a ``FastChannel``."""
-
-    def __init__(self, stream: INetStream, peer_id: str, chunk: int) -> None:
-        self._stream, self.peer_id, self._chunk = stream, peer_id, chunk
-
-    async def receive_some(self) -> bytes:
-        try:
-            return await self._stream.read(self._chunk)
-        except EOFError:
-            return b""
-        except Exception as exc:  # noqa: BLE001 - libp2p raises many kinds on a broken stream
-            raise BrokenError(f"stream broken: {exc!r}", peer_id=self.peer_id) from None
-
-    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        view = memoryview(data).cast("B")
-        try:
-            for start in range(0, len(view), self._chunk):
-                await self._stream.write(bytes(view[start : start + self._chunk]))
-        except Exception as exc:  # noqa: BLE001 - libp2p raises many kinds on a broken stream
-            raise BrokenError(f"stream broken: {exc!r}", peer_id=self.peer_id) from None
-
-
 class TensorService:
     """The data plane of one node. Start with ``await nursery.start(service.run)``."""
 
@@ -138,7 +116,7 @@ class TensorService:
         self._channels: dict[str, list[fastpath.FastChannel]] = {}
         self._no_fast_until: dict[str, float] = {}
         self._dial_locks: dict[str, trio.Lock] = {}
-        self._pending: dict[bytes, tuple[str, bytes, bytes, float]] = {}
+        self._pending = fast_setup.PendingSessions()
         self._banned_until: dict[str, float] = {}
         self._nursery: trio.Nursery | None = None
 
@@ -153,7 +131,7 @@ class TensorService:
             self._nursery = nursery
             try:
                 if self.config.fast_path:
-                    bind = self.config.fast_bind_host or _listen_host(self._host)
+                    bind = self.config.fast_bind_host or fast_setup.listen_host(self._host)
                     listeners = await trio.open_tcp_listeners(self.config.fast_port, host=bind)
                     self.fast_port = listeners[0].socket.getsockname()[1]
                     nursery.start_soon(trio.serve_listeners, self._accept_fast, listeners)
@@ -295,7 +273,7 @@ class TensorService:
             stream = await self._host.new_stream(ID.from_base58(peer), [TProtocol(TENSOR_PROTOCOL)])
         except Exception as exc:  # noqa: BLE001 - libp2p raises many kinds when a stream cannot be opened
             raise PeerUnavailableError(f"cannot open a tensor stream: {exc!r}", peer_id=peer) from None
-        channel = _StreamChannel(stream, peer, self.config.stream_chunk_bytes)
+        channel = StreamChannel(stream, peer, self.config.stream_chunk_bytes)
         pieces: tuple[bytes | memoryview, ...] = (header, *payloads)
         try:
             for piece in pieces:
@@ -303,7 +281,7 @@ class TensorService:
             await stream.close()
         except BaseException as exc:
             with trio.CancelScope(shield=True):
-                await _reset_quietly(stream)
+                await reset_quietly(stream)
             if isinstance(exc, BrokenError):
                 raise PeerUnavailableError(str(exc), peer_id=peer) from None
             raise
@@ -317,23 +295,23 @@ class TensorService:
             return None
         channels = self._open_channels(peer)
         if len(channels) >= self.config.fast_connections:
-            return _least_busy(channels)
+            return fast_setup.least_busy(channels)
         if self._no_fast_until.get(peer, 0.0) > trio.current_time():
-            return _least_busy(channels) if channels else None
+            return fast_setup.least_busy(channels) if channels else None
         lock = self._dial_locks.setdefault(peer, trio.Lock())
         async with lock:
             channels = self._open_channels(peer)
             if len(channels) >= self.config.fast_connections or any(
                 not c.send_lock.locked() for c in channels
             ):
-                return _least_busy(channels)
+                return fast_setup.least_busy(channels)
             try:
                 with trio.fail_after(self.config.fast_connect_timeout_s):
                     channel = await self._dial_fast(peer)
             except (trio.TooSlowError, OSError, BrokenError, RemoteProtocolError) as exc:
                 log.info("fast path to %s unavailable (%r); using libp2p streams", peer, exc)
                 self._no_fast_until[peer] = trio.current_time() + self.config.fast_retry_s
-                return _least_busy(channels) if channels else None
+                return fast_setup.least_busy(channels) if channels else None
             self._register(channel)
             return channel
 
@@ -343,23 +321,7 @@ class TensorService:
         return channels
 
     async def _dial_fast(self, peer: str) -> fastpath.FastChannel:
-        try:
-            stream = await self._host.new_stream(ID.from_base58(peer), [TProtocol(fastpath.FAST_PROTOCOL)])
-        except Exception as exc:  # noqa: BLE001 - libp2p raises many kinds when a stream cannot be opened
-            raise BrokenError(f"fast setup stream failed: {exc!r}", peer_id=peer) from None
-        try:
-            host = _observed_host(stream, peer)
-            nonce = os.urandom(fastpath.NONCE_BYTES)
-            await write_message(stream, {"nonce": nonce}, peer_id=peer)
-            reply = await read_message(stream, max_size=4096, peer_id=peer)
-        finally:
-            await _close_quietly(stream)
-        port, their_nonce, sid = _check_setup_reply(reply, peer)
-        k_out, k_in = fastpath.derive_keys(nonce, their_nonce, self._peer_id, peer, sid)
-        return await fastpath.connect(
-            host, port, sid, send_key=k_out, recv_key=k_in, peer_id=peer,
-            frame_bytes=self.config.fast_frame_bytes,
-        )
+        return await fast_setup.dial(self._host, peer, self._peer_id, frame_bytes=self.config.fast_frame_bytes)
 
     def _register(self, channel: fastpath.FastChannel) -> None:
         self._channels.setdefault(channel.peer_id, []).append(channel)
@@ -371,18 +333,18 @@ class TensorService:
     async def _handle_stream(self, stream: INetStream) -> None:
         peer = str(stream.muxed_conn.peer_id)
         if self._is_banned(peer):
-            await _reset_quietly(stream)
+            await reset_quietly(stream)
             return
-        channel = _StreamChannel(stream, peer, self.config.stream_chunk_bytes)
+        channel = StreamChannel(stream, peer, self.config.stream_chunk_bytes)
         try:
             await self._read_messages(channel, peer, "libp2p")
         except RemoteProtocolError as exc:
-            await _reset_quietly(stream)
+            await reset_quietly(stream)
             await self._drop(peer, exc)
         except BrokenError:
-            await _reset_quietly(stream)
+            await reset_quietly(stream)
         else:
-            await _close_quietly(stream)
+            await close_quietly(stream)
 
     async def _serve_channel(self, channel: fastpath.FastChannel) -> None:
         peer = channel.peer_id
@@ -516,21 +478,19 @@ class TensorService:
     async def _handle_fast_setup(self, stream: INetStream) -> None:
         peer = str(stream.muxed_conn.peer_id)
         try:
-            their_nonce = _fast_setup_nonce(await read_message(stream, max_size=4096, peer_id=peer), peer)
+            request = await read_message(stream, max_size=fast_setup.MAX_SETUP_MESSAGE, peer_id=peer)
+            their_nonce = fast_setup.setup_nonce(request, peer)
             if self.fast_port is None or self._is_banned(peer):
                 await write_message(stream, {"err": "no fast path"}, peer_id=peer)
                 return
-            nonce, sid = os.urandom(fastpath.NONCE_BYTES), os.urandom(fastpath.SESSION_ID_BYTES)
-            k_in, k_out = fastpath.derive_keys(their_nonce, nonce, peer, self._peer_id, sid)
-            self._expire_pending()
-            self._pending[sid] = (peer, k_out, k_in, trio.current_time() + fastpath.PENDING_TTL_S)
-            await write_message(stream, {"port": self.fast_port, "nonce": nonce, "sid": sid}, peer_id=peer)
+            reply = self._pending.offer(peer, their_nonce, self._peer_id, self.fast_port, trio.current_time())
+            await write_message(stream, reply, peer_id=peer)
         except RemoteProtocolError as exc:
             await self._drop(peer, exc)
         except BrokenError:
             pass
         finally:
-            await _close_quietly(stream)
+            await close_quietly(stream)
 
     async def _accept_fast(self, stream: trio.SocketStream) -> None:
         sock = stream.socket
@@ -538,12 +498,10 @@ class TensorService:
         channel = None
         try:
             with trio.move_on_after(fastpath.PENDING_TTL_S):
-                sid = await fastpath.read_session_id(sock)
-                self._expire_pending()
-                entry = self._pending.pop(sid, None) if sid else None
-                if entry is None:
+                session = self._pending.claim(await fastpath.read_session_id(sock), trio.current_time())
+                if session is None:
                     return
-                peer, k_out, k_in, _ = entry
+                peer, k_out, k_in = session
                 channel = fastpath.FastChannel(
                     sock, send_key=k_out, recv_key=k_in, peer_id=peer,
                     frame_bytes=self.config.fast_frame_bytes,
@@ -559,11 +517,6 @@ class TensorService:
             return
         self._channels.setdefault(channel.peer_id, []).append(channel)
         await self._serve_channel(channel)
-
-    def _expire_pending(self) -> None:
-        now = trio.current_time()
-        for sid in [s for s, entry in self._pending.items() if entry[3] < now]:
-            del self._pending[sid]
 
     # -- dropping misbehaving peers -------------------------------------------------------------
 
@@ -583,66 +536,3 @@ class TensorService:
                 await self._host.disconnect(ID.from_base58(peer))
             except Exception as err:  # noqa: BLE001 - best effort on the way out; libp2p raises many kinds
                 log.debug("disconnect from %s failed: %r", peer, err)
-
-
-def _observed_host(stream: INetStream, peer: str) -> str:
-    """The IP address the peer's live libp2p connection comes from: the only host its fast
-    channel is dialed at (a host the peer names could be anyone's). None for a relayed one."""
-    if stream.muxed_conn.get_connection_type() is ConnectionType.RELAYED:
-        raise BrokenError("relayed connection: no direct address for the fast path", peer_id=peer)
-    remote = stream.get_remote_address()
-    if not remote or not isinstance(remote[0], str) or not remote[0]:
-        raise BrokenError("no observed address to dial the fast path", peer_id=peer)
-    return remote[0]
-
-
-def _check_setup_reply(reply: object, peer: str) -> tuple[int, bytes, bytes]:
-    """The port, nonce and session id of a setup reply (a ``host`` in it is ignored)."""
-    if isinstance(reply, dict) and "err" in reply:
-        raise BrokenError(f"peer has no fast path: {reply.get('err')!r}", peer_id=peer)
-    if not isinstance(reply, dict):
-        raise RemoteProtocolError("bad fast path reply", peer_id=peer)
-    port, nonce, sid = reply.get("port"), reply.get("nonce"), reply.get("sid")
-    if type(port) is not int or not 0 < port < 65536:
-        raise RemoteProtocolError("bad fast path port", peer_id=peer)
-    if not isinstance(nonce, bytes) or len(nonce) != fastpath.NONCE_BYTES:
-        raise RemoteProtocolError("bad fast path nonce", peer_id=peer)
-    if not isinstance(sid, bytes) or len(sid) != fastpath.SESSION_ID_BYTES:
-        raise RemoteProtocolError("bad fast path session id", peer_id=peer)
-    return port, nonce, sid
-
-
-def _least_busy(channels: list[fastpath.FastChannel]) -> fastpath.FastChannel:
-    return min(channels, key=lambda c: c.send_lock.locked())
-
-
-def _fast_setup_nonce(request: object, peer: str) -> bytes:
-    """The initiator's nonce from a fast path request; ``RemoteProtocolError`` if malformed."""
-    their_nonce = request.get("nonce") if isinstance(request, dict) else None
-    if not isinstance(their_nonce, bytes) or len(their_nonce) != fastpath.NONCE_BYTES:
-        raise RemoteProtocolError("bad fast path request", peer_id=peer)
-    return their_nonce
-
-
-def _listen_host(host: IHost) -> str:
-    for addr in host.get_addrs():
-        for proto in ("ip4", "ip6"):
-            try:
-                return str(addr.value_for_protocol(proto))
-            except (multiaddr.exceptions.ProtocolLookupError, ValueError):
-                continue
-    return "0.0.0.0"
-
-
-async def _close_quietly(stream: INetStream) -> None:
-    try:
-        await stream.close()
-    except Exception as exc:  # noqa: BLE001 - best effort on a stream that may be gone; libp2p raises many kinds
-        log.debug("closing a stream failed: %r", exc)
-
-
-async def _reset_quietly(stream: INetStream) -> None:
-    try:
-        await stream.reset()
-    except Exception as exc:  # noqa: BLE001 - best effort on a stream that may be gone; libp2p raises many kinds
-        log.debug("resetting a stream failed: %r", exc)
