@@ -2,34 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
-
 import pytest
 import trio
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def _convergence() -> ModuleType:
-    name = "_bench_convergence"
-    if name in sys.modules:
-        return sys.modules[name]
-    if str(BENCHMARKS) not in sys.path:
-        sys.path.append(str(BENCHMARKS))
-    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / "convergence.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+from lattica_lab.benchmark_scripts import load
 
 
 def test_workers_size_the_swarm_and_spes_owners() -> None:
-    convergence = _convergence()
+    convergence = load("convergence")
     methods = convergence.all_methods(8)
     assert methods["spes"].config.members == tuple(f"worker-{i}" for i in range(8))
     gossip = methods["diloco_gossip"]
@@ -38,12 +18,12 @@ def test_workers_size_the_swarm_and_spes_owners() -> None:
 
 
 def test_too_few_workers_is_refused(capsys) -> None:
-    assert _convergence().main(["--workers", "1"]) == 2
+    assert load("convergence").main(["--workers", "1"]) == 2
     assert "--workers must be at least 2" in capsys.readouterr().err
 
 
 def test_gossip_on_four_workers_averages_in_pairs_and_reports_the_ratio(tmp_path) -> None:
-    convergence = _convergence()
+    convergence = load("convergence")
     corpus_path = tmp_path / "corpus.txt"
     corpus_path.write_text("".join(f"def f{i}(x):\n    return x * {i}\n\n" for i in range(3000)))
     corpus = convergence.load_corpus(convergence.DataConfig(source=str(corpus_path)))

@@ -9,41 +9,19 @@ still give the figures.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import math
-import sys
-from pathlib import Path
-from types import ModuleType
 
 import pytest
 
 from lattica.train.strategies import STRATEGIES
 from lattica.train.trainer import TrainingSummary
-
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def _load(name: str) -> ModuleType:
-    """A benchmark script as a module (the scripts are not a package)."""
-    module_name = f"_bench_{name}"
-    if module_name in sys.modules:
-        return sys.modules[module_name]
-    if str(BENCHMARKS) not in sys.path:  # as when run as a script: its helper `_checkout` importable
-        sys.path.append(str(BENCHMARKS))
-    spec = importlib.util.spec_from_file_location(module_name, BENCHMARKS / f"{name}.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    spec.loader.exec_module(module)
-    return module
-
+from lattica_lab.benchmark_scripts import load
 
 # ---------------------------------------------------------------------------- chaos
 
 
 def test_chaos_undisturbed_phase_that_did_not_finish_has_no_loss():
-    chaos = _load("chaos")
+    chaos = load("chaos")
     infos = [
         {"phase": "done", "rounds_completed": 240, "val_loss": 2.5},
         {"phase": "training", "rounds_completed": 97, "val_loss": None},
@@ -54,7 +32,7 @@ def test_chaos_undisturbed_phase_that_did_not_finish_has_no_loss():
 
 
 def test_chaos_phase_without_a_loss_or_with_a_non_finite_one_fails():
-    chaos = _load("chaos")
+    chaos = load("chaos")
     with pytest.raises(chaos.PhaseUnfinished, match="n0"):
         chaos.finished_loss("chaos", [{"phase": "done", "val_loss": None}])
     with pytest.raises(chaos.PhaseUnfinished, match="n0"):
@@ -64,7 +42,7 @@ def test_chaos_phase_without_a_loss_or_with_a_non_finite_one_fails():
 
 
 def test_chaos_finished_phase_gives_the_mean_loss():
-    chaos = _load("chaos")
+    chaos = load("chaos")
     infos = [{"phase": "done", "val_loss": 2.0}, {"phase": "done", "val_loss": 3.0}]
     assert chaos.finished_loss("chaos", infos) == pytest.approx(2.5)
 
@@ -90,7 +68,7 @@ def _overlap_row(wall: float, syncs: int, **changes) -> dict:
 
 def _overlap_results(**overrides) -> dict[str, list[dict]]:
     args = _overlap_args()
-    overlap = _load("overlap")
+    overlap = load("overlap")
     walls = {"nocomm": 20.0, "diloco": 25.0, "eager": 21.0, "streaming": 22.0}
     results = {
         name: [_overlap_row(walls[name], overlap.expected_syncs(name, args)) for _ in range(4)]
@@ -100,7 +78,7 @@ def _overlap_results(**overrides) -> dict[str, list[dict]]:
 
 
 def test_overlap_reports_utilization_against_no_communication_and_blocking():
-    overlap = _load("overlap")
+    overlap = load("overlap")
     out = overlap.summarize(_overlap_results(), _overlap_args())
     assert out["eager_util_vs_nocomm"] == pytest.approx(20.0 / 21.0, abs=1e-4)
     assert out["streaming_util_vs_nocomm"] == pytest.approx(20.0 / 22.0, abs=1e-4)
@@ -111,7 +89,7 @@ def test_overlap_reports_utilization_against_no_communication_and_blocking():
 
 
 def test_overlap_streaming_expects_every_fragment_sync_started():
-    overlap = _load("overlap")
+    overlap = load("overlap")
     # fragment 0 starts at 40, 80, 120; fragment 1 (offset H/2) at 60, 100 — never before H
     assert overlap.expected_syncs("streaming", _overlap_args()) == 5
     assert overlap.expected_syncs("eager", _overlap_args()) == 3
@@ -129,7 +107,7 @@ def test_overlap_streaming_expects_every_fragment_sync_started():
     ],
 )
 def test_overlap_unfinished_phase_fails_the_run(broken: dict, match: str):
-    overlap = _load("overlap")
+    overlap = load("overlap")
     rows = [_overlap_row(21.0, 3) for _ in range(4)]
     rows[2] = rows[2] | broken
     with pytest.raises(overlap.BenchmarkFailed, match=match):
@@ -137,7 +115,7 @@ def test_overlap_unfinished_phase_fails_the_run(broken: dict, match: str):
 
 
 def test_overlap_missing_phase_or_peer_fails_the_run():
-    overlap = _load("overlap")
+    overlap = load("overlap")
     results = _overlap_results()
     del results["streaming"]
     with pytest.raises(overlap.BenchmarkFailed, match="streaming"):
@@ -152,7 +130,7 @@ def test_overlap_missing_phase_or_peer_fails_the_run():
 
 
 def test_transfer_missing_rep_fails_and_complete_reps_give_ratios():
-    transfer = _load("transfer")
+    transfer = load("transfer")
     mib = 1 << 20
     reps = {"tcp": [(0.1, 0.05)] * 2, "fast": [(0.2, 0.1)] * 2, "libp2p": [(1.0, 0.9)] * 2}
     out = transfer.summarize(256 * mib, reps, 2)
@@ -170,7 +148,7 @@ def test_transfer_missing_rep_fails_and_complete_reps_give_ratios():
 
 
 def test_convergence_all_covers_every_registered_strategy():
-    convergence = _load("convergence")
+    convergence = load("convergence")
     methods = convergence.all_methods()
     assert set(STRATEGIES) <= set(methods)
     assert {m.strategy for m in methods.values()} == set(STRATEGIES)
@@ -184,7 +162,7 @@ def _summary(steps: int, val_loss: float | None) -> TrainingSummary:
 
 
 def test_convergence_method_that_did_not_finish_fails():
-    convergence = _load("convergence")
+    convergence = load("convergence")
     done = {i: _summary(100, 2.5) for i in range(convergence.WORKERS)}
     assert convergence.finished_losses("diloco", done, 100) == [2.5] * convergence.WORKERS
     with pytest.raises(convergence.BenchmarkFailed, match="worker 1 trained 50 of 100"):
@@ -196,7 +174,7 @@ def test_convergence_method_that_did_not_finish_fails():
 
 
 def test_convergence_rejects_an_unknown_strategy(capsys):
-    convergence = _load("convergence")
+    convergence = load("convergence")
     assert convergence.main(["--strategies", "nosuch"]) == 2
     assert "unknown strategies ['nosuch']" in capsys.readouterr().err
 
@@ -205,7 +183,7 @@ def test_convergence_rejects_an_unknown_strategy(capsys):
 
 
 def test_allreduce_member_that_did_not_finish_fails():
-    allreduce = _load("allreduce")
+    allreduce = load("allreduce")
     allreduce.check_replies("lattica", [{"ok": True, "seconds": 0.3}] * 4, 4)
     with pytest.raises(allreduce.BenchmarkFailed, match="member 1 did not finish"):
         allreduce.check_replies("lattica", [{"ok": True, "seconds": 0.3}, {"ok": False, "error": "deadline"}], 2)
@@ -214,7 +192,7 @@ def test_allreduce_member_that_did_not_finish_fails():
 
 
 def test_nat_matrix_scenario_that_raised_has_no_summary():
-    nat_matrix = _load("nat_matrix")
+    nat_matrix = load("nat_matrix")
     from lattica_lab.netlab import ScenarioResult
 
     fine = ScenarioResult("public<->public", direct_possible=True, connected=True, path="direct",
@@ -227,14 +205,14 @@ def test_nat_matrix_scenario_that_raised_has_no_summary():
 
 
 def test_dht_scale_failed_join_fails_the_growth_step():
-    dht_scale = _load("dht_scale")
+    dht_scale = load("dht_scale")
     dht_scale.check_grown(50, {0: {"peers": [], "failed_joins": []}, 1: {"peers": []}})
     with pytest.raises(dht_scale.BenchmarkFailed, match="growing to 50 nodes: 2 join"):
         dht_scale.check_grown(50, {0: {"failed_joins": ["join took over 60 s", "x"]}})
 
 
 def test_overlap_ratios_are_paired_within_a_cycle_and_the_median_over_cycles():
-    overlap = _load("overlap")
+    overlap = load("overlap")
     args = _overlap_args()
     args.cycles = 3
     # the no-communication reference drifts between cycles (14 s in the second, 20 s in the
