@@ -13,57 +13,37 @@ import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from lattica_lab.daemons import DaemonProcess, run_cli, wait_for
+from lattica_lab.training_daemons import (
+    TRAIN_ENV,
+    killed_at_end,
+    paired_syncs,
+    rounds_completed,
+    train_args,
+    training,
+)
 
 INNER_STEPS = 4
 GRACE_S = 3.0  # also what realigns peers started apart: the one ahead waits up to it for its partner
-ENV = {
-    "LATTICA_TRAIN_BATCH_SIZE": "4",
-    "LATTICA_TRAIN_SEQ_LEN": "32",
-    "LATTICA_TRAIN_WARMUP_STEPS": "2",
-    "LATTICA_TRAIN_ROUND_DEADLINE_S": "5",
-    "LATTICA_TRAIN_GROUP_GRACE_S": str(GRACE_S),
-    "OMP_NUM_THREADS": "1",  # several daemons share the cores
-}
-_SYNC = re.compile(r"sync round/(\d+) done with (\d+) member")
+ENV = {**TRAIN_ENV, "LATTICA_TRAIN_ROUND_DEADLINE_S": "5", "LATTICA_TRAIN_GROUP_GRACE_S": str(GRACE_S)}
 
 
 def _trainer(path: Path, *, rounds: int, peers: tuple[str, ...], min_peers: int, strategy: str) -> DaemonProcess:
     gossip = ("--averaging", "gossip") if strategy == "diloco" else ()
     args = (
-        "--train", "--model", "tiny", "--device", "cpu", "--log-level", "info", "--strategy", strategy,
-        *gossip, "--group-size", "2", "--rounds", str(rounds),
-        "--inner-steps", str(INNER_STEPS), "--min-peers", str(min_peers),
+        *train_args(strategy, rounds=rounds, inner_steps=INNER_STEPS, min_peers=min_peers),
+        *gossip, "--group-size", "2",
     )
     return DaemonProcess(path, peers=peers, extra_args=args, env=ENV)
 
 
-def _training(daemon: DaemonProcess) -> dict[str, Any]:
-    return daemon.call("status").get("training") or {"phase": "starting", "rounds_completed": 0}
-
-
-def _rounds(daemon: DaemonProcess) -> int:
-    return int(_training(daemon).get("rounds_completed") or 0)
-
-
-def _paired_syncs(daemon: DaemonProcess, offset: int = 0) -> int:
-    assert daemon.log_path is not None
-    return sum(1 for m in _SYNC.finditer(daemon.log_path.read_text()[offset:]) if int(m.group(2)) >= 2)
-
-
 @pytest.fixture
 def daemons() -> Iterator[list[DaemonProcess]]:
-    started: list[DaemonProcess] = []
-    try:
+    with killed_at_end() as started:
         yield started
-    finally:
-        for d in started:
-            d.signal(signal.SIGCONT)
-            d.kill()
 
 
 def _swarm(
@@ -85,42 +65,42 @@ def _swarm(
 def _frozen_peer_does_not_hold_the_others(
     swarm: list[DaemonProcess], *, freeze_s: float, align_s: float = 30.0
 ) -> None:
-    assert wait_for(lambda: all(_rounds(d) >= 1 for d in swarm), 60), [d.log() for d in swarm]
-    assert wait_for(lambda: all(_paired_syncs(d) >= 1 for d in swarm), align_s), [d.log() for d in swarm]
+    assert wait_for(lambda: all(rounds_completed(d) >= 1 for d in swarm), 60), [d.log() for d in swarm]
+    assert wait_for(lambda: all(paired_syncs(d) >= 1 for d in swarm), align_s), [d.log() for d in swarm]
     frozen, others = swarm[-1], swarm[:-1]
     frozen.signal(signal.SIGSTOP)
-    at_freeze = {d.data_dir: _rounds(d) for d in others}
+    at_freeze = {d.data_dir: rounds_completed(d) for d in others}
     started = time.monotonic()
     # every other peer keeps completing outer steps while one member is frozen (a round with
     # the frozen peer as partner costs at most the grace); frozen well beyond the grace
-    kept_going = wait_for(lambda: all(_rounds(d) >= at_freeze[d.data_dir] + 3 for d in others), 60)
-    progressed = {d.data_dir.name: _rounds(d) - at_freeze[d.data_dir] for d in others}
+    kept_going = wait_for(lambda: all(rounds_completed(d) >= at_freeze[d.data_dir] + 3 for d in others), 60)
+    progressed = {d.data_dir.name: rounds_completed(d) - at_freeze[d.data_dir] for d in others}
     assert kept_going, (progressed, time.monotonic() - started)
     time.sleep(max(0.0, freeze_s - (time.monotonic() - started)))
     assert frozen.log_path is not None
     resumed_at = len(frozen.log_path.read_text())
     frozen.signal(signal.SIGCONT)
     # it rejoins: completes rounds again, syncs in a group again, and measures the swarm's spread
-    before = _rounds(frozen)
-    assert wait_for(lambda: _rounds(frozen) >= before + 2, 30), frozen.log()
-    assert wait_for(lambda: _paired_syncs(frozen, resumed_at) >= 1, 30), frozen.log()
-    spreads = [_training(d).get("consensus_distance") for d in swarm]
+    before = rounds_completed(frozen)
+    assert wait_for(lambda: rounds_completed(frozen) >= before + 2, 30), frozen.log()
+    assert wait_for(lambda: paired_syncs(frozen, resumed_at) >= 1, 30), frozen.log()
+    spreads = [training(d).get("consensus_distance") for d in swarm]
     assert all(s is not None and 0 <= s < 0.5 for s in spreads), spreads
     for d in swarm:
-        info = _training(d)
+        info = training(d)
         assert info["averaging"] == "gossip"
         assert info["replicas_agree"] is False
 
 
 def test_four_gossip_daemons_keep_training_while_one_is_frozen(tmp_path: Path, daemons: list[DaemonProcess]) -> None:
     swarm = _swarm(tmp_path, daemons, 3, rounds=400)
-    assert wait_for(lambda: all(_rounds(d) >= 2 for d in swarm), 90), [d.log() for d in swarm]
+    assert wait_for(lambda: all(rounds_completed(d) >= 2 for d in swarm), 90), [d.log() for d in swarm]
     # a joiner adopts the newest published replica (replicas differ: no majority hash), then gossips
     joiner = _trainer(tmp_path / "p3", rounds=400, peers=(swarm[0].addr,), min_peers=3, strategy="diloco").start()
     daemons.append(joiner)
     joiner.wait_ready(60)
     assert wait_for(lambda: "adopted outer state of round" in joiner.log(), 60), joiner.log()
-    assert _rounds(joiner) >= 2
+    assert rounds_completed(joiner) >= 2
     _frozen_peer_does_not_hold_the_others([*swarm, joiner], freeze_s=4 * GRACE_S)
     status = run_cli("status", "--data-dir", str(joiner.data_dir))
     assert status.returncode == 0, status.stderr
@@ -136,13 +116,13 @@ def test_eight_gossip_daemons_keep_training_while_one_is_frozen(tmp_path: Path, 
 def test_noloco_daemons_pair_up_without_a_coordinator(tmp_path: Path, daemons: list[DaemonProcess]) -> None:
     """NoLoCo as its paper defines it: groups of 2 from the round number, no global blocking."""
     swarm = _swarm(tmp_path, daemons, 3, rounds=400, strategy="noloco")
-    assert wait_for(lambda: all(_rounds(d) >= 2 for d in swarm), 90), [d.log() for d in swarm]
-    assert wait_for(lambda: all(_paired_syncs(d) >= 1 for d in swarm), 60), [d.log() for d in swarm]
+    assert wait_for(lambda: all(rounds_completed(d) >= 2 for d in swarm), 90), [d.log() for d in swarm]
+    assert wait_for(lambda: all(paired_syncs(d) >= 1 for d in swarm), 60), [d.log() for d in swarm]
     for d in swarm:
-        info = _training(d)
+        info = training(d)
         assert info["averaging"] == "gossip"
         assert info["replicas_agree"] is False
-    spreads = [_training(d).get("consensus_distance") for d in swarm]
+    spreads = [training(d).get("consensus_distance") for d in swarm]
     assert all(s is not None and 0 <= s < 0.5 for s in spreads), spreads
 
 

@@ -9,59 +9,35 @@ were never published): they stayed a round apart for the rest of the run.
 
 from __future__ import annotations
 
-import re
 import signal
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from lattica_lab.daemons import DaemonProcess, cli_json, wait_for
+from lattica_lab.training_daemons import (
+    TRAIN_ENV,
+    killed_at_end,
+    log_from,
+    sync_members,
+    train_args,
+    training,
+)
 
 INNER_STEPS = 5
-ENV = {
-    "LATTICA_TRAIN_BATCH_SIZE": "4",
-    "LATTICA_TRAIN_SEQ_LEN": "32",
-    "LATTICA_TRAIN_WARMUP_STEPS": "2",
-    "LATTICA_TRAIN_ROUND_DEADLINE_S": "3",
-    "OMP_NUM_THREADS": "1",  # several daemons share the cores
-}
-_SYNC = re.compile(r"sync round/(\d+) done with (\d+) member")
+ENV = {**TRAIN_ENV, "LATTICA_TRAIN_ROUND_DEADLINE_S": "3"}
 
 
 def _trainer(path: Path, *, rounds: int, peers: tuple[str, ...] = (), min_peers: int = 3) -> DaemonProcess:
-    args = (
-        "--train", "--model", "tiny", "--device", "cpu", "--log-level", "info", "--strategy", "diloco",
-        "--rounds", str(rounds), "--inner-steps", str(INNER_STEPS), "--min-peers", str(min_peers),
-    )
+    args = train_args("diloco", rounds=rounds, inner_steps=INNER_STEPS, min_peers=min_peers)
     return DaemonProcess(path, peers=peers, extra_args=args, env=ENV)
 
 
-def _training(daemon: DaemonProcess) -> dict[str, Any]:
-    return daemon.call("status").get("training") or {"phase": "starting", "rounds_completed": 0}
-
-
-def _log_from(daemon: DaemonProcess, offset: int) -> str:
-    """The daemon log from ``offset`` on (a restarted daemon appends to it)."""
-    assert daemon.log_path is not None
-    return daemon.log_path.read_text()[offset:]
-
-
-def _syncs(log: str) -> list[int]:
-    """The number of members of each completed sync, in order."""
-    return [int(m.group(2)) for m in _SYNC.finditer(log)]
-
-
 @pytest.fixture
-def daemons(tmp_path: Path) -> Iterator[list[DaemonProcess]]:
-    started: list[DaemonProcess] = []
-    try:
+def daemons() -> Iterator[list[DaemonProcess]]:
+    with killed_at_end() as started:
         yield started
-    finally:
-        for d in started:
-            d.signal(signal.SIGCONT)
-            d.kill()
 
 
 def test_a_restarted_peer_a_round_behind_syncs_with_the_survivor_again(
@@ -75,25 +51,25 @@ def test_a_restarted_peer_a_round_behind_syncs_with_the_survivor_again(
     daemons.extend([b, c])
     for d in (b, c):
         d.wait_ready(60)
-    assert wait_for(lambda: all(_training(d)["rounds_completed"] >= 1 for d in (a, b, c)), 90), a.log()
+    assert wait_for(lambda: all(training(d)["rounds_completed"] >= 1 for d in (a, b, c)), 90), a.log()
     # c freezes: its connections stay up, so the others take it for a trainer whose link was
     # cut, and the rounds a runs alone from now on stay its own (not published) — as they do
     # while the lease of a killed peer runs out, only here for longer than b takes to restart
     c.signal(signal.SIGSTOP)
     b.kill()
-    survivor_at = _training(a)["rounds_completed"]
-    assert wait_for(lambda: _training(a)["rounds_completed"] > survivor_at, 30), a.log()  # a round alone
+    survivor_at = training(a)["rounds_completed"]
+    assert wait_for(lambda: training(a)["rounds_completed"] > survivor_at, 30), a.log()  # a round alone
     assert b.log_path is not None
     restart = len(b.log_path.read_text())
     b.start().wait_ready(60)
     # within a few rounds of its restart b syncs with a again, and keeps doing so
-    together = wait_for(lambda: 2 in _syncs(_log_from(b, restart)), 60)
-    syncs = _syncs(_log_from(b, restart))
+    together = wait_for(lambda: 2 in sync_members(log_from(b, restart)), 60)
+    syncs = sync_members(log_from(b, restart))
     assert together, (syncs, b.log(), a.log())
     assert syncs.index(2) <= 3, syncs
-    assert wait_for(lambda: _syncs(_log_from(b, restart)).count(2) >= 3, 45), (_syncs(_log_from(b, restart)), b.log())
+    assert wait_for(lambda: sync_members(log_from(b, restart)).count(2) >= 3, 45), (sync_members(log_from(b, restart)), b.log())
     # and they end on one state
-    assert wait_for(lambda: all(_training(d)["phase"] == "done" for d in (a, b)), 120), (a.log(), b.log())
+    assert wait_for(lambda: all(training(d)["phase"] == "done" for d in (a, b)), 120), (a.log(), b.log())
 
     def final_hashes() -> set[str] | None:
         progress = cli_json("state", "--data-dir", str(a.data_dir))["progress"]
@@ -121,16 +97,16 @@ def test_a_peer_restarted_after_the_run_ended_takes_the_final_state(
     b = _trainer(tmp_path / "b", rounds=rounds, min_peers=2, peers=(a.addr,)).start()
     daemons.append(b)
     b.wait_ready(60)
-    assert wait_for(lambda: all(_training(d)["rounds_completed"] >= 1 for d in (a, b)), 90), a.log()
+    assert wait_for(lambda: all(training(d)["rounds_completed"] >= 1 for d in (a, b)), 90), a.log()
     b.kill()
-    assert wait_for(lambda: _training(a)["phase"] == "done", 90), a.log()
+    assert wait_for(lambda: training(a)["phase"] == "done", 90), a.log()
     assert a.log_path is not None
     assert b.log_path is not None
     a_done, restart = len(a.log_path.read_text()), len(b.log_path.read_text())
     b.start().wait_ready(60)
-    assert wait_for(lambda: _training(b)["phase"] == "done", 90), b.log()
-    log = _log_from(b, restart)
+    assert wait_for(lambda: training(b)["phase"] == "done", 90), b.log()
+    log = log_from(b, restart)
     assert f"adopted outer state of round {rounds}" in log, log
     assert "could not fetch" not in log, log
-    assert _syncs(log) == [], log  # no round trained again
-    assert "adopted" not in _log_from(a, a_done), a.log()
+    assert sync_members(log) == [], log  # no round trained again
+    assert "adopted" not in log_from(a, a_done), a.log()

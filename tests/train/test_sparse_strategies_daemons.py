@@ -10,79 +10,37 @@ import re
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from lattica_lab.daemons import DaemonProcess, cli_json, free_port, wait_for
+from lattica_lab.daemons import DaemonProcess, free_port
+from lattica_lab.training_daemons import (
+    TRAIN_ENV,
+    final_hashes,
+    killed_at_end,
+    train_args,
+    wait_done,
+)
 
 INNER_STEPS = 5
-TRAIN_ENV = {
-    "LATTICA_TRAIN_BATCH_SIZE": "4",
-    "LATTICA_TRAIN_SEQ_LEN": "32",
-    "LATTICA_TRAIN_WARMUP_STEPS": "2",
-    "OMP_NUM_THREADS": "1",
-}
 
 
 @pytest.fixture
-def started(tmp_path: Path) -> Iterator[list[DaemonProcess]]:
-    daemons: list[DaemonProcess] = []
-    try:
+def started() -> Iterator[list[DaemonProcess]]:
+    with killed_at_end() as daemons:
         yield daemons
-    finally:
-        for d in daemons:
-            d.kill()
 
 
 def _start(root: Path, names: list[str], strategy: str, rounds: int, daemons: list[DaemonProcess],
            metrics_port: int) -> None:
     for i, name in enumerate(names):
-        args = (
-            "--train", "--model", "tiny", "--device", "cpu", "--log-level", "info", "--strategy", strategy,
-            "--rounds", str(rounds), "--inner-steps", str(INNER_STEPS), "--min-peers", str(len(names)),
-        )
+        args = train_args(strategy, rounds=rounds, inner_steps=INNER_STEPS, min_peers=len(names))
         if i == 0:
             args += ("--metrics-addr", f"127.0.0.1:{metrics_port}")
         peers = (daemons[0].addr,) if daemons else ()
         daemon = DaemonProcess(root / name, peers=peers, extra_args=args, env=TRAIN_ENV).start()
         daemons.append(daemon)
         daemon.wait_ready(timeout=60)
-
-
-def _training(daemon: DaemonProcess) -> dict[str, Any]:
-    return daemon.call("status").get("training") or {"phase": "starting", "rounds_completed": 0}
-
-
-def _done(daemons: list[DaemonProcess], timeout: float) -> list[dict[str, Any]]:
-    def all_done() -> list[dict[str, Any]] | None:
-        infos = [_training(d) for d in daemons]
-        for d, info in zip(daemons, infos, strict=True):
-            assert info["phase"] != "failed", (info, d.log())
-        return infos if all(i["phase"] == "done" for i in infos) else None
-
-    infos = wait_for(all_done, timeout)
-    assert infos, [d.log()[-4000:] for d in daemons]
-    return infos
-
-
-def _final_hashes(daemons: list[DaemonProcess], rounds: int) -> set[str]:
-    ids = [d.peer_id for d in daemons]
-
-    def converged() -> set[str] | None:
-        seen: set[str] = set()
-        for d in daemons:
-            progress = cli_json("state", "--data-dir", str(d.data_dir))["progress"]
-            for peer in ids:
-                record = progress.get(peer) or {}
-                if record.get("round") != rounds:
-                    return None
-                seen.add(record["weights_hash"])
-        return seen
-
-    hashes = wait_for(converged, timeout=20, interval=0.5)
-    assert hashes, [cli_json("state", "--data-dir", str(d.data_dir))["progress"] for d in daemons]
-    return hashes
 
 
 def _metric(daemon: DaemonProcess, name: str) -> float:
@@ -105,9 +63,9 @@ def test_three_daemons_stay_bit_identical(tmp_path: Path, started: list[DaemonPr
                                           rounds: int) -> None:
     port = free_port()
     _start(tmp_path, ["a", "b", "c"], strategy, rounds, started, port)
-    infos = _done(started, timeout=120)
+    infos = wait_done(started, timeout=120)
     assert [i["rounds_completed"] for i in infos] == [rounds] * 3, infos
-    assert len(_final_hashes(started, rounds)) == 1
+    assert len(final_hashes(started, rounds)) == 1
     # at least one sync with all three over the real data plane; on a loaded machine a member
     # can still run a round alone (a coordinator counts a member whose first publication has
     # not reached it yet as behind), and the daemon's catch-up then adopts the swarm's state:

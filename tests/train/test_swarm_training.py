@@ -17,31 +17,16 @@ import pytest
 
 from lattica_lab.daemons import DaemonProcess, cli_json, free_port
 from lattica_lab.daemons import wait_for as _wait_for
+from lattica_lab.training_daemons import TRAIN_ENV, final_hashes, train_args, training, wait_done
 
 INNER_STEPS = 5
-TRAIN_ENV = {
-    "LATTICA_TRAIN_BATCH_SIZE": "4",
-    "LATTICA_TRAIN_SEQ_LEN": "32",
-    "LATTICA_TRAIN_WARMUP_STEPS": "2",
-    "OMP_NUM_THREADS": "1",  # several daemons share the cores
-}
-
-
-
-
-def _training(daemon: DaemonProcess) -> dict[str, Any]:
-    # the control socket answers before the daemon's services (training among them) start
-    return daemon.call("status").get("training") or {"phase": "starting", "rounds_completed": 0}
 
 
 def _trainer(
     path: Path, *, rounds: int, min_peers: int, peers: tuple[str, ...] = (), env: dict[str, str] | None = None,
     strategy: str = "diloco", metrics_port: int | None = None,
 ) -> DaemonProcess:
-    args = (
-        "--train", "--model", "tiny", "--device", "cpu", "--log-level", "info", "--strategy", strategy,
-        "--rounds", str(rounds), "--inner-steps", str(INNER_STEPS), "--min-peers", str(min_peers),
-    )
+    args = train_args(strategy, rounds=rounds, inner_steps=INNER_STEPS, min_peers=min_peers)
     if metrics_port is not None:
         args += ("--metrics-addr", f"127.0.0.1:{metrics_port}")
     return DaemonProcess(path, peers=peers, extra_args=args, env={**TRAIN_ENV, **(env or {})})
@@ -85,48 +70,16 @@ def swarm(tmp_path: Path) -> Iterator[Swarm]:
         s.kill_all()
 
 
-def _wait_done(daemons: list[DaemonProcess], timeout: float) -> list[dict[str, Any]]:
-    def all_done() -> list[dict[str, Any]] | None:
-        infos = [_training(d) for d in daemons]
-        for d, info in zip(daemons, infos, strict=True):
-            assert info["phase"] != "failed", (info, d.log())
-        return infos if all(i["phase"] == "done" for i in infos) else None
-
-    infos = _wait_for(all_done, timeout)
-    assert infos, "\n\n".join(f"{_training(d)}\n{d.log()}" for d in daemons)
-    return infos
-
-
-def _final_hashes(daemons: list[DaemonProcess], rounds: int) -> set[str]:
-    """Each node's view, through ``lattica state --json``, of every node's hash at ``rounds``."""
-    ids = [d.peer_id for d in daemons]
-
-    def converged() -> set[str] | None:
-        seen: set[str] = set()
-        for d in daemons:
-            progress = cli_json("state", "--data-dir", str(d.data_dir))["progress"]
-            for peer in ids:
-                record = progress.get(peer) or {}
-                if record.get("round") != rounds:
-                    return None
-                seen.add(record["weights_hash"])
-        return seen
-
-    hashes = _wait_for(converged, timeout=15, interval=0.5)
-    assert hashes, [cli_json("state", "--data-dir", str(d.data_dir))["progress"] for d in daemons]
-    return hashes
-
-
 def _final_val_loss(daemons: list[DaemonProcess]) -> float:
     """The summary's val loss, once every replica reports the same: one that adopted the final
     state after its run (its last round ran alone or failed) validates it before reporting it."""
 
     def agreed() -> set[Any] | None:
-        losses = {(_training(d).get("summary") or {}).get("val_loss") for d in daemons}
+        losses = {(training(d).get("summary") or {}).get("val_loss") for d in daemons}
         return losses if len(losses) == 1 else None
 
     losses = _wait_for(agreed, timeout=30, interval=0.5)
-    assert losses, [_training(d) for d in daemons]
+    assert losses, [training(d) for d in daemons]
     (val_loss,) = losses
     assert val_loss is not None
     return val_loss
@@ -134,12 +87,12 @@ def _final_val_loss(daemons: list[DaemonProcess]) -> float:
 
 def test_three_daemons_end_with_identical_outer_weights(swarm: Swarm) -> None:
     daemons = swarm.start_many(["a", "b", "c"], rounds=3, min_peers=3)
-    infos = _wait_done(daemons, timeout=90)
+    infos = wait_done(daemons, timeout=90)
     assert [i["rounds_completed"] for i in infos] == [3, 3, 3]
-    assert len(_final_hashes(daemons, rounds=3)) == 1
+    assert len(final_hashes(daemons, rounds=3)) == 1
     # `lattica status` after the run: the val loss of the final replicated weights, everywhere
     val_loss = _final_val_loss(daemons)
-    assert all(_training(d)["val_loss"] == round(val_loss, 4) for d in daemons)
+    assert all(training(d)["val_loss"] == round(val_loss, 4) for d in daemons)
     # every round ran with all three members: nobody trained alone
     for d in daemons:
         assert "sealed without" not in d.log(), d.log()
@@ -148,19 +101,19 @@ def test_three_daemons_end_with_identical_outer_weights(swarm: Swarm) -> None:
 def test_joiner_fetches_the_outer_state_and_ends_identical(swarm: Swarm) -> None:
     rounds = 10
     first = swarm.start_many(["a", "b", "c"], rounds=rounds, min_peers=3)
-    assert _wait_for(lambda: all(_training(d)["rounds_completed"] >= 1 for d in first), 60), [
+    assert _wait_for(lambda: all(training(d)["rounds_completed"] >= 1 for d in first), 60), [
         d.log() for d in first
     ]
     joiner = swarm.start("d", rounds=rounds, min_peers=1)
     daemons = [*first, joiner]
-    _wait_done(daemons, timeout=90)
+    wait_done(daemons, timeout=90)
     adopted = re.search(r"adopted outer state of round (\d+)", joiner.log())
     assert adopted, joiner.log()
     assert 1 <= int(adopted.group(1)) <= rounds
     assert "resumed at step" not in joiner.log()
     if int(adopted.group(1)) < rounds:  # it arrived in time to sync with the others
-        assert _training(joiner)["bytes_sent"] > 0
-    assert len(_final_hashes(daemons, rounds=rounds)) == 1
+        assert training(joiner)["bytes_sent"] > 0
+    assert len(final_hashes(daemons, rounds=rounds)) == 1
     _final_val_loss(daemons)
 
 
@@ -168,23 +121,23 @@ def test_sigkilled_peer_does_not_stall_the_others(swarm: Swarm) -> None:
     rounds, deadline_s = 5, 3.0
     env = {"LATTICA_TRAIN_ROUND_DEADLINE_S": str(deadline_s)}
     daemons = swarm.start_many(["a", "b", "c"], rounds=rounds, min_peers=3, env=env)
-    assert _wait_for(lambda: all(_training(d)["rounds_completed"] >= 1 for d in daemons), 60)
+    assert _wait_for(lambda: all(training(d)["rounds_completed"] >= 1 for d in daemons), 60)
     # the lowest peer id coordinates every sync: killing it is the harder case
     victim = min(daemons, key=lambda d: d.peer_id)
     survivors = [d for d in daemons if d is not victim]
     victim.kill()
     killed_at = time.monotonic()
-    infos = _wait_done(survivors, timeout=60)
+    infos = wait_done(survivors, timeout=60)
     elapsed = time.monotonic() - killed_at
     # at most: lease expiry (~6 s) plus a deadline and a retry per remaining round, plus slack
     assert elapsed < 6 + rounds * (2 * deadline_s + 2), elapsed
     assert [i["rounds_completed"] for i in infos] == [rounds, rounds], [d.log()[-6000:] for d in survivors]
-    assert len(_final_hashes(survivors, rounds=rounds)) == 1
+    assert len(final_hashes(survivors, rounds=rounds)) == 1
 
 
 def test_restart_resumes_from_the_checkpoint(swarm: Swarm) -> None:
     daemon = swarm.start("a", rounds=200, min_peers=1)
-    assert _wait_for(lambda: _training(daemon)["rounds_completed"] >= 1, 60), daemon.log()
+    assert _wait_for(lambda: training(daemon)["rounds_completed"] >= 1, 60), daemon.log()
     assert daemon.stop() == 0, daemon.log()
     checkpoints = sorted((daemon.data_dir / "checkpoints").glob("step-*.pt"))
     assert checkpoints
@@ -196,10 +149,10 @@ def test_restart_resumes_from_the_checkpoint(swarm: Swarm) -> None:
     written = {p.name: p.stat().st_mtime_ns for p in checkpoints}
 
     restarted = swarm.start("a", alone=True, rounds=done_rounds + 2, min_peers=1)
-    first = _wait_for(lambda: (i := _training(restarted))["phase"] in ("training", "done") and i, 30)
+    first = _wait_for(lambda: (i := training(restarted))["phase"] in ("training", "done") and i, 30)
     assert first, restarted.log()
     assert first["rounds_completed"] >= done_rounds, first
-    info = _wait_done([restarted], timeout=60)[0]
+    info = wait_done([restarted], timeout=60)[0]
     assert f"resumed at step {step}" in restarted.log()
     assert info["rounds_completed"] == done_rounds + 2
     assert info["summary"]["steps"] == (done_rounds + 2) * INNER_STEPS
@@ -214,17 +167,17 @@ def test_a_peer_restarted_after_kill_9_rejoins_without_waiting_for_min_peers(swa
     rounds = 8
     env = {"LATTICA_TRAIN_ROUND_DEADLINE_S": "3"}
     a, b, c = swarm.start_many(["a", "b", "c"], rounds=rounds, min_peers=3, env=env)
-    assert _wait_for(lambda: all(_training(d)["rounds_completed"] >= 1 for d in (a, b, c)), 60)
+    assert _wait_for(lambda: all(training(d)["rounds_completed"] >= 1 for d in (a, b, c)), 60)
     c.kill()  # gone for good: only two trainers are left, fewer than --min-peers
-    before = _training(b)["rounds_completed"]
+    before = training(b)["rounds_completed"]
     b.kill()
     b.start().wait_ready(60)
-    resumed = _wait_for(lambda: (i := _training(b))["phase"] in ("training", "done") and i, 60)
+    resumed = _wait_for(lambda: (i := training(b))["phase"] in ("training", "done") and i, 60)
     assert resumed, b.log()
     assert resumed["rounds_completed"] >= before  # no completed round lost
-    infos = _wait_done([a, b], timeout=120)
+    infos = wait_done([a, b], timeout=120)
     assert [i["rounds_completed"] for i in infos] == [rounds, rounds], [d.log()[-6000:] for d in (a, b)]
-    assert len(_final_hashes([a, b], rounds=rounds)) == 1
+    assert len(final_hashes([a, b], rounds=rounds)) == 1
 
 
 # -- SPES: expert ownership in the replicated state -----------------------------------------
@@ -255,7 +208,7 @@ def test_owner_leaves_its_experts_are_reassigned_and_training_goes_on(swarm: Swa
         *swarm.start_many(["b", "c"], rounds=rounds, min_peers=3, env=env, strategy="spes"),
     ]
     ids = {d.peer_id for d in daemons}
-    assert _wait_for(lambda: all(_training(d)["rounds_completed"] >= 2 for d in daemons), 90), [
+    assert _wait_for(lambda: all(training(d)["rounds_completed"] >= 2 for d in daemons), 90), [
         d.log() for d in daemons
     ]
     before = _wait_for(lambda: _expert_owners(daemons[0].data_dir, ids), 15)
@@ -273,9 +226,9 @@ def test_owner_leaves_its_experts_are_reassigned_and_training_goes_on(swarm: Swa
     else:
         victim.kill()  # its lease expires
 
-    infos = _wait_done(survivors, timeout=120)
+    infos = wait_done(survivors, timeout=120)
     assert [i["rounds_completed"] for i in infos] == [rounds, rounds], [d.log()[-6000:] for d in survivors]
-    assert len(_final_hashes(survivors, rounds=rounds)) == 1
+    assert len(final_hashes(survivors, rounds=rounds)) == 1
 
     alive = {d.peer_id for d in survivors}
     for d in survivors:
