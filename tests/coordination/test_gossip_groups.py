@@ -2,52 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
-import multiaddr
 import pytest
 import trio
-from libp2p.crypto.ed25519 import create_new_key_pair
-from libp2p.peer.peerinfo import info_from_p2p_addr
 
 from lattica.coordination.gossip import GROUP_PROTOCOL, GossipGroups
 from lattica.coordination.groups import GossipGroupsConfig, draw_step_groups
 from lattica.errors import BrokenError
-from lattica.net.host import build_host
+from lattica_lab.gossip_peers import gossip_peers
 
-LOOPBACK = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]
 GRACE_S = 1.5
 SLOW_GRACE_S = 4.0  # where a hold (half of it) is told apart from an answer at once on a loaded machine
-
-
-async def _run_host(host, *, task_status=trio.TASK_STATUS_IGNORED):
-    async with host.run(LOOPBACK):
-        task_status.started()
-        await trio.sleep_forever()
-
-
-async def _peers(
-    nursery: trio.Nursery, count: int, *, views: Callable[[str, list[str]], Sequence[str]] | None = None,
-    grace_s: float = GRACE_S,
-) -> dict[str, GossipGroups]:
-    """``count`` connected peers; ``views(me, everyone)``: the members ``me`` holds."""
-    ids: list[str] = []
-    peers: dict[str, GossipGroups] = {}
-    for _ in range(count):
-        host = build_host(create_new_key_pair())
-        await nursery.start(_run_host, host)
-        me = host.get_id().to_base58()
-        ids.append(me)
-        members = (lambda me=me: views(me, ids)) if views is not None else (lambda: list(ids))
-        peers[me] = GossipGroups(
-            host, peer_id=me, run_id="run", members=members, config=GossipGroupsConfig(grace_s=grace_s)
-        )
-        await nursery.start(peers[me].run)
-    hosts = [p.host for p in peers.values()]
-    for i, host in enumerate(hosts):
-        for other in hosts[i + 1 :]:
-            await host.connect(info_from_p2p_addr(other.get_addrs()[0]))
-    return peers
 
 
 async def _ask_all(peers: dict[str, GossipGroups], key: str, only: Sequence[str] | None = None):
@@ -68,7 +34,7 @@ async def _ask_all(peers: dict[str, GossipGroups], key: str, only: Sequence[str]
 async def test_every_peer_gets_its_stripe_when_views_agree() -> None:
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
-            peers = await _peers(nursery, 5)
+            peers = await gossip_peers(nursery, 5, grace_s=GRACE_S)
             for key in ("round/0", "round/1", "round/2"):
                 stripes = draw_step_groups(peers, key=key, group_size=2)
                 groups, _ = await _ask_all(peers, key)
@@ -80,7 +46,7 @@ async def test_every_peer_gets_its_stripe_when_views_agree() -> None:
 async def test_a_silent_partner_costs_only_its_own_group_the_grace() -> None:
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
-            peers = await _peers(nursery, 6)
+            peers = await gossip_peers(nursery, 6, grace_s=GRACE_S)
             key = "round/0"
             stripes = draw_step_groups(peers, key=key, group_size=2)
             frozen = stripes[0][0]
@@ -104,7 +70,7 @@ async def test_a_silent_partner_costs_only_its_own_group_the_grace() -> None:
 async def test_a_late_peer_finds_its_group_gone_and_goes_alone() -> None:
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
-            peers = await _peers(nursery, 2, grace_s=SLOW_GRACE_S)
+            peers = await gossip_peers(nursery, 2, grace_s=SLOW_GRACE_S)
             early, late = sorted(peers)
             hold = GossipGroupsConfig(grace_s=SLOW_GRACE_S).hold_s
             # the late peer has not reached the step: it holds the request, then answers late
@@ -127,7 +93,7 @@ async def test_a_late_peer_finds_its_group_gone_and_goes_alone() -> None:
 async def test_a_partner_arriving_within_the_hold_is_confirmed() -> None:
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
-            peers = await _peers(nursery, 2)
+            peers = await gossip_peers(nursery, 2, grace_s=GRACE_S)
             first, second = sorted(peers)
             groups: dict[str, tuple[str, ...]] = {}
 
@@ -148,7 +114,7 @@ async def test_a_straggler_is_left_out_at_once_by_whoever_draws_it() -> None:
     before, it was confirmed and then waited out the grace in its exchange."""
     with trio.fail_after(90):
         async with trio.open_nursery() as nursery:
-            peers = await _peers(nursery, 4, grace_s=SLOW_GRACE_S)
+            peers = await gossip_peers(nursery, 4, grace_s=SLOW_GRACE_S)
             hold = GossipGroupsConfig(grace_s=SLOW_GRACE_S).hold_s
             await _ask_all(peers, "round/0")
             await trio.sleep(3.0)
@@ -170,7 +136,7 @@ async def test_a_straggler_is_left_out_at_once_by_whoever_draws_it() -> None:
 async def test_a_peer_behind_learns_the_swarms_step_and_pairs_again() -> None:
     with trio.fail_after(90):
         async with trio.open_nursery() as nursery:
-            peers = await _peers(nursery, 5)
+            peers = await gossip_peers(nursery, 5, grace_s=GRACE_S)
             def partners(p: str) -> set[str]:
                 return {q for t in range(5) for s in draw_step_groups(peers, key=f"round/{t}", group_size=2)
                         if p in s for q in s if q != p}
@@ -200,7 +166,7 @@ async def test_differing_views_average_only_with_those_who_agree() -> None:
                 # the first peer has not seen the last one join yet
                 return [p for p in everyone if not (me == everyone[0] and p == everyone[-1])]
 
-            peers = await _peers(nursery, 5, views=views)
+            peers = await gossip_peers(nursery, 5, views=views, grace_s=GRACE_S)
             ids = list(peers)
             for t in range(6):
                 key = f"round/{t}"
@@ -227,7 +193,7 @@ async def test_a_malformed_request_is_refused_and_the_peer_keeps_answering() -> 
 
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
-            peers = await _peers(nursery, 2)
+            peers = await gossip_peers(nursery, 2, grace_s=GRACE_S)
             a, b = list(peers)
             stream = await peers[a].host.new_stream(ID.from_base58(b), [GROUP_PROTOCOL])
             await write_message(stream, {"run": "run", "key": "round/0", "group": ["not-me"]})

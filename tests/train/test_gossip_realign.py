@@ -6,47 +6,18 @@ carries), with the in-memory collective for the tensors.
 
 from __future__ import annotations
 
-import multiaddr
 import torch
 import trio
-from libp2p.crypto.ed25519 import create_new_key_pair
-from libp2p.peer.peerinfo import info_from_p2p_addr
 
-from lattica.coordination.gossip import GossipGroups
-from lattica.coordination.groups import GossipGroupsConfig, SwarmStep, draw_step_groups
-from lattica.net.host import build_host
+from lattica.coordination.groups import SwarmStep, draw_step_groups
 from lattica.train.strategies.diloco import DiLoCo, DiLoCoConfig
 from lattica.train.strategies.gossip import realigned_round
 from lattica.train.strategies.noloco import NoLoCo, NoLoCoConfig
 from lattica_lab.collective import FixedGroups, InMemoryCollectiveGroup, scalar_model
+from lattica_lab.gossip_peers import gossip_peers
 
-LOOPBACK = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]
 GRACE_S = 3.0  # generous: a loaded machine must not turn a hold or an exchange into a timeout
 AHEAD = 5  # steps the swarm syncs without the replica that fell behind
-
-
-async def _run_host(host, *, task_status=trio.TASK_STATUS_IGNORED):
-    async with host.run(LOOPBACK):
-        task_status.started()
-        await trio.sleep_forever()
-
-
-async def _gossip_peers(nursery: trio.Nursery, count: int) -> dict[str, GossipGroups]:
-    peers: dict[str, GossipGroups] = {}
-    ids: list[str] = []
-    for _ in range(count):
-        host = build_host(create_new_key_pair())
-        await nursery.start(_run_host, host)
-        me = host.get_id().to_base58()
-        ids.append(me)
-        peers[me] = GossipGroups(host, peer_id=me, run_id="run", members=lambda: list(ids),
-                                 config=GossipGroupsConfig(grace_s=GRACE_S))
-        await nursery.start(peers[me].run)
-    hosts = [p.host for p in peers.values()]
-    for i, host in enumerate(hosts):
-        for other in hosts[i + 1 :]:
-            await host.connect(info_from_p2p_addr(other.get_addrs()[0]))
-    return peers
 
 
 def _behind(ids: list[str]) -> str:
@@ -65,7 +36,7 @@ async def test_diloco_behind_jumps_to_the_swarms_step_and_pairs_again() -> None:
                        group_size=2, exchange_timeout_s=GRACE_S)
     with trio.fail_after(120):
         async with trio.open_nursery() as nursery:
-            peers = await _gossip_peers(nursery, 4)
+            peers = await gossip_peers(nursery, 4, grace_s=GRACE_S)
             ids = list(peers)
             behind = _behind(ids)
             collective = InMemoryCollectiveGroup(ids)
@@ -101,7 +72,7 @@ async def test_noloco_behind_jumps_to_the_swarms_step_and_keeps_the_offset() -> 
     cfg = NoLoCoConfig(inner_steps=1, outer_lr=0.7, momentum=0.5, gamma=0.7, exchange_timeout_s=GRACE_S)
     with trio.fail_after(120):
         async with trio.open_nursery() as nursery:
-            peers = await _gossip_peers(nursery, 4)
+            peers = await gossip_peers(nursery, 4, grace_s=GRACE_S)
             ids = list(peers)
             behind = _behind(ids)
             collective = InMemoryCollectiveGroup(ids)
