@@ -8,57 +8,38 @@ bytes each sends stay those of one sparse payload per partner.
 
 from __future__ import annotations
 
-import re
-import signal
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from lattica_lab.daemons import DaemonProcess, wait_for
+from lattica_lab.training_daemons import (
+    TRAIN_ENV,
+    killed_at_end,
+    paired_syncs,
+    train_args,
+    training,
+)
 
 INNER_STEPS = 4
 ROUNDS = 6
-ENV = {
-    "LATTICA_TRAIN_BATCH_SIZE": "4",
-    "LATTICA_TRAIN_SEQ_LEN": "32",
-    "LATTICA_TRAIN_WARMUP_STEPS": "2",
-    "LATTICA_TRAIN_ROUND_DEADLINE_S": "5",
-    "LATTICA_TRAIN_GROUP_GRACE_S": "3.0",
-    "OMP_NUM_THREADS": "1",
-}
-_SYNC = re.compile(r"sync round/(\d+) done with (\d+) member")
+ENV = {**TRAIN_ENV, "LATTICA_TRAIN_ROUND_DEADLINE_S": "5", "LATTICA_TRAIN_GROUP_GRACE_S": "3.0"}
 DENSE_ROUND_BYTES = 124_672 * 4  # one fp32 copy of the tiny model to one partner
 
 
 def _trainer(path: Path, peers: tuple[str, ...]) -> DaemonProcess:
     args = (
-        "--train", "--model", "tiny", "--device", "cpu", "--log-level", "info", "--strategy", "sparseloco",
-        "--averaging", "gossip", "--group-size", "2", "--rounds", str(ROUNDS),
-        "--inner-steps", str(INNER_STEPS), "--min-peers", "3",
+        *train_args("sparseloco", rounds=ROUNDS, inner_steps=INNER_STEPS, min_peers=3),
+        "--averaging", "gossip", "--group-size", "2",
     )
     return DaemonProcess(path, peers=peers, extra_args=args, env=ENV)
 
 
-def _training(daemon: DaemonProcess) -> dict[str, Any]:
-    return daemon.call("status").get("training") or {"phase": "starting", "rounds_completed": 0}
-
-
-def _paired_syncs(daemon: DaemonProcess) -> int:
-    assert daemon.log_path is not None
-    return sum(1 for m in _SYNC.finditer(daemon.log_path.read_text()) if int(m.group(2)) == 2)
-
-
 @pytest.fixture
 def daemons() -> Iterator[list[DaemonProcess]]:
-    started: list[DaemonProcess] = []
-    try:
+    with killed_at_end() as started:
         yield started
-    finally:
-        for d in started:
-            d.signal(signal.SIGCONT)
-            d.kill()
 
 
 def test_three_sparseloco_daemons_average_sparse_contributions_in_pairs(
@@ -71,17 +52,17 @@ def test_three_sparseloco_daemons_average_sparse_contributions_in_pairs(
         daemons.append(_trainer(tmp_path / f"p{i}", (first.addr,)).start())
     for d in daemons[1:]:
         d.wait_ready(60)
-    assert wait_for(lambda: all(_training(d).get("phase") == "done" for d in daemons), 240), [
+    assert wait_for(lambda: all(training(d).get("phase") == "done" for d in daemons), 240), [
         d.log() for d in daemons
     ]
     for d in daemons:
-        info = _training(d)
+        info = training(d)
         assert info["rounds_completed"] >= 1, d.log()
         assert info["averaging"] == "gossip"
         assert info["replicas_agree"] is False
         # pairs, never the whole swarm: a group of 2 of 3, or alone when its partner was busy
         assert "done with 3 member(s)" not in d.log(), d.log()
-    assert sum(_paired_syncs(d) for d in daemons) >= 2, [d.log() for d in daemons]
+    assert sum(paired_syncs(d) for d in daemons) >= 2, [d.log() for d in daemons]
     # sparse: one encoded payload per partner per round, far below one dense copy
-    sent = [float(_training(d).get("bytes_sent") or 0) for d in daemons]
+    sent = [float(training(d).get("bytes_sent") or 0) for d in daemons]
     assert all(0 < s < ROUNDS * DENSE_ROUND_BYTES / 20 for s in sent), sent
