@@ -72,6 +72,7 @@ the lab's tools) the run exits with status 2 and says why.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -185,10 +186,10 @@ def kill_stall(records: dict[str, list[dict]], survivors: list[str], start: floa
     """The longest interval between consecutive outer steps (ends) of any survivor in the window."""
     longest = 0.0
     for peer in survivors:
-        ends = [start] + sorted(r["t1"] for r in records.get(peer, []) if start <= r["t1"] <= end) + [end]
+        ends = [start, *sorted(r["t1"] for r in records.get(peer, []) if start <= r["t1"] <= end), end]
         if len(ends) < 3:
             raise BenchmarkFailed(f"kill: surviving peer {peer[-8:]} completed no step after the kill")
-        longest = max(longest, max(b - a for a, b in zip(ends, ends[1:], strict=False)))
+        longest = max(longest, max(b - a for a, b in itertools.pairwise(ends)))
     return longest
 
 
@@ -744,7 +745,7 @@ def main() -> None:
         "gossip_alone_share": [round(results[n]["gossip_alone_share"], 3) for n in sizes],
         "round_cpu_s": {m: [results[n][f"{m}_cpu"] for n in sizes] for m in ("allreduce", "gossip")},
         "links": links,
-        "allreduce_round_growing": all(b > a for a, b in zip(ar, ar[1:], strict=False)),
+        "allreduce_round_growing": all(b > a for a, b in itertools.pairwise(ar)),
         "straggler_size": straggler_size,
         "straggler_rate_allreduce": figure("straggler_rate_allreduce"),
         "straggler_rate_gossip": figure("straggler_rate_gossip"),

@@ -300,14 +300,15 @@ def _run_ahead_of_the_load() -> str:
     real-time scheduling is refused (a container) the nice level still favours it."""
     try:
         os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
-        return "fifo"
     except OSError:
         pass
+    else:
+        return "fifo"
     try:
         os.setpriority(os.PRIO_PROCESS, 0, -15)
-        return "nice"
     except OSError:
         return "normal"
+    return "nice"
 
 
 def _emit(event: dict[str, object]) -> None:

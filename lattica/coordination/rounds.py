@@ -413,7 +413,7 @@ class RoundCoordinator:
                 request = await read_message(stream, max_size=_REQUEST_BYTES, peer_id=peer)
                 key = request.get("key") if isinstance(request, dict) else None
                 if not isinstance(request, dict) or not isinstance(key, str) or len(key) > MAX_KEY_LEN or request.get("run") != self.run_id:
-                    raise RemoteProtocolError("malformed round request", peer_id=peer)
+                    raise RemoteProtocolError("malformed round request", peer_id=peer)  # noqa: TRY301 - logged below like any failed request
                 try:
                     reply: dict[str, object] = {"group": list(await self._join(key, peer))}
                 except _Redirected as exc:

@@ -84,7 +84,7 @@ def test_skipped_steps_are_no_progress_in_the_straggler_rate(swarm):
     failed = [_step(i, i, i + 0.2, group=0, skipped=True) for i in range(6)]
     assert swarm.steps_per_minute({"a": done}, ["a"], 0.0, 6.0) == pytest.approx(60.0)
     assert swarm.steps_per_minute({"a": failed}, ["a"], 0.0, 6.0) == 0.0
-    mixed = {"a": done[:3] + [_step(3, 3, 3.2, skipped=True)], "b": [_step(0, 0, 1, group=1)]}
+    mixed = {"a": [*done[:3], _step(3, 3, 3.2, skipped=True)], "b": [_step(0, 0, 1, group=1)]}
     assert swarm.steps_per_minute(mixed, ["a", "b"], 0.0, 6.0) == pytest.approx((3 + 1) / 2 * 10)
 
 

@@ -238,7 +238,7 @@ async def test_a_coordinator_that_sees_a_lower_one_redirects_its_askers_there() 
         async with trio.open_nursery() as nursery:
             silent_for: dict[str, set[str]] = {}
             members = await _members(nursery, deadline_s=20.0, silent_for=silent_for)
-            low, middle, high = members
+            low, _middle, high = members
             # the highest does not hear the lowest yet (back from a restart): it asks the middle
             # one, which hears the lowest and would otherwise wait for it until the deadline
             silent_for[high.peer_id] = {low.peer_id}

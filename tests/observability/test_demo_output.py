@@ -3,6 +3,7 @@ filled in — read from a real two-node demo run."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import subprocess
@@ -29,7 +30,7 @@ def test_demo_prints_changes_only_and_received_bytes(tmp_path):
     assert {m.group(1) for m in progress} == {"node0", "node1"}, result.stdout
     for node in ("node0", "node1"):
         lines = [m.group(0) for m in progress if m.group(1) == node]
-        assert all(a != b for a, b in zip(lines, lines[1:], strict=False)), lines  # never the same line again
+        assert all(a != b for a, b in itertools.pairwise(lines)), lines  # never the same line again
         last = [m for m in progress if m.group(1) == node][-1]
         assert last.group(2) == "3"
         assert last.group(3) != "-"

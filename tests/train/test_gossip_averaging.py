@@ -70,7 +70,7 @@ async def test_four_replicas_average_only_inside_their_stripes() -> None:
     cfg = DiLoCoConfig(inner_steps=1, outer_lr=1.0, outer_momentum=0.0, averaging="gossip", group_size=2)
     peers = ["a", "b", "c", "d"]
     values = [0.0, 1.0, 10.0, 100.0]  # every pairing has two different means
-    collective, models, strategies = _replicas(peers, values, cfg)
+    _collective, models, strategies = _replicas(peers, values, cfg)
     await _train(models, strategies, rounds=1, drift=[0.0] * 4)  # Δ = 0: only φ is averaged
     stripes = draw_step_groups(peers, key="round/0", group_size=2)
     for stripe in stripes:

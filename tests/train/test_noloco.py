@@ -136,7 +136,7 @@ async def test_dead_partner_is_left_out_without_stalling_the_others():
 
 async def test_silent_partner_times_out(autojump_clock):
     cfg = NoLoCoConfig(inner_steps=1, exchange_timeout_s=10.0)
-    group, models, strategies = make(["a", "b"], [0.0, 0.0], cfg)
+    _group, _models, strategies = make(["a", "b"], [0.0, 0.0], cfg)
     with trio.fail_after(11):
         [report] = await strategies[0].after_inner_step(1)
     assert report.skipped

@@ -37,6 +37,7 @@ receiver will decode, so a sender can keep the residual exactly (error feedback)
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -149,7 +150,7 @@ def _offset_width(chunk: int) -> int:
 
 
 def _ef_low_bits(chunk: int, k: int) -> int:
-    return max(0, int(math.floor(math.log2(chunk / k))))
+    return max(0, math.floor(math.log2(chunk / k)))
 
 
 def _ef_upper_bits(chunk: int, k: int) -> int:
@@ -267,7 +268,15 @@ def _encode_indices(sparse: SparseChunks, scheme: str) -> torch.Tensor:
     return _pack_bits(torch.cat([low, high.reshape(-1)]))
 
 
-def _decode_indices(raw, scheme: str, *, chunk: int, k: int, chunks: int, bad) -> torch.Tensor:
+def _decode_indices(
+    raw: torch.Tensor,
+    scheme: str,
+    *,
+    chunk: int,
+    k: int,
+    chunks: int,
+    bad: Callable[[str], RemoteProtocolError],
+) -> torch.Tensor:
     if scheme == "offsets":
         idx = _unpack_fixed(raw, chunks * k, _offset_width(chunk)).view(chunks, k)
     elif scheme == "bitmap":

@@ -35,6 +35,7 @@ import socket
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import trio
@@ -359,7 +360,9 @@ class TensorService:
             channel.close()
             self.mailbox.peer_lost(peer)
 
-    async def _read_messages(self, channel, peer: str, path: str) -> None:
+    async def _read_messages(
+        self, channel: StreamChannel | fastpath.FastChannel, peer: str, path: str
+    ) -> None:
         limits = self.config.limits
         decoder = frames.FrameDecoder(peer_id=peer, max_header=limits.max_header_bytes)
         reserved: int | None = None
@@ -376,10 +379,11 @@ class TensorService:
                 posted = None
             return decoder.payload_window()
 
+        data: bytes | memoryview
         try:
             while True:
                 if path == "fast":  # decrypts straight into the payload buffer when it can
-                    data, direct = await channel.receive_frame(window)
+                    data, direct = await cast(fastpath.FastChannel, channel).receive_frame(window)
                 else:
                     data, direct = await channel.receive_some(), False
                 if not data:

@@ -43,8 +43,9 @@ import trio
 
 from lattica.config import DEFAULT_INNER_STEPS
 from lattica.errors import BrokenError, LocalProtocolError, PeerUnavailableError
+from lattica.train.collective import Collective
 from lattica.train.strategies.accounting import AccountedStrategy, tensor_bytes
-from lattica.train.strategies.base import OuterStepReport
+from lattica.train.strategies.base import GroupProvider, OuterStepReport
 from lattica.train.strategies.diloco import nesterov_sgd, outer_copy, pseudo_gradient
 from lattica.train.strategies.traffic import allreduce_bytes
 
@@ -106,7 +107,14 @@ class EagerDiLoCo(AccountedStrategy):
     name = "eager"
     config_class = EagerDiLoCoConfig
 
-    def __init__(self, model, *, collective, groups, config: EagerDiLoCoConfig | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        collective: Collective,
+        groups: GroupProvider,
+        config: EagerDiLoCoConfig | None = None,
+    ) -> None:
         super().__init__(model, collective=collective, groups=groups)
         self.config = config or EagerDiLoCoConfig()
         self._names, self._inner, self._outer = outer_copy(model)

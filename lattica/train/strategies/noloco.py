@@ -30,8 +30,9 @@ from typing import Any
 import torch
 
 from lattica.config import DEFAULT_INNER_STEPS
+from lattica.train.collective import Collective
 from lattica.train.strategies.accounting import AccountedStrategy, tensor_bytes
-from lattica.train.strategies.base import EveryHSteps, OuterStepReport
+from lattica.train.strategies.base import EveryHSteps, GroupProvider, OuterStepReport
 from lattica.train.strategies.gossip import (
     consensus_distance,
     exchange_with_partners,
@@ -108,7 +109,14 @@ class NoLoCo(EveryHSteps, AccountedStrategy):
     def averages_in_groups(cls, config: object | None) -> bool:
         return True  # small groups from the GroupProvider, never one all-reduce
 
-    def __init__(self, model, *, collective, groups, config: NoLoCoConfig | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        collective: Collective,
+        groups: GroupProvider,
+        config: NoLoCoConfig | None = None,
+    ) -> None:
         super().__init__(model, collective=collective, groups=groups)
         self.config = config or NoLoCoConfig()
         named = list(model.named_parameters())

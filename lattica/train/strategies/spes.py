@@ -58,9 +58,10 @@ import trio
 from lattica.config import DEFAULT_INNER_STEPS
 from lattica.coordination.groups import proposed_group
 from lattica.errors import BrokenError, PeerUnavailableError, RemoteProtocolError
+from lattica.train.collective import Collective
 from lattica.train.moe import MoEGPT, dense_parameters, expert_parameters
 from lattica.train.strategies.accounting import AccountedStrategy
-from lattica.train.strategies.base import OuterStepReport
+from lattica.train.strategies.base import GroupProvider, OuterStepReport
 from lattica.train.strategies.experts import (
     DerivedOwnership,
     ExpertOwnership,
@@ -146,8 +147,8 @@ class SPES(AccountedStrategy):
         self,
         model: MoEGPT,
         *,
-        collective,
-        groups,
+        collective: Collective,
+        groups: GroupProvider,
         config: SPESConfig | None = None,
         ownership: ExpertOwnership | None = None,
     ) -> None:
@@ -353,7 +354,9 @@ class SPES(AccountedStrategy):
         return result[0], copies, sent
 
     @torch.no_grad()
-    def _apply(self, dense_mean: Sequence[torch.Tensor], copies: Mapping[int, list[torch.Tensor]]):
+    def _apply(
+        self, dense_mean: Sequence[torch.Tensor], copies: Mapping[int, list[torch.Tensor]]
+    ) -> None:
         for p, mean in zip(self._dense, dense_mean, strict=True):
             p.copy_(mean)
         for e, tensors in copies.items():

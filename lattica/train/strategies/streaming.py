@@ -62,6 +62,7 @@ from lattica.errors import (
     PeerUnavailableError,
     RemoteProtocolError,
 )
+from lattica.train.collective import Collective
 from lattica.train.quantize import (
     DEFAULT_BLOCK_SIZE,
     Quantized4Bit,
@@ -69,7 +70,7 @@ from lattica.train.quantize import (
     quantize_4bit,
 )
 from lattica.train.strategies.accounting import AccountedStrategy, tensor_bytes
-from lattica.train.strategies.base import OuterStepReport
+from lattica.train.strategies.base import GroupProvider, OuterStepReport
 from lattica.train.strategies.diloco import pseudo_gradient
 from lattica.train.strategies.eager import eager_start
 from lattica.train.strategies.traffic import allreduce_bytes, payload_bytes
@@ -164,7 +165,14 @@ class StreamingDiLoCo(AccountedStrategy):
     name = "streaming"
     config_class = StreamingDiLoCoConfig
 
-    def __init__(self, model, *, collective, groups, config: StreamingDiLoCoConfig | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        collective: Collective,
+        groups: GroupProvider,
+        config: StreamingDiLoCoConfig | None = None,
+    ) -> None:
         super().__init__(model, collective=collective, groups=groups)
         self.config = config or StreamingDiLoCoConfig()
         named = list(model.named_parameters())
