@@ -27,9 +27,9 @@ from lattica.config import NodeConfig
 from lattica.coordination.provider import GroupProvider
 from lattica.coordination.rounds import RoundCoordinator
 from lattica.crdt.state import ReplicatedState
-from lattica.net.tensors.screen import DEFAULT_SCREEN, ContributionScreen
 from lattica.net.tensors.transfer import TensorService, TensorServiceConfig
 from lattica.node import Node
+from lattica.numerics.screen import DEFAULT_SCREEN, ContributionScreen
 from lattica.services import NodeContext, NodeService
 from lattica.train.collective import Collective
 from lattica.train.membership import TRAINER_ROLE, MembershipView

@@ -24,8 +24,8 @@ import torch
 import trio
 
 from lattica.errors import LocalProtocolError, PeerUnavailableError
-from lattica.net.tensors import codecs
-from lattica.net.tensors.screen import DEFAULT_SCREEN, ContributionScreen, Rejection, reduce_parts
+from lattica.numerics import codecs
+from lattica.numerics.screen import DEFAULT_SCREEN, ContributionScreen, Rejection, reduce_parts
 from lattica.train.collective import Collective
 
 

@@ -35,9 +35,10 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.peerinfo import info_from_p2p_addr
 
 from lattica.net.host import build_host
-from lattica.net.tensors import codecs, collectives
+from lattica.net.tensors import collectives
 from lattica.net.tensors.collectives import CollectiveAbortedError
 from lattica.net.tensors.transfer import TensorService, TensorServiceConfig
+from lattica.numerics import codecs
 
 
 def _reply(obj: dict) -> None:

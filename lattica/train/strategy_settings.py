@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 
 from lattica.config import TrainSettings
 from lattica.errors import ConfigError
-from lattica.net.tensors.screen import ContributionScreen
+from lattica.numerics.screen import ContributionScreen
 
 # run setting -> config field, per strategy
 ROUTES: dict[str, Mapping[str, str]] = {

@@ -63,12 +63,12 @@ def test_the_network_layer_imports_nothing_above_it() -> None:
 
 # -- training reaches the network only through its interfaces ---------------------------------
 
-# The data plane's pure modules that training may use: the encodings a ``Collective`` carries
-# (``codecs``, ``sparse``: what a strategy's traffic costs, the sparse payloads it hands over)
-# and how the collective combines contributions (``screen``). Everything else of ``lattica.net``
-# (hosts, streams, the tensor service) is built by the composition root and handed to training
-# as a ``Collective`` or a ``GroupProvider`` (``lattica.coordination``).
-NET_INTERFACES = frozenset({"lattica.net.tensors.codecs", "lattica.net.tensors.sparse", "lattica.net.tensors.screen"})
+# Training imports nothing of ``lattica.net``: the pure tensor math it shares with the data plane
+# (encodings and their sizes, the sparse payloads, the contribution screen) lives in
+# ``lattica.numerics``; hosts, streams and the tensor service are built by the composition root
+# and handed to training as a ``Collective`` or a ``GroupProvider`` (``lattica.coordination``).
+NET_INTERFACES: frozenset[str] = frozenset()
+NUMERICS = ("lattica.numerics.codecs", "lattica.numerics.sparse", "lattica.numerics.screen")
 # the layers above training: it may not import them (they import it)
 ABOVE_TRAINING = (
     "lattica.cli", "lattica.daemon", "lattica.node", "lattica.services", "lattica.control",
@@ -117,10 +117,10 @@ def test_training_reaches_the_network_only_through_its_interfaces() -> None:
     assert _violations("train", NET_INTERFACES, ABOVE_TRAINING) == []
 
 
-def test_the_network_interfaces_of_training_are_pure() -> None:
+def test_the_numerics_training_shares_with_the_data_plane_are_pure() -> None:
     """No I/O behind them: they import nothing of the package but the error taxonomy."""
     known = {_module_name(f) for f in PACKAGE.rglob("*.py")}
-    for name in sorted(NET_INTERFACES):
+    for name in NUMERICS:
         path = PACKAGE.parent / (name.replace(".", "/") + ".py")
         own = {t for t in _targets(path, known) if _within(t, ("lattica",))}
         assert own <= {"lattica.errors"}, (name, own)
@@ -137,7 +137,7 @@ def test_the_scan_finds_what_it_forbids(tmp_path: Path) -> None:
     probe = tmp_path / "lattica" / "train" / "probe.py"
     probe.parent.mkdir(parents=True)
     probe.write_text(
-        "from lattica.net.tensors import codecs, transfer\n"
+        "from lattica.net.tensors import transfer\nfrom lattica.numerics import codecs\n"
         "from lattica.train.collective import Collective\n\n"
         "def f():\n    import lattica.cli.main\n"
     )

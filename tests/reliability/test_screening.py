@@ -17,8 +17,8 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.peerinfo import info_from_p2p_addr
 
 from lattica.net.host import build_host
-from lattica.net.tensors.screen import PLAIN_MEAN, ContributionScreen, reduce_parts
 from lattica.net.tensors.transfer import TensorService, TensorServiceConfig
+from lattica.numerics.screen import PLAIN_MEAN, ContributionScreen, reduce_parts
 from lattica.train.model import GPTConfig, build_model, lm_loss
 from lattica.train.strategies.diloco import DiLoCo, DiLoCoConfig
 from lattica_lab.collective import InMemoryCollectiveGroup
@@ -117,7 +117,7 @@ def test_coordinate_wise_median() -> None:
 
 def test_a_trimmed_mean_that_cannot_trim_says_so(caplog) -> None:
     parts = _parts([1, 1], [3, 3])
-    with caplog.at_level("WARNING", logger="lattica.net.tensors.screen"):
+    with caplog.at_level("WARNING", logger="lattica.numerics.screen"):
         mean, _ = reduce_parts(parts, ["a", "b"], ContributionScreen(trim=2))
     assert torch.equal(mean, torch.tensor([2.0, 2.0]))
     assert "needs at least 5 contributions, got 2" in caplog.text

@@ -9,7 +9,7 @@ import torch
 import trio
 
 from lattica.config import TrainSettings
-from lattica.net.tensors import sparse
+from lattica.numerics import sparse
 from lattica.train.model import GPTConfig, build_model
 from lattica.train.strategies import create_strategy, strategy_class
 from lattica.train.strategies.demo_momentum import (

@@ -9,7 +9,7 @@ import pytest
 from lattica.cli.main import build_parser
 from lattica.config import DEFAULT_INNER_STEPS, TrainSettings
 from lattica.errors import ConfigError
-from lattica.net.tensors.screen import ContributionScreen
+from lattica.numerics.screen import ContributionScreen
 from lattica.train.strategies import STRATEGIES, strategy_class
 from lattica.train.strategy_settings import (
     ROUTES,

@@ -39,8 +39,8 @@ from lattica.errors import (
     PeerUnavailableError,
     RemoteProtocolError,
 )
-from lattica.net.tensors import codecs
-from lattica.net.tensors.screen import DEFAULT_SCREEN, ContributionScreen, Rejection, reduce_parts
+from lattica.numerics import codecs
+from lattica.numerics.screen import DEFAULT_SCREEN, ContributionScreen, Rejection, reduce_parts
 
 
 class CollectiveAbortedError(PeerUnavailableError):

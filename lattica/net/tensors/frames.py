@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import msgpack
 
 from lattica.errors import LocalProtocolError, RemoteProtocolError
-from lattica.net.tensors.codecs import TensorSpec, spec_from_wire
+from lattica.numerics.codecs import TensorSpec, spec_from_wire
 
 _LEN = struct.Struct(">I")
 MAX_TAG = 1024

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import trio
 
 from lattica.errors import PeerUnavailableError
-from lattica.net.tensors.codecs import TensorSpec
 from lattica.net.tensors.limits import MemoryBudget
+from lattica.numerics.codecs import TensorSpec
 
 Key = tuple[str, str, int]
 

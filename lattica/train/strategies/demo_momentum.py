@@ -50,7 +50,7 @@ import torch
 
 from lattica.config import DEFAULT_INNER_STEPS
 from lattica.errors import LocalProtocolError, RemoteProtocolError
-from lattica.net.tensors import sparse
+from lattica.numerics import sparse
 from lattica.train.collective import Collective
 from lattica.train.strategies.accounting import AccountedStrategy, tensor_bytes
 from lattica.train.strategies.base import GroupProvider, OuterStepReport

@@ -9,7 +9,7 @@ role of DiLoCo's outer momentum. After every ``inner_steps`` (H) inner steps:
 1. Δ = θ − θ_local (flattened in ``model.parameters()`` order); candidate c = β·e + Δ;
 2. from every chunk of ``chunk`` (4096) elements of c the k = density · chunk entries of largest
    magnitude are kept and their values quantized to 2 bits with a per-chunk scale
-   (``lattica.net.tensors.sparse``): ŝ = what every receiver will decode;
+   (``lattica.numerics.sparse``): ŝ = what every receiver will decode;
 3. each member sends its encoded ŝ to every other member of the round (``sparse_gather``) —
    header, scales, 2-bit values and indices in the smallest scheme at this density (Elias–Fano
    deltas at 1–3 %), all counted in the traffic meter;
@@ -45,7 +45,7 @@ import torch
 from lattica.config import DEFAULT_INNER_STEPS
 from lattica.coordination.groups import proposed_group
 from lattica.errors import RemoteProtocolError
-from lattica.net.tensors import sparse
+from lattica.numerics import sparse
 from lattica.train.collective import Collective
 from lattica.train.strategies.accounting import AccountedStrategy, tensor_bytes
 from lattica.train.strategies.base import EveryHSteps, GroupProvider, OuterStepReport

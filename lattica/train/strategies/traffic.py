@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from lattica.net.tensors import codecs
+from lattica.numerics import codecs
 
 
 def payload_bytes(tensors: Sequence[torch.Tensor], codec: str) -> int:

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lattica.errors import LocalProtocolError, RemoteProtocolError
-from lattica.net.tensors import codecs
+from lattica.numerics import codecs
 
 SHAPES = [(), (0,), (3, 0, 2), (1,), (7,), (65,), (4, 33), (2, 3, 5, 7)]
 

@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lattica.errors import LocalProtocolError, RemoteProtocolError
-from lattica.net.tensors import codecs, frames
+from lattica.net.tensors import frames
+from lattica.numerics import codecs
 
 
 def _message(values=(1.0, 2.0, 3.0), tag="t", part=2) -> bytes:

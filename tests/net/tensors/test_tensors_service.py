@@ -153,7 +153,8 @@ class _ScriptedChannel:
 async def test_a_withdrawn_posted_buffer_gets_no_more_bytes():
     # A collective that ends (aborted, deadline) withdraws its buffers; a message already being
     # written into one must not touch it afterwards — it may be the caller's own tensor.
-    from lattica.net.tensors import codecs, frames
+    from lattica.net.tensors import frames
+    from lattica.numerics import codecs
 
     service = TensorService(build_host(create_new_key_pair()), create_new_key_pair(),
                             config=TensorServiceConfig())

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lattica.errors import RemoteProtocolError
-from lattica.net.tensors import sparse
+from lattica.numerics import sparse
 
 
 def test_top_k_per_chunk_matches_hand_computed_choice():
