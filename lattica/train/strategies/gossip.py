@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 import torch
 import trio
 
+from lattica.coordination.provider import SwarmStepSource
 from lattica.errors import BrokenError, PeerUnavailableError, RemoteProtocolError
 from lattica.train.collective import Collective
 
@@ -88,10 +89,9 @@ def realigned_round(groups: object, next_round: int) -> int:
     ``GossipGroups.next_step``) — else ``next_round`` itself. A replica in step with the swarm
     (its key is the swarm's current or next round) never moves. A provider that does not know
     the swarm's step (a fixed list, the round coordinator) leaves it as it is."""
-    next_step = getattr(groups, "next_step", None)
-    if not callable(next_step):
+    if not isinstance(groups, SwarmStepSource):
         return next_round
-    ahead = next_step()
+    ahead = groups.next_step()
     if not isinstance(ahead, int) or next_round >= ahead - 1:
         return next_round
     return ahead
@@ -101,10 +101,9 @@ def swarm_next_step(groups: object) -> int | None:
     """The round the swarm has reached (vouched steps, ``GossipGroups.next_step`` − 1), or None
     where the provider does not know it; a replica whose key is below it may jump to it
     (``realigned_round`` jumps one further, to the swarm's next round)."""
-    next_step = getattr(groups, "next_step", None)
-    if not callable(next_step):
+    if not isinstance(groups, SwarmStepSource):
         return None
-    ahead = next_step()
+    ahead = groups.next_step()
     return ahead - 1 if isinstance(ahead, int) else None
 
 
