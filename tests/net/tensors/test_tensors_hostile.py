@@ -24,12 +24,12 @@ from lattica.net.tensors import (
     TensorLimits,
     TensorService,
     TensorServiceConfig,
-    codecs,
     fastpath,
     frames,
 )
 from lattica.net.tensors.limits import FetchAnswer, FetchGate
 from lattica.net.wire import read_message, write_message
+from lattica.numerics import codecs
 
 LOOPBACK = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]
 LIMITS = TensorLimits(max_message_bytes=64 << 20, max_total_bytes=128 << 20, max_peer_bytes=96 << 20)
