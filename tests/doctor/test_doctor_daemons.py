@@ -78,7 +78,10 @@ def test_probe_before_joining_reaches_the_swarm(pair, tmp_path):
     assert peer["clock_offset_s"] is not None
     assert report["node"]["bootstrap_failures"] == {}
     # a's AutoNAT dialed the probe back on loopback
-    assert report["node"]["dialback"] == {a.peer_id: True}, report
+    # a dials back; other members the probe learned of through a may dial back too
+    dialback = report["node"]["dialback"]
+    assert dialback.get(a.peer_id) is True, report
+    assert all(dialback.values()), report
     assert report["nat"]["kind"] == "public"
 
 
