@@ -6,11 +6,12 @@ Run as root (the WAN lab builds network namespaces)::
     nice -n 10 .venv/bin/python benchmarks/swarm_scale.py --sizes 4 --steps 4 \\
         --payload-mib 1 --window-s 15                                            # ~1-2 min
 
-Layout: four WAN-lab sites (``lattica_lab.wan.WanLab``), every pair linked with its own RTT
-(50, 70, 90, 110, 130, 150 ms; ``--mbit`` caps each link's rate). For each N the peers are
-dealt round-robin over the sites; each site runs its peers in one worker process (several real
-libp2p hosts, each with its own ``TensorService`` data plane and ``GossipGroups``, in one trio
-loop). At the straggler size two peers run alone in processes of their own, so they can be
+The harness is ``lattica_lab.swarm`` (sites, worker processes, setup) and
+``lattica_lab.swarm_worker`` (the peers): four WAN-lab sites, every pair linked with its own RTT
+(50, 70, 90, 110, 130, 150 ms; ``--mbit`` caps each link's rate); for each N the peers are
+dealt round-robin over the sites, each site running its peers in one worker process (several
+real libp2p hosts, each with its own ``TensorService`` data plane and ``GossipGroups``, in one
+trio loop). At the straggler size two peers run alone in processes of their own, so they can be
 SIGKILLed: the lowest peer id (the peer that sealed every round under the old coordinator) and
 a random other one.
 
@@ -23,12 +24,9 @@ start 10 % apart (relative), as after joins from different published states.
 Phases, all-reduce and gossip measured the same way (the same warm-up steps, the same number
 of measured steps, the same clock points):
 
-0. Setup (every N): the workers start their hosts, dial (each peer the peers before it,
-   ``DIALS_IN_FLIGHT`` at a time per process) and set up every pair's fast channel (a tiny
-   fetch per pair, as many at a time), then prime with a tiny all-reduce over all. All at once,
-   at N = 32 some of the N(N-1)/2 handshakes outlasted py-libp2p's 10 s upgrade and negotiation
-   timeouts and it reset those connections. A pair left on libp2p streams (the data plane's
-   fallback, a tenth of the speed) fails the setup, which is tried ``SETUP_ATTEMPTS`` times.
+0. Setup (every N): the workers start their hosts, dial a few at a time, set up every pair's
+   fast channel and prime with a tiny all-reduce over all (``lattica_lab.swarm``); a pair left
+   on libp2p streams fails the setup, which is tried a few times.
 1. ``round`` (every N): ``--warmup`` + ``--round-steps`` (5) outer steps; the gossip phase at
    the straggler size runs ``--steps`` (20) of them, for the consensus distance. A step's round time is a
    peer's ``sync()`` time (from the end of its inner phase to its next weights); the figure is
@@ -77,37 +75,19 @@ import json
 import math
 import os
 import random
-import signal
 import statistics
 import sys
 import time
-from contextlib import AsyncExitStack
 
 import _checkout  # noqa: F401  (the checkout root on sys.path: lattica_lab)
 
-SITE_RTTS_MS = (50, 70, 90, 110, 130, 150)  # the six links of four sites, in pair order
-SITES = ("s1", "s2", "s3", "s4")
-INIT_SPREAD = 0.10  # replicas start this far apart (relative)
-DRIFT = 1e-3  # per inner phase: each of the shared and the per-peer drift, relative to the norm
-SAMPLE = 512  # coordinates of each replica reported for the swarm's spread
+from lattica_lab.swarm import SITE_RTTS_MS, SITES, Swarm, SwarmFailed, add_sites, wire_summary
+from lattica_lab.wan import WanLab, wan_unavailable_reason
+
 PHASE_MARGIN_S = 120.0  # a phase's deadline: its expected length plus this
-SETUP_ATTEMPTS = 3  # connect and prime again after a failed setup, at most this often
-DIALS_IN_FLIGHT = 8  # per worker process: more at once outlast py-libp2p's 10 s handshake timeouts
-DIAL_ATTEMPTS = 3
-# over a 150 ms link on a loaded machine the fast channel's setup (a libp2p stream, a round
-# trip, a TCP connect) can take longer than the data plane's default 3 s; a pair that fell
-# back to libp2p streams would move its tensors at a tenth of the speed
-FAST_CONNECT_TIMEOUT_S = 20.0
-FAST_RETRY_S = 2.0
-WARM_NAME = "swarm-scale/warm"
-# a fast channel holds three frame-sized buffers (send, receive, plaintext) and asks for
-# frame-sized socket buffers: at the default 4 MiB, 8 peers of N = 32 in one process hold
-# 248 channels, ~3 GiB, and the kernel's OOM killer ended a worker; 1 MiB frames hold a quarter
-FAST_FRAME_BYTES = 1 << 20
-WORKER_SCRIPT = os.path.abspath(__file__)
 
 
-class BenchmarkFailed(RuntimeError):
+class BenchmarkFailed(SwarmFailed):
     """A phase did not finish: the benchmark reports no figures."""
 
 
@@ -191,350 +171,6 @@ def kill_stall(records: dict[str, list[dict]], survivors: list[str], start: floa
             raise BenchmarkFailed(f"kill: surviving peer {peer[-8:]} completed no step after the kill")
         longest = max(longest, max(b - a for a, b in itertools.pairwise(ends)))
     return longest
-
-
-def libp2p_sent(stats) -> int:
-    """Bytes the data plane sent over libp2p streams (its fallback when no fast channel)."""
-    return sum(n for (_peer, path), n in stats.bytes_sent.items() if path == "libp2p")
-
-
-# -- worker process ------------------------------------------------------------------------
-
-
-def one_tensor_model(numel: int):
-    """The payload: a model of one fp32 tensor."""
-    import torch
-
-    model = torch.nn.Module()
-    model.weight = torch.nn.Parameter(torch.zeros(numel))
-    return model
-
-
-class Worker:
-    """Several peers (host + data plane + gossip groups) in one trio loop."""
-
-    def __init__(self, stack: AsyncExitStack, nursery, ip: str, seeds: list[str]) -> None:
-        self.stack, self.nursery, self.ip, self.seeds = stack, nursery, ip, seeds
-        self.peers: list[dict] = []
-
-    async def start(self) -> list[dict]:
-        import multiaddr
-        from libp2p.crypto.ed25519 import create_new_key_pair
-
-        from lattica.net.host import build_host
-        from lattica.net.tensors.transfer import TensorService, TensorServiceConfig
-
-        listen = multiaddr.Multiaddr(f"/ip4/{self.ip}/tcp/0")
-        for seed in self.seeds:
-            key_pair = create_new_key_pair(bytes.fromhex(seed))
-            host = build_host(key_pair, listen_addrs=[listen])
-            await self.stack.enter_async_context(host.run([listen]))
-            await host.get_network().auto_connector.stop()  # we connect the swarm ourselves
-            service = TensorService(host, key_pair, config=TensorServiceConfig(
-                fast_connect_timeout_s=FAST_CONNECT_TIMEOUT_S, fast_retry_s=FAST_RETRY_S,
-                fast_frame_bytes=FAST_FRAME_BYTES))
-            await self.nursery.start(service.run)
-            self.peers.append({"host": host, "service": service, "id": service.peer_id})
-        return [{"peer_id": p["id"], "addr": f"{p['host'].get_addrs()[0]}"} for p in self.peers]
-
-    async def connect(self, addrs: list[str], members: list[str]) -> dict:
-        """Dial every peer listed before ours, at most ``DIALS_IN_FLIGHT`` at a time.
-
-        All at once (N(N-1)/2 Noise handshakes and identifies on two loaded cores) some take
-        longer than py-libp2p's 10 s upgrade and negotiation timeouts, and it resets those
-        connections; a dial that failed is tried again after the others."""
-        import multiaddr
-        import trio
-        from libp2p.peer.peerinfo import info_from_p2p_addr
-
-        failed: dict[tuple[int, str], str] = {}
-        gate = trio.Semaphore(DIALS_IN_FLIGHT)
-
-        async def dial(k: int, host, addr: str) -> None:
-            async with gate:
-                try:
-                    with trio.fail_after(60):
-                        await host.connect(info_from_p2p_addr(multiaddr.Multiaddr(addr)))
-                    failed.pop((k, addr), None)
-                except Exception as exc:  # noqa: BLE001 - any failure to connect is reported
-                    failed[(k, addr)] = f"{addr}: {exc!r}"[:300]
-
-        todo = [(k, p["host"], addr) for k, p in enumerate(self.peers)
-                for addr in addrs[:members.index(p["id"])]]
-        for _attempt in range(DIAL_ATTEMPTS):
-            async with trio.open_nursery() as nursery:
-                for k, host, addr in todo:
-                    nursery.start_soon(dial, k, host, addr)
-            if not failed:
-                break
-            todo = [(k, self.peers[k]["host"], addr) for k, addr in failed]
-            await trio.sleep(1.0)
-        errors = list(failed.values())
-        return {"ok": not errors, "error": f"{len(errors)} dial(s) failed, first: {errors[0]}" if errors else ""}
-
-    async def prime(self, members: list[str], tag: str) -> dict:
-        """Set up every pair's fast channel before anything is timed, then a tiny all-reduce
-        over all.
-
-        Each of our peers fetches a tiny served tensor from every member after it, at most
-        ``DIALS_IN_FLIGHT`` at a time per process: a fetch needs nothing from the other side's
-        caller, and its request sets up the fast channel. The all-reduce alone would set up all
-        N(N-1) channels at once; at N = 32 their libp2p setup streams then outlast
-        py-libp2p's 10 s negotiation timeout. A pair whose fast channel could not be set up
-        (its tensors would go over libp2p streams, at a tenth of the speed) fails the setup,
-        which then primes again."""
-        import torch
-        import trio
-
-        failed: list[str] = []
-        gate = trio.Semaphore(DIALS_IN_FLIGHT)
-        for p in self.peers:
-            p["service"].serve(WARM_NAME, torch.zeros(1))
-
-        async def warm(p, q: str) -> None:
-            async with gate:
-                try:
-                    with trio.fail_after(60):
-                        await p["service"].fetch(q, [WARM_NAME])
-                except Exception as exc:  # noqa: BLE001 - reported as a failed setup
-                    failed.append(f"fetch {p['id'][-8:]} <- {q[-8:]}: {type(exc).__name__}: {exc}"[:300])
-
-        async def prime(p) -> None:
-            stats = p["service"].stats
-            try:
-                with trio.fail_after(120):
-                    await p["service"].allreduce([torch.ones(len(members) * 64)], group=members, tag=tag)
-            except Exception as exc:  # noqa: BLE001 - reported as a failed setup
-                failed.append(f"prime {p['id'][-8:]}: {type(exc).__name__}: {exc}"[:300])
-                return
-            slow = [q for q in members if q != p["id"] and stats.bytes_sent[(q, "fast")] == 0]
-            if slow:
-                failed.append(f"prime {p['id'][-8:]}: no fast channel to {len(slow)} peer(s)")
-
-        async with trio.open_nursery() as nursery:  # a channel serves both ways: one per pair
-            for p in self.peers:
-                for q in members[members.index(p["id"]) + 1:]:
-                    nursery.start_soon(warm, p, q)
-        if not failed:
-            async with trio.open_nursery() as nursery:
-                for p in self.peers:
-                    nursery.start_soon(prime, p)
-        return {"ok": not failed, "error": f"{len(failed)} failure(s), first: {failed[0]}" if failed else ""}
-
-    async def run(self, cmd: dict) -> dict:
-        import trio
-
-        records: dict[str, list[dict]] = {}
-        async with trio.open_nursery() as nursery:
-            for p in self.peers:
-                records[p["id"]] = []
-                nursery.start_soon(self._peer_loop, p, cmd, records[p["id"]])
-        return {"ok": True, "records": records}
-
-    async def _peer_loop(self, p: dict, cmd: dict, out: list[dict]) -> None:
-        import torch
-        import trio
-
-        from lattica.coordination.gossip import GossipGroups
-        from lattica.coordination.groups import GossipGroupsConfig
-        from lattica.train.strategies.diloco import DiLoCo, DiLoCoConfig
-        from lattica_lab.collective import FixedGroups
-
-        members: list[str] = cmd["members"]
-        numel, grace = int(cmd["numel"]), float(cmd["grace_s"])
-        if cmd["mode"] == "gossip":
-            # a fresh handshake state per phase (its keys restart); it takes over the protocol
-            groups = GossipGroups(p["host"], peer_id=p["id"], run_id=cmd["phase"], members=lambda: members,
-                                  config=GossipGroupsConfig(grace_s=grace))
-            await self.nursery.start(groups.run)
-        else:
-            groups = FixedGroups(sorted(members))
-        model = one_tensor_model(numel)
-        strategy = DiLoCo(model, collective=p["service"], groups=groups, config=DiLoCoConfig(
-            inner_steps=1, averaging=cmd["mode"], exchange_timeout_s=float(cmd["exchange_s"]), max_attempts=1))
-        common = torch.Generator().manual_seed(cmd["seed"])
-        own = torch.Generator().manual_seed(cmd["seed"] * 1000 + members.index(p["id"]) + 1)
-        base = torch.randn(numel, generator=common)
-        init = base + INIT_SPREAD * torch.randn(numel, generator=own)
-        shared_drift = DRIFT * torch.randn(numel, generator=common)
-        own_drift = DRIFT * torch.randn(numel, generator=own)
-        # distinct tags per phase: round keys start at the phase's base
-        strategy.load_outer_state_dict({"params": {"weight": init}, "round": int(cmd["round_base"])})
-        idx = torch.linspace(0, numel - 1, min(SAMPLE, numel)).long()
-        compute = float(cmd["slow"].get(p["id"], cmd["compute_s"]))
-        end_at = cmd.get("end_at")
-        total = int(cmd["steps"]) if cmd.get("steps") else 10**9
-        signs = random.Random(p["id"])
-        with trio.move_on_after(max(0.0, end_at - time.time()) if end_at else math.inf):
-            for step in range(total):
-                await trio.sleep(compute)  # the inner phase
-                with torch.no_grad():
-                    model.weight.add_(shared_drift).add_(own_drift, alpha=signs.choice((-1.0, 1.0)))
-                stats = p["service"].stats
-                t0, sent, slow = time.time(), stats.total_sent(), libp2p_sent(stats)
-                report = await strategy.sync()
-                record = {"step": step, "t0": t0, "t1": time.time(), "group": len(report.group),
-                          "bytes": stats.total_sent() - sent, "libp2p_bytes": libp2p_sent(stats) - slow,
-                          "skipped": report.skipped, "detail": report.detail[:200]}
-                if cmd.get("sample"):
-                    record["sample"] = strategy.outer_parameters()[0][idx].tolist()
-                out.append(record)
-
-
-async def _worker_main(ip: str, seeds: list[str]) -> None:
-    import trio
-
-    def reply(obj: dict) -> None:
-        sys.stdout.write(json.dumps(obj) + "\n")
-        sys.stdout.flush()
-
-    async with AsyncExitStack() as stack, trio.open_nursery() as nursery:
-        worker = Worker(stack, nursery, ip, seeds)
-        reply({"event": "ready", "peers": await worker.start()})
-        async for line in trio.wrap_file(sys.stdin):
-            cmd = json.loads(line)
-            if cmd["cmd"] == "quit":
-                break
-            if cmd["cmd"] == "connect":
-                reply({"event": "connected", **await worker.connect(cmd["addrs"], cmd["members"])})
-            elif cmd["cmd"] == "prime":
-                reply({"event": "primed", **await worker.prime(cmd["members"], cmd["tag"])})
-            elif cmd["cmd"] == "run":
-                reply({"event": "done", "phase": cmd["phase"], **await worker.run(cmd)})
-        nursery.cancel_scope.cancel()
-
-
-# -- the parent: lab, layout, phases ----------------------------------------------------------
-
-
-def peer_id_of(seed: str) -> str:
-    from libp2p.crypto.ed25519 import create_new_key_pair
-    from libp2p.peer.id import ID
-
-    return ID.from_pubkey(create_new_key_pair(bytes.fromhex(seed)).public_key).to_base58()
-
-
-class Swarm:
-    """N peers in worker processes on the lab's sites; ``solo`` peers each in a process of their own."""
-
-    def __init__(self, lab, n: int, rng: random.Random, *, solo: int) -> None:
-        self.lab, self.n = lab, n
-        sites = list(lab.sites)
-        seeds = [rng.randbytes(32).hex() for _ in range(n)]
-        ids = [peer_id_of(s) for s in seeds]
-        order = sorted(range(n), key=lambda i: ids[i])
-        self.members = [ids[i] for i in order]  # sorted: members[0] is the lowest id
-        seeds = [seeds[i] for i in order]
-        victims = [0, *rng.sample(range(1, n), solo - 1)] if solo else []
-        self.victims = [self.members[i] for i in victims]
-        bulk: dict[str, list[str]] = {s: [] for s in sites}
-        solo_at: list[tuple[str, str]] = []
-        for j, i in enumerate(rng.sample(range(n), n)):  # random site for each peer
-            site = sites[j % len(sites)]
-            if i in victims:
-                solo_at.append((site, seeds[i]))
-            else:
-                bulk[site].append(seeds[i])
-        self.workers: list = []
-        self.victim_workers: dict[str, object] = {}
-        for site, site_seeds in bulk.items():
-            if site_seeds:
-                self._spawn(lab.sites[site].hosts[0], site_seeds, f"{site}-bulk")
-        for k, (site, seed) in enumerate(solo_at):
-            worker = self._spawn(lab.sites[site].hosts[1], [seed], f"{site}-solo{k}")
-            self.victim_workers[peer_id_of(seed)] = worker
-        addrs: dict[str, str] = {}
-        for w in self.workers:
-            ready = self._wait(w, "ready", 120, "start")
-            addrs.update({p["peer_id"]: p["addr"] for p in ready["peers"]})
-        if sorted(addrs) != self.members:
-            raise BenchmarkFailed(f"start: {len(addrs)} of {n} peers came up")
-        # py-libp2p now and then resets a fresh connection while many are set up at once: dial
-        # again (a no-op where connected) and prime again, a few times, before giving up
-        for attempt in range(SETUP_ATTEMPTS):
-            began = time.time()
-            for w in self.workers:
-                w.send({"cmd": "connect", "addrs": [addrs[m] for m in self.members], "members": self.members})
-            errors = [f"{w.name}: {r.get('error')}" for w in self.workers
-                      if not (r := self._wait(w, "connected", 240, "connect")).get("ok")]
-            if not errors:
-                connected = time.time()
-                for w in self.workers:
-                    w.send({"cmd": "prime", "members": self.members, "tag": f"prime/{attempt}"})
-                errors = [f"{w.name}: {r.get('error')}" for w in self.workers
-                          if not (r := self._wait(w, "primed", 240, "connect")).get("ok")]
-            if not errors:
-                print(f"  N={n:<3} connected in {connected - began:.0f} s, fast channels and prime in "
-                      f"{time.time() - connected:.0f} s", file=sys.stderr, flush=True)
-                break
-            print(f"  N={n:<3} setup attempt {attempt + 1} failed: {errors[0]}", file=sys.stderr, flush=True)
-        else:
-            raise BenchmarkFailed(f"connect: {errors[0]}")
-
-    def _spawn(self, host, seeds: list[str], name: str):
-        worker = self.lab.spawn(host, [sys.executable, WORKER_SCRIPT, "--worker", host.ip, *seeds],
-                                name=name, stderr_path=os.path.join(LOG_DIR, f"swarm-{name}.log"))
-        self.workers.append(worker)
-        return worker
-
-    @staticmethod
-    def _wait(worker, event: str, timeout: float, phase: str) -> dict:
-        try:
-            return worker.wait_for(lambda e: e.get("event") == event, timeout, fresh=event != "ready")
-        except (TimeoutError, RuntimeError) as exc:
-            raise BenchmarkFailed(f"{phase}: worker {worker.name} did not finish: {str(exc)[:300]}") from None
-
-    def run(self, phase: str, cmd: dict, timeout: float, *, kills: list[tuple[float, str]] = ()) -> dict:
-        """Run one phase on every live worker; SIGKILL the given victims at the given wall times."""
-        cmd = {"cmd": "run", "phase": phase, "members": self.members, **cmd}
-        live = [w for w in self.workers if w.popen.poll() is None]
-        cpu_before, began = self._cpu(live), time.monotonic()
-        for w in live:
-            w.send(cmd)
-        killed = set()
-        for at, victim in kills:
-            time.sleep(max(0.0, at - time.time()))
-            worker = self.victim_workers[victim]
-            os.kill(worker.popen.pid, signal.SIGKILL)  # the worker is this peer alone
-            killed.add(worker)
-        records: dict[str, list[dict]] = {}
-        deadline = time.monotonic() + timeout
-        for w in live:
-            if w in killed:
-                continue
-            reply = self._wait(w, "done", max(1.0, deadline - time.monotonic()), phase)
-            records.update(reply["records"])
-        with open(os.path.join(LOG_DIR, f"swarm-records-{phase}.json"), "w") as f:  # for a look afterwards
-            json.dump({p: [{k: v for k, v in r.items() if k != "sample"} for r in rs]
-                       for p, rs in records.items()}, f)
-        cpu_after = self._cpu([w for w in live if w not in killed])
-        self.last_cpu = {"wall_s": time.monotonic() - began, **{
-            k: cpu_after[k] - cpu_before[k] for k in ("workers_cpu_s", "links_cpu_s")}}
-        return records
-
-    def _cpu(self, workers: list) -> dict:
-        """CPU seconds so far of the given workers and of the lab's delay lines (where the
-        time of a phase goes: the peers' data planes, or the emulated wires)."""
-        from lattica_lab.wan import process_cpu_seconds
-
-        def cpu(pid: int) -> float:
-            try:
-                return process_cpu_seconds(pid)
-            except OSError:
-                return 0.0
-
-        return {"workers_cpu_s": sum(cpu(w.popen.pid) for w in workers),
-                "links_cpu_s": sum(cpu(link.pid) for link in self.lab.links.values())}
-
-    def close(self) -> None:
-        for w in self.workers:
-            if w.popen.poll() is None:
-                w.send({"cmd": "quit"})
-        for w in self.workers:
-            w.kill()
-
-
-LOG_DIR = os.environ.get("SWARM_LOG_DIR", "/tmp")
 
 
 def _phase_cmd(args, mode: str, numel: int, round_base: int, **extra) -> dict:
@@ -646,19 +282,6 @@ def measure_kill(swarm: Swarm, args, numel: int, out: dict, rng: random.Random, 
           f"{out['kill_paused_peers']} of {len(survivors)} survivors paused", file=sys.stderr, flush=True)
 
 
-def wire_summary(lab, pairs: list[tuple[str, str]]) -> dict:
-    """Per delay line, over the whole run: tail drops, how late its releases ran at worst, its
-    CPU seconds (the emulated wires stay exact only while the lines keep up)."""
-    out = {}
-    for a, b in pairs:
-        st = lab.link_stats(a, b)
-        out[f"{a}-{b}"] = {"dropped": st["a_to_b"]["dropped"] + st["b_to_a"]["dropped"],
-                           "max_late_ms": max(st["a_to_b"]["max_late_ms"], st["b_to_a"]["max_late_ms"]),
-                           "cpu_s": round(st["cpu_s"], 1),
-                           "gbytes": round((st["a_to_b"]["wire_bytes"] + st["b_to_a"]["wire_bytes"]) / 1e9, 2)}
-    return out
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="8,16,32", help="peer counts, comma-separated (each >= 4)")
@@ -696,8 +319,6 @@ def main() -> None:
         parser.error("sizes must be >= 4, --steps and --round-steps >= 2, --warmup >= 0, --payload-mib > 0, --window-s >= 5")
     straggler_size = args.straggler_size if args.straggler_size in sizes else sizes[len(sizes) // 2]
 
-    from lattica_lab.wan import WanLab, wan_unavailable_reason
-
     reason = wan_unavailable_reason()
     if reason:
         print(f"swarm_scale needs the WAN lab (run as root): {reason}", file=sys.stderr)
@@ -708,16 +329,11 @@ def main() -> None:
     started = time.time()
     try:
         with WanLab() as lab:
-            sites = SITES[:args.sites]
-            for site in sites:
-                lab.add_site(site, hosts=2)  # host 1: the site's peers; host 2: peers alone in a process
-            pairs = [(a, b) for i, a in enumerate(sites) for b in sites[i + 1:]]
-            for (a, b), rtt in zip(pairs, SITE_RTTS_MS, strict=False):
-                lab.link(a, b, rtt_ms=rtt, mbit=args.mbit)
+            pairs = add_sites(lab, args.sites, mbit=args.mbit)
             for n in sizes:
                 results[n] = measure_size(lab, args, n, rng, numel, straggler_size)
             links = wire_summary(lab, pairs)
-    except BenchmarkFailed as exc:
+    except SwarmFailed as exc:
         print(f"swarm_scale benchmark failed: {exc}", file=sys.stderr)
         sys.exit(1)
     s = results[straggler_size]
@@ -775,12 +391,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 2 and sys.argv[1] == "--worker":
-        import logging
-
-        import trio
-
-        logging.basicConfig(level=os.environ.get("SWARM_LOG_LEVEL", "WARNING"), stream=sys.stderr)
-        trio.run(_worker_main, sys.argv[2], sys.argv[3:])
-    else:
-        main()
+    main()
