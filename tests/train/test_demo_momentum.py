@@ -9,7 +9,8 @@ import torch
 import trio
 
 from lattica.config import TrainSettings
-from lattica.numerics import sparse
+from lattica.errors import RemoteProtocolError
+from lattica.numerics import demo_codec, sparse
 from lattica.train.model import GPTConfig, build_model
 from lattica.train.strategies import create_strategy, strategy_class
 from lattica.train.strategies.demo_momentum import (
@@ -256,3 +257,73 @@ async def test_the_gradient_is_clipped_on_each_replica_before_it_enters_m():
     await a.before_optimizer_step(1)
     for m, g in zip(a.momenta, grads, strict=True):
         assert torch.allclose(m, 0.01 * g * 0.5 / norm, atol=1e-7)
+
+
+async def test_int8_values_keep_replicas_identical_and_the_rounding_error_in_m():
+    network = InMemoryCollectiveGroup(PEERS)
+    strategies = _replicas(network, DeMoConfig(chunk=8, topk=4, value_codec="int8", grad_clip=0.0))
+    a = strategies[0]
+    _set_grads(strategies, 1)
+    grads = [p.grad.clone() for p in a.model.parameters()]
+    await _step_all(strategies, 1)
+    for s in strategies[1:]:
+        assert all(torch.equal(x, y) for x, y in zip(a.model.parameters(), s.model.parameters(), strict=True))
+    # m = η·g − IDCT(sent), with sent the int8 values every receiver decodes: what m lost is
+    # exactly what went out, rounding error included
+    m0 = [0.01 * g for g in grads]
+    sent = extract_fast_components(m0, a.layout, "int8")
+    exact = extract_fast_components(m0, a.layout, "fp32")
+    assert any(not torch.equal(sent[n].values, exact[n].values) for n in a.layout.sizes)
+    for m, want in zip(a.momenta, [x - r for x, r in zip(m0, dense_tensors(sent, a.layout), strict=True)], strict=True):
+        assert torch.allclose(m, want, atol=1e-7)
+    payload = sum(
+        demo_codec.encoded_size(chunk=n, k=a.layout.k[n], chunks=a.layout.chunks[n], codec="int8")
+        for n in a.layout.sizes
+    )
+    assert network.bytes_sent["a"] == 2 * payload
+    assert a.accounting()["last_sync_bytes"] == 2 * payload
+
+
+async def test_a_hostile_payload_fails_the_exchange_and_the_retry_drops_its_sender():
+    class DropsCOnRetry(FixedGroups):
+        def __init__(self, members):
+            super().__init__(members)
+            self.keys: list[str] = []
+
+        async def group_for(self, key):
+            self.keys.append(key)
+            return list(PEERS) if key.startswith("round/") else list(PEERS[:2])
+
+    network = InMemoryCollectiveGroup(PEERS)
+    groups = {peer: DropsCOnRetry(PEERS) for peer in PEERS}
+    config = DeMoConfig(chunk=8, topk=4, value_codec="int8")
+    a, b, _ = _replicas(network, config, groups)
+    layout = a.layout
+    hostile = [
+        demo_codec.encode(sparse.top_k_per_chunk(torch.ones(n * layout.chunks[n]), chunk=n, k=layout.k[n]), codec="int8")
+        for n in layout.sizes
+    ]
+    hostile[0][16:20] = torch.tensor([float("nan")], dtype=torch.float32).view(torch.uint8)  # a NaN scale
+    rejected: list[RemoteProtocolError] = []
+    decode = a._decode
+
+    def recording_decode(tensors, peer):
+        try:
+            return decode(tensors, peer)
+        except RemoteProtocolError as exc:
+            rejected.append(exc)
+            raise
+
+    a._decode = recording_decode  # type: ignore[method-assign]
+    c = network.member("c")
+    _set_grads([a, b], 1)
+    async with trio.open_nursery() as nursery:
+        for s in (a, b):
+            nursery.start_soon(s.before_optimizer_step, 1)
+        for peer in ("a", "b"):
+            nursery.start_soon(lambda peer=peer: c.exchange(hostile, peer=peer, tag="demo/step/1/0", codec="raw"))
+    assert [(e.peer_id, "scale" in str(e)) for e in rejected] == [("c", True)]
+    assert groups["a"].keys == ["round/0", "step/1/retry/1"]  # the retry's group has no c
+    assert a.applied_steps == b.applied_steps == 1
+    assert all(torch.equal(x, y) for x, y in zip(a.model.parameters(), b.model.parameters(), strict=True))
+    assert all(bool(torch.isfinite(p).all()) for p in a.model.parameters())

@@ -50,7 +50,7 @@ import torch
 
 from lattica.config import DEFAULT_INNER_STEPS
 from lattica.errors import LocalProtocolError, RemoteProtocolError
-from lattica.numerics import sparse
+from lattica.numerics import demo_codec, sparse
 from lattica.train.collective import Collective
 from lattica.train.strategies.accounting import AccountedStrategy, tensor_bytes
 from lattica.train.strategies.base import GroupProvider, OuterStepReport
@@ -86,8 +86,8 @@ class DeMoConfig:
             raise ValueError(f"DeMoConfig.weight_decay must be >= 0, got {self.weight_decay}")
         if self.grad_clip < 0:
             raise ValueError(f"DeMoConfig.grad_clip must be >= 0 (0: no clipping), got {self.grad_clip}")
-        if self.value_codec not in sparse.VALUE_CODECS:
-            raise ValueError(f"DeMoConfig.value_codec must be one of {sparse.VALUE_CODECS}")
+        if self.value_codec not in demo_codec.VALUE_CODECS:
+            raise ValueError(f"DeMoConfig.value_codec must be one of {demo_codec.VALUE_CODECS}")
         if self.max_attempts < 1:
             raise ValueError(f"DeMoConfig.max_attempts must be >= 1, got {self.max_attempts}")
 
@@ -189,7 +189,7 @@ def extract_fast_components(
 ) -> dict[int, sparse.SparseChunks]:
     """The top-k DCT coefficients of every block (values as receivers decode them)."""
     return {
-        n: sparse.quantized(sparse.top_k_per_chunk(coeffs.reshape(-1), chunk=n, k=layout.k[n]), value_codec)
+        n: demo_codec.quantized(sparse.top_k_per_chunk(coeffs.reshape(-1), chunk=n, k=layout.k[n]), value_codec)
         for n, coeffs in layout.split(momenta).items()
     }
 
@@ -275,7 +275,7 @@ class DeMo(AccountedStrategy):
             removed = dense_tensors(sent, self.layout)
             for m, r in zip(self.momenta, removed, strict=True):
                 m.sub_(r)
-        payload = [sparse.encode(sent[n], value_codec=cfg.value_codec) for n in self.layout.sizes]
+        payload = [demo_codec.encode(sent[n], codec=cfg.value_codec) for n in self.layout.sizes]
         update, group = await self._gather_mean(step, payload, sent)
         self._step = step
         self._round_group = group
@@ -326,7 +326,10 @@ class DeMo(AccountedStrategy):
                 f"expected {len(sizes)} sparse payloads, got {len(tensors)}", peer_id=peer
             )
         return {
-            n: sparse.decode(t, chunk=n, k=self.layout.k[n], chunks=self.layout.chunks[n], peer_id=peer)
+            n: demo_codec.decode(
+                t, codec=self.config.value_codec, chunk=n, k=self.layout.k[n],
+                chunks=self.layout.chunks[n], peer_id=peer,
+            )
             for n, t in zip(sizes, tensors, strict=True)
         }
 
