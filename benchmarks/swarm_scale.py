@@ -51,7 +51,11 @@ of measured steps, the same clock points):
    SIGKILLed at 1/3 and a random other peer at 2/3, each at a random point of its step. The
    stall is the longest interval between two consecutive outer steps of any surviving peer
    (it includes one normal step); the bound it is held to is the group grace plus one step
-   (the median interval before the first kill).
+   (the median interval before the first kill). Each interval after the first kill is also
+   told apart by the group drawn for the step that ends it: with a peer already dead (the
+   dead peer's group) or not (outside it); ``kill_outside_max_interval_s`` and
+   ``kill_outside_paused_peers`` (intervals over 1.5 steps + 1 s) show whether any peer outside
+   the dead peers' groups paused, beside ``kill_normal_max_interval_s`` (the longest before).
 
 The membership view is static (every peer of the run): a dead peer stays in the view, so a peer
 drawn with it learns it is gone by the handshake or the exchange (at most the grace) and steps
@@ -61,7 +65,8 @@ figures are for this machine (``load_avg_1m`` says how busy it was).
 The last line is one JSON object: ``sizes``, ``allreduce_round_s``, ``gossip_round_s``,
 ``allreduce_bytes_per_peer``, ``gossip_bytes_per_peer`` (lists per N), ``straggler_rate_allreduce``,
 ``straggler_rate_gossip``, ``consensus_distance`` (``value``, ``trend``, ``shrinking``),
-``kill_any_stall_s``, ``kill_stall_bound_s`` and the settings. A phase that does not finish — a
+``kill_any_stall_s``, ``kill_stall_bound_s``, ``kill_outside_max_interval_s``,
+``kill_outside_paused_peers`` and the settings. A phase that does not finish — a
 worker that exits or misses its deadline, an all-reduce step that fails, a peer short of its
 steps — fails the run: exit status 1 and one line on stderr, no figures. Without root (or without
 the lab's tools) the run exits with status 2 and says why.
@@ -173,6 +178,24 @@ def kill_stall(records: dict[str, list[dict]], survivors: list[str], start: floa
     return longest
 
 
+def kill_groups(records: dict[str, list[dict]], survivors: list[str], kills: list[tuple[float, str]],
+                start: float) -> dict[str, list[tuple[str, float]]]:
+    """The survivors' intervals between consecutive outer steps that end after ``start``, split
+    by the step's drawn group: ``dead_group`` when it held a peer killed before the step
+    ended (the partner of a dead peer), else ``outside``; each as ``(peer, seconds)``."""
+    split: dict[str, list[tuple[str, float]]] = {"dead_group": [], "outside": []}
+    for peer in survivors:
+        steps = sorted(records.get(peer, []), key=lambda r: r["t1"])
+        for prev, cur in itertools.pairwise(steps):
+            if cur["t1"] < start:
+                continue
+            if "drawn" not in cur:
+                raise BenchmarkFailed(f"kill: peer {peer[-8:]} did not report the group drawn for step {cur['step']}")
+            with_dead = any(at < cur["t1"] and victim in cur["drawn"] for at, victim in kills)
+            split["dead_group" if with_dead else "outside"].append((peer, cur["t1"] - prev["t1"]))
+    return split
+
+
 def _phase_cmd(args, mode: str, numel: int, round_base: int, **extra) -> dict:
     return {"mode": mode, "numel": numel, "grace_s": args.grace_s, "exchange_s": args.exchange_timeout_s,
             "compute_s": args.compute_s,
@@ -274,12 +297,26 @@ def measure_kill(swarm: Swarm, args, numel: int, out: dict, rng: random.Random, 
     out["kill_any_stall_s"] = kill_stall(records, survivors, first_kill, end)
     out["kill_stall_bound_s"] = args.grace_s + step_s
     out["kill_step_s"] = step_s
+    paused = 1.5 * step_s + 1.0  # an interval this long is a pause, not a slow step
+    out["kill_pause_threshold_s"] = paused
     out["kill_paused_peers"] = sum(
-        1 for p in survivors if kill_stall(records, [p], first_kill, end) > 1.5 * step_s + 1.0)
+        1 for p in survivors if kill_stall(records, [p], first_kill, end) > paused)
+    # who paused: the dead peers' partners (their step's drawn group held one), or the others
+    split = kill_groups(records, survivors, kills, first_kill)
+    out["kill_normal_max_interval_s"] = max(before)
+    for side in ("dead_group", "outside"):
+        out[f"kill_{side}_max_interval_s"] = max((t for _p, t in split[side]), default=0.0)
+        out[f"kill_{side}_steps"] = len(split[side])
+    out["kill_outside_paused_peers"] = len({p for p, t in split["outside"] if t > paused})
+    out["kill_dead_group_paused_peers"] = len({p for p, t in split["dead_group"] if t > paused})
     out["kill_survivors"] = len(survivors)
     out["killed_lowest_id"] = swarm.victims[0] == swarm.members[0]
     print(f"  N={n:<3} kill: longest pause {out['kill_any_stall_s']:.2f} s (bound {out['kill_stall_bound_s']:.2f} s), "
-          f"{out['kill_paused_peers']} of {len(survivors)} survivors paused", file=sys.stderr, flush=True)
+          f"{out['kill_paused_peers']} of {len(survivors)} survivors paused; longest interval drawn with a dead "
+          f"peer {out['kill_dead_group_max_interval_s']:.2f} s ({out['kill_dead_group_steps']} steps), outside "
+          f"{out['kill_outside_max_interval_s']:.2f} s ({out['kill_outside_steps']} steps, "
+          f"{out['kill_outside_paused_peers']} peers paused), before the kill {max(before):.2f} s",
+          file=sys.stderr, flush=True)
 
 
 def main() -> None:
@@ -371,6 +408,15 @@ def main() -> None:
         "kill_any_stall_s": figure("kill_any_stall_s"),
         "kill_stall_bound_s": figure("kill_stall_bound_s"),
         "kill_paused_peers": s.get("kill_paused_peers"),
+        "kill_pause_threshold_s": figure("kill_pause_threshold_s"),
+        "kill_step_s": figure("kill_step_s"),
+        "kill_normal_max_interval_s": figure("kill_normal_max_interval_s"),
+        "kill_dead_group_max_interval_s": figure("kill_dead_group_max_interval_s"),
+        "kill_outside_max_interval_s": figure("kill_outside_max_interval_s"),
+        "kill_dead_group_steps": s.get("kill_dead_group_steps"),
+        "kill_outside_steps": s.get("kill_outside_steps"),
+        "kill_dead_group_paused_peers": s.get("kill_dead_group_paused_peers"),
+        "kill_outside_paused_peers": s.get("kill_outside_paused_peers"),
         "kill_survivors": s.get("kill_survivors"),
         "killed_lowest_id": s.get("killed_lowest_id"),
         "phases": sorted(args.phases),

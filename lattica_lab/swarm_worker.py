@@ -13,8 +13,9 @@ stdin line, answering each with one JSON line on stdout:
 - ``{"cmd": "run", "phase", "mode": "allreduce"|"gossip", "members", "numel", "grace_s",
   "exchange_s", "compute_s", "seed", "round_base", "slow": {peer: compute_s}, "steps"?,
   "end_at"?, "sample"?}`` -> ``done`` with ``records``: per peer, one record per outer step
-  (``step``, ``t0``/``t1`` around ``sync()``, ``group`` (size), ``bytes``, ``libp2p_bytes``,
-  ``skipped``, ``detail``, ``sample``);
+  (``step``, ``t0``/``t1`` around ``sync()``, ``key``, ``group`` (the size of the group it
+  averaged with), ``drawn`` (gossip: the group drawn for the key from every member, whether or
+  not they answered), ``bytes``, ``libp2p_bytes``, ``skipped``, ``detail``, ``sample``);
 - ``{"cmd": "quit"}``.
 
 ``ok``/``error`` in ``connected`` and ``primed`` say whether every dial and every fast channel
@@ -210,6 +211,7 @@ class Worker:
         members: list[str] = cmd["members"]
         numel, grace = int(cmd["numel"]), float(cmd["grace_s"])
         groups: GroupProvider
+        gossip: GossipGroups | None = None
         if cmd["mode"] == "gossip":
             # a fresh handshake state per phase (its keys restart); it takes over the protocol
             gossip = GossipGroups(p.host, peer_id=p.id, run_id=cmd["phase"], members=lambda: members,
@@ -243,7 +245,8 @@ class Worker:
                 stats = p.service.stats
                 t0, sent, slow = time.time(), stats.total_sent(), libp2p_sent(stats)
                 report = await strategy.sync()
-                record = {"step": step, "t0": t0, "t1": time.time(), "group": len(report.group),
+                record = {"step": step, "t0": t0, "t1": time.time(), "key": report.key, "group": len(report.group),
+                          "drawn": list(gossip.proposal(report.key)) if gossip is not None else members,
                           "bytes": stats.total_sent() - sent, "libp2p_bytes": libp2p_sent(stats) - slow,
                           "skipped": report.skipped, "detail": report.detail[:200]}
                 if cmd.get("sample"):

@@ -109,6 +109,31 @@ def test_a_survivor_with_no_step_after_the_kill_fails_the_kill_phase(swarm):
     assert swarm.kill_stall(records, ["a"], 1.5, 9.0) == pytest.approx(6.0)
 
 
+def test_kill_pauses_are_told_apart_by_the_group_drawn_with_a_dead_peer(swarm):
+    """The dead peer's partners may pause up to the grace; a pause of anyone else is reported
+    as outside (the benchmark must show that no peer outside the dead peer's group paused)."""
+
+    def steps(*spans):
+        return [{**_step(i, t0, t1), "drawn": drawn} for i, (t0, t1, drawn) in enumerate(spans)]
+
+    records = {
+        # drawn with the victim "v" (killed at 2.5) at the step ending at 9: its partner
+        "a": steps((0, 1, ["a", "v"]), (1, 2, ["a", "b"]), (2, 9, ["a", "v"]), (9, 10, ["a", "b"])),
+        # outside: never drawn with "v" after its death, but one long interval (2 -> 8)
+        "b": steps((0, 1, ["b", "c"]), (1, 2, ["a", "b"]), (2, 8, ["b", "c"]), (8, 9, ["b", "v"])),
+        # drawn with "v" only before it died: that step is outside
+        "c": steps((0, 1, ["c", "v"]), (1, 2, ["b", "c"]), (2, 3, ["b", "c"])),
+    }
+    split = swarm.kill_groups(records, ["a", "b", "c"], [(2.5, "v")], 2.5)
+    assert sorted(split["dead_group"]) == [("a", 7), ("b", 1)]
+    assert sorted(split["outside"]) == [("a", 1), ("b", 6), ("c", 1)]
+    # a step before the kill is neither; a step that did not say its drawn group fails the phase
+    assert swarm.kill_groups(records, ["a"], [(2.5, "v")], 20.0) == {"dead_group": [], "outside": []}
+    bare = {"a": [_step(0, 0, 1), _step(1, 1, 3)]}
+    with pytest.raises(swarm.BenchmarkFailed, match="did not report the group drawn"):
+        swarm.kill_groups(bare, ["a"], [(2.5, "v")], 2.5)
+
+
 def test_without_root_the_run_exits_with_its_reason():
     argv = [sys.executable, str(SCRIPT), "--sizes", "4", "--steps", "2"]
     if os.geteuid() == 0:
