@@ -108,6 +108,17 @@ class OuterStateSync:
         progress = self._unservable.trusted_progress(self.view.progress(), self.clock())
         return agreed_round(progress, self.view.live(), self.view.peer_id)
 
+    def run_started(self) -> bool:
+        """Whether the run is past its start: we completed a round, or a live peer published
+        one whose fetch has not failed (a claim nobody could serve starts no run)."""
+        if self.mine[0] > 0:
+            return True
+        progress = {
+            peer: record for peer, record in self.view.progress().items()
+            if (claim := self.view.published_claim(peer)) is None or not self._unservable.distrusted(claim)
+        }
+        return agreed_round(progress, self.view.live(), self.view.peer_id) is not None
+
     def published_round(self, peer: str) -> int | None:
         """The round ``peer`` published, unless nobody could serve that claim."""
         claim = self.view.published_claim(peer)

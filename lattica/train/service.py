@@ -4,7 +4,9 @@ Theory of operation: ``TrainingService.run`` starts the tensor data plane and th
 coordinator, then (in the background) waits until ``min_peers`` members are live, agrees on the
 run config, builds the trainer (``trainer_factory``), and either resumes from its own last
 checkpoint or — when the run is already past round 0 — fetches the agreed outer state from
-several holders (hash-verified) and trains from the next round. The pieces, one concern each:
+several holders (hash-verified) and trains from the next round. At the start of a run it first
+waits (bounded) for the members still loading, so the first round is everyone's. The pieces,
+one concern each:
 
 - ``membership.MembershipView``: the replicated state's schema (members, roles, heartbeats,
   published progress, run config, expert claims), read and written in one place;
@@ -52,6 +54,8 @@ from lattica.train.strategies.base import OuterStrategy
 from lattica.train.trainer import Progress, RoundCompleted, Trainer
 
 log = logging.getLogger(__name__)
+
+START_WAIT_S = 30.0  # at the start of a run: how long members that are still loading are waited for
 
 
 class Histogram(Protocol):
@@ -177,7 +181,7 @@ class TrainingService:
     def _candidates(self) -> list[str]:
         """The candidates of a round: live trainers ready to sync. Before the first round is
         published, also those still loading: at the start of a run everyone is waited for."""
-        if self.outer_sync.agreed() is None:
+        if not self.outer_sync.run_started():
             return self.view.live_with_role(JOINING_ROLE, TRAINER_ROLE)
         return self.view.trainers()
 
@@ -227,6 +231,7 @@ class TrainingService:
         await self.view.set_role(TRAINER_ROLE)
         if self._ownership is not None:
             await self._ownership.publish()
+        await self._wait_for_members_still_loading()
         self.phase = "training"
         summary = await trainer.run()
         self.summary = dataclasses.asdict(summary)
@@ -277,6 +282,26 @@ class TrainingService:
                 return
             with trio.move_on_after(1.0):
                 await self.view.wait_changed()
+
+    async def _wait_for_members_still_loading(self) -> None:
+        """At the start of a run, until every other member that announced itself (``joining``,
+        connected and heartbeating) has loaded, at most ``START_WAIT_S`` (or a round deadline
+        when longer). Members load at their own pace (reading the corpus, fetching a claim
+        that turns out unservable): a round coordinator waits a round deadline from the first
+        arrival, and a member still loading then ran the first rounds alone, as did the
+        others. Mid-run this does not apply: a joiner is caught up instead."""
+        with trio.move_on_after(max(START_WAIT_S, self.settings.round_deadline_s)):
+            while not self.outer_sync.run_started() and self._members_still_loading():
+                self.phase = "waiting for peers to load"
+                with trio.move_on_after(0.5):
+                    await self.view.wait_changed()
+
+    def _members_still_loading(self) -> bool:
+        connected = self._connected()
+        return any(
+            p != self.peer_id and p in connected and self.liveness.heard(p)
+            for p in self.view.live_with_role(JOINING_ROLE)
+        )
 
     async def _settle(self, trainer: Trainer) -> None:
         """After the last round, keep taking the run's final state while the node is up: a

@@ -10,6 +10,7 @@ rounds together and end on the same state; ``lattica state`` lists the keys as u
 
 from __future__ import annotations
 
+import itertools
 import re
 from pathlib import Path
 
@@ -56,6 +57,12 @@ def _phantom() -> tuple[str, list[Envelope]]:
     envs += replica.local_write(me, lambda d: documents.write_lease(d, lease_expires_ms=FAR_LEASE_MS, heartbeat=1))
     envs += replica.local_write(me, lambda d: documents.write_progress(d, round=999, weights_hash="e" * 64))
     return me, envs
+
+
+def _seconds(clock: str) -> float:
+    """Seconds since midnight of a log line's ``HH:MM:SS.mmm``."""
+    hours, minutes, seconds = clock.split(":")
+    return int(hours) * 3600 + int(minutes) * 60 + float(seconds)
 
 
 def _training(daemon: DaemonProcess) -> dict:
@@ -114,9 +121,18 @@ async def test_throwaway_keys_do_not_split_or_stall_a_run(tmp_path: Path) -> Non
             assert member.peer_id in state["live"]  # the member itself is one
         for log in logs:
             # the member's own claim: tried, then left alone for a doubling back-off (a fetch
-            # loop logged it twice a second)
-            tries = re.findall(r"could not fetch outer state of round 999|no holder serves the published state of round 999", log)
-            assert len(tries) <= 3, log[-6000:]
+            # loop logged it twice a second); how many tries fit depends on how long the daemons
+            # took to start, their spacing does not
+            tries = [
+                (_seconds(m.group(1)), float(m.group(2))) for m in re.finditer(
+                    r"^(\S+) WARNING .*(?:could not fetch outer state of round 999|"
+                    r"no holder serves the published state of round 999).* ignoring that claim for (\d+) s", log, re.M,
+                )
+            ]
+            assert tries, log[-6000:]
+            assert [period for _, period in tries] == [5.0 * 2**k for k in range(len(tries))], log[-6000:]
+            for (at, period), (next_at, _) in itertools.pairwise(tries):
+                assert next_at - at >= period - 0.5, log[-6000:]
             together = len(re.findall(r"sync round/\d+(?:/retry/\d+)? done with 2 member\(s\)", log))
             assert together >= ROUNDS - 1, log[-6000:]
         for state in states:  # every replica published the last round, with one hash

@@ -10,6 +10,7 @@ import pytest
 
 from lattica.config import TrainSettings
 from lattica.crdt.liveness import LeasePolicy
+from lattica.errors import PeerUnavailableError
 from lattica.train.liveness import PeerLiveness
 from lattica.train.membership import MembershipView
 from lattica.train.outer_sync import CatchingUpStrategy, OuterStateSync
@@ -166,3 +167,33 @@ async def test_no_sync_for_the_old_step_after_a_state_was_adopted_there(clock: _
     assert sync.catch_up_owed is not None
     assert strategy.next_sync_step(30) == 31  # the trainer stops at once for it
     assert strategy.completed_rounds == inner.completed_rounds == 2  # the rest is the inner strategy's
+
+
+class _NobodyServes:
+    """A data plane on which every holder refuses (a claim that cannot be fetched)."""
+
+    async def fetch(self, peer: str, names: Any) -> Any:
+        raise PeerUnavailableError("serves nothing", peer_id=peer)
+
+
+async def test_a_claim_nobody_serves_does_not_start_the_run_even_when_due_for_a_retry(clock: _Clock) -> None:
+    # a member published round 999 under a hash it cannot serve: once a fetch failed, the run
+    # has not started (members still loading stay round candidates and are waited for), also
+    # after the back-off, when the claim is offered for adoption again
+    snapshot: dict[str, Any] = {"members": {}, "progress": {"x": {"round": 999, "weights_hash": "d" * 64}}}
+    view = _view(snapshot, live=["me", "x"])
+    sync = OuterStateSync(view, store=_NobodyServes(), settings=TrainSettings(), ran_alone=lambda report: False, clock=clock)  # type: ignore[arg-type]
+    agreed = sync.agreed()
+    assert agreed is not None
+    assert sync.run_started()  # untried: a joiner fetches it
+    assert not await sync.servable(agreed)
+    assert not sync.run_started()
+    clock.now += 60.0  # past the back-off
+    assert sync.agreed() is not None
+    assert not sync.run_started()
+    snapshot["progress"]["y"] = {"round": 3, "weights_hash": "a" * 64}
+    view.state.live_members = lambda: ["me", "x", "y"]  # type: ignore[method-assign]
+    assert sync.run_started()  # a claim not (yet) refused
+    del snapshot["progress"]["y"]
+    sync.mine = (1, "b" * 64)
+    assert sync.run_started()  # we completed a round ourselves
