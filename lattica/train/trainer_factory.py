@@ -32,7 +32,7 @@ from lattica.train.model import GPTConfig, preset
 from lattica.train.moe import MOE_PRESETS, build_moe_model
 from lattica.train.schedule import ScheduleConfig
 from lattica.train.strategies import strategy_class
-from lattica.train.strategies.base import OuterStrategy
+from lattica.train.strategies.base import OuterStrategy, StrategyHandles
 from lattica.train.strategies.experts import ExpertOwnership
 from lattica.train.strategy_settings import strategy_config
 from lattica.train.task import Task, TaskContext, builtin_task, load_task
@@ -77,11 +77,9 @@ def build_trainer(
     and data loading, so call it in a worker thread."""
     s = settings
     task = build_task(s, peer_id=parts.peer_id)
-    cls = strategy_class(s.strategy)
-    extra = {} if parts.ownership is None else {"ownership": parts.ownership}
-    strategy = cls(  # type: ignore[call-arg]
+    strategy = strategy_class(s.strategy).build(
         task.model, collective=parts.collective, groups=parts.groups,
-        config=strategy_config(s, members=parts.members), **extra,
+        config=strategy_config(s, members=parts.members), handles=StrategyHandles(ownership=parts.ownership),
     )
     total = s.rounds * s.inner_steps
     trainer_config = TrainerConfig(

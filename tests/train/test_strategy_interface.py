@@ -11,13 +11,17 @@ import torch
 
 from lattica.config import TrainSettings
 from lattica.train import trainer_factory
+from lattica.train.moe import MoEConfig, build_moe_model
 from lattica.train.strategies import STRATEGIES, strategy_class
 from lattica.train.strategies.base import (
     EveryHSteps,
     OuterStepReport,
     OuterStrategy,
+    StrategyHandles,
     WrappedStrategy,
 )
+from lattica.train.strategies.experts import DerivedOwnership
+from lattica.train.strategies.spes import SPES, SPESConfig
 from lattica_lab.collective import FixedGroups, InMemoryCollectiveGroup
 
 
@@ -32,7 +36,7 @@ def _interface() -> set[str]:
 def test_the_wrapper_forwards_the_whole_interface() -> None:
     """A hook added to ``OuterStrategy`` must be forwarded too, or a wrapped strategy would
     silently fall back to the default (only class-level capabilities are read off the class)."""
-    class_level = {"averages_in_groups", "trains_experts", "config_class"}
+    class_level = {"averages_in_groups", "trains_experts", "config_class", "build"}
     missing = sorted(n for n in _interface() - class_level if n not in vars(WrappedStrategy))
     assert missing == []
 
@@ -130,3 +134,35 @@ async def test_a_strategy_built_by_the_factory_syncs_through_what_it_is_given(tm
     assert trainer.strategy.inner is wrapped[0]
     assert wrapped[0].name == "diloco"
     assert trainer.config.total_steps == 2
+
+
+def test_build_hands_a_strategy_the_node_handles_it_takes() -> None:
+    peers = ["a", "b"]
+    group, groups = InMemoryCollectiveGroup(peers), FixedGroups(peers)
+    moe = MoEConfig(n_layer=1, d_model=8, n_head=2, context=8, num_experts=4, top_k=2, expert_hidden=8)
+    ownership = DerivedOwnership(("b", "c"), moe.num_experts)  # the node's, not the config's members
+    handles = StrategyHandles(ownership=ownership)
+    spes = strategy_class("spes").build(
+        build_moe_model(moe, seed=0), collective=group.member("a"), groups=groups,
+        config=SPESConfig(members=tuple(peers)), handles=handles,
+    )
+    assert isinstance(spes, SPES)
+    assert spes.ownership is ownership
+    assert spes.owned_experts == []  # "a" owns none in the node's map
+    diloco = strategy_class("diloco").build(
+        torch.nn.Linear(2, 2), collective=group.member("a"), groups=groups, config=None, handles=handles,
+    )
+    assert diloco.name == "diloco"
+    with pytest.raises(TypeError, match="mixture-of-experts"):
+        strategy_class("spes").build(
+            torch.nn.Linear(2, 2), collective=group.member("a"), groups=groups, config=None, handles=handles,
+        )
+
+
+def test_spes_reads_gossip_averaging_from_its_own_config_only() -> None:
+    class Lookalike:  # a config of another kind that happens to have the field
+        averaging = "gossip"
+
+    assert SPES.averages_in_groups(SPESConfig(averaging="gossip"))
+    assert not SPES.averages_in_groups(SPESConfig())
+    assert not SPES.averages_in_groups(Lookalike())

@@ -51,7 +51,7 @@ def create_strategy(
 ) -> OuterStrategy:
     """Instantiate strategy ``name`` around ``model`` (default config when ``config`` is None)."""
     cls = strategy_class(name)
-    return cls(model, collective=collective, groups=groups, config=config)  # type: ignore[call-arg]
+    return cls(model, collective=collective, groups=groups, config=config)
 
 
 __all__ = [

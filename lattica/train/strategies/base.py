@@ -30,6 +30,7 @@ import trio
 
 from lattica.coordination.provider import GroupProvider as GroupProvider
 from lattica.train.collective import Collective
+from lattica.train.strategies.experts import ExpertOwnership
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,6 +44,14 @@ class OuterStepReport:
     seconds: float
     skipped: bool = False
     detail: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StrategyHandles:
+    """What the node can hand a strategy besides its model, collective, groups and config; a
+    strategy takes what it declares it needs in ``OuterStrategy.build``."""
+
+    ownership: ExpertOwnership | None = None  # ``trains_experts``: the replicated expert ownership
 
 
 class OuterStrategy(ABC):
@@ -77,7 +86,7 @@ class OuterStrategy(ABC):
 
     #: Set by strategies whose members each train a part of a mixture-of-experts model (SPES):
     #: the built-in task then trains an MoE model, and the daemon keeps expert ownership in the
-    #: replicated state and passes it to the constructor as ``ownership``.
+    #: replicated state and hands it to ``build`` (``StrategyHandles.ownership``).
     trains_experts: ClassVar[bool] = False
 
     @classmethod
@@ -87,13 +96,30 @@ class OuterStrategy(ABC):
         replicas then differ, and a replica that falls behind adopts the newest published one."""
         return False
 
+    @classmethod
+    def build(
+        cls,
+        model: torch.nn.Module,
+        *,
+        collective: Collective,
+        groups: GroupProvider,
+        config: object | None,
+        handles: StrategyHandles,
+    ) -> OuterStrategy:
+        """The strategy with ``config`` (an instance of ``config_class``, None: its default),
+        given the node's ``handles``. Default: the constructor, which needs none of them; a
+        strategy that needs one overrides this and takes it from ``handles``."""
+        return cls(model, collective=collective, groups=groups, config=config)
+
     def __init__(
         self,
         model: torch.nn.Module,
         *,
         collective: Collective,
         groups: GroupProvider,
+        config: object | None = None,
     ) -> None:
+        """``config``: each strategy takes its own ``config_class`` and keeps it typed."""
         self.model = model
         self.collective = collective
         self.groups = groups

@@ -61,7 +61,7 @@ from lattica.errors import BrokenError, PeerUnavailableError, RemoteProtocolErro
 from lattica.train.collective import Collective
 from lattica.train.moe import MoEGPT, dense_parameters, expert_parameters
 from lattica.train.strategies.accounting import AccountedStrategy
-from lattica.train.strategies.base import GroupProvider, OuterStepReport
+from lattica.train.strategies.base import GroupProvider, OuterStepReport, StrategyHandles
 from lattica.train.strategies.experts import (
     DerivedOwnership,
     ExpertOwnership,
@@ -173,7 +173,24 @@ class SPES(AccountedStrategy):
 
     @classmethod
     def averages_in_groups(cls, config: object | None) -> bool:
-        return getattr(config, "averaging", "allreduce") == "gossip"
+        return isinstance(config, SPESConfig) and config.averaging == "gossip"
+
+    @classmethod
+    def build(
+        cls,
+        model: torch.nn.Module,
+        *,
+        collective: Collective,
+        groups: GroupProvider,
+        config: object | None,
+        handles: StrategyHandles,
+    ) -> SPES:
+        """With the node's expert ownership (``handles.ownership``) when it keeps one."""
+        if not isinstance(model, MoEGPT):
+            raise TypeError(f"SPES trains a mixture-of-experts model (MoEGPT), got {type(model).__name__}")
+        if config is not None and not isinstance(config, SPESConfig):
+            raise TypeError(f"SPES takes an SPESConfig, got {type(config).__name__}")
+        return cls(model, collective=collective, groups=groups, config=config, ownership=handles.ownership)
 
     @property
     def completed_rounds(self) -> int:
