@@ -106,6 +106,12 @@ async def test_three_replicas_apply_the_same_sparse_mean_bit_identically():
     strategies = _replicas(network, config)
     before = [p.clone() for p in strategies[0].outer_parameters()]
     for round_ in range(3):
+        if round_ == 0:  # what "a" will send: its encoded ŝ, in the scheme smallest for it
+            a = strategies[0]
+            delta = flatten([o - p.detach() for o, p in zip(a.outer_parameters(), a.model.parameters(), strict=True)])
+            sent, _ = compress_with_feedback(a.error, delta, decay=config.error_decay, chunk=256, k=config.k,
+                                             value_codec="2bit")
+            payload = sparse.encode(sent, value_codec="2bit", scheme=sparse.smallest_scheme_for(sent)).numel()
         reports = await _sync_all(strategies)
         assert all(not r.skipped for r in reports)
         for s in strategies[1:]:
@@ -118,9 +124,10 @@ async def test_three_replicas_apply_the_same_sparse_mean_bit_identically():
         if round_ == 0:
             numel = sum(p.numel() for p in before)
             chunks = sparse.chunk_count(numel, 256)
-            payload = sparse.encoded_size(
+            elias_fano = sparse.encoded_size(
                 chunk=256, k=config.k, chunks=chunks, value_codec="2bit", scheme="elias_fano"
             )
+            assert payload <= elias_fano
             assert reports[0].bytes_sent == 2 * payload  # to each of the two others
             assert network.bytes_sent["a"] == 2 * payload
     moved = sum(float((a - b).abs().sum()) for a, b in zip(before, strategies[0].outer_parameters(), strict=True))
@@ -203,7 +210,9 @@ async def test_gossip_averages_the_sparse_contributions_inside_each_group():
         assert torch.equal(theta, theta0 - config.outer_lr * mean)  # this group's mean, nothing else
         # e holds what was not sent; what was sent was applied (to this group)
         assert torch.allclose(s.error, deltas[i] - sparse.densify(sents[i], numel), atol=1e-7)
-        assert report.bytes_sent == sparse.encode(sents[i], value_codec="2bit").numel()  # one partner
+        assert report.bytes_sent == sparse.encode(
+            sents[i], value_codec="2bit", scheme=sparse.smallest_scheme_for(sents[i])
+        ).numel()  # one partner
     groups = {r.group for r in reports}
     assert len(groups) == 2  # two disjoint pairs: their replicas now differ
     a, b = (next(s for s, r in zip(strategies, reports, strict=True) if r.group == g) for g in groups)
@@ -237,3 +246,40 @@ def test_gossip_run_settings_reach_the_config():
     assert (config.averaging, config.group_size, config.exchange_timeout_s) == ("gossip", 3, 2.0)
     with pytest.raises(ValueError, match="averaging"):
         SparseLoCoConfig(averaging="ring")
+
+
+async def test_a_truncated_payload_fails_the_round_and_names_the_sender():
+    """Replica c sends its real rice payload cut short: a and b refuse it (the decode error names
+    c), skip the round and keep θ and e as they were — nothing half-applied."""
+    config = SparseLoCoConfig(inner_steps=1, chunk=256, density=0.05, max_attempts=1)
+    network = InMemoryCollectiveGroup(PEERS)
+    strategies = _replicas(network, config)
+    a, b, c = strategies
+    before = [(list(p.clone() for p in s.outer_parameters()), s.error.clone()) for s in (a, b)]
+    delta = flatten([o - p.detach() for o, p in zip(c.outer_parameters(), c.model.parameters(), strict=True)])
+    sent, _ = compress_with_feedback(c.error, delta, decay=config.error_decay, chunk=256, k=config.k,
+                                     value_codec="2bit")
+    payload = sparse.encode(sent, value_codec="2bit", scheme="rice")
+    assert sparse.smallest_scheme_for(sent) == "rice"
+    member = network.member("c")
+    reports = {}
+
+    async def honest(i: int) -> None:
+        reports[i] = await strategies[i].sync()
+
+    async def truncating(peer: str) -> None:
+        await member.exchange([payload[:-1].clone()], peer=peer, tag="sparseloco/round/0/0", codec="raw")
+
+    async with trio.open_nursery() as nursery:
+        for i in (0, 1):
+            nursery.start_soon(honest, i)
+        for peer in ("a", "b"):
+            nursery.start_soon(truncating, peer)
+    for i, s in enumerate((a, b)):
+        assert reports[i].skipped
+        assert "invalid sparse payload: rice indices" in reports[i].detail
+        assert "(peer c)" in reports[i].detail
+        outer, error = before[i]
+        assert all(torch.equal(x, y) for x, y in zip(outer, s.outer_parameters(), strict=True))
+        assert torch.equal(s.error, error)
+        assert s.completed_rounds == 0

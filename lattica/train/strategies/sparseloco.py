@@ -11,8 +11,9 @@ role of DiLoCo's outer momentum. After every ``inner_steps`` (H) inner steps:
    magnitude are kept and their values quantized to 2 bits with a per-chunk scale
    (``lattica.numerics.sparse``): ŝ = what every receiver will decode;
 3. each member sends its encoded ŝ to every other member of the round (``sparse_gather``) —
-   header, scales, 2-bit values and indices in the smallest scheme at this density (Elias–Fano
-   deltas at 1–3 %), all counted in the traffic meter;
+   header, bf16 scales, 2-bit values and indices in the scheme that is smallest for these
+   entries (measured: Golomb–Rice gaps at 1–3 %, Elias–Fano if ever smaller), all counted in
+   the traffic meter;
 4. mean = (1/M) Σ ŝ_m, summed in fp32 in group order; θ ← θ − α·mean; e ← c − ŝ; θ_local ← θ.
 
 No outer momentum: the decayed accumulator carries what was not sent yet.
@@ -182,7 +183,7 @@ class SparseLoCo(EveryHSteps, AccountedStrategy):
             self.error, delta, decay=cfg.error_decay, chunk=cfg.chunk, k=cfg.k,
             value_codec=cfg.value_codec,
         )
-        payload = [sparse.encode(sent, value_codec=cfg.value_codec)]
+        payload = [sparse.encode(sent, value_codec=cfg.value_codec, scheme=sparse.smallest_scheme_for(sent))]
         if cfg.averaging == "gossip":
             return await self._gossip(key, payload, sent, new_error, started)
         outcome = await gather_with_retries(

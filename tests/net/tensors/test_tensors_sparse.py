@@ -44,7 +44,7 @@ def test_2bit_round_trip_error_is_at_most_the_scale(xs):
     codes, scales = sparse.quantize_2bit(values)
     decoded = sparse.dequantize_2bit(codes, scales)
     s = float(scales[0])
-    assert s == pytest.approx(values.abs().max().item() / 3)
+    assert s == pytest.approx(values.abs().max().item() / 3, rel=2**-8)  # bf16 on the wire
     assert float((decoded - values).abs().max()) <= s * (1 + 1e-6) + 1e-30
     assert bool(((decoded > 0) == (values > 0))[values != 0].all())  # signs kept
 
@@ -61,7 +61,7 @@ def test_index_sizes_and_the_smallest_scheme_at_sparse_densities():
     assert sparse.smallest_index_scheme(4096, 1) == "offsets"
 
 
-@pytest.mark.parametrize("scheme", sparse.INDEX_SCHEMES)
+@pytest.mark.parametrize("scheme", sparse.FIXED_INDEX_SCHEMES)
 @pytest.mark.parametrize("value_codec", sparse.VALUE_CODECS)
 @pytest.mark.parametrize(("numel", "chunk", "k"), [(10_000, 4096, 64), (300, 64, 32), (5, 7, 7), (9, 4, 1)])
 def test_round_trip_through_every_scheme_and_codec(scheme, value_codec, numel, chunk, k):
@@ -81,7 +81,7 @@ def test_round_trip_through_every_scheme_and_codec(scheme, value_codec, numel, c
 def test_encoded_size_counts_header_scales_values_and_indices():
     # 31 chunks (the tiny model: 124,672 values), k 64, 2-bit values, Elias-Fano indices
     size = sparse.encoded_size(chunk=4096, k=64, chunks=31, value_codec="2bit", scheme="elias_fano")
-    assert size == 16 + 31 * 4 + 31 * 64 * 2 // 8 + 31 * 64
+    assert size == 16 + 31 * 2 + 31 * 64 * 2 // 8 + 31 * 64  # bf16 scales
 
 
 def _payload() -> tuple[torch.Tensor, sparse.SparseChunks]:
@@ -129,5 +129,5 @@ def _set(p: torch.Tensor, i: int, v: int) -> torch.Tensor:
 
 
 def _set_scale(p: torch.Tensor, v: float) -> torch.Tensor:
-    p[16:20] = torch.tensor([v], dtype=torch.float32).view(torch.uint8)
+    p[16:18] = torch.tensor([v], dtype=torch.bfloat16).view(torch.uint8)
     return p
