@@ -96,7 +96,7 @@ def test_mean_components_is_the_fp32_mean_of_the_sparse_coefficients():
 
 def test_config_defaults_and_registration():
     c = DeMoConfig()
-    assert (c.chunk, c.topk, c.momentum_decay) == (64, 32, 0.999)
+    assert (c.chunk, c.topk, c.momentum_decay, c.value_codec) == (64, 288, 0.999, "int4")
     assert strategy_class("demo") is DeMo
     assert type(strategy_config(TrainSettings(strategy="demo"))) is DeMoConfig
     with pytest.raises(ValueError, match="topk"):
@@ -158,8 +158,8 @@ async def test_three_replicas_take_the_same_sign_step():
     assert float(steps.max()) <= 3 + 1e-3
     assert float(steps.max()) > 2.5
     payload = sum(
-        sparse.encode(sparse.top_k_per_chunk(torch.zeros(n * strategies[0].layout.chunks[n]), chunk=n,
-                                             k=strategies[0].layout.k[n]), value_codec="fp16").numel()
+        demo_codec.encode(sparse.top_k_per_chunk(torch.zeros(n * strategies[0].layout.chunks[n]), chunk=n,
+                                                 k=strategies[0].layout.k[n]), codec="int4").numel()
         for n in strategies[0].layout.sizes
     )
     assert strategies[0].accounting()["last_sync_bytes"] == 2 * payload
@@ -327,3 +327,22 @@ async def test_a_hostile_payload_fails_the_exchange_and_the_retry_drops_its_send
     assert a.applied_steps == b.applied_steps == 1
     assert all(torch.equal(x, y) for x, y in zip(a.model.parameters(), b.model.parameters(), strict=True))
     assert all(bool(torch.isfinite(p).all()) for p in a.model.parameters())
+
+
+def test_the_default_payload_is_over_20x_below_ddp_on_the_benchmark_model():
+    # DDP's butterfly all-reduce sends 2 (M-1)/M of the fp32 model per step; DeMo sends its
+    # payload to each of the M - 1 others (M = 4, the benchmark's tiny model)
+    model = build_model("tiny", seed=0)
+    shapes = [p.shape for p in model.parameters()]
+    numel = sum(p.numel() for p in model.parameters())
+    config = DeMoConfig()
+    layout = BlockLayout(shapes, config.chunk, config.topk)
+    assert layout.chunks == {64: 28, 4096: 30}
+    assert layout.k == {64: 64, 4096: 288}
+    payload = sum(
+        demo_codec.encoded_size(chunk=n, k=layout.k[n], chunks=layout.chunks[n], codec=config.value_codec)
+        for n in layout.sizes
+    )
+    assert payload == 11_944
+    ddp = 2 * 3 * numel * 4 // 4
+    assert ddp / (3 * payload) >= 20  # 20.88
