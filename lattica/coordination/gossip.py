@@ -3,21 +3,24 @@
 Theory of operation
 -------------------
 ``group_for(key)`` draws this peer's proposal for the key from the live members it holds
-(``groups.proposed_group``), marks the key open, and sends ``{"run", "key", "group"}`` on
-``/lattica/group/1.0.0`` to each other member of the proposal — concurrently, each under the
-grace. Each answers at once from its own view with ``{"group": its proposal}`` or
-``{"gone": true}`` (``groups.GroupHandshakes``); no answer is awaited past the grace. The result
-is this peer and the partners whose proposal holds it (``groups.confirmed_group``): possibly
-this peer alone, and then the strategy steps on its own. Peers outside the proposal are never
-contacted, so a frozen or dead peer costs only its own group, at most the grace, and only at the
-steps it is drawn into that group. A partner that this peer does not hear (``responsive``) is
-not asked at all.
+(``groups.proposed_group``), marks the key open, and sends ``{"run", "key", "group", "hold"}``
+on ``/lattica/group/1.0.0`` to each other member of the proposal — concurrently, each under its
+hold plus the grace. Each answers from its own view with ``{"group": its proposal}``,
+``{"gone": true}`` or ``{"late": true}`` (``groups.GroupHandshakes``); no answer is awaited past
+the hold plus the grace. The result is this peer and the partners whose proposal holds it
+(``groups.GroupHandshakes.settle``): possibly this peer alone, and then the strategy steps on
+its own. Peers outside the proposal are never contacted, so a frozen or dead peer costs only its
+own group, at most the hold plus the grace, and only at the steps it is drawn into that group. A
+partner that this peer does not hear (``responsive``) is not asked at all.
 
-A request for a step this peer has not reached is held until it opens the step or the hold ends
-(``groups.GroupHandshakes.decide``; ``late`` at once for a peer that cannot make it), so a
-partner is confirmed only once it is there: a peer drawn with a straggler is told ``late`` and
-averages alone without waiting out the grace. Every answer carries the answerer's latest step,
-and every request the asker's; ``next_step()`` tells a strategy that fell behind where the swarm is (``groups.SwarmStep``).
+A request for a step this peer has not reached is held until it opens the step or the asker's
+hold (about one of the asker's step periods) ends (``groups.GroupHandshakes.decide``; ``late``
+at once for a peer that cannot make it within that hold), so a partner is confirmed only once it
+is there: a peer drawn with a straggler is told ``late`` and averages alone without waiting out
+the grace, while a partner a little behind (it averaged with someone last step while this peer
+was alone) is waited for. Every answer carries the answerer's latest step, and every request the
+asker's; ``next_step()`` tells a strategy that fell behind where the swarm is
+(``groups.SwarmStep``).
 
 Messages are length-prefixed msgpack (``net.wire``), capped at a few KiB; a malformed request
 ends that one stream and is logged.
@@ -40,7 +43,6 @@ from lattica.coordination.groups import (
     GroupHandshakes,
     Reply,
     SwarmStep,
-    confirmed_group,
     handshake_request,
     parse_reply,
     parse_request,
@@ -97,16 +99,16 @@ class GossipGroups:
 
     async def group_for(self, key: str) -> Sequence[str]:
         """This peer and the partners that confirmed the key's group (sorted)."""
-        self._handshakes.open(key, trio.current_time())
+        hold = self._handshakes.open(key, trio.current_time())
         opened, self._opened = self._opened, trio.Event()
         opened.set()
         proposal = self.proposal(key)
         answers: dict[str, Reply] = {}
 
         async def ask(partner: str) -> None:
-            with trio.move_on_after(self.config.grace_s):
+            with trio.move_on_after(hold + self.config.grace_s):
                 try:
-                    answers[partner] = await self._ask(partner, key, proposal)
+                    answers[partner] = await self._ask(partner, key, proposal, hold)
                 except Exception as exc:  # noqa: BLE001 - libp2p raises many kinds on a dead peer
                     log.info("group partner %s for %s did not confirm: %r", partner, key, exc)
 
@@ -118,13 +120,9 @@ class GossipGroups:
         for partner, reply in answers.items():
             if reply.step is not None:
                 self._swarm.heard(partner, reply.step)
-            if reply.late:
-                self._handshakes.decline(key, partner)
-        # a partner we told "late" meanwhile (we had not reached the key then) is out too
-        declined = self._handshakes.declined(key)
-        group = confirmed_group(
-            self.peer_id, proposal, {p: r.group for p, r in answers.items() if p not in declined}
-        )
+        # partners that answered late, or that we told late meanwhile, are out; so is (declined)
+        # every partner not confirmed, so a ready answer that came too late pairs nobody
+        group = self._handshakes.settle(key, self.peer_id, proposal, answers)
         if len(group) < len(proposal):
             log.info(
                 "group for %s: %d of %d proposed member(s) confirmed (%s)", key, len(group), len(proposal),
@@ -132,10 +130,11 @@ class GossipGroups:
             )
         return group
 
-    async def _ask(self, partner: str, key: str, proposal: Sequence[str]) -> Reply:
+    async def _ask(self, partner: str, key: str, proposal: Sequence[str], hold: float) -> Reply:
         stream = await self.host.new_stream(ID.from_base58(partner), [GROUP_PROTOCOL])
         try:
-            await write_message(stream, handshake_request(self.run_id, key, proposal), peer_id=partner)
+            request = handshake_request(self.run_id, key, proposal, hold_s=hold)
+            await write_message(stream, request, peer_id=partner)
             reply = await read_message(stream, max_size=_MESSAGE_BYTES, peer_id=partner)
         finally:
             await stream.close()
@@ -144,21 +143,24 @@ class GossipGroups:
     async def _handle(self, stream: INetStream) -> None:
         peer = stream.muxed_conn.peer_id.to_base58()
         try:
-            with trio.fail_after(self.config.grace_s + 5.0):
-                request = await read_message(stream, max_size=_MESSAGE_BYTES, peer_id=peer)
-                key, _ = parse_request(request, run_id=self.run_id, peer_id=peer)
-                asked_at = trio.current_time()
-                asker_step = step_of(key)
-                if asker_step is not None:
-                    self._swarm.heard(peer, asker_step)  # the asker has reached that step
-                while True:
-                    verdict = self._handshakes.decide(key, asker=peer, asked_at=asked_at, now=trio.current_time())
-                    if verdict.kind != WAIT:
-                        break
-                    assert verdict.until is not None
-                    with trio.move_on_at(verdict.until):
-                        await self._opened.wait()  # this peer opened a key: decide again
-                reply = self._handshakes.answer(key, self.proposal(key), verdict, asker=peer)
+            with trio.fail_after(self.config.grace_s):
+                message = await read_message(stream, max_size=_MESSAGE_BYTES, peer_id=peer)
+            request = parse_request(message, run_id=self.run_id, peer_id=peer)
+            key, asked_at = request.key, trio.current_time()
+            asker_step = step_of(key)
+            if asker_step is not None:
+                self._swarm.heard(peer, asker_step)  # the asker has reached that step
+            while True:
+                verdict = self._handshakes.decide(
+                    key, asker=peer, asked_at=asked_at, now=trio.current_time(), hold_s=request.hold_s
+                )
+                if verdict.kind != WAIT:
+                    break
+                assert verdict.until is not None
+                with trio.move_on_at(verdict.until):
+                    await self._opened.wait()  # this peer opened a key: decide again
+            reply = self._handshakes.answer(key, self.proposal(key), verdict, asker=peer)
+            with trio.fail_after(self.config.grace_s):
                 await write_message(stream, reply, peer_id=peer)
         except Exception as exc:  # noqa: BLE001 - one bad request ends one stream
             log.info("group request from %s failed: %r", peer, exc)

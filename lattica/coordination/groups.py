@@ -26,26 +26,37 @@ peer decides for others.
 Ordering by a per-peer hash keeps a view difference local: a missing peer shifts only the
 stripes after its position in the order, not the whole permutation.
 
-Readiness (stragglers). A partner is confirmed only once it has *reached* the step itself. A
-request for a step this peer has not opened yet is held for at most ``hold_s`` (the
-``ready_wait_s`` setting; by default and at most half the grace) and answered with the proposal the moment the
-peer opens the step, or ``late`` when the hold ends first. It is answered ``late`` at once when
-the peer cannot make it in the hold: its own pace (the interval between its last syncs) puts
-its next sync after the hold. A peer that answered ``late``
-to a partner leaves that partner out of its own group for the key (``decline``), and so does the
-asker: the two verdicts agree, and a peer drawn with a straggler loses one round trip, or at
-most the hold, instead of the grace.
+Readiness (stragglers). A partner is confirmed only once it has *reached* the step itself.
+Every request carries the asker's *hold*: about one of its step periods (its pace, the moving
+average of the intervals between its syncs; at least ``hold_s``, by default half the grace, and
+at most ``max_hold_s``), and the asker waits that hold plus the grace for the answer. A request
+for a step the answerer has not opened yet is held up to that hold and answered with the
+proposal the moment the answerer opens the step, or ``late`` when the hold ends first. It is
+answered ``late`` at once when the answerer is a straggler relative to the asker: its own
+expected arrival (its last sync plus its pace) falls after the hold, i.e. it is more than one of
+the asker's periods away. So a hold scales with the swarm's step time: with a long exchange (a
+WAN payload) a partner that averaged alone last step and arrives early by up to a period is
+waited for instead of being told ``late`` — which would leave both alone again and, since a peer
+alone finishes sooner, keep them apart — while a peer ten times slower than the asker is left
+out at once. Verdicts agree on both sides: a peer that answered ``late`` leaves the asker out of
+its own group for the key (``decline``), the asker leaves out a partner that answered ``late``,
+and a peer leaves out (declines) every partner it did not confirm, so a ready answer that
+arrives after the asker stopped waiting is not taken as a pair by the answerer alone. A key
+stays open (answered ``ready``) for the hold this peer asked for plus the grace.
 
 Realignment. Every answer carries the answerer's latest opened step, and every request the
-step the asker has reached (its key). A peer learns from them
-where the swarm is (``SwarmStep``: the highest step of the last peers heard that another of
-them vouches for, within two steps, so one peer announcing a far step moves nobody) and a strategy that fell behind jumps its next key there,
-instead of drawing one group after another for steps its partners have left.
+step the asker has reached (its key). A peer learns from them where the swarm is
+(``SwarmStep``: the highest step of the last peers heard that another of them vouches for,
+within two steps, so one peer announcing a far step moves nobody; in a view of at most three
+members, the highest step heard) and a strategy that fell behind jumps its next key there,
+instead of drawing one group after another for steps its partners have left. A jump lands at
+most one period early; the partners' hold covers that.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
@@ -58,6 +69,8 @@ DEFAULT_GROUP_SIZE = 2
 MAX_KEY_LEN = 200
 MAX_GROUP_LEN = 64
 MAX_PEER_ID_LEN = 128
+MAX_REQUEST_HOLD_S = 3600.0  # a requested hold above this is malformed
+HOLD_PERIODS = 1.0  # the hold a peer asks for, in its own step periods (pace)
 _STEP = re.compile(r"^round/(\d+)(?:/.*)?$")
 
 
@@ -65,13 +78,15 @@ _STEP = re.compile(r"^round/(\d+)(?:/.*)?$")
 class GossipGroupsConfig:
     """``group_size``: members per group (2: pairwise gossip). ``grace_s``: how long a partner
     has to answer the handshake, and how long after asking for a key this peer still counts its
-    group as open (partners may exchange with it that long). ``ready_wait_s``: how long a
-    request for a step this peer has not reached yet is held before it answers ``late`` (default
-    and cap: half the grace; ``hold_s``). ``remembered_keys``: keys kept."""
+    group as open beyond its hold (partners may exchange with it that long). ``ready_wait_s``:
+    the least hold this peer asks for (default and cap: half the grace; ``hold_s``); the hold
+    it asks for is one of its step periods when that is longer (``hold_for``), at most
+    ``max_hold_s``, which also caps the hold it grants a partner. ``remembered_keys``: keys kept."""
 
     group_size: int = DEFAULT_GROUP_SIZE
     grace_s: float = 5.0
     ready_wait_s: float | None = None  # None: half the grace
+    max_hold_s: float = 60.0
     remembered_keys: int = 256
 
     def __post_init__(self) -> None:
@@ -81,6 +96,8 @@ class GossipGroupsConfig:
             raise ValueError(f"grace_s must be positive, got {self.grace_s!r}")
         if self.ready_wait_s is not None and not self.ready_wait_s >= 0:
             raise ValueError(f"ready_wait_s must be >= 0, got {self.ready_wait_s!r}")
+        if not 0 < self.max_hold_s <= MAX_REQUEST_HOLD_S:
+            raise ValueError(f"max_hold_s must be in (0, {MAX_REQUEST_HOLD_S:g}], got {self.max_hold_s!r}")
         if self.remembered_keys < 1:
             raise ValueError(f"remembered_keys must be >= 1, got {self.remembered_keys!r}")
 
@@ -90,6 +107,12 @@ class GossipGroupsConfig:
         (and by default) half the grace, so the answer reaches the asker within its grace."""
         half = self.grace_s / 2
         return half if self.ready_wait_s is None else min(self.ready_wait_s, half)
+
+    def hold_for(self, pace: float | None) -> float:
+        """The hold a peer whose step period is ``pace`` (None: not known yet) asks its partners
+        for: ``HOLD_PERIODS`` periods, at least ``hold_s``, at most ``max_hold_s``."""
+        hold = self.hold_s if pace is None else max(self.hold_s, HOLD_PERIODS * pace)
+        return min(hold, self.max_hold_s)
 
 
 def step_of(key: str) -> int | None:
@@ -144,13 +167,28 @@ def confirmed_group(
 # -- the handshake's messages ------------------------------------------------------------------
 
 
-def handshake_request(run_id: str, key: str, proposal: Sequence[str]) -> dict[str, Any]:
-    return {"run": run_id, "key": key, "group": list(proposal)}
+def handshake_request(
+    run_id: str, key: str, proposal: Sequence[str], *, hold_s: float | None = None
+) -> dict[str, Any]:
+    message: dict[str, Any] = {"run": run_id, "key": key, "group": list(proposal)}
+    if hold_s is not None:
+        message["hold"] = float(hold_s)
+    return message
 
 
-def parse_request(message: object, *, run_id: str, peer_id: str) -> tuple[str, tuple[str, ...]]:
-    """``(key, proposal)`` of a handshake request; ``RemoteProtocolError`` when malformed, for
-    another run, or when the asker is not in its own proposal."""
+@dataclass(frozen=True)
+class Request:
+    """A partner's request: the key, its proposal, and how long it asks to be held for a step
+    not reached yet (``hold_s``; None: the answerer's own ``hold_s``)."""
+
+    key: str
+    group: tuple[str, ...]
+    hold_s: float | None = None
+
+
+def parse_request(message: object, *, run_id: str, peer_id: str) -> Request:
+    """The handshake request; ``RemoteProtocolError`` when malformed, for another run, or when
+    the asker is not in its own proposal."""
     if not isinstance(message, dict) or message.get("run") != run_id:
         raise RemoteProtocolError("malformed group request", peer_id=peer_id)
     key = message.get("key")
@@ -159,7 +197,13 @@ def parse_request(message: object, *, run_id: str, peer_id: str) -> tuple[str, t
     group = _peer_list(message.get("group"), peer_id=peer_id)
     if peer_id not in group:
         raise RemoteProtocolError("group request without its sender", peer_id=peer_id)
-    return key, group
+    hold = message.get("hold")
+    if hold is not None and (
+        not isinstance(hold, int | float) or isinstance(hold, bool) or not math.isfinite(hold)
+        or not 0 <= hold <= MAX_REQUEST_HOLD_S
+    ):
+        raise RemoteProtocolError("malformed group request hold", peer_id=peer_id)
+    return Request(key, group, None if hold is None else float(hold))
 
 
 @dataclass(frozen=True)
@@ -216,18 +260,21 @@ class Verdict:
 
 
 class GroupHandshakes:
-    """The answering side, as state: which keys this peer opened, when, and its pace.
+    """Both sides of the handshake, as state: which keys this peer opened, when, with which
+    hold, its pace, and the partners it left out per key.
 
-    A request is answered with this peer's proposal once this peer has opened the key itself
-    (``ready``); ``gone`` when it opened the key more than ``grace_s`` ago (it has averaged and
-    moved on) or already opened a later step; for a step it has not reached, held up to
-    ``hold_s`` and then ``late`` — or ``late`` at once when its pace (the moving average of the
-    intervals between its syncs) puts its next sync after the hold. Keys that name no step are answered at once.
+    Answering: a request is answered with this peer's proposal once this peer has opened the
+    key itself (``ready``); ``gone`` when it opened the key longer ago than its hold plus the
+    grace (it has averaged and moved on) or already opened a later step; for a step it has not
+    reached, held up to the asker's hold and then ``late`` — or ``late`` at once when its own
+    expected arrival (last sync plus pace) falls after that hold. Keys that name no step are
+    answered at once. Asking: ``settle`` turns the answers into the group and declines every
+    proposed partner left out, so both sides reach the same verdict.
     """
 
     def __init__(self, config: GossipGroupsConfig) -> None:
         self.config = config
-        self._opened: OrderedDict[str, float] = OrderedDict()
+        self._opened: OrderedDict[str, tuple[float, float]] = OrderedDict()  # key: (when, hold asked)
         self._declined: OrderedDict[str, set[str]] = OrderedDict()
         self._latest_step: int | None = None
         self._latest_at: float | None = None
@@ -241,11 +288,11 @@ class GroupHandshakes:
     def pace(self) -> float | None:
         return self._pace
 
-    def open(self, key: str, now: float) -> None:
-        """This peer asks for ``key`` now (its step reached the sync)."""
-        self._opened.setdefault(key, now)
-        while len(self._opened) > self.config.remembered_keys:
-            self._opened.popitem(last=False)
+    def open(self, key: str, now: float) -> float:
+        """This peer asks for ``key`` now (its step reached the sync); returns the hold it asks
+        its partners for (``GossipGroupsConfig.hold_for`` of its pace)."""
+        if key in self._opened:
+            return self._opened[key][1]
         step = step_of(key)
         if step is not None and (self._latest_step is None or step > self._latest_step):
             if self._latest_at is not None:
@@ -254,16 +301,24 @@ class GroupHandshakes:
                     _PACE_WEIGHT * interval + (1 - _PACE_WEIGHT) * self._pace
                 )
             self._latest_step, self._latest_at = step, now
+        hold = self.config.hold_for(self._pace)
+        self._opened[key] = (now, hold)
+        while len(self._opened) > self.config.remembered_keys:
+            self._opened.popitem(last=False)
+        return hold
 
     def gone(self, key: str, now: float) -> bool:
         opened = self._opened.get(key)
-        if opened is not None and now - opened > self.config.grace_s:
+        if opened is not None and now - opened[0] > opened[1] + self.config.grace_s:
             return True
         step = step_of(key)
         return step is not None and self._latest_step is not None and step < self._latest_step
 
-    def decide(self, key: str, *, asker: str, asked_at: float, now: float) -> Verdict:
-        """How to answer ``asker``'s request for ``key``, received at ``asked_at``."""
+    def decide(
+        self, key: str, *, asker: str, asked_at: float, now: float, hold_s: float | None = None
+    ) -> Verdict:
+        """How to answer ``asker``'s request for ``key``, received at ``asked_at``, asking to be
+        held up to ``hold_s`` (None: this peer's ``hold_s``; capped at ``max_hold_s``)."""
         if self.gone(key, now):
             return Verdict(GONE)
         if asker in self._declined.get(key, ()):
@@ -273,23 +328,42 @@ class GroupHandshakes:
         step = step_of(key)
         if step is None:
             return Verdict(READY)
-        until = asked_at + self.config.hold_s
+        hold = min(self.config.hold_s if hold_s is None else hold_s, self.config.max_hold_s)
+        until = asked_at + hold
         if now >= until:
             return Verdict(LATE)
         if self._pace is not None and self._latest_at is not None and self._latest_at + self._pace > until:
-            # at its pace its next sync comes after the hold (a peer behind jumps its next key
-            # to the swarm's step, so its next sync is the one asked for, however far)
+            # a straggler relative to the asker: at its pace its next sync comes after the
+            # asker's hold (a peer behind jumps its next key to the swarm's step, so its next
+            # sync is the one asked for, however far)
             return Verdict(LATE)
         return Verdict(WAIT, until)
 
     def decline(self, key: str, peer: str) -> None:
-        """``peer`` is out of this peer's group for ``key`` (one of the two was late)."""
+        """``peer`` is out of this peer's group for ``key``."""
         self._declined.setdefault(key, set()).add(peer)
         while len(self._declined) > self.config.remembered_keys:
             self._declined.popitem(last=False)
 
     def declined(self, key: str) -> frozenset[str]:
         return frozenset(self._declined.get(key, ()))
+
+    def settle(
+        self, key: str, me: str, proposal: Sequence[str], answers: Mapping[str, Reply]
+    ) -> tuple[str, ...]:
+        """The group for ``key`` from the partners' ``answers`` (those asked and answered):
+        ``me`` and each partner whose proposal holds ``me`` and that neither side declined.
+        Every other proposed partner is declined, so a request it sends for the key later is
+        answered ``late`` and it leaves this peer out too (the verdicts agree)."""
+        for partner, reply in answers.items():
+            if reply.late:
+                self.decline(key, partner)
+        declined = self.declined(key)
+        group = confirmed_group(me, proposal, {p: r.group for p, r in answers.items() if p not in declined})
+        for partner in proposal:
+            if partner not in group:
+                self.decline(key, partner)
+        return group
 
     def answer(self, key: str, proposal: Sequence[str], verdict: Verdict, *, asker: str) -> dict[str, Any]:
         """The reply for a final verdict (``late`` declines the asker for the key)."""
@@ -314,11 +388,13 @@ class SwarmStep:
     ``heard(peer, step)`` keeps each of the last ``remembered`` peers' highest step;
     ``next_step(members)`` is the step after the highest one that another peer vouches for (it
     announced a step at most ``VOUCH_SLACK`` below) — so one peer announcing a far step moves
-    nobody — or, when this peer knows only one other member, after that member's step; None
-    when nothing usable was heard.
+    nobody — or, in a view of at most ``SMALL_VIEW`` members (this peer included), where one or
+    two others are all there is to hear, after the highest step heard; None when nothing usable
+    was heard.
     """
 
     VOUCH_SLACK = 2
+    SMALL_VIEW = 3
 
     def __init__(self, remembered: int = 8) -> None:
         self.remembered = remembered
@@ -331,7 +407,7 @@ class SwarmStep:
 
     def next_step(self, members: int) -> int | None:
         steps = sorted(self._steps.values(), reverse=True)
-        if members <= 2:
+        if members <= self.SMALL_VIEW:
             return steps[0] + 1 if steps else None
         for i, step in enumerate(steps[:-1]):
             if steps[i + 1] >= step - self.VOUCH_SLACK:

@@ -202,3 +202,29 @@ async def test_a_malformed_request_is_refused_and_the_peer_keeps_answering() -> 
             groups, _ = await _ask_all(peers, "round/0")
             assert groups[a] == tuple(sorted(peers))
             nursery.cancel_scope.cancel()
+
+
+async def test_a_partner_behind_by_less_than_a_period_is_waited_for() -> None:
+    """Two peers syncing every ~2 s; at one step the first arrives 1.2 s before the other (it
+    averaged alone last step, say, and skipped an exchange). Its hold is one of its periods, not
+    the 0.75 s half-grace, so the pair is confirmed; before, the second was told late at once
+    (its pace put it after the short hold) and both averaged alone."""
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            peers = await gossip_peers(nursery, 2, grace_s=GRACE_S)
+            early, behind = sorted(peers)
+            for t in range(3):  # a shared pace of ~2 s
+                if t:
+                    await trio.sleep(2.0)
+                await _ask_all(peers, f"round/{t}")
+            groups: dict[str, tuple[str, ...]] = {}
+
+            async def ask(me: str, after: float) -> None:
+                await trio.sleep(after)
+                groups[me] = tuple(await peers[me].group_for("round/3"))
+
+            async with trio.open_nursery() as inner:
+                inner.start_soon(ask, early, 0.8)
+                inner.start_soon(ask, behind, 2.0)
+            assert groups[early] == groups[behind] == (early, behind)
+            nursery.cancel_scope.cancel()

@@ -12,6 +12,7 @@ from lattica.coordination.groups import (
     GossipGroupsConfig,
     GroupHandshakes,
     Reply,
+    Request,
     SwarmStep,
     Verdict,
     confirmed_group,
@@ -116,11 +117,14 @@ def test_an_answer_that_does_not_hold_me_is_not_a_partner() -> None:
 
 def test_handshakes_answer_until_gone() -> None:
     book = GroupHandshakes(GossipGroupsConfig(grace_s=2.0))
-    book.open("round/3", now=10.0)
-    ready = book.decide("round/3", asker="b", asked_at=11.9, now=11.9)
+    hold = book.open("round/3", now=10.0)
+    assert hold == 1.0  # no pace yet: hold_s
+    # open for the hold it asked its partners for plus the grace: a partner it held may answer
+    # ready at the end of that hold and then ask in turn
+    ready = book.decide("round/3", asker="b", asked_at=12.9, now=12.9)
     assert ready == Verdict(READY)
     assert book.answer("round/3", ("a", "b"), ready, asker="b") == {"group": ["a", "b"], "step": 3}
-    gone = book.decide("round/3", asker="b", asked_at=12.1, now=12.1)  # averaged and moved on
+    gone = book.decide("round/3", asker="b", asked_at=13.1, now=13.1)  # averaged and moved on
     assert gone == Verdict(GONE)
     assert book.answer("round/3", ("a", "b"), gone, asker="b") == {"gone": True, "step": 3}
     book.open("round/4", now=13.0)
@@ -154,6 +158,65 @@ def test_the_hold_is_at_most_half_the_grace() -> None:
     assert GossipGroupsConfig(grace_s=5.0).hold_s == 2.5
     assert GossipGroupsConfig(grace_s=5.0, ready_wait_s=1.0).hold_s == 1.0
     assert GossipGroupsConfig(grace_s=1.0, ready_wait_s=3.0).hold_s == 0.5
+
+
+def test_the_hold_asked_for_is_one_period_of_the_asker() -> None:
+    config = GossipGroupsConfig(grace_s=4.0, max_hold_s=30.0)
+    assert config.hold_for(None) == 2.0  # pace not known yet: hold_s
+    assert config.hold_for(1.0) == 2.0  # at least hold_s
+    assert config.hold_for(12.0) == 12.0  # one step period
+    assert config.hold_for(100.0) == 30.0  # at most max_hold_s
+    book = GroupHandshakes(config)
+    assert book.open("round/0", now=0.0) == 2.0
+    assert book.open("round/1", now=12.0) == 12.0  # its pace is now 12 s
+    assert book.open("round/1", now=13.0) == 12.0  # the same key: the same hold
+    # the key stays open for that hold plus the grace
+    assert book.decide("round/1", asker="b", asked_at=27.9, now=27.9) == Verdict(READY)
+    assert book.decide("round/1", asker="b", asked_at=28.1, now=28.1) == Verdict(GONE)
+
+
+def test_a_partner_early_by_less_than_a_period_is_held_for_it() -> None:
+    """The asker averaged alone last step, so it arrives a long exchange early: the answerer is
+    on its way (its pace puts it 7 s off) and the asker's period is 10 s, so it holds the request
+    instead of answering late (a fixed half-grace hold said late: both alone again)."""
+    book = GroupHandshakes(GossipGroupsConfig(grace_s=5.0))
+    for t in range(4):
+        book.open(f"round/{t}", now=10.0 * t)  # one sync every 10 s (a long exchange)
+    assert book.decide("round/4", asker="b", asked_at=33.0, now=33.0, hold_s=10.0) == Verdict(WAIT, 43.0)
+    # it opens the step within the hold: the held request is answered ready
+    book.open("round/4", now=40.0)
+    assert book.decide("round/4", asker="b", asked_at=33.0, now=40.0, hold_s=10.0) == Verdict(READY)
+    # a straggler relative to the asker (ten times its period) is still told late at once
+    slow = GroupHandshakes(GossipGroupsConfig(grace_s=5.0))
+    for t in range(4):
+        slow.open(f"round/{t}", now=100.0 * t)
+    assert slow.decide("round/4", asker="b", asked_at=320.0, now=320.0, hold_s=10.0) == Verdict(LATE)
+    # a requested hold is capped by the answerer's max_hold_s
+    capped = GroupHandshakes(GossipGroupsConfig(grace_s=5.0, max_hold_s=4.0))
+    assert capped.decide("round/0", asker="b", asked_at=0.0, now=0.0, hold_s=50.0) == Verdict(WAIT, 4.0)
+
+
+def test_a_partner_the_asker_did_not_confirm_is_declined_both_ways() -> None:
+    """``a`` asked ``b`` and stopped waiting before ``b``'s ready answer came: ``a`` averages
+    alone, so when ``b`` asks ``a`` in turn it must be told late (before, ``a`` answered ready:
+    ``b`` counted ``a`` in its group and then waited out its exchange)."""
+    config = GossipGroupsConfig(grace_s=4.0)
+    a, b = GroupHandshakes(config), GroupHandshakes(config)
+    a.open("round/0", now=0.0)
+    assert a.settle("round/0", "a", ("a", "b", "c"), {"c": Reply(("a", "c"), 0)}) == ("a", "c")
+    assert a.declined("round/0") == {"b"}
+    b.open("round/0", now=5.0)
+    verdict = a.decide("round/0", asker="b", asked_at=5.0, now=5.0)
+    assert verdict == Verdict(LATE)
+    reply = parse_reply(a.answer("round/0", ("a", "b", "c"), verdict, asker="b"), peer_id="a")
+    assert b.settle("round/0", "b", ("a", "b", "c"), {"a": reply, "c": Reply(("a", "b", "c"), 0)}) == ("b", "c")
+    assert "a" in b.declined("round/0")
+    # a partner whose proposal does not hold this peer, or that answered late, is out too
+    c = GroupHandshakes(config)
+    c.open("round/0", now=0.0)
+    answers = {"a": Reply(("a", "x"), 0), "b": Reply(None, 0, late=True)}
+    assert c.settle("round/0", "c", ("a", "b", "c"), answers) == ("c",)
+    assert c.declined("round/0") == {"a", "b"}
 
 
 def test_a_slow_peer_answers_late_at_once_from_its_pace() -> None:
@@ -215,6 +278,13 @@ def test_swarm_step_needs_two_peers_to_move_anyone() -> None:
     pair = SwarmStep()
     pair.heard("b", 7)
     assert pair.next_step(members=2) == 8
+    # in a view of three, the two others may have been heard steps apart (one of them long
+    # ago): the highest step heard stands
+    three = SwarmStep()
+    three.heard("b", 1)
+    three.heard("c", 7)
+    assert three.next_step(members=3) == 8
+    assert three.next_step(members=4) is None
 
 
 def test_handshakes_remember_a_bounded_number_of_keys() -> None:
@@ -226,7 +296,9 @@ def test_handshakes_remember_a_bounded_number_of_keys() -> None:
 
 def test_messages_round_trip_and_bad_ones_are_remote_errors() -> None:
     request = handshake_request("run", "round/1", ("a", "b"))
-    assert parse_request(request, run_id="run", peer_id="a") == ("round/1", ("a", "b"))
+    assert parse_request(request, run_id="run", peer_id="a") == Request("round/1", ("a", "b"))
+    request = handshake_request("run", "round/1", ("a", "b"), hold_s=7.5)
+    assert parse_request(request, run_id="run", peer_id="a") == Request("round/1", ("a", "b"), 7.5)
     assert parse_reply({"group": ["a", "b"]}, peer_id="b") == Reply(("a", "b"))
     assert parse_reply({"group": ["a", "b"], "step": 4}, peer_id="b") == Reply(("a", "b"), 4)
     assert parse_reply({"gone": True}, peer_id="b") == Reply(None)
@@ -237,6 +309,11 @@ def test_messages_round_trip_and_bad_ones_are_remote_errors() -> None:
         {"run": "run", "key": "round/1", "group": ["b"]},  # sender not in its own proposal
         {"run": "run", "key": "round/1", "group": ["a"] * 65},
         {"run": "run", "key": "round/1", "group": ["a", 3]},
+        {"run": "run", "key": "round/1", "group": ["a"], "hold": -1.0},
+        {"run": "run", "key": "round/1", "group": ["a"], "hold": float("nan")},
+        {"run": "run", "key": "round/1", "group": ["a"], "hold": 1e9},
+        {"run": "run", "key": "round/1", "group": ["a"], "hold": True},
+        {"run": "run", "key": "round/1", "group": ["a"], "hold": "5"},
     ]
     for bad in bad_requests:
         with pytest.raises(RemoteProtocolError) as info:
@@ -258,6 +335,7 @@ def test_step_of_keys() -> None:
 
 
 def test_config_is_validated() -> None:
-    for bad in ({"group_size": 1}, {"group_size": 33}, {"grace_s": 0}, {"remembered_keys": 0}, {"ready_wait_s": -1}):
+    for bad in ({"group_size": 1}, {"group_size": 33}, {"grace_s": 0}, {"remembered_keys": 0}, {"ready_wait_s": -1},
+                {"max_hold_s": 0}, {"max_hold_s": 1e9}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             GossipGroupsConfig(**bad)  # type: ignore[arg-type]
