@@ -155,6 +155,7 @@ class Swarm:
         """Run one phase on every live worker; SIGKILL the given victims at the given wall times."""
         cmd = {"cmd": "run", "phase": phase, "members": self.members, **cmd}
         live = [w for w in self.workers if w.popen.poll() is None]
+        self._warm(live, phase)
         cpu_before, began = self._cpu(live), time.monotonic()
         for w in live:
             w.send(cmd)
@@ -178,6 +179,22 @@ class Swarm:
         self.last_cpu = {"wall_s": time.monotonic() - began, **{
             k: cpu_after[k] - cpu_before[k] for k in ("workers_cpu_s", "links_cpu_s")}}
         return records
+
+    def _warm(self, live: list[LabProcess], phase: str) -> None:
+        """Every pair of live peers on its fast channel again before the phase (the last
+        phase's deadline cancelled sends in flight, and each such send closed its channel)."""
+        dead = {m for m, w in self.victim_workers.items() if w.popen.poll() is not None}
+        members = [m for m in self.members if m not in dead]
+        for w in live:
+            w.send({"cmd": "serve-warm"})
+        for w in live:
+            self._wait(w, "served", 60, f"{phase} warm-up")
+        for w in live:
+            w.send({"cmd": "warm", "members": members})
+        errors = [f"{w.name}: {r.get('error')}" for w in live
+                  if not (r := self._wait(w, "warmed", 240, f"{phase} warm-up")).get("ok")]
+        if errors:
+            raise SwarmFailed(f"{phase} warm-up: {errors[0]}")
 
     def _cpu(self, workers: list[LabProcess]) -> dict[str, Any]:
         """CPU seconds so far of the given workers and of the lab's delay lines (where the

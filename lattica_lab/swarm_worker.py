@@ -10,6 +10,10 @@ stdin line, answering each with one JSON line on stdout:
   dials every member listed before it, ``DIALS_IN_FLIGHT`` at a time;
 - ``{"cmd": "prime", "members": [...], "tag": str}`` -> ``primed``: every pair's fast channel
   set up (a tiny fetch per pair), then a tiny all-reduce over all;
+- ``{"cmd": "serve-warm"}`` -> ``served``, then ``{"cmd": "warm", "members": [...]}`` ->
+  ``warmed``: every pair's fast channel set up again where a cancelled send closed it (before
+  each phase; the tiny tensor each fetches is served anew first, as a repeated fetch of the
+  same version is refused);
 - ``{"cmd": "run", "phase", "mode": "allreduce"|"gossip", "members", "numel", "grace_s",
   "exchange_s", "compute_s", "seed", "round_base", "slow": {peer: compute_s}, "steps"?,
   "end_at"?, "sample"?}`` -> ``done`` with ``records``: per peer, one record per outer step
@@ -153,6 +157,35 @@ class Worker:
         errors = list(failed.values())
         return {"ok": not errors, "error": f"{len(errors)} dial(s) failed, first: {errors[0]}" if errors else ""}
 
+    async def warm(self, members: list[str]) -> Message:
+        """Set up again every pair's fast channel that is gone, before a phase is timed.
+
+        A phase that ends by its deadline cancels sends in flight, and a cancelled send closes
+        its channel (never half a message on it); the next phase would otherwise start with
+        every such pair setting up a channel at once, the very pile-up the setup paces. Each of
+        our peers fetches a tiny tensor from every member after it, ``DIALS_IN_FLIGHT`` at a
+        time; a fetch whose request went over libp2p streams (no fast channel) is a failure."""
+        failed: list[str] = []
+        gate = trio.Semaphore(DIALS_IN_FLIGHT)
+
+        async def warm(p: LocalPeer, q: str) -> None:
+            async with gate:
+                before = p.service.stats.bytes_sent[(q, "libp2p")]
+                try:
+                    with trio.fail_after(60):
+                        await p.service.fetch(q, [WARM_NAME])
+                except Exception as exc:  # noqa: BLE001 - reported as a failed warm-up
+                    failed.append(f"fetch {p.id[-8:]} <- {q[-8:]}: {type(exc).__name__}: {exc}"[:300])
+                    return
+                if p.service.stats.bytes_sent[(q, "libp2p")] != before:
+                    failed.append(f"fetch {p.id[-8:]} <- {q[-8:]}: no fast channel")
+
+        async with trio.open_nursery() as nursery:
+            for p in self.peers:
+                for q in members[members.index(p.id) + 1:]:
+                    nursery.start_soon(warm, p, q)
+        return {"ok": not failed, "error": f"{len(failed)} failure(s), first: {failed[0]}" if failed else ""}
+
     async def prime(self, members: list[str], tag: str) -> Message:
         """Set up every pair's fast channel before anything is timed, then a tiny all-reduce
         over all.
@@ -270,6 +303,12 @@ async def serve(ip: str, seeds: list[str]) -> None:
                 break
             if cmd["cmd"] == "connect":
                 reply({"event": "connected", **await worker.connect(cmd["addrs"], cmd["members"])})
+            elif cmd["cmd"] == "serve-warm":  # a fresh version: a repeated fetch is refused
+                for p in worker.peers:
+                    p.service.serve(WARM_NAME, torch.zeros(1))
+                reply({"event": "served"})
+            elif cmd["cmd"] == "warm":
+                reply({"event": "warmed", **await worker.warm(cmd["members"])})
             elif cmd["cmd"] == "prime":
                 reply({"event": "primed", **await worker.prime(cmd["members"], cmd["tag"])})
             elif cmd["cmd"] == "run":
