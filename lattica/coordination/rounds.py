@@ -34,7 +34,8 @@ that keeps naming a failed peer for a whole deadline counts as failed itself.
 
 Given the published rounds, a candidate two or more behind the round at least half the
 candidates have published (it is fetching the run's state) is not waited for, and only
-candidates at that round or later coordinate.
+candidates at that round or later coordinate — except a member of our group of the round
+before: it kept pace, and its record of that round may just not have reached us yet.
 
 Invariants: a key is sealed once, so everyone who was answered got the same group; groups are
 sorted, so every member sees the same order; memory is bounded by keeping the last
@@ -247,7 +248,22 @@ class RoundCoordinator:
         if key is not None and _FRAGMENT.match(key):
             rounds += 1
             return {p for p, r in published.items() if p != self.peer_id and swarm - (-1 if r is None else r) >= rounds}
-        return {p for p, r in published.items() if p != self.peer_id and (r is None or swarm - r >= rounds)}
+        kept_pace = self._synced_the_round_before(key)
+        return {
+            p for p, r in published.items()
+            if p != self.peer_id and p not in kept_pace and (r is None or swarm - r >= rounds)
+        }
+
+    def _synced_the_round_before(self, key: str | None) -> set[str]:
+        """The members of our group for the round before ``key``'s: they synced with us one round
+        ago, whatever their published record says yet. That record replicates with a lag, and
+        read before it arrived, such a peer looked as if it published nothing while we had: we
+        sealed the round without it and it ran the round alone (rounds of a few inner steps
+        follow each other within a fraction of a second)."""
+        rnd = None if key is None else round_of(key)
+        if not rnd:
+            return set()
+        return {p for k, group in self._groups.items() if round_of(k) == rnd - 1 for p in group}
 
     def _learn(self, key: str, group: Sequence[str]) -> None:
         self._groups[key] = tuple(group)
