@@ -47,8 +47,8 @@ stays open (answered ``ready``) for the hold this peer asked for plus the grace.
 Realignment. Every answer carries the answerer's latest opened step, and every request the
 step the asker has reached (its key). A peer learns from them where the swarm is
 (``SwarmStep``: the highest step of the last peers heard that another of them vouches for,
-within two steps, so one peer announcing a far step moves nobody; in a view of at most three
-members, the highest step heard) and a strategy that fell behind jumps its next key there,
+within two steps, so one peer announcing a far step moves nobody; in a view of at most four
+members, where a peer hears about one partner per step, the highest step heard) and a strategy that fell behind jumps its next key there,
 instead of drawing one group after another for steps its partners have left. A jump lands at
 most one period early; the partners' hold covers that.
 """
@@ -388,13 +388,13 @@ class SwarmStep:
     ``heard(peer, step)`` keeps each of the last ``remembered`` peers' highest step;
     ``next_step(members)`` is the step after the highest one that another peer vouches for (it
     announced a step at most ``VOUCH_SLACK`` below) — so one peer announcing a far step moves
-    nobody — or, in a view of at most ``SMALL_VIEW`` members (this peer included), where one or
-    two others are all there is to hear, after the highest step heard; None when nothing usable
-    was heard.
+    nobody — or, in a view of at most ``SMALL_VIEW`` members (this peer included), where it
+    hears about one partner per step and two vouching within two steps may take many steps,
+    after the highest step heard; None when nothing usable was heard.
     """
 
     VOUCH_SLACK = 2
-    SMALL_VIEW = 3
+    SMALL_VIEW = 4
 
     def __init__(self, remembered: int = 8) -> None:
         self.remembered = remembered

@@ -6,7 +6,6 @@ carries), with the in-memory collective for the tensors.
 
 from __future__ import annotations
 
-import pytest
 import torch
 import trio
 
@@ -23,8 +22,10 @@ AHEAD = 5  # steps the swarm syncs without the replica that fell behind
 
 
 def _behind(ids: list[str]) -> str | None:
-    """A peer drawn with at least two others over the steps it misses (two peers vouch); None
-    when the identities drew the same pairs at every step (about 1 % of random sets)."""
+    """A peer drawn with at least two others over the steps it misses; None when the identities
+    drew the same pairs at every step (about 1 % of random sets). In a view of four, one peer's
+    step is enough to jump (``SwarmStep.SMALL_VIEW``); before, two had to vouch within two
+    steps, and a peer that had met its second partner only at the first steps did not jump."""
     def partners(p: str) -> set[str]:
         return {q for t in range(AHEAD) for s in draw_step_groups(ids, key=f"round/{t}", group_size=2)
                 if p in s for q in s if q != p}
@@ -43,8 +44,6 @@ async def _peers_with_one_behind(nursery: trio.Nursery) -> tuple[dict[str, Gossi
     raise AssertionError("five sets of identities never drew a peer with two partners")
 
 
-# Known defect: failed once in CI (the replica behind did not jump); see the NoLoCo variant.
-@pytest.mark.slow
 async def test_diloco_behind_jumps_to_the_swarms_step_and_pairs_again() -> None:
     cfg = DiLoCoConfig(inner_steps=1, outer_lr=1.0, outer_momentum=0.0, averaging="gossip",
                        group_size=2, exchange_timeout_s=GRACE_S)
@@ -81,11 +80,6 @@ async def test_diloco_behind_jumps_to_the_swarms_step_and_pairs_again() -> None:
             nursery.cancel_scope.cancel()
 
 
-# Known defect, kept out of the default run until fixed: about half the runs fail here (the
-# replica behind has heard one partner's step, not the two that must vouch, when it wakes, or
-# pairs outside its stripe at the swarm's next round); NoLoCo daemons were also seen staying one
-# round apart. The DiLoCo variant above passes reliably.
-@pytest.mark.slow
 async def test_noloco_behind_jumps_to_the_swarms_step_and_keeps_the_offset() -> None:
     cfg = NoLoCoConfig(inner_steps=1, outer_lr=0.7, momentum=0.5, gamma=0.7, exchange_timeout_s=GRACE_S)
     with trio.fail_after(120):
@@ -122,6 +116,30 @@ async def test_noloco_behind_jumps_to_the_swarms_step_and_keeps_the_offset() -> 
             fresh.load_outer_state_dict(state)
             assert fresh._round_offset == AHEAD - 1
             nursery.cancel_scope.cancel()
+
+
+async def test_noloco_reports_its_group_sorted() -> None:
+    """A report's group is sorted, as the provider's is (NoLoCo's stripe comes from a shuffle;
+    before, its report listed the stripe in shuffled order, unlike every other strategy's)."""
+    ids = ["a", "b", "c", "d"]
+    collective = InMemoryCollectiveGroup(ids)
+    cfg = NoLoCoConfig(inner_steps=1, exchange_timeout_s=GRACE_S)
+    strategies = {p: NoLoCo(scalar_model(float(i)), collective=collective.member(p), groups=FixedGroups(ids),
+                            config=cfg) for i, p in enumerate(ids)}
+    with trio.fail_after(30):
+        for step in range(4):
+            reports: dict[str, list] = {}
+
+            async def sync(p: str, step: int, reports: dict[str, list] = reports) -> None:
+                reports[p] = await strategies[p].after_inner_step(step)
+
+            async with trio.open_nursery() as rnd:
+                for p in ids:
+                    rnd.start_soon(sync, p, step)
+            for p in ids:
+                (report,) = reports[p]
+                assert len(report.group) == 2
+                assert report.group == tuple(sorted(report.group))
 
 
 class _Heard:

@@ -184,7 +184,7 @@ class NoLoCo(EveryHSteps, AccountedStrategy):
         return OuterStepReport(
             round=round_number,
             key=key,
-            group=tuple(q for q in stripe if q not in missing),
+            group=tuple(sorted(q for q in stripe if q not in missing)),  # sorted, as every provider's
             bytes_sent=sent,
             seconds=time.monotonic() - started,
             skipped=len(answers) == 0,
