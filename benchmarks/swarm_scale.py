@@ -55,7 +55,9 @@ of measured steps, the same clock points):
    told apart by the group drawn for the step that ends it: with a peer already dead (the
    dead peer's group) or not (outside it); ``kill_outside_max_interval_s`` and
    ``kill_outside_paused_peers`` (intervals over 1.5 steps + 1 s) show whether any peer outside
-   the dead peers' groups paused, beside ``kill_normal_max_interval_s`` (the longest before).
+   the dead peers' groups paused, beside ``kill_normal_max_interval_s`` (the longest before);
+   ``kill_*_max_handshake_s`` the longest time such steps spent confirming their group
+   (waiting for partners), apart from moving tensors.
 
 The membership view is static (every peer of the run): a dead peer stays in the view, so a peer
 drawn with it learns it is gone by the handshake or the exchange (at most the grace) and steps
@@ -179,11 +181,13 @@ def kill_stall(records: dict[str, list[dict]], survivors: list[str], start: floa
 
 
 def kill_groups(records: dict[str, list[dict]], survivors: list[str], kills: list[tuple[float, str]],
-                start: float) -> dict[str, list[tuple[str, float]]]:
-    """The survivors' intervals between consecutive outer steps that end after ``start``, split
-    by the step's drawn group: ``dead_group`` when it held a peer killed before the step
-    ended (the partner of a dead peer), else ``outside``; each as ``(peer, seconds)``."""
-    split: dict[str, list[tuple[str, float]]] = {"dead_group": [], "outside": []}
+                start: float) -> dict[str, list[tuple[str, float, float]]]:
+    """The survivors' outer steps that end after ``start``, split by the step's drawn group:
+    ``dead_group`` when it held a peer killed before the step ended (the partner of a dead
+    peer), else ``outside``; each as ``(peer, interval, handshake)``: the time since the peer's
+    previous step ended (or since ``start``, as ``kill_stall`` counts it) and the time it spent
+    confirming its group (waiting for partners)."""
+    split: dict[str, list[tuple[str, float, float]]] = {"dead_group": [], "outside": []}
     for peer in survivors:
         steps = sorted(records.get(peer, []), key=lambda r: r["t1"])
         for prev, cur in itertools.pairwise(steps):
@@ -192,7 +196,8 @@ def kill_groups(records: dict[str, list[dict]], survivors: list[str], kills: lis
             if "drawn" not in cur:
                 raise BenchmarkFailed(f"kill: peer {peer[-8:]} did not report the group drawn for step {cur['step']}")
             with_dead = any(at < cur["t1"] and victim in cur["drawn"] for at, victim in kills)
-            split["dead_group" if with_dead else "outside"].append((peer, cur["t1"] - prev["t1"]))
+            interval = cur["t1"] - max(prev["t1"], start)
+            split["dead_group" if with_dead else "outside"].append((peer, interval, cur.get("handshake_s", 0.0)))
     return split
 
 
@@ -304,18 +309,22 @@ def measure_kill(swarm: Swarm, args, numel: int, out: dict, rng: random.Random, 
     # who paused: the dead peers' partners (their step's drawn group held one), or the others
     split = kill_groups(records, survivors, kills, first_kill)
     out["kill_normal_max_interval_s"] = max(before)
+    out["kill_normal_max_handshake_s"] = max(
+        (r.get("handshake_s", 0.0) for p in survivors for r in records[p] if r["t1"] < first_kill), default=0.0)
     for side in ("dead_group", "outside"):
-        out[f"kill_{side}_max_interval_s"] = max((t for _p, t in split[side]), default=0.0)
+        out[f"kill_{side}_max_interval_s"] = max((t for _p, t, _h in split[side]), default=0.0)
+        out[f"kill_{side}_max_handshake_s"] = max((h for _p, _t, h in split[side]), default=0.0)
         out[f"kill_{side}_steps"] = len(split[side])
-    out["kill_outside_paused_peers"] = len({p for p, t in split["outside"] if t > paused})
-    out["kill_dead_group_paused_peers"] = len({p for p, t in split["dead_group"] if t > paused})
+        out[f"kill_{side}_paused_peers"] = len({p for p, t, _h in split[side] if t > paused})
     out["kill_survivors"] = len(survivors)
     out["killed_lowest_id"] = swarm.victims[0] == swarm.members[0]
     print(f"  N={n:<3} kill: longest pause {out['kill_any_stall_s']:.2f} s (bound {out['kill_stall_bound_s']:.2f} s), "
           f"{out['kill_paused_peers']} of {len(survivors)} survivors paused; longest interval drawn with a dead "
           f"peer {out['kill_dead_group_max_interval_s']:.2f} s ({out['kill_dead_group_steps']} steps), outside "
           f"{out['kill_outside_max_interval_s']:.2f} s ({out['kill_outside_steps']} steps, "
-          f"{out['kill_outside_paused_peers']} peers paused), before the kill {max(before):.2f} s",
+          f"{out['kill_outside_paused_peers']} peers paused), before the kill {max(before):.2f} s; longest "
+          f"handshake drawn with a dead peer {out['kill_dead_group_max_handshake_s']:.2f} s, outside "
+          f"{out['kill_outside_max_handshake_s']:.2f} s, before {out['kill_normal_max_handshake_s']:.2f} s",
           file=sys.stderr, flush=True)
 
 
@@ -413,6 +422,9 @@ def main() -> None:
         "kill_normal_max_interval_s": figure("kill_normal_max_interval_s"),
         "kill_dead_group_max_interval_s": figure("kill_dead_group_max_interval_s"),
         "kill_outside_max_interval_s": figure("kill_outside_max_interval_s"),
+        "kill_normal_max_handshake_s": figure("kill_normal_max_handshake_s"),
+        "kill_dead_group_max_handshake_s": figure("kill_dead_group_max_handshake_s"),
+        "kill_outside_max_handshake_s": figure("kill_outside_max_handshake_s"),
         "kill_dead_group_steps": s.get("kill_dead_group_steps"),
         "kill_outside_steps": s.get("kill_outside_steps"),
         "kill_dead_group_paused_peers": s.get("kill_dead_group_paused_peers"),

@@ -19,7 +19,7 @@ stdin line, answering each with one JSON line on stdout:
   "end_at"?, "sample"?}`` -> ``done`` with ``records``: per peer, one record per outer step
   (``step``, ``t0``/``t1`` around ``sync()``, ``key``, ``group`` (the size of the group it
   averaged with), ``drawn`` (gossip: the group drawn for the key from every member, whether or
-  not they answered), ``bytes``, ``libp2p_bytes``, ``skipped``, ``detail``, ``sample``);
+  not they answered), ``handshake_s`` (gossip: the time spent confirming the group), ``bytes``, ``libp2p_bytes``, ``skipped``, ``detail``, ``sample``);
 - ``{"cmd": "quit"}``.
 
 ``ok``/``error`` in ``connected`` and ``primed`` say whether every dial and every fast channel
@@ -41,6 +41,7 @@ import os
 import random
 import sys
 import time
+from collections.abc import Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import Any
@@ -103,6 +104,25 @@ class LocalPeer:
     @property
     def id(self) -> str:
         return self.service.peer_id
+
+
+class TimedGroups:
+    """``GossipGroups`` that remembers how long its last ``group_for`` took: the time a peer
+    spent on its group's handshake (waiting for partners), apart from moving its tensors."""
+
+    def __init__(self, groups: GossipGroups) -> None:
+        self.groups = groups
+        self.last_s = 0.0
+
+    async def group_for(self, key: str) -> Sequence[str]:
+        began = time.monotonic()
+        try:
+            return await self.groups.group_for(key)
+        finally:
+            self.last_s = time.monotonic() - began
+
+    def next_step(self) -> int | None:
+        return self.groups.next_step()
 
 
 class Worker:
@@ -244,13 +264,13 @@ class Worker:
         members: list[str] = cmd["members"]
         numel, grace = int(cmd["numel"]), float(cmd["grace_s"])
         groups: GroupProvider
-        gossip: GossipGroups | None = None
+        gossip: TimedGroups | None = None
         if cmd["mode"] == "gossip":
             # a fresh handshake state per phase (its keys restart); it takes over the protocol
-            gossip = GossipGroups(p.host, peer_id=p.id, run_id=cmd["phase"], members=lambda: members,
-                                  config=GossipGroupsConfig(grace_s=grace))
-            await self.nursery.start(gossip.run)
-            groups = gossip
+            drawn = GossipGroups(p.host, peer_id=p.id, run_id=cmd["phase"], members=lambda: members,
+                                 config=GossipGroupsConfig(grace_s=grace))
+            await self.nursery.start(drawn.run)
+            groups = gossip = TimedGroups(drawn)
         else:
             groups = FixedGroups(sorted(members))
         model = one_tensor_model(numel)
@@ -279,7 +299,8 @@ class Worker:
                 t0, sent, slow = time.time(), stats.total_sent(), libp2p_sent(stats)
                 report = await strategy.sync()
                 record = {"step": step, "t0": t0, "t1": time.time(), "key": report.key, "group": len(report.group),
-                          "drawn": list(gossip.proposal(report.key)) if gossip is not None else members,
+                          "drawn": list(gossip.groups.proposal(report.key)) if gossip is not None else members,
+                          "handshake_s": gossip.last_s if gossip is not None else 0.0,
                           "bytes": stats.total_sent() - sent, "libp2p_bytes": libp2p_sent(stats) - slow,
                           "skipped": report.skipped, "detail": report.detail[:200]}
                 if cmd.get("sample"):

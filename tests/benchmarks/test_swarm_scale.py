@@ -114,7 +114,8 @@ def test_kill_pauses_are_told_apart_by_the_group_drawn_with_a_dead_peer(swarm):
     as outside (the benchmark must show that no peer outside the dead peer's group paused)."""
 
     def steps(*spans):
-        return [{**_step(i, t0, t1), "drawn": drawn} for i, (t0, t1, drawn) in enumerate(spans)]
+        return [{**_step(i, t0, t1), "drawn": drawn, "handshake_s": (t1 - t0) / 2}
+                for i, (t0, t1, drawn) in enumerate(spans)]
 
     records = {
         # drawn with the victim "v" (killed at 2.5) at the step ending at 9: its partner
@@ -125,8 +126,9 @@ def test_kill_pauses_are_told_apart_by_the_group_drawn_with_a_dead_peer(swarm):
         "c": steps((0, 1, ["c", "v"]), (1, 2, ["b", "c"]), (2, 3, ["b", "c"])),
     }
     split = swarm.kill_groups(records, ["a", "b", "c"], [(2.5, "v")], 2.5)
-    assert sorted(split["dead_group"]) == [("a", 7), ("b", 1)]
-    assert sorted(split["outside"]) == [("a", 1), ("b", 6), ("c", 1)]
+    # intervals counted from the kill at the earliest, as kill_stall counts them
+    assert sorted(split["dead_group"]) == [("a", 6.5, 3.5), ("b", 1, 0.5)]
+    assert sorted(split["outside"]) == [("a", 1, 0.5), ("b", 5.5, 3.0), ("c", 0.5, 0.5)]
     # a step before the kill is neither; a step that did not say its drawn group fails the phase
     assert swarm.kill_groups(records, ["a"], [(2.5, "v")], 20.0) == {"dead_group": [], "outside": []}
     bare = {"a": [_step(0, 0, 1), _step(1, 1, 3)]}
