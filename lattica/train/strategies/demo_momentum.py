@@ -12,7 +12,7 @@ m per parameter (fp32, CPU). After backward of every step, with the step's learn
    ``chunk`` (a dimension that ``chunk`` does not divide uses its largest divisor below it) — and
    each block goes through an orthonormal DCT-II (``dct_matrix``);
 3. of every block the ``topk`` coefficients of largest magnitude q are kept (values rounded to
-   ``value_codec``: by default int4, 4 bits each with one fp32 scale per block, ``demo_codec``)
+   ``value_codec``: by default int8, 8 bits each with one fp32 scale per block, ``demo_codec``)
    and removed from m as receivers decode them: m ← m − IDCT(q); what was not sent, rounding
    error included, stays in m (error feedback);
 4. members exchange their q (``sparse_gather``: indices in the smallest scheme, values), and
@@ -35,9 +35,10 @@ is local, and an empty backlog is consistent (it owes nothing). The parameters a
 shared state (``outer_state_dict``).
 
 Chunk 64 and β 0.999 follow the reference code; its top 32 of fp16 (or fp32) values is not
-the default: at the same bytes, 4-bit values carry 288 coefficients of a 64 × 64 tile (7 %)
-and reach DDP's loss on the benchmark within 1 %, where top 32 at fp16 stays 6–7 % behind
-(docs/strategies.md, "DeMo"). 1-D runs of 64 send all their coefficients (k = min(topk, 64)).
+the default: 8-bit values carry 189 coefficients of a 64 × 64 tile (4.6 %) in the bytes fp16
+needs for 98, which on the benchmark is 1.018 × DDP's loss on both seeds at 20× fewer bytes,
+where top 32 at fp16 stays 6–7 % behind (docs/strategies.md, "DeMo"). 1-D runs of 64 send all
+their coefficients (k = min(topk, 64)).
 """
 
 from __future__ import annotations
@@ -64,14 +65,14 @@ from lattica.train.strategies.sparse_gather import gather_with_retries
 class DeMoConfig:
     inner_steps: int = DEFAULT_INNER_STEPS  # steps per reported round (DeMo itself syncs every step)
     chunk: int = 64
-    topk: int = 288  # per 64 x 64 tile (7 %); the reference's 32 at fp16 is 1.065 x DDP, see docs
+    topk: int = 189  # per 64 x 64 tile (4.6 %); the reference's 32 at fp16 is 1.065 x DDP, see docs
     momentum_decay: float = 0.999
     weight_decay: float = 0.0
     # each replica clips its own gradient (global L2 norm) before folding it into m, as the
     # reference does; the trainer's clip runs after this strategy's hook, too late for m
     grad_clip: float = 1.0
     lr_scale: float = 1.0  # the sign step is lr_scale × the trainer's learning rate
-    value_codec: str = "int4"  # 4-bit values, a scale per tile: 1.9x the coefficients of fp16 per byte
+    value_codec: str = "int8"  # 8-bit values, a scale per tile: 1.9x the coefficients of fp16 per byte
     max_attempts: int = 3
 
     def __post_init__(self) -> None:
