@@ -59,7 +59,8 @@ def test_config_defaults_and_validation():
     config = SparseLoCoConfig()
     assert config.chunk == 4096
     assert 0.01 <= config.density <= 0.03
-    assert config.k == 57
+    assert config.k == 65
+    assert config.outer_lr == 2.75
     with pytest.raises(ValueError, match="density"):
         SparseLoCoConfig(density=0.0)
     with pytest.raises(ValueError, match="value_codec"):

@@ -60,10 +60,10 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True, kw_only=True)
 class SparseLoCoConfig:
     inner_steps: int = DEFAULT_INNER_STEPS
-    outer_lr: float = 2.0  # α
+    outer_lr: float = 2.75  # α: tuned with the density (docs/strategies.md, SparseLoCo)
     error_decay: float = 0.95  # β
     chunk: int = 4096
-    density: float = 0.014  # k = 57 of every 4096
+    density: float = 0.0159  # k = 65 of every 4096
     value_codec: str = "2bit"
     max_attempts: int = 3
     averaging: str = "allreduce"  # or "gossip": average the sparse ŝ inside small groups
