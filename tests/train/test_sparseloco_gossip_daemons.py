@@ -42,10 +42,6 @@ def daemons() -> Iterator[list[DaemonProcess]]:
         yield started
 
 
-# Known defect (gossip readiness/realignment): on a clean 2-core CI machine the replicas
-# sometimes never pair (one averaged alone every round, or NoLoCo's steps ran apart); kept
-# out of the default run until fixed.
-@pytest.mark.slow
 def test_four_sparseloco_daemons_average_sparse_contributions_in_pairs(
     tmp_path: Path, daemons: list[DaemonProcess]
 ) -> None:
