@@ -15,7 +15,9 @@ A replica that fell behind (it was frozen, cut off, or is slow) would otherwise 
 after another for steps its partners have left, and average alone each time. Before each sync
 it asks the provider where the swarm is (``realigned_round``: ``GossipGroups.next_step``, from
 the steps partners announced) and, when its own next key is below a round the swarm has already
-reached, jumps its key to the swarm's next round, so it meets partners again there. A replica in
+reached, jumps its key to the swarm's next round, so it meets partners again there: it lands at
+most one step period early, and a partner's request is held for about one of the asker's
+periods (``coordination.groups``), so the pair is confirmed when the partner arrives. A replica in
 step (its key is the swarm's current round or the next) never jumps. Only the key moves: its weights and momentum stay.
 
 Replicas then differ. Their spread is measured where it costs nothing: at each exchange, before
