@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from lattica_lab.daemons import DaemonProcess, cli_json, wait_for
+from lattica_lab.daemons import DaemonProcess, wait_for
 
 TRAIN_ENV = {
     "LATTICA_TRAIN_BATCH_SIZE": "4",
@@ -83,13 +83,15 @@ def wait_done(daemons: list[DaemonProcess], timeout: float) -> list[dict[str, An
 
 
 def final_hashes(daemons: list[DaemonProcess], rounds: int, timeout: float = 20.0) -> set[str]:
-    """Each node's view, through ``lattica state --json``, of every node's hash at ``rounds``."""
+    """Each node's view of every node's hash at ``rounds``: the replicated state as ``lattica
+    state --json`` prints it, read over the control socket (what that command asks a running
+    node; a process start per read cost seconds a poll)."""
     ids = [d.peer_id for d in daemons]
 
     def converged() -> set[str] | None:
         seen: set[str] = set()
         for d in daemons:
-            progress = cli_json("state", "--data-dir", str(d.data_dir))["progress"]
+            progress = d.call("state")["progress"]
             for peer in ids:
                 record = progress.get(peer) or {}
                 if record.get("round") != rounds:
@@ -98,5 +100,5 @@ def final_hashes(daemons: list[DaemonProcess], rounds: int, timeout: float = 20.
         return seen
 
     hashes = wait_for(converged, timeout=timeout, interval=0.5)
-    assert hashes, [cli_json("state", "--data-dir", str(d.data_dir))["progress"] for d in daemons]
+    assert hashes, [d.call("state")["progress"] for d in daemons]
     return hashes

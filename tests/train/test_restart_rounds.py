@@ -72,7 +72,7 @@ def test_a_restarted_peer_a_round_behind_syncs_with_the_survivor_again(
     assert wait_for(lambda: all(training(d)["phase"] == "done" for d in (a, b)), 120), (a.log(), b.log())
 
     def final_hashes() -> set[str] | None:
-        progress = cli_json("state", "--data-dir", str(a.data_dir))["progress"]
+        progress = a.call("state")["progress"]  # what `lattica state` prints, without a process start a poll
         records = [progress.get(d.peer_id) or {} for d in (a, b)]
         if any(r.get("round") != rounds for r in records):
             return None
