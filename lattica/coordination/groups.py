@@ -248,6 +248,7 @@ LATE = "late"
 GONE = "gone"
 WAIT = "wait"
 _PACE_WEIGHT = 0.3  # weight of the newest interval in this peer's pace (moving average)
+_PACE_JUMP = 3.0  # one interval counts for at most this many paces (a freeze is not a new pace)
 
 
 @dataclass(frozen=True)
@@ -267,7 +268,9 @@ class GroupHandshakes:
     key itself (``ready``); ``gone`` when it opened the key longer ago than its hold plus the
     grace (it has averaged and moved on) or already opened a later step; for a step it has not
     reached, held up to the asker's hold and then ``late`` — or ``late`` at once when its own
-    expected arrival (last sync plus pace) falls after that hold. Keys that name no step are
+    expected arrival (last sync plus pace) falls after that hold. One long interval (the peer
+    was frozen or suspended) moves the pace by at most ``_PACE_JUMP`` paces, so a peer back from
+    a freeze is not taken for a straggler for many steps after. Keys that name no step are
     answered at once. Asking: ``settle`` turns the answers into the group and declines every
     proposed partner left out, so both sides reach the same verdict.
     """
@@ -298,7 +301,7 @@ class GroupHandshakes:
             if self._latest_at is not None:
                 interval = now - self._latest_at
                 self._pace = interval if self._pace is None else (
-                    _PACE_WEIGHT * interval + (1 - _PACE_WEIGHT) * self._pace
+                    _PACE_WEIGHT * min(interval, _PACE_JUMP * self._pace) + (1 - _PACE_WEIGHT) * self._pace
                 )
             self._latest_step, self._latest_at = step, now
         hold = self.config.hold_for(self._pace)

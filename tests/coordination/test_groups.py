@@ -232,6 +232,14 @@ def test_a_slow_peer_answers_late_at_once_from_its_pace() -> None:
     assert book.decide("round/4", asker="b", asked_at=79.5, now=79.5) == Verdict(WAIT, 80.5)
     # overdue (it was frozen, say): held, not refused
     assert book.decide("round/9", asker="b", asked_at=200.0, now=200.0) == Verdict(WAIT, 201.0)
+    # one long interval (frozen for 100 s) counts as three paces: back in step, it is held
+    # for an asker whose period is its own again within a step, not told late for many steps
+    thawed = GroupHandshakes(GossipGroupsConfig(grace_s=5.0, ready_wait_s=1.0))
+    for t in range(4):
+        thawed.open(f"round/{t}", now=2.0 * t)
+    thawed.open("round/4", now=106.0)
+    assert thawed.pace == pytest.approx(0.3 * 6.0 + 0.7 * 2.0)
+    assert thawed.decide("round/5", asker="b", asked_at=106.5, now=106.5, hold_s=3.0).kind == WAIT
     # a fast peer (1 s per sync) asked for its next step is held too
     fast = GroupHandshakes(GossipGroupsConfig(grace_s=5.0, ready_wait_s=1.0))
     for t in range(4):
