@@ -57,7 +57,9 @@ of measured steps, the same clock points):
    ``kill_outside_paused_peers`` (intervals over 1.5 steps + 1 s) show whether any peer outside
    the dead peers' groups paused, beside ``kill_normal_max_interval_s`` (the longest before);
    ``kill_*_max_handshake_s`` the longest time such steps spent confirming their group
-   (waiting for partners), apart from moving tensors.
+   (waiting for partners), apart from moving tensors; ``gossip_round_max_interval_s`` and
+   ``gossip_round_max_handshake_s`` are the same maxima in the gossip round phase, where no
+   one is killed.
 
 The membership view is static (every peer of the run): a dead peer stays in the view, so a peer
 drawn with it learns it is gone by the handshake or the exchange (at most the grace) and steps
@@ -234,6 +236,12 @@ def measure_size(lab, args, n: int, rng: random.Random, numel: int, straggler_si
             period = statistics.median(x["t1"] - y["t1"] for r in records.values()
                                        for y, x in zip(r[warm:], r[warm + 1:], strict=False))
             out[f"{mode}_period_s"] = period
+            # the longest step interval and handshake with no one killed: what a survivor's
+            # pause in the kill phase is compared with
+            out[f"{mode}_max_interval_s"] = max(x["t1"] - y["t1"] for r in records.values()
+                                                for y, x in itertools.pairwise(r[warm:]))
+            out[f"{mode}_max_handshake_s"] = max(x.get("handshake_s", 0.0) for r in records.values()
+                                                 for x in r[warm:])
             out[f"{mode}_cpu"] = {k: round(v, 1) for k, v in swarm.last_cpu.items()}
             out[f"{mode}_alone_share"] = out[f"{mode}_alone_steps"] / (n * steps)
             print(f"  N={n:<3} {mode:<9} round {out[f'{mode}_round_s']:7.2f} s  period {period:6.2f} s  "
@@ -423,6 +431,8 @@ def main() -> None:
         "kill_dead_group_max_interval_s": figure("kill_dead_group_max_interval_s"),
         "kill_outside_max_interval_s": figure("kill_outside_max_interval_s"),
         "kill_normal_max_handshake_s": figure("kill_normal_max_handshake_s"),
+        "gossip_round_max_interval_s": figure("gossip_max_interval_s"),
+        "gossip_round_max_handshake_s": figure("gossip_max_handshake_s"),
         "kill_dead_group_max_handshake_s": figure("kill_dead_group_max_handshake_s"),
         "kill_outside_max_handshake_s": figure("kill_outside_max_handshake_s"),
         "kill_dead_group_steps": s.get("kill_dead_group_steps"),
