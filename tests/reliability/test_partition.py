@@ -97,7 +97,7 @@ def test_a_peer_cut_off_longer_than_its_lease_rejoins_the_majoritys_state(lab_sw
     def final_hashes() -> set[str] | None:
         seen = set()
         for d in daemons:
-            progress = cli_json("state", "--data-dir", str(d.data_dir))["progress"]
+            progress = d.call("state")["progress"]  # what `lattica state` prints, without a process start
             records = [progress.get(p) or {} for p in ids]
             if any(r.get("round") != ROUNDS for r in records):
                 return None
