@@ -159,5 +159,9 @@ def test_only_a_replica_behind_the_swarm_jumps() -> None:
     assert realigned_round(swarm, 5) == 5  # in step: about to sync round 5 as well
     assert realigned_round(swarm, 6) == 6  # in step: the others head for round 6 too
     assert realigned_round(swarm, 2) == 6  # behind: to the swarm's next round
+    # a round or two below the highest is the normal spread: jumping there would put it past
+    # the swarm's fastest, and the peers a round behind those would then jump past it in turn
+    assert realigned_round(swarm, 4) == 4
+    assert realigned_round(swarm, 3) == 3
     assert realigned_round(_Heard({"x": 10**9, "b": 5}), 5) == 5  # a lone far announcement
     assert realigned_round(FixedGroups(["a", "b"]), 2) == 2  # a provider without steps

@@ -15,10 +15,12 @@ A replica that fell behind (it was frozen, cut off, or is slow) would otherwise 
 after another for steps its partners have left, and average alone each time. Before each sync
 it asks the provider where the swarm is (``realigned_round``: ``GossipGroups.next_step``, from
 the steps partners announced) and, when its own next key is below a round the swarm has already
-reached, jumps its key to the swarm's next round, so it meets partners again there: it lands at
+reached by ``JUMP_BEHIND`` rounds or more, jumps its key to the swarm's next round, so it meets
+partners again there (a round or two apart is the normal spread, not a reason to jump): it lands at
 most one step period early, and a partner's request is held for about one of the asker's
 periods (``coordination.groups``), so the pair is confirmed when the partner arrives. A replica in
-step (its key is the swarm's current round or the next) never jumps. Only the key moves: its weights and momentum stay.
+step (its key within two rounds of the swarm's highest) never jumps. Only the key moves: its
+weights and momentum stay.
 
 Replicas then differ. Their spread is measured where it costs nothing: at each exchange, before
 averaging, from the tensors exchanged anyway —
@@ -43,6 +45,13 @@ from lattica.errors import BrokenError, PeerUnavailableError, RemoteProtocolErro
 from lattica.train.collective import Collective
 
 AVERAGING_MODES = ("allreduce", "gossip")
+# A replica jumps only when its next key is this many rounds or more below the highest round the
+# swarm reached. Peers a step apart are the normal spread (the fastest pair opens round t + 1
+# while a slower one still opens t); a replica that jumped lands one past the highest, so with
+# a threshold of one or two the normal laggards then count as behind it and jump past it in turn,
+# and the swarm's keys run away from each other (seen in swarm_scale: keys 4 apart after 7 steps,
+# most peer-steps alone).
+JUMP_BEHIND = 3
 _EXCHANGE_ERRORS = (PeerUnavailableError, BrokenError, RemoteProtocolError)
 
 
@@ -87,14 +96,15 @@ async def exchange_with_partners(
 
 def realigned_round(groups: object, next_round: int) -> int:
     """The round key to use instead of ``next_round``: the swarm's next round when this replica
-    is behind it — ``next_round`` below a round the swarm has already reached (vouched steps,
-    ``GossipGroups.next_step``) — else ``next_round`` itself. A replica in step with the swarm
-    (its key is the swarm's current or next round) never moves. A provider that does not know
-    the swarm's step (a fixed list, the round coordinator) leaves it as it is."""
+    is behind it — ``next_round`` at least ``JUMP_BEHIND`` rounds below the highest round the
+    swarm has reached (vouched steps, ``GossipGroups.next_step`` − 1) — else ``next_round``
+    itself. A replica in step with the swarm (its key within two rounds of the highest) never
+    moves. A provider that does not know the swarm's step (a fixed list, the round coordinator)
+    leaves it as it is."""
     if not isinstance(groups, SwarmStepSource):
         return next_round
     ahead = groups.next_step()
-    if not isinstance(ahead, int) or next_round >= ahead - 1:
+    if not isinstance(ahead, int) or next_round > ahead - 1 - JUMP_BEHIND:
         return next_round
     return ahead
 
