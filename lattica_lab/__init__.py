@@ -3,8 +3,9 @@
 It holds what tests and benchmarks drive the product with: real ``lattica join`` processes
 (``daemons``), the network-namespace NAT lab (``netlab``, ``nat_daemons``, ``nat_node``,
 ``nat_scenarios``), data-plane peer processes (``peer_main``, ``peer_driver``), the in-memory
-collective for strategy tests (``collective``), and the replicated-state demo node and
-benchmark (``demo_node``, ``crdt_bench``).
+collective for strategy tests (``collective``), the replicated-state demo node and
+benchmark (``demo_node``, ``crdt_bench``), and the swarm-scale run's sites, worker processes
+and peers' loop (``swarm``, ``swarm_worker``).
 
 It is a top-level package beside ``lattica/`` in the checkout and is never installed: the
 wheel holds only ``lattica`` and ``lattica.*``, and nothing in ``lattica/`` imports it. It is
