@@ -210,13 +210,23 @@ def state(args: argparse.Namespace) -> int:
             (
                 short_id(peer_id),
                 "yes" if peer_id in live else "no",
-                member.get("device", "-"),
+                _shown_role(member.get("role")),
+                member.get("device") or "-",
                 progress.get("round", "-"),
                 (weights_hash if isinstance(weights_hash, str) and weights_hash else "-")[:12],
             )
         )
-    print(table(("MEMBER", "LIVE", "DEVICE", "ROUND", "WEIGHTS"), rows) if rows else "no members yet")
+    print(table(("MEMBER", "LIVE", "ROLE", "DEVICE", "ROUND", "WEIGHTS"), rows) if rows else "no members yet")
     return 0
+
+
+def _shown_role(role: object) -> str:
+    """A member's role as it claims it (``joining``, ``trainer``, ``done``, ``failed``), cut to a
+    table cell: any peer can write any text there."""
+    if not isinstance(role, str) or not role:
+        return "-"
+    text = role.encode("ascii", "replace").decode()[:16]
+    return text.translate({c: "?" for c in range(32)})
 
 
 def stop(args: argparse.Namespace) -> int:

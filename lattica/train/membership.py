@@ -1,7 +1,8 @@
 """The run's members as training sees them: the one reader of the replicated state's schema.
 
 ``MembershipView`` is a typed view over ``ReplicatedState``: live members and their roles
-(``joining`` until a trainer can sync, ``trainer``, ``done``), heartbeats, the published
+(``joining`` until a trainer can sync, ``trainer``, ``done``, ``failed`` when its training
+stopped on an error — its daemon stays up, but it trains no more), heartbeats, the published
 ``(round, weights hash)`` records, the run config and SPES's expert claims, and the writes
 training makes (role, device, progress, run config, owned experts). Nothing else in
 ``lattica.train`` reads the state's documents by key.
@@ -20,9 +21,11 @@ those rounds replaced when the link comes back.
 So a trainer whose lease ran out is remembered for ``memory_s`` while we still hold a
 connection to it: a cut link breaks no connection (the packets just vanish), whereas a killed
 or crashed peer's connections drop at once — then the survivors *are* the run, and a restarting
-peer should find their rounds published. A member that left cleanly or finished (``done``: it
-waits for no round of ours) is forgotten at once. A member seen ``joining`` is neither
-refreshed nor forgotten: every replica turns ``joining`` for the moment it fetches a state.
+peer should find their rounds published. A member that left cleanly, finished (``done``: it
+waits for no round of ours) or failed is forgotten at once, as is one with a role this version
+does not know (a role is a peer's untrusted claim: anything but ``trainer`` and ``joining`` is
+no trainer). A member seen ``joining`` is neither refreshed nor forgotten: every replica turns
+``joining`` for the moment it fetches a state.
 
 Sans-IO: ``observe`` takes the replicated member records, the live and the connected ids and a
 time.
@@ -44,8 +47,8 @@ from typing import Protocol
 from lattica.crdt.config import StateConfig
 from lattica.crdt.documents import MemberRecord, ProgressRecord, Snapshot
 
-JOINING_ROLE, TRAINER_ROLE, DONE_ROLE = "joining", "trainer", "done"
-TRAINING_ROLES = (JOINING_ROLE, TRAINER_ROLE, DONE_ROLE)
+JOINING_ROLE, TRAINER_ROLE, DONE_ROLE, FAILED_ROLE = "joining", "trainer", "done", "failed"
+TRAINING_ROLES = (JOINING_ROLE, TRAINER_ROLE, DONE_ROLE)  # a member that trains, or trained to the end
 
 
 class RunState(Protocol):
@@ -94,6 +97,10 @@ class MembershipView:
     def trainers(self) -> list[str]:
         """Live members that train and can sync now."""
         return self.live_with_role(TRAINER_ROLE)
+
+    def failed(self) -> list[str]:
+        """Live members whose training stopped on an error (their daemons still run)."""
+        return self.live_with_role(FAILED_ROLE)
 
     def heartbeat(self, peer: str) -> int | None:
         """The counter ``peer`` bumps with every lease renewal (None: no record)."""
@@ -171,7 +178,7 @@ class RecentTrainers:
             role = (members.get(peer) or {}).get("role")
             if role == TRAINER_ROLE:
                 self._seen[peer] = now
-            elif role == DONE_ROLE:
+            elif role != JOINING_ROLE:  # done, failed, or a role we do not know: no trainer
                 self._seen.pop(peer, None)
         for peer, seen in list(self._seen.items()):
             gone = peer not in live and peer not in connected  # killed: its connections dropped

@@ -20,10 +20,11 @@ one concern each:
 
 Churn: a member is ``joining`` until it can sync; once the run is past its first round a joining
 member is not a round candidate, so coordinators never wait for a peer that is still loading or
-fetching after a restart; ``min_peers`` only gates the start of a run (a claimed round that no
-holder serves starts none). Syncs go through a stall guard (a silent member aborts the sync
-after a round deadline). After the last round the service keeps repairing, so every replica
-ends on the same state.
+fetching after a restart. A member whose training stopped on an error says ``failed`` (its
+daemon stays up): nobody waits for it. ``min_peers`` only gates the start of a run (a claimed
+round that no holder serves starts none). Syncs go through a stall guard (a silent member
+aborts the sync after a round deadline). After the last round the service keeps repairing, so
+every replica ends on the same state.
 """
 
 from __future__ import annotations
@@ -46,7 +47,14 @@ from lattica.errors import LatticaError
 from lattica.train import trainer_factory
 from lattica.train.collective import Collective, StallGuardedCollective
 from lattica.train.liveness import PeerLiveness
-from lattica.train.membership import DONE_ROLE, JOINING_ROLE, TRAINER_ROLE, MembershipView, RunState
+from lattica.train.membership import (
+    DONE_ROLE,
+    FAILED_ROLE,
+    JOINING_ROLE,
+    TRAINER_ROLE,
+    MembershipView,
+    RunState,
+)
 from lattica.train.outer_sync import CatchingUpStrategy, KeepingUpStrategy, OuterStateSync
 from lattica.train.ownership import ReplicatedOwnership
 from lattica.train.run_config import agree_run_config
@@ -200,6 +208,18 @@ class TrainingService:
         except Exception as exc:  # a training bug must not take the node off the network
             self.phase, self.error = "failed", f"{type(exc).__name__}: {exc}"
             log.exception("training failed")
+        else:
+            return
+        await self._announce_failed()
+
+    async def _announce_failed(self) -> None:
+        """Say in our member record that we train no more: still ``joining``, the others would
+        wait for us at the start of a run (``START_WAIT_S``) and list us as loading forever. The
+        reason stays in our own ``lattica status``: an error names local paths and settings."""
+        try:
+            await self.view.set_role(FAILED_ROLE)
+        except (LatticaError, OSError) as exc:  # the state is stopping or its log broke
+            log.warning("could not publish the failed role: %s", exc)
 
     async def _train(self) -> None:
         self.phase = "waiting for peers"
@@ -290,18 +310,20 @@ class TrainingService:
         that turns out unservable): a round coordinator waits a round deadline from the first
         arrival, and a member still loading then ran the first rounds alone, as did the
         others. Mid-run this does not apply: a joiner is caught up instead."""
-        with trio.move_on_after(max(START_WAIT_S, self.settings.round_deadline_s)):
+        with trio.move_on_after(max(START_WAIT_S, self.settings.round_deadline_s)) as waited:
             while not self.outer_sync.run_started() and self._members_still_loading():
                 self.phase = "waiting for peers to load"
                 with trio.move_on_after(0.5):
                     await self.view.wait_changed()
+        if waited.cancelled_caught:
+            log.warning("starting the run without the members still loading: %s", self._members_still_loading())
 
-    def _members_still_loading(self) -> bool:
+    def _members_still_loading(self) -> list[str]:
         connected = self._connected()
-        return any(
-            p != self.peer_id and p in connected and self.liveness.heard(p)
-            for p in self.view.live_with_role(JOINING_ROLE)
-        )
+        return [
+            p for p in self.view.live_with_role(JOINING_ROLE)
+            if p != self.peer_id and p in connected and self.liveness.heard(p)
+        ]
 
     async def _settle(self, trainer: Trainer) -> None:
         """After the last round, keep taking the run's final state while the node is up: a
@@ -383,6 +405,9 @@ class TrainingService:
                 info["consensus_distance"] = round(spread, 6)
         if self.error:
             info["error"] = self.error
+        failed = [p for p in self.view.failed() if p != self.peer_id]
+        if failed:  # live members whose training stopped on an error: no round waits for them
+            info["failed_members"] = sorted(failed)
         if self.summary:
             info["summary"] = self.summary
         return {"training": info}

@@ -1,10 +1,21 @@
-"""RecentTrainers: a cut-off peer still knows that others train; killed, finished or departed ones do not count."""
+"""RecentTrainers: a cut-off peer still knows that others train; killed, finished, failed or
+departed ones do not count. MembershipView: who trains, as the members' (untrusted) roles say."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import Any
+
 import pytest
 
-from lattica.train.membership import RecentTrainers, UnservableClaims
+from lattica.train.membership import (
+    FAILED_ROLE,
+    JOINING_ROLE,
+    TRAINER_ROLE,
+    MembershipView,
+    RecentTrainers,
+    UnservableClaims,
+)
 from lattica.train.outer_transfer import agreed_round
 
 
@@ -45,6 +56,38 @@ def test_finished_members_are_forgotten_at_once() -> None:
     recent.observe(_trainers("me", "a"), ["me", "a"], {"a"}, now=0.0)
     recent.observe({**_trainers("me"), "a": {"role": "done"}}, ["me", "a"], {"a"}, now=1.0)
     assert recent.others() == set()
+
+
+def test_a_member_whose_training_failed_is_forgotten_at_once() -> None:
+    recent = RecentTrainers(peer_id="me", memory_s=60)
+    recent.observe(_trainers("me", "a"), ["me", "a"], {"a"}, now=0.0)
+    recent.observe({**_trainers("me"), "a": {"role": "failed"}}, ["me", "a"], {"a"}, now=1.0)
+    assert recent.others() == set()
+
+
+@pytest.mark.parametrize("role", ["x" * 512, "", None, 7, ["trainer"]])
+def test_a_role_this_version_does_not_know_is_no_trainer(role: object) -> None:
+    recent = RecentTrainers(peer_id="me", memory_s=60)
+    recent.observe(_trainers("me", "a"), ["me", "a"], {"a"}, now=0.0)
+    recent.observe({**_trainers("me"), "a": {"role": role}, "b": {"role": role}}, ["me", "a", "b"], {"a", "b"}, now=1.0)
+    assert recent.others() == set()
+
+
+def _view(members: dict[str, Any], live: list[str]) -> MembershipView:
+    state = SimpleNamespace(snapshot=lambda: {"members": members}, live_members=lambda: list(live))
+    return MembershipView(state, peer_id="me")  # type: ignore[arg-type]
+
+
+def test_a_failed_member_is_neither_a_trainer_nor_still_loading() -> None:
+    members = {
+        "me": {"role": "trainer"}, "a": {"role": "failed"}, "b": {"role": "joining"},
+        "c": {"role": "no such role"}, "d": {"role": None}, "gone": {"role": "failed"},
+    }
+    view = _view(members, live=["me", "a", "b", "c", "d"])
+    assert view.trainers() == ["me"]
+    assert view.live_with_role(JOINING_ROLE, TRAINER_ROLE) == ["me", "b"]  # a start of a run waits for these
+    assert view.failed() == ["a"]
+    assert view.live_with_role(FAILED_ROLE) == ["a"]
 
 
 def test_a_member_catching_up_still_counts_until_the_memory_runs_out() -> None:
