@@ -315,7 +315,9 @@ async def serve(ip: str, seeds: list[str]) -> None:
         sys.stdout.write(json.dumps(obj) + "\n")
         sys.stdout.flush()
 
-    async with AsyncExitStack() as stack, trio.open_nursery() as nursery:
+    # the hosts' contexts (on ``stack``) are entered inside the nursery, each opening its own
+    # nursery: they must close before it, or trio finds the nurseries misnested at shutdown
+    async with trio.open_nursery() as nursery, AsyncExitStack() as stack:
         worker = Worker(stack, nursery, ip, seeds)
         reply({"event": "ready", "peers": await worker.start()})
         async for line in trio.wrap_file(sys.stdin):
