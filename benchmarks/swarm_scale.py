@@ -225,11 +225,11 @@ def measure_size(lab, args, n: int, rng: random.Random, numel: int, straggler_si
             # the consensus phase runs --steps; the others' round time needs fewer
             steps = args.steps if at_straggler and mode == "gossip" else min(args.round_steps, args.steps)
             records = swarm.run(f"{mode}-round-{n}", _phase_cmd(args, mode, numel, base, steps=warm + steps,
-                                                                 sample=at_straggler), timeout)
+                                                                 sample=at_straggler, linger=True), timeout)
             check_steps(f"N={n} {mode} round phase", records, swarm.members, warm + steps,
                         allow_alone=mode == "gossip")
             out[f"{mode}_round_s"], out[f"{mode}_bytes"] = round_figures(records, warm, steps)
-            out[f"{mode}_alone_steps"] = sum(1 for r in records.values() for x in r[warm:] if x["group"] == 1)
+            out[f"{mode}_alone_steps"] = sum(1 for r in records.values() for x in r[warm:warm + steps] if x["group"] == 1)
             out[f"{mode}_libp2p_bytes"] = sum(x.get("libp2p_bytes", 0) for r in records.values() for x in r)
             if at_straggler and mode == "gossip":
                 out["consensus"] = consensus_trend(records, warm + steps)

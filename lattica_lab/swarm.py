@@ -167,6 +167,13 @@ class Swarm:
             killed.add(worker)
         records: dict[str, list[dict[str, Any]]] = {}
         deadline = time.monotonic() + timeout
+        if cmd.get("linger"):  # every peer did its steps: now they may all stop
+            for w in live:
+                if w not in killed:
+                    self._wait(w, "reached", max(1.0, deadline - time.monotonic()), phase)
+            for w in live:
+                if w not in killed:
+                    w.send({"cmd": "stop"})
         for w in live:
             if w in killed:
                 continue

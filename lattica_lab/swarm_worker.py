@@ -16,10 +16,13 @@ stdin line, answering each with one JSON line on stdout:
   same version is refused);
 - ``{"cmd": "run", "phase", "mode": "allreduce"|"gossip", "members", "numel", "grace_s",
   "exchange_s", "compute_s", "seed", "round_base", "slow": {peer: compute_s}, "steps"?,
-  "end_at"?, "sample"?}`` -> ``done`` with ``records``: per peer, one record per outer step
+  "end_at"?, "linger"?, "sample"?}`` -> ``done`` with ``records``: per peer, one record per outer step
   (``step``, ``t0``/``t1`` around ``sync()``, ``key``, ``group`` (the size of the group it
   averaged with), ``drawn`` (gossip: the group drawn for the key from every member, whether or
   not they answered), ``handshake_s`` (gossip: the time spent confirming the group), ``bytes``, ``libp2p_bytes``, ``skipped``, ``detail``, ``sample``);
+  with ``steps`` and ``linger`` the peers step on after ``steps``: ``reached`` when every peer
+  of this worker has done ``steps``, then ``done`` after ``{"cmd": "stop"}`` (this loop reads
+  commands while a phase runs);
 - ``{"cmd": "quit"}``.
 
 ``ok``/``error`` in ``connected`` and ``primed`` say whether every dial and every fast channel
@@ -41,7 +44,7 @@ import os
 import random
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import Any
@@ -131,6 +134,7 @@ class Worker:
     def __init__(self, stack: AsyncExitStack, nursery: trio.Nursery, ip: str, seeds: list[str]) -> None:
         self.stack, self.nursery, self.ip, self.seeds = stack, nursery, ip, seeds
         self.peers: list[LocalPeer] = []
+        self.stop = trio.Event()  # set by ``stop``: a lingering phase ends
 
     async def start(self) -> list[Message]:
         listen = multiaddr.Multiaddr(f"/ip4/{self.ip}/tcp/0")
@@ -252,15 +256,28 @@ class Worker:
                     nursery.start_soon(prime, p)
         return {"ok": not failed, "error": f"{len(failed)} failure(s), first: {failed[0]}" if failed else ""}
 
-    async def run(self, cmd: Message) -> Message:
+    async def run(self, cmd: Message, reply: Callable[[Message], None]) -> Message:
+        """One phase. With ``steps`` and ``linger``, the peers go on stepping after ``steps``
+        (a swarm does not stop) until ``stop``; ``reached`` tells the caller all ours got there,
+        so no measured step of any peer pairs against partners that have already stopped."""
         records: dict[str, list[Message]] = {}
+        self.stop = trio.Event()
+        steps = int(cmd["steps"]) if cmd.get("steps") else None
+        linger = steps is not None and bool(cmd.get("linger"))
         async with trio.open_nursery() as nursery:
             for p in self.peers:
                 records[p.id] = []
-                nursery.start_soon(self._peer_loop, p, cmd, records[p.id])
+                nursery.start_soon(self._peer_loop, p, cmd, records[p.id], linger)
+            if linger:
+                assert steps is not None
+                while any(len(r) < steps for r in records.values()):
+                    await trio.sleep(0.1)
+                reply({"event": "reached", "phase": cmd["phase"]})
+                await self.stop.wait()
+                nursery.cancel_scope.cancel()
         return {"ok": True, "records": records}
 
-    async def _peer_loop(self, p: LocalPeer, cmd: Message, out: list[Message]) -> None:
+    async def _peer_loop(self, p: LocalPeer, cmd: Message, out: list[Message], linger: bool) -> None:
         members: list[str] = cmd["members"]
         numel, grace = int(cmd["numel"]), float(cmd["grace_s"])
         groups: GroupProvider
@@ -288,7 +305,7 @@ class Worker:
         idx = torch.linspace(0, numel - 1, min(SAMPLE, numel)).long()
         compute = float(cmd["slow"].get(p.id, cmd["compute_s"]))
         end_at = cmd.get("end_at")
-        total = int(cmd["steps"]) if cmd.get("steps") else 10**9
+        total = int(cmd["steps"]) if cmd.get("steps") and not linger else 10**9
         signs = random.Random(p.id)
         with trio.move_on_after(max(0.0, end_at - time.time()) if end_at else math.inf):
             for step in range(total):
@@ -301,6 +318,7 @@ class Worker:
                 record = {"step": step, "t0": t0, "t1": time.time(), "key": report.key, "group": len(report.group),
                           "drawn": list(gossip.groups.proposal(report.key)) if gossip is not None else members,
                           "handshake_s": gossip.last_s if gossip is not None else 0.0,
+                          "left_out": list(gossip.groups.left_out) if gossip is not None else [],
                           "bytes": stats.total_sent() - sent, "libp2p_bytes": libp2p_sent(stats) - slow,
                           "skipped": report.skipped, "detail": report.detail[:200]}
                 if cmd.get("sample"):
@@ -320,6 +338,10 @@ async def serve(ip: str, seeds: list[str]) -> None:
     async with trio.open_nursery() as nursery, AsyncExitStack() as stack:
         worker = Worker(stack, nursery, ip, seeds)
         reply({"event": "ready", "peers": await worker.start()})
+
+        async def run_phase(cmd: Message) -> None:
+            reply({"event": "done", "phase": cmd["phase"], **await worker.run(cmd, reply)})
+
         async for line in trio.wrap_file(sys.stdin):
             cmd = json.loads(line)
             if cmd["cmd"] == "quit":
@@ -334,15 +356,20 @@ async def serve(ip: str, seeds: list[str]) -> None:
                 reply({"event": "warmed", **await worker.warm(cmd["members"])})
             elif cmd["cmd"] == "prime":
                 reply({"event": "primed", **await worker.prime(cmd["members"], cmd["tag"])})
-            elif cmd["cmd"] == "run":
-                reply({"event": "done", "phase": cmd["phase"], **await worker.run(cmd)})
+            elif cmd["cmd"] == "run":  # runs beside this loop, which still reads ``stop``
+                nursery.start_soon(run_phase, cmd)
+            elif cmd["cmd"] == "stop":
+                worker.stop.set()
         nursery.cancel_scope.cancel()
 
 
 def main() -> None:
     if len(sys.argv) < 3:
         sys.exit("usage: python -m lattica_lab.swarm_worker IP SEED_HEX...")
-    logging.basicConfig(level=os.environ.get("SWARM_LOG_LEVEL", "WARNING"), stream=sys.stderr)
+    logging.basicConfig(level=os.environ.get("SWARM_LOG_LEVEL", "WARNING"), stream=sys.stderr,
+                        format="%(created).3f %(levelname)s %(name)s: %(message)s")
+    if os.environ.get("SWARM_GROUPS_DEBUG"):  # every handshake verdict, in the worker's log
+        logging.getLogger("lattica.coordination").setLevel(logging.DEBUG)
     trio.run(serve, sys.argv[1], sys.argv[2:])
 
 

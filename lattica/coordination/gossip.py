@@ -83,6 +83,7 @@ class GossipGroups:
         self._handshakes = GroupHandshakes(self.config)
         self._swarm = SwarmStep()
         self._opened = trio.Event()  # set (and replaced) whenever this peer opens a key
+        self.left_out: tuple[str, ...] = ()  # why the last group_for left proposed partners out
 
     async def run(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         self.host.set_stream_handler(GROUP_PROTOCOL, self._handle)
@@ -123,10 +124,11 @@ class GossipGroups:
         # partners that answered late, or that we told late meanwhile, are out; so is (declined)
         # every partner not confirmed, so a ready answer that came too late pairs nobody
         group = self._handshakes.settle(key, self.peer_id, proposal, answers)
-        if len(group) < len(proposal):
+        self.left_out = tuple(_why(p, answers, self.peer_id) for p in proposal if p not in group)
+        if self.left_out:
             log.info(
                 "group for %s: %d of %d proposed member(s) confirmed (%s)", key, len(group), len(proposal),
-                "; ".join(_why(p, answers, self.peer_id) for p in proposal if p not in group),
+                "; ".join(self.left_out),
             )
         return group
 
@@ -160,6 +162,9 @@ class GossipGroups:
                 with trio.move_on_at(verdict.until):
                     await self._opened.wait()  # this peer opened a key: decide again
             reply = self._handshakes.answer(key, self.proposal(key), verdict, asker=peer)
+            log.debug("group request from %s for %s (hold %.1f s) answered %s after %.1f s, our latest step %s, "
+                      "pace %s", peer, key, request.hold_s or 0.0, verdict.kind, trio.current_time() - asked_at,
+                      self._handshakes.latest_step, self._handshakes.pace)
             with trio.fail_after(self.config.grace_s):
                 await write_message(stream, reply, peer_id=peer)
         except Exception as exc:  # noqa: BLE001 - one bad request ends one stream

@@ -27,18 +27,20 @@ Ordering by a per-peer hash keeps a view difference local: a missing peer shifts
 stripes after its position in the order, not the whole permutation.
 
 Readiness (stragglers). A partner is confirmed only once it has *reached* the step itself.
-Every request carries the asker's *hold*: about one of its step periods (its pace, the moving
-average of the intervals between its syncs; at least ``hold_s``, by default half the grace, and
-at most ``max_hold_s``), and the asker waits that hold plus the grace for the answer. A request
+Every request carries the asker's *hold*: two of its step periods (its pace — the moving
+average of the intervals between its syncs — or the longest of its last four intervals when
+that is longer; at least ``hold_s``, by default half the grace, and at most ``max_hold_s``),
+and the asker waits that hold plus the grace for the answer. A request
 for a step the answerer has not opened yet is held up to that hold and answered with the
 proposal the moment the answerer opens the step, or ``late`` when the hold ends first. It is
 answered ``late`` at once when the answerer is a straggler relative to the asker: its own
-expected arrival (its last sync plus its pace) falls after the hold, i.e. it is more than one of
+expected arrival (its last sync plus its pace) falls after the hold, i.e. it is more than two of
 the asker's periods away. So a hold scales with the swarm's step time: with a long exchange (a
-WAN payload) a partner that averaged alone last step and arrives early by up to a period is
-waited for instead of being told ``late`` — which would leave both alone again and, since a peer
-alone finishes sooner, keep them apart — while a peer ten times slower than the asker is left
-out at once. Verdicts agree on both sides: a peer that answered ``late`` leaves the asker out of
+WAN payload) a peer that averaged alone finishes its step much sooner than one that exchanged,
+and reaches the next step up to a whole period before its partner; told ``late``, both would
+average alone again, finish sooner again and drift further apart (a peer alone runs ahead, so
+lone steps breed lone steps). Two periods of the longest recent kind cover a partner still in
+a full exchange, while a peer ten times slower than the asker is left out at once. Verdicts agree on both sides: a peer that answered ``late`` leaves the asker out of
 its own group for the key (``decline``), the asker leaves out a partner that answered ``late``,
 and a peer leaves out (declines) every partner it did not confirm, so a ready answer that
 arrives after the asker stopped waiting is not taken as a pair by the answerer alone. A key
@@ -58,7 +60,7 @@ from __future__ import annotations
 import hashlib
 import math
 import re
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -70,7 +72,7 @@ MAX_KEY_LEN = 200
 MAX_GROUP_LEN = 64
 MAX_PEER_ID_LEN = 128
 MAX_REQUEST_HOLD_S = 3600.0  # a requested hold above this is malformed
-HOLD_PERIODS = 1.0  # the hold a peer asks for, in its own step periods (pace)
+HOLD_PERIODS = 2.0  # the hold a peer asks for, in its own step periods (``hold_pace``)
 _STEP = re.compile(r"^round/(\d+)(?:/.*)?$")
 
 
@@ -80,7 +82,7 @@ class GossipGroupsConfig:
     has to answer the handshake, and how long after asking for a key this peer still counts its
     group as open beyond its hold (partners may exchange with it that long). ``ready_wait_s``:
     the least hold this peer asks for (default and cap: half the grace; ``hold_s``); the hold
-    it asks for is one of its step periods when that is longer (``hold_for``), at most
+    it asks for is two of its step periods when that is longer (``hold_for``), at most
     ``max_hold_s``, which also caps the hold it grants a partner. ``remembered_keys``: keys kept."""
 
     group_size: int = DEFAULT_GROUP_SIZE
@@ -249,6 +251,7 @@ GONE = "gone"
 WAIT = "wait"
 _PACE_WEIGHT = 0.3  # weight of the newest interval in this peer's pace (moving average)
 _PACE_JUMP = 3.0  # one interval counts for at most this many paces (a freeze is not a new pace)
+_HOLD_WINDOW = 4  # the hold covers the longest of this peer's last intervals, not only its mean
 
 
 @dataclass(frozen=True)
@@ -282,6 +285,7 @@ class GroupHandshakes:
         self._latest_step: int | None = None
         self._latest_at: float | None = None
         self._pace: float | None = None  # seconds between two of this peer's step syncs
+        self._recent: deque[float] = deque(maxlen=_HOLD_WINDOW)  # its last intervals (clamped)
 
     @property
     def latest_step(self) -> int | None:
@@ -290,6 +294,15 @@ class GroupHandshakes:
     @property
     def pace(self) -> float | None:
         return self._pace
+
+    @property
+    def hold_pace(self) -> float | None:
+        """The period this peer's hold is made of: the longest of its pace and its last
+        ``_HOLD_WINDOW`` intervals. A peer that averaged alone for a step or two (short
+        intervals) still holds for partners coming out of a full exchange (a long one)."""
+        if self._pace is None:
+            return None
+        return max([self._pace, *self._recent])
 
     def open(self, key: str, now: float) -> float:
         """This peer asks for ``key`` now (its step reached the sync); returns the hold it asks
@@ -300,11 +313,14 @@ class GroupHandshakes:
         if step is not None and (self._latest_step is None or step > self._latest_step):
             if self._latest_at is not None:
                 interval = now - self._latest_at
+                if self._pace is not None:
+                    interval = min(interval, _PACE_JUMP * self._pace)
+                self._recent.append(interval)
                 self._pace = interval if self._pace is None else (
-                    _PACE_WEIGHT * min(interval, _PACE_JUMP * self._pace) + (1 - _PACE_WEIGHT) * self._pace
+                    _PACE_WEIGHT * interval + (1 - _PACE_WEIGHT) * self._pace
                 )
             self._latest_step, self._latest_at = step, now
-        hold = self.config.hold_for(self._pace)
+        hold = self.config.hold_for(self.hold_pace)
         self._opened[key] = (now, hold)
         while len(self._opened) > self.config.remembered_keys:
             self._opened.popitem(last=False)

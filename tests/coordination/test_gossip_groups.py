@@ -109,18 +109,22 @@ async def test_a_partner_arriving_within_the_hold_is_confirmed() -> None:
 
 
 async def test_a_straggler_is_left_out_at_once_by_whoever_draws_it() -> None:
-    """One peer syncs every ~3 s (past the 2 s hold), the others go on faster: the peer drawn with it each step is
-    told ``late`` at once (its pace puts its next sync past the hold) and averages alone;
-    before, it was confirmed and then waited out the grace in its exchange."""
-    with trio.fail_after(90):
+    """One peer's pace is ~8 s; the others then go on at a fraction of a second per step. The
+    peer drawn with it each step is told ``late`` at once (at its pace its next sync falls past
+    the asker's hold, two of the asker's short periods) and averages alone; before the readiness
+    rule it was confirmed and then waited out the grace in its exchange."""
+    with trio.fail_after(120):
         async with trio.open_nursery() as nursery:
             peers = await gossip_peers(nursery, 4, grace_s=SLOW_GRACE_S)
             hold = GossipGroupsConfig(grace_s=SLOW_GRACE_S).hold_s
-            await _ask_all(peers, "round/0")
-            await trio.sleep(3.0)
-            await _ask_all(peers, "round/1")
             straggler = sorted(peers)[0]
             others = [p for p in peers if p != straggler]
+            # the straggler's pace: two syncs ~10 s apart (its partners have not reached those
+            # steps; they hold its first request, then answer late)
+            await _ask_all(peers, "round/0", only=[straggler])
+            await trio.sleep(8.0)
+            with trio.move_on_after(0.2):  # it reached step 1; it would hold its partner two periods
+                await peers[straggler].group_for("round/1")
             for t in range(2, 6):
                 key = f"round/{t}"
                 groups, took = await _ask_all(peers, key, only=others)

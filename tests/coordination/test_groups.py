@@ -160,19 +160,29 @@ def test_the_hold_is_at_most_half_the_grace() -> None:
     assert GossipGroupsConfig(grace_s=1.0, ready_wait_s=3.0).hold_s == 0.5
 
 
-def test_the_hold_asked_for_is_one_period_of_the_asker() -> None:
+def test_the_hold_asked_for_is_two_of_the_askers_longest_recent_periods() -> None:
     config = GossipGroupsConfig(grace_s=4.0, max_hold_s=30.0)
     assert config.hold_for(None) == 2.0  # pace not known yet: hold_s
-    assert config.hold_for(1.0) == 2.0  # at least hold_s
-    assert config.hold_for(12.0) == 12.0  # one step period
+    assert config.hold_for(0.5) == 2.0  # at least hold_s
+    assert config.hold_for(6.0) == 12.0  # two step periods
     assert config.hold_for(100.0) == 30.0  # at most max_hold_s
     book = GroupHandshakes(config)
     assert book.open("round/0", now=0.0) == 2.0
-    assert book.open("round/1", now=12.0) == 12.0  # its pace is now 12 s
-    assert book.open("round/1", now=13.0) == 12.0  # the same key: the same hold
+    assert book.open("round/1", now=6.0) == 12.0  # its pace is now 6 s
+    assert book.open("round/1", now=7.0) == 12.0  # the same key: the same hold
     # the key stays open for that hold plus the grace
-    assert book.decide("round/1", asker="b", asked_at=27.9, now=27.9) == Verdict(READY)
-    assert book.decide("round/1", asker="b", asked_at=28.1, now=28.1) == Verdict(GONE)
+    assert book.decide("round/1", asker="b", asked_at=21.9, now=21.9) == Verdict(READY)
+    assert book.decide("round/1", asker="b", asked_at=22.1, now=22.1) == Verdict(GONE)
+    # two short steps (it averaged alone) do not shrink the hold below its longest recent
+    # interval: partners coming out of a full exchange are still waited for
+    book.open("round/2", now=7.0)
+    book.open("round/3", now=8.0)
+    assert book.pace is not None
+    assert book.pace < 6.0
+    assert book.hold_pace == 6.0
+    assert book.open("round/4", now=9.0) == 12.0
+    # after four short ones the long interval has left the window
+    assert book.open("round/5", now=10.0) == 2 * book.pace
 
 
 def test_a_partner_early_by_less_than_a_period_is_held_for_it() -> None:
