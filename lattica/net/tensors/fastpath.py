@@ -85,6 +85,7 @@ class FastChannel:
         self._recv_buf = bytearray(frame_bytes + _TAG_BYTES)
         self._plain_buf = bytearray(frame_bytes)
         self._closed = False
+        self.bytes_out = 0  # bytes the socket took so far (a send that took none left nothing behind)
         self._wake_at = 1  # the socket's SO_RCVLOWAT (the kernel's default: any byte)
         for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):  # whole frames per system call
             with contextlib.suppress(OSError):
@@ -113,6 +114,7 @@ class FastChannel:
         try:
             while view:
                 sent = await self._sock.send(view)
+                self.bytes_out += sent
                 view = view[sent:]
         except (OSError, trio.ClosedResourceError) as exc:  # closed by another task: broken too
             self._closed = True

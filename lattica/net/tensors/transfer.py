@@ -251,18 +251,27 @@ class TensorService:
         size = len(header) + sum(len(p) for p in payloads)
         started = trio.current_time()
         channel = await self._fast_channel(peer)
-        if channel is not None:
+        retried = False
+        while channel is not None:
             pieces: tuple[bytes | memoryview, ...] = (header, *payloads)
             async with channel.send_lock:
+                before = channel.bytes_out
                 try:
                     for piece in pieces:
                         await channel.send_all(piece)
                 except BaseException as exc:
                     channel.abort()  # never leave half a message on a channel
                     self.mailbox.peer_lost(peer)
-                    if isinstance(exc, BrokenError):
+                    if not isinstance(exc, BrokenError):
+                        raise
+                    if retried or channel.bytes_out != before:
                         raise PeerUnavailableError(str(exc), peer_id=peer) from None
-                    raise
+                    # the channel had died before any byte of this message left (the peer
+                    # reset it while it was idle): nothing to undo, so one fresh channel
+                    log.info("fast channel to %s was dead before a send (%r); sending on a new one", peer, exc)
+                    retried = True
+                    channel = await self._fast_channel(peer)
+                    continue
             self._count_sent(peer, "fast", size)
             self.stats.note_transfer(peer, size, trio.current_time() - started)
             return

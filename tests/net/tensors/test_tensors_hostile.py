@@ -295,3 +295,34 @@ def test_the_fetch_gate_rations_answers_per_peer():
     assert set(gate._recent) == {"p", "z"}  # "q" was sent to 6.5 s ago: forgotten
     gate.request("z", (b,), 20.0)  # long after: what was sent to others is forgotten
     assert list(gate._recent) == ["z"]
+
+
+async def test_a_send_queued_behind_one_that_broke_the_channel_goes_out_on_a_new_one():
+    """A send waits for the channel while another is in flight; the one in flight is cancelled
+    and aborts the channel (a phase or round deadline). Nothing of the queued message had left,
+    so it goes out on a fresh channel instead of failing the peer as unavailable."""
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            a_host, a = await _host_with_service(nursery)
+            b_host, b = await _host_with_service(nursery)
+            await a_host.connect(info_from_p2p_addr(b_host.get_addrs()[0]))
+            await a.send(b.peer_id, "first", [torch.ones(4)])
+            assert next(t for _, t in await b.receive(a.peer_id, "first")).tolist() == [1.0] * 4
+            (channel,) = a._open_channels(b.peer_id)
+            sent: list[str] = []
+
+            async def queued() -> None:
+                await a.send(b.peer_id, "second", [torch.full((4,), 2.0)])
+                sent.append("second")
+
+            async with channel.send_lock:  # a send in flight on the only channel
+                nursery.start_soon(queued)
+                await trio.sleep(0.2)  # the second send waits for the lock
+                channel.abort()  # the send in flight is cancelled: the channel is reset
+            got = await b.receive(a.peer_id, "second")
+            assert next(t for _, t in got).tolist() == [2.0] * 4
+            assert sent == ["second"]
+            assert channel.closed
+            assert a._open_channels(b.peer_id)  # a new channel
+            assert a.stats.bytes_sent[(b.peer_id, "libp2p")] == 0
+            nursery.cancel_scope.cancel()
