@@ -109,16 +109,6 @@ def realigned_round(groups: object, next_round: int) -> int:
     return ahead
 
 
-def swarm_next_step(groups: object) -> int | None:
-    """The round the swarm has reached (vouched steps, ``GossipGroups.next_step`` − 1), or None
-    where the provider does not know it; a replica whose key is below it may jump to it
-    (``realigned_round`` jumps one further, to the swarm's next round)."""
-    if not isinstance(groups, SwarmStepSource):
-        return None
-    ahead = groups.next_step()
-    return ahead - 1 if isinstance(ahead, int) else None
-
-
 def group_mean(contributions: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
     """Element-wise mean of several tensor lists, summed in fp32, in the first list's dtype."""
     total = [t.detach().to(torch.float32).clone() for t in contributions[0]]

@@ -51,7 +51,7 @@ from lattica.train.collective import Collective
 from lattica.train.strategies.accounting import AccountedStrategy, tensor_bytes
 from lattica.train.strategies.base import EveryHSteps, GroupProvider, OuterStepReport
 from lattica.train.strategies.diloco import _check_tensors, outer_copy, pseudo_gradient
-from lattica.train.strategies.gossip import check_averaging, exchange_with_partners, swarm_next_step
+from lattica.train.strategies.gossip import check_averaging, exchange_with_partners, realigned_round
 from lattica.train.strategies.sparse_gather import gather_with_retries
 
 log = logging.getLogger(__name__)
@@ -174,8 +174,8 @@ class SparseLoCo(EveryHSteps, AccountedStrategy):
     async def sync(self) -> OuterStepReport:
         """One outer round now: compress, gather, apply — or leave θ and e as they were."""
         cfg = self.config
-        if cfg.averaging == "gossip":  # behind the swarm: jump the key to the swarm's next step
-            self._round = max(self._round, swarm_next_step(self.groups) or 0)
+        if cfg.averaging == "gossip":  # well behind the swarm: jump the key to the swarm's next step
+            self._round = realigned_round(self.groups, self._round)
         key, started = f"round/{self._round}", time.monotonic()
         self._round += 1
         delta = flatten(pseudo_gradient(self._outer, self._inner))
