@@ -27,7 +27,7 @@ of measured steps, the same clock points):
 0. Setup (every N): the workers start their hosts, dial a few at a time, set up every pair's
    fast channel and prime with a tiny all-reduce over all (``lattica_lab.swarm``); a pair left
    on libp2p streams fails the setup, which is tried a few times.
-1. ``round`` (every N): ``--warmup`` + ``--round-steps`` (5) outer steps; the gossip phase at
+1. ``round`` (every N): ``--warmup`` (3) + ``--round-steps`` (8) outer steps; the gossip phase at
    the straggler size runs ``--steps`` (20) of them, for the consensus distance. A step's round time is a
    peer's ``sync()`` time (from the end of its inner phase to its next weights); the figure is
    the median over steps of the mean over peers. Bytes per peer: what its data plane sent per
@@ -340,10 +340,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="8,16,32", help="peer counts, comma-separated (each >= 4)")
     parser.add_argument("--steps", type=int, default=20, help="measured outer steps per round phase")
-    parser.add_argument("--round-steps", type=int, default=5,
+    parser.add_argument("--round-steps", type=int, default=8,
                         help="measured outer steps of the round phases other than the consensus phase "
                              "(gossip at the straggler size, which runs --steps); at most --steps")
-    parser.add_argument("--warmup", type=int, default=1, help="outer steps before measuring")
+    parser.add_argument("--warmup", type=int, default=3, help="outer steps before measuring (paces settle)")
     parser.add_argument("--payload-mib", type=float, default=16.0, help="fp32 model size (16: 4M parameters)")
     parser.add_argument("--compute-s", type=float, default=1.0, help="the inner phase's sleep")
     parser.add_argument("--grace-s", type=float, default=5.0, help="group handshake and exchange grace")

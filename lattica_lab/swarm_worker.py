@@ -259,7 +259,9 @@ class Worker:
     async def run(self, cmd: Message, reply: Callable[[Message], None]) -> Message:
         """One phase. With ``steps`` and ``linger``, the peers go on stepping after ``steps``
         (a swarm does not stop) until ``stop``; ``reached`` tells the caller all ours got there,
-        so no measured step of any peer pairs against partners that have already stopped."""
+        so no measured step of any peer pairs against partners that have already stopped. On
+        ``stop`` each peer ends after the step it is in: no exchange is cut mid-send (a cut one
+        closes its channel, and the next phase's first transfers on it would fail)."""
         records: dict[str, list[Message]] = {}
         self.stop = trio.Event()
         steps = int(cmd["steps"]) if cmd.get("steps") else None
@@ -273,8 +275,7 @@ class Worker:
                 while any(len(r) < steps for r in records.values()):
                     await trio.sleep(0.1)
                 reply({"event": "reached", "phase": cmd["phase"]})
-                await self.stop.wait()
-                nursery.cancel_scope.cancel()
+                # each peer ends after the step it is in (no exchange is cut mid-send)
         return {"ok": True, "records": records}
 
     async def _peer_loop(self, p: LocalPeer, cmd: Message, out: list[Message], linger: bool) -> None:
@@ -307,9 +308,20 @@ class Worker:
         end_at = cmd.get("end_at")
         total = int(cmd["steps"]) if cmd.get("steps") and not linger else 10**9
         signs = random.Random(p.id)
-        with trio.move_on_after(max(0.0, end_at - time.time()) if end_at else math.inf):
+        # an all-reduce phase is cut at its end (a step would wait for peers that stopped); a
+        # gossip peer finishes the step it is in, so no exchange is cut mid-send
+        cut = end_at if end_at is not None and cmd["mode"] != "gossip" else None
+        with trio.move_on_after(max(0.0, cut - time.time()) if cut is not None else math.inf):
+            def over() -> bool:  # a step under way when the phase ends is finished, not cut
+                return (linger and self.stop.is_set()) or (end_at is not None and time.time() >= end_at)
+
             for step in range(total):
-                await trio.sleep(compute)  # the inner phase
+                if over():
+                    break
+                with trio.move_on_after(max(0.0, end_at - time.time()) if end_at else math.inf):
+                    await trio.sleep(compute)  # the inner phase
+                if over():
+                    break
                 with torch.no_grad():
                     weight.add_(shared_drift).add_(own_drift, alpha=signs.choice((-1.0, 1.0)))
                 stats = p.service.stats
