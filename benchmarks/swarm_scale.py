@@ -224,8 +224,11 @@ def measure_size(lab, args, n: int, rng: random.Random, numel: int, straggler_si
             base += 100_000
             # the consensus phase runs --steps; the others' round time needs fewer
             steps = args.steps if at_straggler and mode == "gossip" else min(args.round_steps, args.steps)
+            # gossip peers step on until all did their steps (no measured step meets a partner
+            # that stopped); all-reduce is lockstep, so every peer runs the same count and stops
+            # (one stopping while others began the next all-reduce would hold them)
             records = swarm.run(f"{mode}-round-{n}", _phase_cmd(args, mode, numel, base, steps=warm + steps,
-                                                                 sample=at_straggler, linger=True), timeout)
+                                                                 sample=at_straggler, linger=mode == "gossip"), timeout)
             check_steps(f"N={n} {mode} round phase", records, swarm.members, warm + steps,
                         allow_alone=mode == "gossip")
             out[f"{mode}_round_s"], out[f"{mode}_bytes"] = round_figures(records, warm, steps)

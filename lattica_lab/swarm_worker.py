@@ -308,6 +308,8 @@ class Worker:
         end_at = cmd.get("end_at")
         total = int(cmd["steps"]) if cmd.get("steps") and not linger else 10**9
         signs = random.Random(p.id)
+        if gossip is not None:
+            gossip.groups.begin()  # the first inner phase starts now
         # an all-reduce phase is cut at its end (a step would wait for peers that stopped); a
         # gossip peer finishes the step it is in, so no exchange is cut mid-send
         cut = end_at if end_at is not None and cmd["mode"] != "gossip" else None

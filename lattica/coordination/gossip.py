@@ -90,6 +90,11 @@ class GossipGroups:
         task_status.started()
         await trio.sleep_forever()
 
+    def begin(self) -> None:
+        """This peer's first inner phase starts now: its first sync's interval (and so a pace
+        partners can be told ``late`` from) counts from here, not from its second sync."""
+        self._handshakes.begin(trio.current_time())
+
     def proposal(self, key: str) -> tuple[str, ...]:
         return proposed_group(self.members(), self.peer_id, key=key, group_size=self.config.group_size)
 

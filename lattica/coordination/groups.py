@@ -72,6 +72,9 @@ MAX_KEY_LEN = 200
 MAX_GROUP_LEN = 64
 MAX_PEER_ID_LEN = 128
 MAX_REQUEST_HOLD_S = 3600.0  # a requested hold above this is malformed
+# a replica whose next key is this many rounds or more below the swarm's jumps there (see
+# ``lattica.train.strategies.gossip.realigned_round``); a peer closer behind opens every step
+JUMP_BEHIND = 3
 HOLD_PERIODS = 2.0  # the hold a peer asks for, in its own step periods (``hold_pace``)
 _STEP = re.compile(r"^round/(\d+)(?:/.*)?$")
 
@@ -304,6 +307,13 @@ class GroupHandshakes:
             return None
         return max([self._pace, *self._recent])
 
+    def begin(self, now: float) -> None:
+        """This peer's first inner phase starts at ``now``: the interval to its first sync is
+        its first pace. Before, a peer had no pace until its second sync, and a straggler was
+        held for (not told ``late``) by every partner until then."""
+        if self._latest_at is None:
+            self._latest_at = now
+
     def open(self, key: str, now: float) -> float:
         """This peer asks for ``key`` now (its step reached the sync); returns the hold it asks
         its partners for (``GossipGroupsConfig.hold_for`` of its pace)."""
@@ -351,12 +361,20 @@ class GroupHandshakes:
         until = asked_at + hold
         if now >= until:
             return Verdict(LATE)
-        if self._pace is not None and self._latest_at is not None and self._latest_at + self._pace > until:
-            # a straggler relative to the asker: at its pace its next sync comes after the
-            # asker's hold (a peer behind jumps its next key to the swarm's step, so its next
-            # sync is the one asked for, however far)
+        if self._pace is not None and self._latest_at is not None and self._latest_at + self._pace * self._syncs_to(
+            step
+        ) > until:
+            # a straggler relative to the asker: at its pace it opens the step asked for after
+            # the asker's hold
             return Verdict(LATE)
         return Verdict(WAIT, until)
+
+    def _syncs_to(self, step: int) -> int:
+        """How many more syncs until this peer opens ``step``: one per step while it is less
+        than ``JUMP_BEHIND`` steps ahead of our latest; from further behind a peer jumps its key
+        to the swarm's step, so its next sync may be the one asked for."""
+        gap = step - self._latest_step if self._latest_step is not None else 1
+        return gap if 1 <= gap < JUMP_BEHIND else 1
 
     def decline(self, key: str, peer: str) -> None:
         """``peer`` is out of this peer's group for ``key``."""

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -146,6 +146,7 @@ class TrainingService:
         self.trainer: Trainer | None = None
         self.strategy: OuterStrategy | None = None  # as the trainer sees it (wrapped)
         self.groups: GroupProvider | None = None  # GossipGroups where the strategy averages in groups
+        self._begin_groups: Callable[[], None] | None = None  # GossipGroups.begin
         self._gossips = _averages_in_groups(settings)
         self._ownership: ReplicatedOwnership | None = None
         self._nursery: trio.Nursery | None = None
@@ -253,6 +254,8 @@ class TrainingService:
             await self._ownership.publish()
         await self._wait_for_members_still_loading()
         self.phase = "training"
+        if self._begin_groups is not None:
+            self._begin_groups()  # the first inner phase starts now: its length is our first pace
         summary = await trainer.run()
         self.summary = dataclasses.asdict(summary)
         self.phase = "done"
@@ -353,7 +356,7 @@ class TrainingService:
             config=GossipGroupsConfig(group_size=self.settings.group_size, grace_s=self.settings.group_grace_s),
             responsive=self.liveness.heard,
         )
-        self.groups = groups
+        self.groups, self._begin_groups = groups, groups.begin
         await self._nursery.start(groups.run)
 
     # -- progress ----------------------------------------------------------------------------

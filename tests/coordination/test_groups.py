@@ -358,3 +358,30 @@ def test_config_is_validated() -> None:
                 {"max_hold_s": 0}, {"max_hold_s": 1e9}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             GossipGroupsConfig(**bad)  # type: ignore[arg-type]
+
+
+def test_a_peer_two_steps_behind_counts_both_steps_to_the_one_asked_for() -> None:
+    """Asked for step 6 while its latest is 4 (pace 5 s): it opens 5, then 6, two paces away
+    (10 s) — past an asker's 8 s hold, so ``late`` at once instead of holding the asker 8 s for
+    nothing; one step behind it would be held. Three or more behind, it jumps to the swarm's
+    step, so its next sync may be the one asked for."""
+    book = GroupHandshakes(GossipGroupsConfig(grace_s=5.0))
+    for t in range(5):
+        book.open(f"round/{t}", now=5.0 * t)  # latest step 4 at t = 20, pace 5 s
+    assert book.decide("round/6", asker="b", asked_at=20.5, now=20.5, hold_s=8.0) == Verdict(LATE)
+    assert book.decide("round/5", asker="c", asked_at=20.5, now=20.5, hold_s=8.0) == Verdict(WAIT, 28.5)
+    assert book.decide("round/9", asker="d", asked_at=20.5, now=20.5, hold_s=8.0) == Verdict(WAIT, 28.5)
+
+
+def test_a_straggler_has_a_pace_from_its_first_sync_when_its_start_is_known() -> None:
+    """Its first inner phase took 50 s: asked for its next step by a peer whose hold is 8 s, it
+    says ``late`` at once. Without the start it had no pace until its second sync, and every
+    partner drawn with it waited out its hold."""
+    book = GroupHandshakes(GossipGroupsConfig(grace_s=5.0))
+    book.begin(0.0)
+    book.open("round/0", now=50.0)
+    assert book.pace == 50.0
+    assert book.decide("round/1", asker="b", asked_at=55.0, now=55.0, hold_s=8.0) == Verdict(LATE)
+    unknown = GroupHandshakes(GossipGroupsConfig(grace_s=5.0))
+    unknown.open("round/0", now=50.0)
+    assert unknown.decide("round/1", asker="b", asked_at=55.0, now=55.0, hold_s=8.0) == Verdict(WAIT, 63.0)

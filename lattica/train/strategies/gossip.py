@@ -40,18 +40,18 @@ from collections.abc import Callable, Sequence
 import torch
 import trio
 
+from lattica.coordination.groups import JUMP_BEHIND
 from lattica.coordination.provider import SwarmStepSource
 from lattica.errors import BrokenError, PeerUnavailableError, RemoteProtocolError
 from lattica.train.collective import Collective
 
 AVERAGING_MODES = ("allreduce", "gossip")
-# A replica jumps only when its next key is this many rounds or more below the highest round the
+# A replica jumps only when its next key is ``JUMP_BEHIND`` (3) rounds or more below the highest round the
 # swarm reached. Peers a step apart are the normal spread (the fastest pair opens round t + 1
 # while a slower one still opens t); a replica that jumped lands one past the highest, so with
 # a threshold of one or two the normal laggards then count as behind it and jump past it in turn,
 # and the swarm's keys run away from each other (seen in swarm_scale: keys 4 apart after 7 steps,
 # most peer-steps alone).
-JUMP_BEHIND = 3
 _EXCHANGE_ERRORS = (PeerUnavailableError, BrokenError, RemoteProtocolError)
 
 
