@@ -159,7 +159,8 @@ class GossipGroups:
                 self._swarm.heard(peer, asker_step)  # the asker has reached that step
             while True:
                 verdict = self._handshakes.decide(
-                    key, asker=peer, asked_at=asked_at, now=trio.current_time(), hold_s=request.hold_s
+                    key, asker=peer, asked_at=asked_at, now=trio.current_time(), hold_s=request.hold_s,
+                    swarm_next=self.next_step(),
                 )
                 if verdict.kind != WAIT:
                     break

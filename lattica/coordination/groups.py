@@ -34,8 +34,8 @@ and the asker waits that hold plus the grace for the answer. A request
 for a step the answerer has not opened yet is held up to that hold and answered with the
 proposal the moment the answerer opens the step, or ``late`` when the hold ends first. It is
 answered ``late`` at once when the answerer is a straggler relative to the asker: its own
-expected arrival (its last sync plus its pace) falls after the hold, i.e. it is more than two of
-the asker's periods away. So a hold scales with the swarm's step time: with a long exchange (a
+expected arrival (its last sync plus one pace per step still to go) falls after the hold, i.e.
+it is more than two of the asker's periods away. So a hold scales with the swarm's step time: with a long exchange (a
 WAN payload) a peer that averaged alone finishes its step much sooner than one that exchanged,
 and reaches the next step up to a whole period before its partner; told ``late``, both would
 average alone again, finish sooner again and drift further apart (a peer alone runs ahead, so
@@ -344,10 +344,12 @@ class GroupHandshakes:
         return step is not None and self._latest_step is not None and step < self._latest_step
 
     def decide(
-        self, key: str, *, asker: str, asked_at: float, now: float, hold_s: float | None = None
+        self, key: str, *, asker: str, asked_at: float, now: float, hold_s: float | None = None,
+        swarm_next: int | None = None,
     ) -> Verdict:
         """How to answer ``asker``'s request for ``key``, received at ``asked_at``, asking to be
-        held up to ``hold_s`` (None: this peer's ``hold_s``; capped at ``max_hold_s``)."""
+        held up to ``hold_s`` (None: this peer's ``hold_s``; capped at ``max_hold_s``);
+        ``swarm_next``: the step the swarm goes to next as this peer knows it (``SwarmStep``)."""
         if self.gone(key, now):
             return Verdict(GONE)
         if asker in self._declined.get(key, ()):
@@ -361,20 +363,26 @@ class GroupHandshakes:
         until = asked_at + hold
         if now >= until:
             return Verdict(LATE)
-        if self._pace is not None and self._latest_at is not None and self._latest_at + self._pace * self._syncs_to(
-            step
-        ) > until:
+        syncs = self._syncs_to(step, swarm_next)
+        if syncs is None:
+            return Verdict(LATE)  # it will jump past the step asked for
+        if self._pace is not None and self._latest_at is not None and self._latest_at + self._pace * syncs > until:
             # a straggler relative to the asker: at its pace it opens the step asked for after
             # the asker's hold
             return Verdict(LATE)
         return Verdict(WAIT, until)
 
-    def _syncs_to(self, step: int) -> int:
-        """How many more syncs until this peer opens ``step``: one per step while it is less
-        than ``JUMP_BEHIND`` steps ahead of our latest; from further behind a peer jumps its key
-        to the swarm's step, so its next sync may be the one asked for."""
-        gap = step - self._latest_step if self._latest_step is not None else 1
-        return gap if 1 <= gap < JUMP_BEHIND else 1
+    def _syncs_to(self, step: int, swarm_next: int | None) -> int | None:
+        """How many more syncs until this peer opens ``step`` (None: it never will). One per
+        step from its latest — unless its next key is ``JUMP_BEHIND`` or more below the round
+        the swarm reached (``swarm_next`` − 1, from ``SwarmStep``): then it jumps to
+        ``swarm_next`` first, and never opens a step below that."""
+        if self._latest_step is None:
+            return 1
+        after = self._latest_step + 1
+        if swarm_next is not None and after <= swarm_next - 1 - JUMP_BEHIND:
+            return None if swarm_next > step else 1 + step - swarm_next
+        return max(1, step - self._latest_step)
 
     def decline(self, key: str, peer: str) -> None:
         """``peer`` is out of this peer's group for ``key``."""

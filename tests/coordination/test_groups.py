@@ -363,14 +363,22 @@ def test_config_is_validated() -> None:
 def test_a_peer_two_steps_behind_counts_both_steps_to_the_one_asked_for() -> None:
     """Asked for step 6 while its latest is 4 (pace 5 s): it opens 5, then 6, two paces away
     (10 s) — past an asker's 8 s hold, so ``late`` at once instead of holding the asker 8 s for
-    nothing; one step behind it would be held. Three or more behind, it jumps to the swarm's
-    step, so its next sync may be the one asked for."""
+    nothing; one step behind it would be held. Only when its next key is three or more below the
+    swarm's round does it jump (to the swarm's next step), so its next sync may be the one asked
+    for."""
     book = GroupHandshakes(GossipGroupsConfig(grace_s=5.0))
     for t in range(5):
         book.open(f"round/{t}", now=5.0 * t)  # latest step 4 at t = 20, pace 5 s
     assert book.decide("round/6", asker="b", asked_at=20.5, now=20.5, hold_s=8.0) == Verdict(LATE)
     assert book.decide("round/5", asker="c", asked_at=20.5, now=20.5, hold_s=8.0) == Verdict(WAIT, 28.5)
-    assert book.decide("round/9", asker="d", asked_at=20.5, now=20.5, hold_s=8.0) == Verdict(WAIT, 28.5)
+    # three behind, in step with the swarm as it knows it: it opens 5, 6, 7 first (15 s away)
+    assert book.decide("round/7", asker="d", asked_at=20.5, now=20.5, hold_s=8.0, swarm_next=8) == Verdict(LATE)
+    # far behind the swarm (at round 9): it jumps there next, so its next sync is the one asked for
+    assert book.decide("round/10", asker="e", asked_at=20.5, now=20.5, hold_s=8.0, swarm_next=10) == Verdict(
+        WAIT, 28.5
+    )
+    # ... and a step below where it jumps to it never opens
+    assert book.decide("round/9", asker="f", asked_at=20.5, now=20.5, hold_s=8.0, swarm_next=10) == Verdict(LATE)
 
 
 def test_a_straggler_has_a_pace_from_its_first_sync_when_its_start_is_known() -> None:
