@@ -133,7 +133,8 @@ def _service() -> TrainingService:
     async def wait_changed() -> None:
         await trio.sleep_forever()
 
-    state = SimpleNamespace(config=SimpleNamespace(lease=LeasePolicy()), wait_changed=wait_changed)
+    state = SimpleNamespace(config=SimpleNamespace(lease=LeasePolicy()), wait_changed=wait_changed,
+                            live_members=list, snapshot=dict)
     fetch_seconds = SimpleNamespace(observe=lambda seconds: None)
     node = SimpleNamespace(
         peer_id=SimpleNamespace(to_base58=lambda: "me"), host=None, config=SimpleNamespace(run_id="run"),
