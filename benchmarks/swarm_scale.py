@@ -59,7 +59,11 @@ of measured steps, the same clock points):
    ``kill_*_max_handshake_s`` the longest time such steps spent confirming their group
    (waiting for partners), apart from moving tensors; ``gossip_round_max_interval_s`` and
    ``gossip_round_max_handshake_s`` are the same maxima in the gossip round phase, where no
-   one is killed.
+   one is killed. Before the kill window the same window runs with nobody killed (the
+   control, all peers alive): ``kill_control_max_interval_s`` and ``kill_control_paused_peers``
+   are the same figures over the same part of it (from the first kill's offset), and
+   ``kill_added_stall_s`` is the kill window's longest interval minus the control's — what the
+   kills added to the swarm's ordinary step spread.
 
 The membership view is static (every peer of the run): a dead peer stays in the view, so a peer
 drawn with it learns it is gone by the handshake or the exchange (at most the grace) and steps
@@ -70,7 +74,7 @@ The last line is one JSON object: ``sizes``, ``allreduce_round_s``, ``gossip_rou
 ``allreduce_bytes_per_peer``, ``gossip_bytes_per_peer`` (lists per N), ``straggler_rate_allreduce``,
 ``straggler_rate_gossip``, ``consensus_distance`` (``value``, ``trend``, ``shrinking``),
 ``kill_any_stall_s``, ``kill_stall_bound_s``, ``kill_outside_max_interval_s``,
-``kill_outside_paused_peers`` and the settings. A phase that does not finish — a
+``kill_outside_paused_peers``, ``kill_control_max_interval_s``, ``kill_added_stall_s`` and the settings. A phase that does not finish — a
 worker that exits or misses its deadline, an all-reduce step that fails, a peer short of its
 steps — fails the run: exit status 1 and one line on stderr, no figures. Without root (or without
 the lab's tools) the run exits with status 2 and says why.
@@ -172,14 +176,24 @@ def consensus_trend(records: dict[str, list[dict]], steps: int) -> dict:
 
 
 def kill_stall(records: dict[str, list[dict]], survivors: list[str], start: float, end: float) -> float:
-    """The longest interval between consecutive outer steps (ends) of any survivor in the window."""
+    """The longest interval between consecutive outer steps (ends) of any survivor from ``start``:
+    the first counts from ``start``; a step ending after ``end`` (the one a peer was in when the
+    window closed) counts whole, and a peer whose last step ended before ``end`` counts to ``end``."""
     longest = 0.0
     for peer in survivors:
-        ends = [start, *sorted(r["t1"] for r in records.get(peer, []) if start <= r["t1"] <= end), end]
-        if len(ends) < 3:
+        ends = [start, *sorted(r["t1"] for r in records.get(peer, []) if r["t1"] >= start)]
+        if len(ends) < 2 or ends[1] > end:
             raise BenchmarkFailed(f"kill: surviving peer {peer[-8:]} completed no step after the kill")
+        if ends[-1] < end:
+            ends.append(end)
         longest = max(longest, max(b - a for a, b in itertools.pairwise(ends)))
     return longest
+
+
+def paused_peers(records: dict[str, list[dict]], peers: list[str], start: float, end: float,
+                 threshold: float) -> int:
+    """How many of ``peers`` had an interval longer than ``threshold`` (``kill_stall``'s count)."""
+    return sum(1 for p in peers if kill_stall(records, [p], start, end) > threshold)
 
 
 def kill_groups(records: dict[str, list[dict]], survivors: list[str], kills: list[tuple[float, str]],
@@ -296,13 +310,19 @@ def measure_kill(swarm: Swarm, args, numel: int, out: dict, rng: random.Random, 
     # at least 4 of the round phase's step periods before the first kill (a step interval to
     # measure before it, on a loaded machine) and as many after each
     window = max(args.window_s, 12 * out["gossip_period_s"])
+    offsets = [window * (k + 1) / 3 + rng.uniform(0, out["gossip_period_s"]) for k in range(len(swarm.victims))]
+    survivors = [m for m in swarm.members if m not in swarm.victims]
+    # the control: the same window with nobody killed, measured from the same offset, so the
+    # swarm's ordinary step spread is seen beside what the kills add to it
+    cstart = time.time() + 2.0
+    control = swarm.run("gossip-control", _phase_cmd(args, "gossip", numel, base + 500_000, end_at=cstart + window),
+                        window + timeout)
+    check_steps("kill control phase", control, swarm.members, 1, allow_alone=True)
     start = time.time() + 2.0
     end = start + window
-    kills = [(start + window * (k + 1) / 3 + rng.uniform(0, out["gossip_period_s"]), v)
-             for k, v in enumerate(swarm.victims)]
+    kills = [(start + offset, v) for offset, v in zip(offsets, swarm.victims, strict=True)]
     records = swarm.run("gossip-kill", _phase_cmd(args, "gossip", numel, base, end_at=end),
                         window + timeout, kills=kills)
-    survivors = [m for m in swarm.members if m not in swarm.victims]
     check_steps("kill phase", records, survivors, 1, allow_alone=True)
     first_kill = kills[0][0]
     before = [x["t1"] - y["t1"] for p in survivors for y, x in zip(records[p], records[p][1:], strict=False)
@@ -315,8 +335,11 @@ def measure_kill(swarm: Swarm, args, numel: int, out: dict, rng: random.Random, 
     out["kill_step_s"] = step_s
     paused = 1.5 * step_s + 1.0  # an interval this long is a pause, not a slow step
     out["kill_pause_threshold_s"] = paused
-    out["kill_paused_peers"] = sum(
-        1 for p in survivors if kill_stall(records, [p], first_kill, end) > paused)
+    out["kill_paused_peers"] = paused_peers(records, survivors, first_kill, end, paused)
+    # the same figures in the control, from the first kill's offset to the window's end
+    out["kill_control_max_interval_s"] = kill_stall(control, survivors, cstart + offsets[0], cstart + window)
+    out["kill_control_paused_peers"] = paused_peers(control, survivors, cstart + offsets[0], cstart + window, paused)
+    out["kill_added_stall_s"] = out["kill_any_stall_s"] - out["kill_control_max_interval_s"]
     # who paused: the dead peers' partners (their step's drawn group held one), or the others
     split = kill_groups(records, survivors, kills, first_kill)
     out["kill_normal_max_interval_s"] = max(before)
@@ -337,6 +360,9 @@ def measure_kill(swarm: Swarm, args, numel: int, out: dict, rng: random.Random, 
           f"handshake drawn with a dead peer {out['kill_dead_group_max_handshake_s']:.2f} s, outside "
           f"{out['kill_outside_max_handshake_s']:.2f} s, before {out['kill_normal_max_handshake_s']:.2f} s",
           file=sys.stderr, flush=True)
+    print(f"  N={n:<3} kill control (nobody killed, same window and offset): longest interval "
+          f"{out['kill_control_max_interval_s']:.2f} s, {out['kill_control_paused_peers']} of {len(survivors)} "
+          f"paused; the kills added {out['kill_added_stall_s']:+.2f} s to the longest", file=sys.stderr, flush=True)
 
 
 def main() -> None:
@@ -442,6 +468,9 @@ def main() -> None:
         "kill_outside_steps": s.get("kill_outside_steps"),
         "kill_dead_group_paused_peers": s.get("kill_dead_group_paused_peers"),
         "kill_outside_paused_peers": s.get("kill_outside_paused_peers"),
+        "kill_control_max_interval_s": figure("kill_control_max_interval_s"),
+        "kill_control_paused_peers": s.get("kill_control_paused_peers"),
+        "kill_added_stall_s": figure("kill_added_stall_s"),
         "kill_survivors": s.get("kill_survivors"),
         "killed_lowest_id": s.get("killed_lowest_id"),
         "phases": sorted(args.phases),

@@ -338,6 +338,8 @@ class Worker:
                 if cmd.get("sample"):
                     record["sample"] = strategy.outer_parameters()[0][idx].tolist()
                 out.append(record)
+        if gossip is not None:  # as a daemon whose training ended: partners asking are answered gone
+            gossip.groups.leave()
 
 
 async def serve(ip: str, seeds: list[str]) -> None:

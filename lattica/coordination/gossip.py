@@ -11,7 +11,8 @@ the hold plus the grace. The result is this peer and the partners whose proposal
 (``groups.GroupHandshakes.settle``): possibly this peer alone, and then the strategy steps on
 its own. Peers outside the proposal are never contacted, so a frozen or dead peer costs only its
 own group, at most the hold plus the grace, and only at the steps it is drawn into that group. A
-partner that this peer does not hear (``responsive``) is not asked at all.
+partner that this peer does not hear (``responsive``) is not asked at all. A peer whose training
+ended or failed ``leave``s: it answers every request ``gone`` at once.
 
 A request for a step this peer has not reached is held until it opens the step or the asker's
 hold (about one of the asker's step periods) ends (``groups.GroupHandshakes.decide``; ``late``
@@ -94,6 +95,14 @@ class GossipGroups:
         """This peer's first inner phase starts now: its first sync's interval (and so a pace
         partners can be told ``late`` from) counts from here, not from its second sync."""
         self._handshakes.begin(trio.current_time())
+
+    def leave(self) -> None:
+        """This peer steps no more (training ended or failed): requests held for a step it has
+        not opened, and every later one, are answered ``gone`` at once instead of after the
+        asker's hold."""
+        self._handshakes.leave()
+        opened, self._opened = self._opened, trio.Event()
+        opened.set()  # held requests decide again
 
     def proposal(self, key: str) -> tuple[str, ...]:
         return proposed_group(self.members(), self.peer_id, key=key, group_size=self.config.group_size)

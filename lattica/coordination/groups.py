@@ -272,8 +272,8 @@ class GroupHandshakes:
 
     Answering: a request is answered with this peer's proposal once this peer has opened the
     key itself (``ready``); ``gone`` when it opened the key longer ago than its hold plus the
-    grace (it has averaged and moved on) or already opened a later step; for a step it has not
-    reached, held up to the asker's hold and then ``late`` — or ``late`` at once when its own
+    grace (it has averaged and moved on), already opened a later step, or left (``leave``: it
+    steps no more); for a step it has not reached, held up to the asker's hold and then ``late`` — or ``late`` at once when its own
     expected arrival (last sync plus pace) falls after that hold. One long interval (the peer
     was frozen or suspended) moves the pace by at most ``_PACE_JUMP`` paces, so a peer back from
     a freeze is not taken for a straggler for many steps after. Keys that name no step are
@@ -289,6 +289,7 @@ class GroupHandshakes:
         self._latest_at: float | None = None
         self._pace: float | None = None  # seconds between two of this peer's step syncs
         self._recent: deque[float] = deque(maxlen=_HOLD_WINDOW)  # its last intervals (clamped)
+        self._left = False  # this peer stopped stepping: every request is answered gone
 
     @property
     def latest_step(self) -> int | None:
@@ -336,7 +337,18 @@ class GroupHandshakes:
             self._opened.popitem(last=False)
         return hold
 
+    def leave(self) -> None:
+        """This peer steps no more (its training ended or failed): every request, held or new,
+        is answered ``gone`` at once, so no partner holds for a step it will never open."""
+        self._left = True
+
+    @property
+    def left(self) -> bool:
+        return self._left
+
     def gone(self, key: str, now: float) -> bool:
+        if self._left:
+            return True
         opened = self._opened.get(key)
         if opened is not None and now - opened[0] > opened[1] + self.config.grace_s:
             return True

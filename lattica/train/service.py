@@ -41,6 +41,7 @@ from libp2p.peer.id import ID
 from trio_typing import TaskStatus
 
 from lattica.config import NodeConfig, TrainSettings
+from lattica.coordination.gossip import GossipGroups
 from lattica.coordination.provider import GroupProvider
 from lattica.coordination.rounds import RoundCoordinator
 from lattica.errors import LatticaError
@@ -211,7 +212,13 @@ class TrainingService:
             log.exception("training failed")
         else:
             return
+        self._leave_groups()
         await self._announce_failed()
+
+    def _leave_groups(self) -> None:
+        """Gossip partners asking for a step we will never open are answered at once."""
+        if isinstance(self.groups, GossipGroups):
+            self.groups.leave()
 
     async def _announce_failed(self) -> None:
         """Say in our member record that we train no more: still ``joining``, the others would
@@ -257,6 +264,7 @@ class TrainingService:
         if self._begin_groups is not None:
             self._begin_groups()  # the first inner phase starts now: its length is our first pace
         summary = await trainer.run()
+        self._leave_groups()  # partners asking for a step after our last are answered at once
         self.summary = dataclasses.asdict(summary)
         self.phase = "done"
         log.info("training finished: %s", self.summary)
@@ -347,7 +355,6 @@ class TrainingService:
     async def _start_gossip_groups(self) -> None:
         """Each peer derives its group from the live trainers it holds and confirms it with its
         group only; a partner whose heartbeat stopped is not asked."""
-        from lattica.coordination.gossip import GossipGroups
         from lattica.coordination.groups import GossipGroupsConfig
 
         assert self._nursery is not None

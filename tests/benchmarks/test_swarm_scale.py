@@ -107,6 +107,13 @@ def test_a_survivor_with_no_step_after_the_kill_fails_the_kill_phase(swarm):
     with pytest.raises(swarm.BenchmarkFailed, match="completed no step after the kill"):
         swarm.kill_stall(records, ["a", "b"], 1.5, 9.0)
     assert swarm.kill_stall(records, ["a"], 1.5, 9.0) == pytest.approx(6.0)
+    # the step a peer was in when the window closed counts whole (8 -> 15), not cut at the end
+    late = {"a": [*records["a"], _step(3, 8, 15)]}
+    assert swarm.kill_stall(late, ["a"], 1.5, 9.0) == pytest.approx(7.0)
+    assert swarm.paused_peers({**late, "b": records["a"]}, ["a", "b"], 1.5, 9.0, 6.5) == 1
+    # a first step only after the window closed is no step after the kill
+    with pytest.raises(swarm.BenchmarkFailed, match="completed no step after the kill"):
+        swarm.kill_stall({"a": [_step(0, 0, 10)]}, ["a"], 1.5, 9.0)
 
 
 def test_kill_pauses_are_told_apart_by_the_group_drawn_with_a_dead_peer(swarm):

@@ -232,3 +232,34 @@ async def test_a_partner_behind_by_less_than_a_period_is_waited_for() -> None:
                 inner.start_soon(ask, behind, 2.0)
             assert groups[early] == groups[behind] == (early, behind)
             nursery.cancel_scope.cancel()
+
+
+async def test_a_peer_that_leaves_answers_held_and_new_requests_gone_at_once() -> None:
+    """A peer whose training ended holds nobody: a request it was holding for a step it will
+    never open is answered at once (not at the end of the asker's hold), and so is a new one."""
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            peers = await gossip_peers(nursery, 2, grace_s=SLOW_GRACE_S)
+            asker, leaver = sorted(peers)
+            await peers[leaver].group_for("round/0")
+            await peers[asker].group_for("round/0")
+            groups: dict[str, tuple[str, ...]] = {}
+            took: dict[str, float] = {}
+
+            async def ask(key: str) -> None:
+                started = trio.current_time()
+                groups[key] = tuple(await peers[asker].group_for(key))
+                took[key] = trio.current_time() - started
+
+            async with trio.open_nursery() as inner:
+                inner.start_soon(ask, "round/1")
+                await trio.sleep(0.3)  # held (the asker asks for half the grace, 2 s): round/1 is not open there
+                assert "round/1" not in groups
+                peers[leaver].leave()
+            assert groups["round/1"] == (asker,)
+            assert took["round/1"] < 1.5  # answered at the leave, not at the hold's end (2 s)
+            assert peers[asker].left_out == (f"{leaver[-6:]}: gone (at step 0)",)
+            await ask("round/2")
+            assert groups["round/2"] == (asker,)
+            assert took["round/2"] < 1.0
+            nursery.cancel_scope.cancel()

@@ -115,6 +115,19 @@ def test_an_answer_that_does_not_hold_me_is_not_a_partner() -> None:
     assert confirmed_group("a", ("a", "d"), {"x": ("a", "x")}) == ("a",)  # not proposed by me
 
 
+def test_a_peer_that_left_answers_every_key_gone() -> None:
+    book = GroupHandshakes(GossipGroupsConfig(grace_s=2.0))
+    book.open("round/3", now=10.0)
+    # before leaving: its open key is ready and a step ahead is held
+    assert book.decide("round/3", asker="b", asked_at=10.5, now=10.5) == Verdict(READY)
+    assert book.decide("round/4", asker="b", asked_at=10.5, now=10.5).kind == WAIT
+    book.leave()
+    assert book.left
+    for key in ("round/3", "round/4", "round/9"):
+        assert book.decide(key, asker="b", asked_at=10.5, now=10.5) == Verdict(GONE)
+    assert book.answer("round/4", ("a", "b"), Verdict(GONE), asker="b") == {"gone": True, "step": 3}
+
+
 def test_handshakes_answer_until_gone() -> None:
     book = GroupHandshakes(GossipGroupsConfig(grace_s=2.0))
     hold = book.open("round/3", now=10.0)
