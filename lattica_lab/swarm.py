@@ -44,6 +44,9 @@ SETUP_ATTEMPTS = 3  # connect and prime again after a failed setup, at most this
 LOG_DIR = os.environ.get("SWARM_LOG_DIR", "/tmp")
 
 
+WARM_TRIES = 2  # warm-ups before a phase (untimed) that may be tried again
+
+
 class SwarmFailed(RuntimeError):
     """The swarm could not be set up, or a phase did not finish."""
 
@@ -192,16 +195,21 @@ class Swarm:
         phase's deadline cancelled sends in flight, and each such send closed its channel)."""
         dead = {m for m, w in self.victim_workers.items() if w.popen.poll() is not None}
         members = [m for m in self.members if m not in dead]
-        for w in live:
-            w.send({"cmd": "serve-warm"})
-        for w in live:
-            self._wait(w, "served", 60, f"{phase} warm-up")
-        for w in live:
-            w.send({"cmd": "warm", "members": members})
-        errors = [f"{w.name}: {r.get('error')}" for w in live
-                  if not (r := self._wait(w, "warmed", 240, f"{phase} warm-up")).get("ok")]
-        if errors:
-            raise SwarmFailed(f"{phase} warm-up: {errors[0]}")
+        for attempt in range(WARM_TRIES):
+            for w in live:  # a fresh version each try: a repeated fetch of the same one is refused
+                w.send({"cmd": "serve-warm"})
+            for w in live:
+                self._wait(w, "served", 60, f"{phase} warm-up")
+            for w in live:
+                w.send({"cmd": "warm", "members": members})
+            errors = [f"{w.name}: {r.get('error')}" for w in live
+                      if not (r := self._wait(w, "warmed", 240, f"{phase} warm-up")).get("ok")]
+            if not errors:
+                return
+            # nothing is timed yet: a pair whose warm-up fetch got no answer (e.g. the answer went
+            # out on a channel the last phase's deadline had just cut) is set up again
+            print(f"  {phase} warm-up try {attempt + 1}: {errors[0]}", file=sys.stderr, flush=True)
+        raise SwarmFailed(f"{phase} warm-up: {errors[0]}")
 
     def _cpu(self, workers: list[LabProcess]) -> dict[str, Any]:
         """CPU seconds so far of the given workers and of the lab's delay lines (where the
