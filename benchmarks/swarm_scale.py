@@ -290,10 +290,12 @@ def measure_straggler(swarm: Swarm, args, numel: int, out: dict, rng: random.Ran
             slow = {straggler: 10 * period} if capped else {}
             # long enough for the capped peer to step at least twice
             window = max(args.window_s, (25 if capped else 10) * period)
+            phase = f"{mode}-straggler-{capped}"
+            swarm.warm(phase)  # before the window is planned: a warm-up tried again takes minutes
             start = time.time() + 2.0
             end = start + window
-            records = swarm.run(f"{mode}-straggler-{capped}", _phase_cmd(
-                args, mode, numel, base, end_at=end, slow=slow), window + timeout)
+            records = swarm.run(phase, _phase_cmd(args, mode, numel, base, end_at=end, slow=slow),
+                                window + timeout, warmed=True)
             if not capped:  # with the straggler, no step at all is a measured rate of 0
                 check_steps(f"{mode} straggler phase", records, others, 1, allow_alone=True)
             warm_until = start + min(window / 4, 3 * period)
@@ -314,15 +316,17 @@ def measure_kill(swarm: Swarm, args, numel: int, out: dict, rng: random.Random, 
     survivors = [m for m in swarm.members if m not in swarm.victims]
     # the control: the same window with nobody killed, measured from the same offset, so the
     # swarm's ordinary step spread is seen beside what the kills add to it
+    swarm.warm("gossip-control")  # each window planned after its warm-up
     cstart = time.time() + 2.0
     control = swarm.run("gossip-control", _phase_cmd(args, "gossip", numel, base + 500_000, end_at=cstart + window),
-                        window + timeout)
+                        window + timeout, warmed=True)
     check_steps("kill control phase", control, swarm.members, 1, allow_alone=True)
+    swarm.warm("gossip-kill")
     start = time.time() + 2.0
     end = start + window
     kills = [(start + offset, v) for offset, v in zip(offsets, swarm.victims, strict=True)]
     records = swarm.run("gossip-kill", _phase_cmd(args, "gossip", numel, base, end_at=end),
-                        window + timeout, kills=kills)
+                        window + timeout, kills=kills, warmed=True)
     check_steps("kill phase", records, survivors, 1, allow_alone=True)
     first_kill = kills[0][0]
     before = [x["t1"] - y["t1"] for p in survivors for y, x in zip(records[p], records[p][1:], strict=False)

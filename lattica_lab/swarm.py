@@ -154,11 +154,22 @@ class Swarm:
         except (TimeoutError, RuntimeError) as exc:
             raise SwarmFailed(f"{phase}: worker {worker.name} did not finish: {str(exc)[:300]}") from None
 
-    def run(self, phase: str, cmd: dict[str, Any], timeout: float, *, kills: Sequence[tuple[float, str]] = ()) -> dict[str, Any]:
+    def warm(self, phase: str) -> None:
+        """The untimed warm-up before ``phase`` (``run`` does it unless told it was done): a
+        phase with wall-clock times (an end, kills) plans them after it, since a warm-up that
+        is tried again takes a minute or more."""
+        self._warm([w for w in self.workers if w.popen.poll() is None], phase)
+
+    def run(self, phase: str, cmd: dict[str, Any], timeout: float, *, kills: Sequence[tuple[float, str]] = (),
+            warmed: bool = False) -> dict[str, Any]:
         """Run one phase on every live worker; SIGKILL the given victims at the given wall times."""
         cmd = {"cmd": "run", "phase": phase, "members": self.members, **cmd}
         live = [w for w in self.workers if w.popen.poll() is None]
-        self._warm(live, phase)
+        if not warmed:
+            self._warm(live, phase)
+        end_at = cmd.get("end_at")
+        if end_at is not None and time.time() >= end_at:  # nothing would be measured: no figure
+            raise SwarmFailed(f"{phase}: its window ended {time.time() - end_at:.0f} s before the phase began")
         cpu_before, began = self._cpu(live), time.monotonic()
         for w in live:
             w.send(cmd)
