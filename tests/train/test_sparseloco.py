@@ -284,3 +284,35 @@ async def test_a_truncated_payload_fails_the_round_and_names_the_sender():
         assert all(torch.equal(x, y) for x, y in zip(outer, s.outer_parameters(), strict=True))
         assert torch.equal(s.error, error)
         assert s.completed_rounds == 0
+
+
+async def test_gossip_pairs_whose_payloads_differ_in_length_still_average():
+    """A sparse payload's length depends on its indices (Rice or Elias-Fano coded gaps): two
+    partners' payloads rarely have the same byte count, and each must still take the other's."""
+    pair = ("a", "b")
+    config = SparseLoCoConfig(inner_steps=1, chunk=256, density=0.05, averaging="gossip", group_size=2)
+    network = InMemoryCollectiveGroup(pair)
+    strategies, lengths = [], []
+    for i, peer in enumerate(pair):
+        model = build_model(TINY, seed=0)
+        strategy = create_strategy(
+            "sparseloco", model, collective=network.member(peer), groups=FixedGroups(pair), config=config
+        )
+        with torch.no_grad():
+            gen = torch.Generator().manual_seed(i)
+            for p in model.parameters():
+                # b moves only a few leading coordinates of each tensor: clustered indices
+                step = torch.randn(p.shape, generator=gen) * 0.01
+                if i == 1:
+                    step.view(-1)[max(1, step.numel() // 10):] = 0.0
+                p.add_(step)
+        delta = flatten([o - q.detach() for o, q in zip(strategy.outer_parameters(), model.parameters(), strict=True)])
+        sent, _ = compress_with_feedback(strategy.error, delta, decay=config.error_decay, chunk=256, k=config.k,
+                                         value_codec="2bit")
+        lengths.append(sparse.encode(sent, value_codec="2bit", scheme=sparse.smallest_scheme_for(sent)).numel())
+        strategies.append(strategy)
+    assert lengths[0] != lengths[1]  # the case under test
+    reports = await _sync_all(strategies)
+    for report in reports:
+        assert report.group == pair, report.detail
+    assert torch.equal(strategies[0].outer_parameters()[0], strategies[1].outer_parameters()[0])

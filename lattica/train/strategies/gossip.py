@@ -72,10 +72,14 @@ async def exchange_with_partners(
     codec: str,
     timeout_s: float,
     expect: Callable[[str], Sequence[torch.Size]] | None = None,
+    shapes_vary: bool = False,
 ) -> tuple[list[list[torch.Tensor]], set[str]]:
     """Exchange ``tensors`` with every partner concurrently, each under ``timeout_s``; return
     the answers (in ``partners`` order, shapes checked) and the partners that failed.
-    ``expect(partner)``: the shapes that partner sends (default: those of ``tensors``)."""
+    ``expect(partner)``: the shapes that partner sends (default: those of ``tensors``).
+    ``shapes_vary``: the answers are encoded payloads whose length differs between peers (a
+    sparse payload's index coding): only the tensor count is checked here, the caller decodes
+    and validates them."""
     answers: dict[str, list[torch.Tensor]] = {}
 
     async def one(partner: str) -> None:
@@ -83,6 +87,10 @@ async def exchange_with_partners(
             try:
                 answer = await collective.exchange(tensors, peer=partner, tag=tag, codec=codec)
             except _EXCHANGE_ERRORS:
+                return
+            if shapes_vary:
+                if len(answer) == len(tensors):
+                    answers[partner] = answer
                 return
             shapes = [t.shape for t in tensors] if expect is None else list(expect(partner))
             if len(answer) == len(shapes) and all(a.shape == s for a, s in zip(answer, shapes, strict=True)):

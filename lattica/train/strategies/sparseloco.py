@@ -208,7 +208,7 @@ class SparseLoCo(EveryHSteps, AccountedStrategy):
         partners = [p for p in proposed_group(members, me, key=key, group_size=self.config.group_size) if p != me]
         answers, silent = await exchange_with_partners(
             self.collective, partners, payload, tag=f"sparseloco/gossip/{key}", codec="raw",
-            timeout_s=self.config.exchange_timeout_s,
+            timeout_s=self.config.exchange_timeout_s, shapes_vary=True,  # Rice/Elias-Fano coded: lengths differ
         )
         answered = [p for p in partners if p not in silent]
         contributions = {me: sent}
