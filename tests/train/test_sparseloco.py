@@ -171,17 +171,22 @@ def test_a_loaded_state_starts_with_an_empty_backlog():
 FOUR = ("a", "b", "c", "d")
 
 
-def _gossip_replicas(network: InMemoryCollectiveGroup, config: SparseLoCoConfig):
+def _gossip_replicas(network: InMemoryCollectiveGroup, config: SparseLoCoConfig, peers=FOUR, *, leading=None):
+    """One replica per peer, each moved by its own random step; replica ``i`` in ``leading``
+    moves only the leading tenth of each tensor (clustered indices: another payload length)."""
     strategies = []
-    for i, peer in enumerate(FOUR):
+    for i, peer in enumerate(peers):
         model = build_model(TINY, seed=0)
         strategy = create_strategy(
-            "sparseloco", model, collective=network.member(peer), groups=FixedGroups(FOUR), config=config
+            "sparseloco", model, collective=network.member(peer), groups=FixedGroups(peers), config=config
         )
         with torch.no_grad():
             gen = torch.Generator().manual_seed(i)
             for p in model.parameters():
-                p.add_(torch.randn(p.shape, generator=gen) * 0.01)
+                step = torch.randn(p.shape, generator=gen) * 0.01
+                if leading is not None and i in leading:
+                    step.view(-1)[max(1, step.numel() // 10):] = 0.0
+                p.add_(step)
         strategies.append(strategy)
     return strategies
 
@@ -292,25 +297,13 @@ async def test_gossip_pairs_whose_payloads_differ_in_length_still_average():
     pair = ("a", "b")
     config = SparseLoCoConfig(inner_steps=1, chunk=256, density=0.05, averaging="gossip", group_size=2)
     network = InMemoryCollectiveGroup(pair)
-    strategies, lengths = [], []
-    for i, peer in enumerate(pair):
-        model = build_model(TINY, seed=0)
-        strategy = create_strategy(
-            "sparseloco", model, collective=network.member(peer), groups=FixedGroups(pair), config=config
-        )
-        with torch.no_grad():
-            gen = torch.Generator().manual_seed(i)
-            for p in model.parameters():
-                # b moves only a few leading coordinates of each tensor: clustered indices
-                step = torch.randn(p.shape, generator=gen) * 0.01
-                if i == 1:
-                    step.view(-1)[max(1, step.numel() // 10):] = 0.0
-                p.add_(step)
-        delta = flatten([o - q.detach() for o, q in zip(strategy.outer_parameters(), model.parameters(), strict=True)])
+    strategies = _gossip_replicas(network, config, pair, leading={1})
+    lengths = []
+    for strategy in strategies:
+        delta = flatten([o - q.detach() for o, q in zip(strategy.outer_parameters(), strategy.model.parameters(), strict=True)])
         sent, _ = compress_with_feedback(strategy.error, delta, decay=config.error_decay, chunk=256, k=config.k,
                                          value_codec="2bit")
         lengths.append(sparse.encode(sent, value_codec="2bit", scheme=sparse.smallest_scheme_for(sent)).numel())
-        strategies.append(strategy)
     assert lengths[0] != lengths[1]  # the case under test
     reports = await _sync_all(strategies)
     for report in reports:
