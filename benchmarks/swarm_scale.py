@@ -219,7 +219,7 @@ def kill_groups(records: dict[str, list[dict]], survivors: list[str], kills: lis
 
 def _phase_cmd(args, mode: str, numel: int, round_base: int, **extra) -> dict:
     return {"mode": mode, "numel": numel, "grace_s": args.grace_s, "exchange_s": args.exchange_timeout_s,
-            "compute_s": args.compute_s,
+            "compute_s": args.compute_s, "overlap": args.overlap,
             "seed": args.seed, "round_base": round_base, "slow": {}, **extra}
 
 
@@ -383,6 +383,8 @@ def main() -> None:
     parser.add_argument("--exchange-timeout-s", type=float, default=30.0,
                         help="gossip: how long a peer waits for its partners' tensors (a 4M-parameter "
                              "[phi, delta] is 32 MiB each way; the handshake keeps --grace-s)")
+    parser.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=False,
+                        help="gossip: each round's exchange runs during the next inner phase (DiLoCoConfig.overlap)")
     parser.add_argument("--window-s", type=float, default=60.0, help="straggler and kill windows")
     parser.add_argument("--straggler-size", type=int, default=16)
     parser.add_argument("--sites", type=int, default=4, help="WAN sites (2-4), every pair linked")
@@ -440,6 +442,9 @@ def main() -> None:
         "sizes": sizes,
         "allreduce_round_s": [round(x, 3) for x in ar],
         "gossip_round_s": [round(results[n]["gossip_round_s"], 3) for n in sizes],
+        "allreduce_period_s": [round(results[n]["allreduce_period_s"], 3) for n in sizes],
+        "gossip_period_s": [round(results[n]["gossip_period_s"], 3) for n in sizes],
+        "overlap": args.overlap,
         "allreduce_bytes_per_peer": [round(results[n]["allreduce_bytes"]) for n in sizes],
         "gossip_bytes_per_peer": [round(x) for x in gb],
         "gossip_bytes_max_over_min": round(max(gb) / min(gb), 3) if min(gb) > 0 else None,

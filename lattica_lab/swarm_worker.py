@@ -110,19 +110,20 @@ class LocalPeer:
 
 
 class TimedGroups:
-    """``GossipGroups`` that remembers how long its last ``group_for`` took: the time a peer
-    spent on its group's handshake (waiting for partners), apart from moving its tensors."""
+    """``GossipGroups`` that remembers how long each key's ``group_for`` took: the time a peer
+    spent on its group's handshake (waiting for partners), apart from moving its tensors (per
+    key: with overlap the next key's handshake runs while the previous one lands)."""
 
     def __init__(self, groups: GossipGroups) -> None:
         self.groups = groups
-        self.last_s = 0.0
+        self.took: dict[str, float] = {}
 
     async def group_for(self, key: str) -> Sequence[str]:
         began = time.monotonic()
         try:
             return await self.groups.group_for(key)
         finally:
-            self.last_s = time.monotonic() - began
+            self.took[key] = time.monotonic() - began
 
     def next_step(self) -> int | None:
         return self.groups.next_step()
@@ -292,9 +293,10 @@ class Worker:
         else:
             groups = FixedGroups(sorted(members))
         model = one_tensor_model(numel)
-        weight = next(model.parameters())
+        overlap = cmd["mode"] == "gossip" and bool(cmd.get("overlap"))
         strategy = DiLoCo(model, collective=p.service, groups=groups, config=DiLoCoConfig(
-            inner_steps=1, averaging=cmd["mode"], exchange_timeout_s=float(cmd["exchange_s"]), max_attempts=1))
+            inner_steps=1, averaging=cmd["mode"], exchange_timeout_s=float(cmd["exchange_s"]), max_attempts=1,
+            overlap=overlap))
         common = torch.Generator().manual_seed(cmd["seed"])
         own = torch.Generator().manual_seed(cmd["seed"] * 1000 + members.index(p.id) + 1)
         base = torch.randn(numel, generator=common)
@@ -303,6 +305,26 @@ class Worker:
         own_drift = DRIFT * torch.randn(numel, generator=own)
         # distinct tags per phase: round keys start at the phase's base
         strategy.load_outer_state_dict({"params": {"weight": init}, "round": int(cmd["round_base"])})
+        # an all-reduce phase is cut at its end (a step would wait for peers that stopped); a
+        # gossip peer finishes the step it is in, so no exchange is cut mid-send
+        end_at = cmd.get("end_at")
+        cut = end_at if end_at is not None and cmd["mode"] != "gossip" else None
+        async with trio.open_nursery() as flights:
+            strategy.bind_nursery(flights)  # overlapped exchanges run here
+            await self._steps(p, strategy, cmd, out, (shared_drift, own_drift), linger=linger, cut=cut, gossip=gossip)
+            # with overlap, the last exchange lands (no exchange is cut mid-send either)
+            await strategy.finish()
+        if gossip is not None:  # as a daemon whose training ended: partners asking are answered gone
+            gossip.groups.leave()
+
+    async def _steps(self, p: LocalPeer, strategy: DiLoCo, cmd: Message, out: list[Message],
+                     drifts: tuple[torch.Tensor, torch.Tensor], *, linger: bool, cut: float | None,
+                     gossip: TimedGroups | None) -> None:
+        """The peer's steps of one phase: inner phase (a sleep, then the drifts), sync, record."""
+        members: list[str] = cmd["members"]
+        shared_drift, own_drift = drifts
+        weight = next(strategy.model.parameters())
+        numel = weight.numel()
         idx = torch.linspace(0, numel - 1, min(SAMPLE, numel)).long()
         compute = float(cmd["slow"].get(p.id, cmd["compute_s"]))
         end_at = cmd.get("end_at")
@@ -310,9 +332,8 @@ class Worker:
         signs = random.Random(p.id)
         if gossip is not None:
             gossip.groups.begin()  # the first inner phase starts now
-        # an all-reduce phase is cut at its end (a step would wait for peers that stopped); a
-        # gossip peer finishes the step it is in, so no exchange is cut mid-send
-        cut = end_at if end_at is not None and cmd["mode"] != "gossip" else None
+        stats = p.service.stats
+        sent, slow = stats.total_sent(), libp2p_sent(stats)
         with trio.move_on_after(max(0.0, cut - time.time()) if cut is not None else math.inf):
             def over() -> bool:  # a step under way when the phase ends is finished, not cut
                 return (linger and self.stop.is_set()) or (end_at is not None and time.time() >= end_at)
@@ -326,20 +347,26 @@ class Worker:
                     break
                 with torch.no_grad():
                     weight.add_(shared_drift).add_(own_drift, alpha=signs.choice((-1.0, 1.0)))
-                stats = p.service.stats
-                t0, sent, slow = time.time(), stats.total_sent(), libp2p_sent(stats)
+                t0 = time.time()
                 report = await strategy.sync()
-                record = {"step": step, "t0": t0, "t1": time.time(), "key": report.key, "group": len(report.group),
-                          "drawn": list(gossip.groups.proposal(report.key)) if gossip is not None else members,
-                          "handshake_s": gossip.last_s if gossip is not None else 0.0,
+                # with overlap the first sync lands nothing (its exchange is in flight): a step
+                # all the same, its Δ taken on its own by the look-ahead start
+                first = not report.key
+                if gossip is None:
+                    drawn = members
+                else:
+                    drawn = [p.id] if first else list(gossip.groups.proposal(report.key))
+                record = {"step": step, "t0": t0, "t1": time.time(), "key": report.key,
+                          "group": max(1, len(report.group)), "first_in_flight": first, "drawn": drawn,
+                          "handshake_s": gossip.took.get(report.key, 0.0) if gossip is not None else 0.0,
                           "left_out": list(gossip.groups.left_out) if gossip is not None else [],
+                          # sent since the last step: overlapped exchanges send between syncs
                           "bytes": stats.total_sent() - sent, "libp2p_bytes": libp2p_sent(stats) - slow,
-                          "skipped": report.skipped, "detail": report.detail[:200]}
+                          "skipped": report.skipped and not first, "detail": report.detail[:200]}
+                sent, slow = stats.total_sent(), libp2p_sent(stats)
                 if cmd.get("sample"):
                     record["sample"] = strategy.outer_parameters()[0][idx].tolist()
                 out.append(record)
-        if gossip is not None:  # as a daemon whose training ended: partners asking are answered gone
-            gossip.groups.leave()
 
 
 async def serve(ip: str, seeds: list[str]) -> None:

@@ -7,6 +7,7 @@ import torch
 import trio
 
 from lattica.coordination.groups import draw_step_groups
+from lattica.errors import LocalProtocolError
 from lattica.train.strategies.diloco import DiLoCo, DiLoCoConfig
 from lattica.train.strategies.gossip import consensus_distance, group_mean
 from lattica_lab.collective import FixedGroups, InMemoryCollectiveGroup, scalar_model
@@ -135,3 +136,102 @@ def test_gossip_steps_with_noloco_momentum_unless_set() -> None:
     strategy = DiLoCo(model, collective=InMemoryCollectiveGroup(["a"]).member("a"), groups=FixedGroups(["a"]),
                       config=DiLoCoConfig(averaging="gossip"))
     assert strategy.outer_optimizer.param_groups[0]["momentum"] == 0.5
+
+
+# -- overlapped gossip: round t's exchange runs during round t+1's inner phase -------------------
+
+
+async def _train_overlapped(models, strategies, *, rounds, drift, skip=()):
+    """``_train`` with a nursery bound for the exchanges in flight, and ``finish`` at the end."""
+    async with trio.open_nursery() as flights:
+        for s in strategies:
+            s.bind_nursery(flights)
+        await _train(models, strategies, rounds=rounds, drift=drift, skip=skip)
+
+        async def finish(i):
+            if i not in skip:
+                await strategies[i].finish()
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(strategies)):
+                nursery.start_soon(finish, i)
+
+
+async def test_overlapped_pair_lands_each_round_one_sync_late() -> None:
+    cfg = DiLoCoConfig(inner_steps=1, outer_lr=0.5, outer_momentum=0.0, averaging="gossip", overlap=True)
+    _, models, strategies = _replicas(["a", "b"], [0.0, 2.0], cfg)
+    seen = []
+    original = strategies[0].sync
+
+    async def sync_and_look():
+        report = await original()
+        seen.append((report.key, report.skipped, float(models[0].weight.detach()),
+                     float(strategies[0].outer_parameters()[0].detach())))
+        return report
+
+    strategies[0].sync = sync_and_look
+    await _train_overlapped(models, strategies, rounds=2, drift=[1.0, 3.0])
+    # round 1: Δ = (−1, −3), nothing lands; a starts from its own look-ahead 0 − 0.5·(−1) = 0.5, φ stays 0
+    # round 2: θ_a = 1.5, Δ_a = −1; round 1 lands: φ = mean(0, 2) = 1, step on mean Δ −2: φ = 2;
+    # a starts round 3 from 2 − 0.5·(−1) = 2.5
+    assert seen == [("", True, 0.5, 0.0), ("round/0", False, 2.5, 2.0)]
+    # finish lands round 2 (φ = mean(2, 2), mean Δ −2): φ = θ = 3 on both, as gossip without overlap
+    for m, s in zip(models, strategies, strict=True):
+        torch.testing.assert_close(m.weight, torch.tensor([[3.0]]))
+        assert s.completed_rounds == 2
+    assert strategies[0].consensus_distance == pytest.approx(0.0)  # round 2's φ were already agreed
+
+
+async def test_overlapped_and_blocking_gossip_reach_the_same_weights_on_a_linear_drift() -> None:
+    base = {"inner_steps": 1, "outer_lr": 0.7, "outer_momentum": 0.0, "averaging": "gossip"}
+    peers = [f"p{i}" for i in range(4)]
+    values, drift = [0.0, 1.0, 5.0, 9.0], [0.5, -0.5, 1.0, 0.0]
+    finals = []
+    for overlap in (False, True):
+        _, models, strategies = _replicas(peers, values, DiLoCoConfig(**base, overlap=overlap))
+        await (_train_overlapped if overlap else _train)(models, strategies, rounds=5, drift=drift)
+        finals.append([float(m.weight.detach()) for m in models])
+    # a constant drift and μ 0: the look-ahead start plus one round late is the same recursion
+    assert finals[1] == pytest.approx(finals[0])
+
+
+async def test_overlapped_spread_shrinks_and_keeps_the_sum() -> None:
+    cfg = DiLoCoConfig(inner_steps=1, outer_lr=1.0, outer_momentum=0.0, averaging="gossip", overlap=True)
+    peers = [f"p{i}" for i in range(8)]
+    values = [float(i) for i in range(8)]
+    _, models, strategies = _replicas(peers, values, cfg)
+    await _train_overlapped(models, strategies, rounds=6, drift=[0.0] * 8)
+    w = torch.tensor([float(m.weight.detach()) for m in models])
+    before = torch.tensor(values)
+    assert float((w - w.mean()).norm()) < float((before - before.mean()).norm()) / 4
+    assert float(w.mean()) == pytest.approx(float(before.mean()))
+
+
+async def test_overlapped_silent_partner_costs_its_timeout_once_and_the_replica_steps_alone() -> None:
+    cfg = DiLoCoConfig(inner_steps=1, outer_lr=1.0, outer_momentum=0.0, averaging="gossip", overlap=True,
+                       exchange_timeout_s=0.5)
+    _, models, strategies = _replicas(["a", "b"], [0.0, 4.0], cfg)
+    reports = []
+    original = strategies[0].sync
+
+    async def sync_and_keep():
+        reports.append(await original())
+        return reports[-1]
+
+    strategies[0].sync = sync_and_keep
+    with trio.fail_after(5):
+        await _train_overlapped(models, strategies, rounds=2, drift=[1.0, 0.0], skip={1})
+    # round 1 lands alone at round 2 (Δ −1: φ = 1), round 2 at finish (Δ −1: φ = 2)
+    assert reports[1].group == ("a",)
+    assert reports[1].detail == "no answer from: b"
+    torch.testing.assert_close(models[0].weight, torch.tensor([[2.0]]))
+    assert strategies[0].completed_rounds == 2
+
+
+def test_overlap_needs_gossip_and_a_nursery() -> None:
+    with pytest.raises(ValueError, match="overlap"):
+        DiLoCoConfig(overlap=True)
+    strategy = DiLoCo(scalar_model(0.0), collective=InMemoryCollectiveGroup(["a"]).member("a"),
+                      groups=FixedGroups(["a"]), config=DiLoCoConfig(averaging="gossip", overlap=True))
+    with pytest.raises(LocalProtocolError, match="bind_nursery"):
+        trio.run(strategy.after_inner_step, strategy.config.inner_steps)

@@ -24,6 +24,20 @@ Nesterov step with the group's mean Δ (its own momentum buffer). No peer waits 
 outside its group; a partner that does not answer within ``exchange_timeout_s`` is left out,
 and alone a replica steps on its own Δ. Replicas then differ (``replicas_agree`` is False);
 ``consensus_distance`` is the last measured relative spread.
+
+Overlapped gossip (``overlap = True``, with gossip only): the exchange of round t runs in the
+strategy's nursery during round t+1's inner phase and lands at its end, as eager DiLoCo does
+with its all-reduce (``eager.py``): a partner up to a whole inner phase out of phase with this
+peer is then met without anyone waiting, and a partner that died costs only what is left of the
+grace after that phase. At the end of round t a replica (1) takes its fresh pseudo-gradient
+Δ_m^t = s_m − θ_m from where its phase started, (2) lands round t−1's exchange exactly as
+gossip without overlap does (φ_m ← the group's mean φ, then the Nesterov step on its mean
+Δ^{t−1}; φ_m has not changed since it was sent), (3) launches round t's exchange of
+``[φ_m, Δ_m^t]`` and (4) starts round t+1 from eager's look-ahead with its own fresh Δ_m^t
+(``eager_start``), which leaves φ_m and its momentum as they are. Landing before launching
+keeps every φ sent current: sent before the landing, a replica's spread would be pulled in
+twice (once by each of two rounds' means) and pairs would swing past each other. ``finish``
+lands the last exchange and sets θ ← φ.
 """
 
 from __future__ import annotations
@@ -31,14 +45,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import trio
 
 from lattica.config import DEFAULT_INNER_STEPS
 from lattica.coordination.groups import proposed_group
-from lattica.errors import BrokenError, PeerUnavailableError
+from lattica.errors import BrokenError, LocalProtocolError, PeerUnavailableError
 from lattica.train.collective import Collective
 from lattica.train.strategies.accounting import AccountedStrategy, tensor_bytes
 from lattica.train.strategies.base import EveryHSteps, GroupProvider, OuterStepReport
@@ -66,6 +81,7 @@ class DiLoCoConfig:
     averaging: str = "allreduce"  # or "gossip": average inside small groups redrawn every round
     group_size: int = 2  # gossip: members per group
     exchange_timeout_s: float = 5.0  # gossip: the grace a partner has (the run setting group_grace_s)
+    overlap: bool = False  # gossip: round t's exchange runs during round t+1's inner phase
 
     @property
     def momentum(self) -> float:
@@ -77,6 +93,9 @@ class DiLoCoConfig:
         check_averaging(self.averaging, self.group_size)
         if self.outer_momentum is None:
             object.__setattr__(self, "outer_momentum", 0.5 if self.averaging == "gossip" else 0.9)
+        if self.overlap and self.averaging != "gossip":
+            raise ValueError("DiLoCoConfig.overlap needs averaging = 'gossip' (the overlapped all-reduce is "
+                             "strategy 'eager')")
         if not self.exchange_timeout_s > 0:
             raise ValueError(f"DiLoCoConfig.exchange_timeout_s must be > 0, got {self.exchange_timeout_s}")
         if self.inner_steps < 1:
@@ -123,6 +142,23 @@ def nesterov_outer_step(
             param.add_(grad.add(buf, alpha=momentum), alpha=-lr)
 
 
+def eager_start(
+    outer: Sequence[torch.Tensor],
+    momentum: Sequence[torch.Tensor | None],
+    fresh_own: Sequence[torch.Tensor],
+    *,
+    lr: float,
+    momentum_factor: float,
+) -> list[torch.Tensor]:
+    """s = φ − η·(Δ + μ·b'), b' = μ·b + Δ (b' = Δ before the first step): the Nesterov step
+    ``torch.optim.SGD(nesterov=True)`` would take with gradient Δ, without changing φ or b."""
+    starts = []
+    for phi, buf, delta in zip(outer, momentum, fresh_own, strict=True):
+        ahead = delta.clone() if buf is None else buf.mul(momentum_factor).add_(delta)
+        starts.append(phi - lr * delta.add(ahead, alpha=momentum_factor))
+    return starts
+
+
 def outer_copy(model: torch.nn.Module) -> tuple[list[str], list[torch.Tensor], list[torch.Tensor]]:
     """Parameter names, the live (inner) parameters, and an fp32 CPU copy: the outer weights φ."""
     named = list(model.named_parameters())
@@ -137,6 +173,20 @@ def nesterov_sgd(outer: list[torch.Tensor], lr: float, momentum: float) -> torch
         nesterov=momentum > 0,  # torch refuses Nesterov without momentum
         foreach=False,
     )
+
+
+@dataclass
+class _GossipFlight:
+    """An overlapped gossip exchange: launched at the end of one round, landed at the next."""
+
+    round: int
+    key: str
+    payload: list[torch.Tensor]  # [φ as sent, Δ]
+    started: float
+    done: trio.Event = field(default_factory=trio.Event)
+    partners: tuple[str, ...] = ()
+    answers: list[list[torch.Tensor]] = field(default_factory=list)
+    missing: set[str] = field(default_factory=set)
 
 
 class DiLoCo(EveryHSteps, AccountedStrategy):
@@ -168,6 +218,9 @@ class DiLoCo(EveryHSteps, AccountedStrategy):
         # gossip averaging: replicas differ by design, and their spread is measured
         self.replicas_agree = self.config.averaging == "allreduce"
         self.consensus_distance: float | None = None
+        # overlapped gossip: where this inner phase started, and the exchange in flight
+        self._start = [t.clone() for t in self._outer] if self.config.overlap else self._outer
+        self._in_flight: _GossipFlight | None = None
 
     @property
     def completed_rounds(self) -> int:
@@ -176,7 +229,8 @@ class DiLoCo(EveryHSteps, AccountedStrategy):
     @property
     def outer_state_bytes(self) -> int:
         momentum = [s["momentum_buffer"] for s in self.outer_optimizer.state.values()]
-        return tensor_bytes(self._outer) + tensor_bytes(momentum)
+        start = tensor_bytes(self._start) if self.config.overlap else 0
+        return tensor_bytes(self._outer) + tensor_bytes(momentum) + start
 
     @property
     def round(self) -> int:
@@ -195,6 +249,8 @@ class DiLoCo(EveryHSteps, AccountedStrategy):
 
     async def sync(self) -> OuterStepReport:
         """Run one outer round now (normally called every ``inner_steps`` steps)."""
+        if self.config.overlap:
+            return await self._overlapped_gossip_sync()
         if self.config.averaging == "gossip":
             return await self._gossip_sync()
         key, started = f"round/{self._round}", time.monotonic()
@@ -236,37 +292,91 @@ class DiLoCo(EveryHSteps, AccountedStrategy):
 
     async def _gossip_sync(self) -> OuterStepReport:
         """Average ``[φ, Δ]`` with this round's group, then step on the group's mean Δ."""
-        self._round = realigned_round(self.groups, self._round)  # behind: the swarm's next round
-        key, started = f"round/{self._round}", time.monotonic()
+        started = time.monotonic()
+        flight = self._next_flight(self._outer + pseudo_gradient(self._outer, self._inner), started)
+        await self._exchange(flight)
+        return self._land(flight, started)
+
+    async def _overlapped_gossip_sync(self) -> OuterStepReport:
+        """Land the previous round's exchange, launch this round's, start the next phase from
+        the look-ahead of this round's own Δ (module docstring)."""
+        if self.nursery is None:
+            raise LocalProtocolError("DiLoCo with overlap needs bind_nursery() before the first round")
+        started = time.monotonic()
+        fresh = pseudo_gradient(self._start, self._inner)
+        previous, self._in_flight = self._in_flight, None
+        if previous is None:  # the first round: nothing to land yet
+            report = None
+        else:
+            await previous.done.wait()
+            report = self._land(previous, started)
+        flight = self._next_flight([*(t.clone() for t in self._outer), *fresh], started)
+        self._in_flight = flight
+        self.nursery.start_soon(self._exchange, flight)
+        momentum = [self.outer_optimizer.state.get(p, {}).get("momentum_buffer") for p in self._outer]
+        self._begin_phase(eager_start(self._outer, momentum, fresh, lr=self.config.outer_lr,
+                                      momentum_factor=self.config.momentum))
+        return report or OuterStepReport(round=flight.round, key="", group=(), bytes_sent=0, seconds=0.0,
+                                         skipped=True, detail="first exchange in flight")
+
+    async def finish(self) -> list[OuterStepReport]:
+        """Overlapped gossip: land the exchange still in flight and set θ ← φ."""
+        last, self._in_flight = self._in_flight, None
+        if last is None:
+            return []
+        started = time.monotonic()
+        await last.done.wait()
+        report = self._land(last, started)
+        self._begin_phase(self._outer)
+        return [report]
+
+    def _next_flight(self, payload: list[torch.Tensor], started: float) -> _GossipFlight:
+        """The next round's exchange of ``payload`` (its key: the swarm's next round when this
+        replica fell behind, ``realigned_round``)."""
+        self._round = realigned_round(self.groups, self._round)
+        flight = _GossipFlight(round=self._round, key=f"round/{self._round}", payload=payload, started=started)
         self._round += 1
-        me = self.collective.peer_id
-        members = await self.groups.group_for(key)
-        stripe = proposed_group(members, me, key=key, group_size=self.config.group_size)
-        partners = [p for p in stripe if p != me]
-        payload = self._outer + pseudo_gradient(self._outer, self._inner)
-        answers, missing = await exchange_with_partners(
-            self.collective, partners, payload, tag=f"diloco/gossip/{key}", codec=self.config.codec,
-            timeout_s=self.config.exchange_timeout_s,
-        )
+        return flight
+
+    async def _exchange(self, flight: _GossipFlight) -> None:
+        """Confirm the round's group and exchange the payload with its partners; ``done`` is set
+        however it ends (cancelled too)."""
+        try:
+            me = self.collective.peer_id
+            members = await self.groups.group_for(flight.key)
+            stripe = proposed_group(members, me, key=flight.key, group_size=self.config.group_size)
+            flight.partners = tuple(p for p in stripe if p != me)
+            flight.missing = set(flight.partners)
+            self.traffic.record_sync(payload_bytes(flight.payload, self.config.codec) * len(flight.partners))
+            flight.answers, flight.missing = await exchange_with_partners(
+                self.collective, flight.partners, flight.payload, tag=f"diloco/gossip/{flight.key}",
+                codec=self.config.codec, timeout_s=self.config.exchange_timeout_s,
+            )
+        finally:
+            flight.done.set()
+
+    def _land(self, flight: _GossipFlight, started: float) -> OuterStepReport:
+        """φ ← the group's mean φ, then the Nesterov step on its mean Δ (own Δ alone). φ is
+        what was sent: nothing changes it between a flight's launch and its landing."""
         n = len(self._outer)
-        if answers:
-            contributions = [payload, *answers]
+        sent = flight.payload
+        if flight.answers:
+            contributions = [sent, *flight.answers]
             mean_phi = group_mean([c[:n] for c in contributions])
-            self.consensus_distance = consensus_distance(self._outer, mean_phi)
+            self.consensus_distance = consensus_distance(sent[:n], mean_phi)
             with torch.no_grad():
                 for outer, mean in zip(self._outer, mean_phi, strict=True):
                     outer.copy_(mean)
             mean_delta = group_mean([c[n:] for c in contributions])
         else:
-            mean_delta = payload[n:]
+            mean_delta = sent[n:]
         self._apply(mean_delta)
-        sent = payload_bytes(payload, self.config.codec) * len(partners)
-        self.traffic.record_sync(sent)
+        me, missing = self.collective.peer_id, flight.missing
         return OuterStepReport(
-            round=self._round - 1,
-            key=key,
-            group=tuple(sorted({me, *partners} - missing)),
-            bytes_sent=sent,
+            round=flight.round,
+            key=flight.key,
+            group=tuple(sorted({me, *flight.partners} - missing)),
+            bytes_sent=payload_bytes(sent, self.config.codec) * len(flight.partners),
             seconds=time.monotonic() - started,
             detail=f"no answer from: {', '.join(sorted(missing))}" if missing else "",
         )
@@ -283,6 +393,13 @@ class DiLoCo(EveryHSteps, AccountedStrategy):
         with torch.no_grad():
             for inner, outer in zip(self._inner, self._outer, strict=True):
                 inner.copy_(outer)
+
+    def _begin_phase(self, start: Sequence[torch.Tensor]) -> None:
+        """Overlapped gossip: the next inner phase starts at ``start`` (s ← start, θ ← start)."""
+        with torch.no_grad():
+            for s, inner, value in zip(self._start, self._inner, start, strict=True):
+                s.copy_(value)
+                inner.copy_(value)
 
     def outer_state_dict(self) -> dict[str, Any]:
         momentum = {}
@@ -314,7 +431,11 @@ class DiLoCo(EveryHSteps, AccountedStrategy):
         self._round = int(state["round"])
         self._completed = int(state.get("completed_rounds", self._round))
         self._step = int(state.get("step", self._round * self.config.inner_steps))
-        self._copy_outer_to_model()
+        self._in_flight = None  # an exchange of the replaced state is not landed on the new one
+        if self.config.overlap:
+            self._begin_phase(self._outer)
+        else:
+            self._copy_outer_to_model()
 
 
 def _check_tensors(

@@ -46,7 +46,7 @@ from lattica.errors import BrokenError, LocalProtocolError, PeerUnavailableError
 from lattica.train.collective import Collective
 from lattica.train.strategies.accounting import AccountedStrategy, tensor_bytes
 from lattica.train.strategies.base import GroupProvider, OuterStepReport
-from lattica.train.strategies.diloco import nesterov_sgd, outer_copy, pseudo_gradient
+from lattica.train.strategies.diloco import eager_start, nesterov_sgd, outer_copy, pseudo_gradient
 from lattica.train.strategies.traffic import allreduce_bytes
 
 # η 0.5, not DiLoCo's 0.7: each worker starts its phase η(1+μ)·(Δ_m − Δ) away from the shared
@@ -70,23 +70,6 @@ class EagerDiLoCoConfig:
             raise ValueError(f"outer_lr must be > 0, got {self.outer_lr}")
         if not 0.0 < self.outer_momentum < 1.0:
             raise ValueError(f"outer_momentum must be in (0, 1), got {self.outer_momentum}")
-
-
-def eager_start(
-    outer: Sequence[torch.Tensor],
-    momentum: Sequence[torch.Tensor | None],
-    fresh_own: Sequence[torch.Tensor],
-    *,
-    lr: float,
-    momentum_factor: float,
-) -> list[torch.Tensor]:
-    """s = φ − η·(Δ + μ·b'), b' = μ·b + Δ (b' = Δ before the first step): the Nesterov step
-    ``torch.optim.SGD(nesterov=True)`` would take with gradient Δ, without changing φ or b."""
-    starts = []
-    for phi, buf, delta in zip(outer, momentum, fresh_own, strict=True):
-        ahead = delta.clone() if buf is None else buf.mul(momentum_factor).add_(delta)
-        starts.append(phi - lr * delta.add(ahead, alpha=momentum_factor))
-    return starts
 
 
 @dataclass

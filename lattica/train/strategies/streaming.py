@@ -37,7 +37,7 @@ Eager fragments (``eager=True``; the strategy ``streaming_eager``): the eager up
 fragment's mean may take until the fragment's next sync, H steps later, instead of τ. At
 fragment p's sync the worker sends Δ_p = s_p − θ_p (s_p: where the fragment's current phase
 started), applies the previous sync's mean to the shared θ̃_p with the fragment's Nesterov
-state, and restarts the fragment from the step its own fresh Δ_p would give (``eager_start``):
+state, and restarts the fragment from the step its own fresh Δ_p would give (``diloco.eager_start``):
 θ_p ← s_p ← θ̃_p − η·(Δ_p + μ·(μ·b_p + Δ_p)). ``overlap_steps`` and ``mixing`` do not apply. θ̃
 is the same on every replica (the same means in the same order); the live weights differ by
 each worker's own look-ahead until ``finish``, which applies the last means and sets θ ← θ̃. A
@@ -71,8 +71,7 @@ from lattica.train.quantize import (
 )
 from lattica.train.strategies.accounting import AccountedStrategy, tensor_bytes
 from lattica.train.strategies.base import GroupProvider, OuterStepReport
-from lattica.train.strategies.diloco import pseudo_gradient
-from lattica.train.strategies.eager import eager_start
+from lattica.train.strategies.diloco import eager_start, pseudo_gradient
 from lattica.train.strategies.traffic import allreduce_bytes, payload_bytes
 
 
