@@ -21,6 +21,8 @@ then carries ``<name>_loss``, ``<name>_bytes`` and ``<name>_vs_ddp``.
 ``diloco_gossip`` is DiLoCo with gossip averaging (groups of 2 redrawn every round, no
 all-reduce); like NoLoCo its replicas differ, so it also reports the loss of their averaged
 weights, and ``diloco_gossip_vs_diloco`` compares it with DiLoCo's all-reduce.
+``diloco_gossip_overlap`` is the same with each round's exchange overlapped with the next inner
+phase (``DiLoCoConfig.overlap``: landed one round late, the phase started from the look-ahead).
 
 ``--strategies all`` runs every method: one per strategy registered in
 ``lattica.train.strategies.STRATEGIES`` (with the ``Method`` of ``METHODS`` if there is one, else
@@ -122,6 +124,15 @@ METHODS: dict[str, Method] = {
         strategy="diloco",
         config=DiLoCoConfig(
             inner_steps=SYNC_EVERY, averaging="gossip", group_size=2, exchange_timeout_s=_EXCHANGE_WAIT_S
+        ),
+        evaluate_average=True,
+    ),
+    # the same with each round's exchange overlapped with the next inner phase (landed one round late)
+    "diloco_gossip_overlap": Method(
+        strategy="diloco",
+        config=DiLoCoConfig(
+            inner_steps=SYNC_EVERY, averaging="gossip", group_size=2, exchange_timeout_s=_EXCHANGE_WAIT_S,
+            overlap=True,
         ),
         evaluate_average=True,
     ),
@@ -581,6 +592,8 @@ def summary_json(
     for name, baseline in (
         ("noloco", "diloco"),
         ("diloco_gossip", "diloco"),
+        ("diloco_gossip_overlap", "diloco"),
+        ("diloco_gossip_overlap", "diloco_gossip"),
         ("eager", "diloco"),
         ("streaming", "diloco"),
         ("streaming_eager", "diloco"),

@@ -167,6 +167,8 @@ class TrainSettings:
     averaging: str = "allreduce"
     group_size: int = 2  # gossip averaging and NoLoCo: members per group
     group_grace_s: float = 5.0  # how long a group partner is waited for (handshake, exchange)
+    # DiLoCo with gossip: each round's exchange runs during the next inner phase (one round late)
+    gossip_overlap: bool = False
 
     def __post_init__(self) -> None:
         positive = {
@@ -208,6 +210,11 @@ class TrainSettings:
             raise ConfigError(f"train.group_size must be an integer in [2, 32], got {self.group_size!r}")
         if not _is_finite(self.group_grace_s) or not self.group_grace_s > 0:
             raise ConfigError(f"train.group_grace_s must be a finite positive number, got {self.group_grace_s!r}")
+        if not isinstance(self.gossip_overlap, bool):
+            raise ConfigError(f"train.gossip_overlap must be true or false, got {self.gossip_overlap!r}")
+        if self.gossip_overlap and self.averaging != "gossip":
+            raise ConfigError("train.gossip_overlap needs train.averaging = \"gossip\" (the overlapped "
+                              "all-reduce is strategy \"eager\")")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"train.device must be auto, cpu or cuda, got {self.device!r}")
 

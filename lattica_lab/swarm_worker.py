@@ -62,7 +62,7 @@ from lattica.coordination.provider import GroupProvider
 from lattica.net.host import build_host
 from lattica.net.tensors.stats import TrafficStats
 from lattica.net.tensors.transfer import TensorService, TensorServiceConfig
-from lattica.train.strategies.diloco import DiLoCo, DiLoCoConfig
+from lattica.train.strategies.diloco import FIRST_IN_FLIGHT, DiLoCo, DiLoCoConfig
 from lattica_lab.collective import FixedGroups
 
 INIT_SPREAD = 0.10  # replicas start this far apart (relative)
@@ -351,7 +351,7 @@ class Worker:
                 report = await strategy.sync()
                 # with overlap the first sync lands nothing (its exchange is in flight): a step
                 # all the same, its Δ taken on its own by the look-ahead start
-                first = not report.key
+                first = report.detail == FIRST_IN_FLIGHT
                 if gossip is None:
                     drawn = members
                 else:

@@ -53,6 +53,7 @@ def join(args: argparse.Namespace) -> int:
         "seed": args.seed,
         "averaging": args.averaging,
         "group_size": args.group_size,
+        "gossip_overlap": args.gossip_overlap,
     }
     config = build_node_config(
         flags=flags,

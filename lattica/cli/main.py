@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--seed", type=int)
     join.add_argument("--averaging", choices=("allreduce", "gossip"), help="DiLoCo: one all-reduce per round (default) or gossip in small groups")
     join.add_argument("--group-size", type=int, help="gossip averaging and NoLoCo: members per group (default 2)")
+    join.add_argument("--gossip-overlap", action="store_const", const=True, default=None,
+                      help="DiLoCo with gossip: each round's exchange runs during the next inner phase")
 
     ident = sub.add_parser("id", help="print this node's peer id and the addresses others can join")
     _add_data_dir(ident)

@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 RUN_WIDE: tuple[str, ...] = (
     "strategy", "model", "inner_steps", "rounds", "seq_len", "inner_lr", "warmup_steps",
-    "outer_lr", "outer_momentum", "seed", "averaging", "group_size", "group_grace_s",
+    "outer_lr", "outer_momentum", "seed", "averaging", "group_size", "group_grace_s", "gossip_overlap",
 )
 _FIRST_SYNC_S = 5.0
 

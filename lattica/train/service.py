@@ -410,6 +410,8 @@ class TrainingService:
         }
         if self._gossips:
             info["averaging"] = "gossip"
+            if self.settings.gossip_overlap:
+                info["gossip_overlap"] = True  # each round's exchange overlaps the next inner phase
             spread = strategy.consensus_distance if strategy is not None else None
             if spread is not None:  # replicas' spread: distance to the group's mean / its norm
                 info["consensus_distance"] = round(spread, 6)

@@ -23,6 +23,7 @@ ROUTES: dict[str, Mapping[str, str]] = {
     "diloco": {
         "inner_steps": "inner_steps", "outer_lr": "outer_lr", "outer_momentum": "outer_momentum",
         "averaging": "averaging", "group_size": "group_size", "group_grace_s": "exchange_timeout_s",
+        "gossip_overlap": "overlap",
     },
     "eager": {"inner_steps": "inner_steps", "outer_lr": "outer_lr", "outer_momentum": "outer_momentum"},
     "streaming": {"inner_steps": "inner_steps", "outer_lr": "outer_lr", "outer_momentum": "outer_momentum"},
@@ -47,7 +48,9 @@ ROUTES: dict[str, Mapping[str, str]] = {
     "nocomm": {},
 }
 # settings that only a strategy uses; ``inner_steps`` is also the trainer's round length
-STRATEGY_SETTINGS = ("inner_steps", "outer_lr", "outer_momentum", "averaging", "group_size", "group_grace_s")
+STRATEGY_SETTINGS = (
+    "inner_steps", "outer_lr", "outer_momentum", "averaging", "group_size", "group_grace_s", "gossip_overlap",
+)
 _TRAINER_TOO = ("inner_steps",)
 _SPES_WARMUP_STEPS = 500  # SPES merges similar experts about every 500 steps, a multiple of S
 # a setting left at its default (``None``: the strategy's own) is not "set"

@@ -174,7 +174,7 @@ async def test_overlapped_pair_lands_each_round_one_sync_late() -> None:
     # round 1: Δ = (−1, −3), nothing lands; a starts from its own look-ahead 0 − 0.5·(−1) = 0.5, φ stays 0
     # round 2: θ_a = 1.5, Δ_a = −1; round 1 lands: φ = mean(0, 2) = 1, step on mean Δ −2: φ = 2;
     # a starts round 3 from 2 − 0.5·(−1) = 2.5
-    assert seen == [("", True, 0.5, 0.0), ("round/0", False, 2.5, 2.0)]
+    assert seen == [("round/0", True, 0.5, 0.0), ("round/0", False, 2.5, 2.0)]
     # finish lands round 2 (φ = mean(2, 2), mean Δ −2): φ = θ = 3 on both, as gossip without overlap
     for m, s in zip(models, strategies, strict=True):
         torch.testing.assert_close(m.weight, torch.tensor([[3.0]]))

@@ -1,4 +1,5 @@
-"""``averaging``, ``group_size`` and ``group_grace_s``: from TOML, env and flags to the strategy."""
+"""``averaging``, ``group_size``, ``group_grace_s`` and ``gossip_overlap``: from TOML, env and flags to the
+strategy."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import sys
 
 import pytest
 
+from lattica.cli.main import build_parser
 from lattica.cli.settings import build_node_config
 from lattica.config import TrainSettings
 from lattica.errors import ConfigError
@@ -56,10 +58,35 @@ def test_gossip_for_a_strategy_without_it_is_refused_by_name() -> None:
         strategy_config(TrainSettings(strategy="eager", group_size=3))
 
 
+def test_gossip_overlap_reaches_diloco_from_toml_env_and_flags(tmp_path) -> None:
+    toml = tmp_path / "lattica.toml"
+    toml.write_text('[train]\naveraging = "gossip"\ngossip_overlap = true\n')
+    config = build_node_config(flags={"data_dir": tmp_path}, config_path=toml, environ={})
+    assert config.train is not None
+    assert strategy_config(config.train).overlap is True
+    env = {"LATTICA_TRAIN_AVERAGING": "gossip", "LATTICA_TRAIN_GOSSIP_OVERLAP": "true"}
+    config = build_node_config(flags={"data_dir": tmp_path}, config_path=None, environ=env, with_training=True)
+    assert config.train is not None
+    assert strategy_config(config.train).overlap is True
+    args = build_parser().parse_args(["join", "--train", "--averaging", "gossip", "--gossip-overlap"])
+    assert args.gossip_overlap is True
+    assert build_parser().parse_args(["join"]).gossip_overlap is None  # unset: the file's or the default
+    assert strategy_config(TrainSettings(averaging="gossip")).overlap is False
+    assert run_config_of(TrainSettings(averaging="gossip", gossip_overlap=True))["gossip_overlap"] is True
+
+
+def test_gossip_overlap_needs_gossip_and_diloco() -> None:
+    with pytest.raises(ConfigError, match=r'gossip_overlap needs train\.averaging = "gossip"'):
+        TrainSettings(gossip_overlap=True)
+    with pytest.raises(ConfigError, match="not used by strategy 'sparseloco'"):
+        strategy_config(TrainSettings(strategy="sparseloco", averaging="gossip", gossip_overlap=True))
+
+
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [("averaging", "ring", "train.averaging must be one of"), ("group_size", 1, "train.group_size"),
-     ("group_size", 2.0, "train.group_size"), ("group_grace_s", 0.0, "train.group_grace_s")],
+     ("group_size", 2.0, "train.group_size"), ("group_grace_s", 0.0, "train.group_grace_s"),
+     ("gossip_overlap", "yes", "train.gossip_overlap must be true or false")],
 )
 def test_bad_values_are_one_line_errors(field, value, message) -> None:
     with pytest.raises(ConfigError, match=message):

@@ -68,6 +68,9 @@ from lattica.train.strategies.traffic import allreduce_bytes, payload_bytes
 
 log = logging.getLogger(__name__)
 
+# overlapped gossip, first sync: nothing lands yet (its exchange is in flight); no outer step
+FIRST_IN_FLIGHT = "first exchange in flight: it lands at the next sync"
+
 
 @dataclass(frozen=True, kw_only=True)
 class DiLoCoConfig:
@@ -316,8 +319,8 @@ class DiLoCo(EveryHSteps, AccountedStrategy):
         momentum = [self.outer_optimizer.state.get(p, {}).get("momentum_buffer") for p in self._outer]
         self._begin_phase(eager_start(self._outer, momentum, fresh, lr=self.config.outer_lr,
                                       momentum_factor=self.config.momentum))
-        return report or OuterStepReport(round=flight.round, key="", group=(), bytes_sent=0, seconds=0.0,
-                                         skipped=True, detail="first exchange in flight")
+        return report or OuterStepReport(round=flight.round, key=flight.key, group=(), bytes_sent=0, seconds=0.0,
+                                         skipped=True, detail=FIRST_IN_FLIGHT)
 
     async def finish(self) -> list[OuterStepReport]:
         """Overlapped gossip: land the exchange still in flight and set θ ← φ."""
