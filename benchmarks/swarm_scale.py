@@ -17,7 +17,8 @@ a random other one.
 
 Each peer is a real ``DiLoCo`` strategy (one outer step per inner phase) on a one-tensor model of
 ``--payload-mib`` fp32 (16 MiB: 4,194,304 parameters). The inner phase is simulated: a fixed
-sleep (``--compute-s``), then the weights move by a drift shared by all peers plus a per-peer
+sleep (``--compute-s``, 10 s: longer than a 32 MiB exchange on this machine, as a DiLoCo inner
+phase of hundreds of steps is longer than its exchange), then the weights move by a drift shared by all peers plus a per-peer
 one (± a fixed random direction, 0.1 % of the weights' norm), so replicas do differ. Replicas
 start 10 % apart (relative), as after joins from different published states.
 
@@ -35,6 +36,11 @@ of measured steps, the same clock points):
    global collective per step); gossip on ``GossipGroups`` pairs redrawn every step.
    Gossip's exchange waits ``--exchange-timeout-s`` (30 s) for its partner's tensors (a
    4M-parameter ``[φ, Δ]`` is 32 MiB each way); the group handshake keeps ``--grace-s``.
+   Gossip is overlapped by default (``--overlap``, ``DiLoCoConfig.overlap``): each round's
+   handshake and exchange run during the next inner phase and land at its end, so a gossip
+   step's round time is the part of the exchange the inner phase did not hide; the JSON's
+   ``*_period_s`` (median interval between a peer's steps) gives each mode's whole step.
+   ``--no-overlap`` measures blocking gossip. All-reduce is DiLoCo's blocking one.
    Each phase also reports the share of peer-steps averaged alone and the CPU seconds of the
    workers and of the delay lines; the JSON's ``links`` has each delay line's drops, worst
    late release and CPU over the run.
@@ -378,13 +384,16 @@ def main() -> None:
                              "(gossip at the straggler size, which runs --steps); at most --steps")
     parser.add_argument("--warmup", type=int, default=3, help="outer steps before measuring (paces settle)")
     parser.add_argument("--payload-mib", type=float, default=16.0, help="fp32 model size (16: 4M parameters)")
-    parser.add_argument("--compute-s", type=float, default=1.0, help="the inner phase's sleep")
+    parser.add_argument("--compute-s", type=float, default=10.0,
+                        help="the inner phase's sleep (10 s: longer than a 32 MiB exchange here, as DiLoCo's "
+                             "minutes-long inner phases are longer than their exchange)")
     parser.add_argument("--grace-s", type=float, default=5.0, help="group handshake and exchange grace")
     parser.add_argument("--exchange-timeout-s", type=float, default=30.0,
                         help="gossip: how long a peer waits for its partners' tensors (a 4M-parameter "
                              "[phi, delta] is 32 MiB each way; the handshake keeps --grace-s)")
-    parser.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=False,
-                        help="gossip: each round's exchange runs during the next inner phase (DiLoCoConfig.overlap)")
+    parser.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
+                        help="gossip: each round's exchange runs during the next inner phase (DiLoCoConfig.overlap; "
+                             "--no-overlap: blocking gossip)")
     parser.add_argument("--window-s", type=float, default=60.0, help="straggler and kill windows")
     parser.add_argument("--straggler-size", type=int, default=16)
     parser.add_argument("--sites", type=int, default=4, help="WAN sites (2-4), every pair linked")

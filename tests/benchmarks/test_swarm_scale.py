@@ -182,7 +182,9 @@ def test_smallest_configuration_runs_on_real_hosts_over_wan_sites():
     assert result["allreduce_bytes_per_peer"][0] >= 1.5 * numel * 4 * 0.95
     assert result["gossip_bytes_per_peer"][0] >= 2 * numel * 4
     assert result["consensus_distance"]["steps"] == 3
-    assert result["consensus_distance"]["trend"][0] < 0.1  # replicas start 10 % apart, then average
+    # replicas start 10 % apart, then average (with overlap the first step lands nothing yet)
+    trend = result["consensus_distance"]["trend"]
+    assert trend[-1] < trend[0] < 0.11
     assert result["straggler_rate_gossip"] is None
     assert result["kill_any_stall_s"] is None
     assert result["round_steps"] == 2  # --round-steps (5) is at most --steps
