@@ -11,6 +11,7 @@ import re
 import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from lattica_lab.daemons import DaemonProcess, wait_for
@@ -21,6 +22,8 @@ TRAIN_ENV = {
     "LATTICA_TRAIN_WARMUP_STEPS": "2",
     "OMP_NUM_THREADS": "1",  # several daemons share the cores
 }
+# gossip tests: a partner is waited for 3 s, a silent member 5 s
+GOSSIP_ENV = {**TRAIN_ENV, "LATTICA_TRAIN_ROUND_DEADLINE_S": "5", "LATTICA_TRAIN_GROUP_GRACE_S": "3.0"}
 SYNC = re.compile(r"sync round/(\d+) done with (\d+) member")
 
 
@@ -30,6 +33,29 @@ def train_args(strategy: str, *, rounds: int, inner_steps: int, min_peers: int) 
         "--train", "--model", "tiny", "--device", "cpu", "--log-level", "info", "--strategy", strategy,
         "--rounds", str(rounds), "--inner-steps", str(inner_steps), "--min-peers", str(min_peers),
     )
+
+
+def start_gossip_trainers(
+    base: Path, started: list[DaemonProcess], count: int, strategy: str, *, rounds: int, inner_steps: int,
+    extra: tuple[str, ...] = (),
+) -> list[DaemonProcess]:
+    """``count`` trainers averaging by gossip (``--averaging gossip`` and ``extra``) in
+    ``base/p0``…: the first starts a swarm, the others join it from its address; each is added
+    to ``started`` (``killed_at_end``) and is ready when this returns."""
+
+    def trainer(i: int, peers: tuple[str, ...]) -> DaemonProcess:
+        args = (*train_args(strategy, rounds=rounds, inner_steps=inner_steps, min_peers=count),
+                "--averaging", "gossip", *extra)
+        daemon = DaemonProcess(base / f"p{i}", peers=peers, extra_args=args, env=GOSSIP_ENV).start()
+        started.append(daemon)
+        return daemon
+
+    first = trainer(0, ())
+    first.wait_ready(60)
+    others = [trainer(i, (first.addr,)) for i in range(1, count)]
+    for d in others:
+        d.wait_ready(60)
+    return [first, *others]
 
 
 @contextmanager

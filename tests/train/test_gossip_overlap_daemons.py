@@ -16,24 +16,14 @@ import pytest
 from lattica.train.strategies.diloco import FIRST_IN_FLIGHT
 from lattica_lab.daemons import DaemonProcess
 from lattica_lab.training_daemons import (
-    TRAIN_ENV,
     killed_at_end,
     paired_syncs,
-    train_args,
+    start_gossip_trainers,
     wait_done,
 )
 
 INNER_STEPS = 4
 ROUNDS = 6
-ENV = {**TRAIN_ENV, "LATTICA_TRAIN_ROUND_DEADLINE_S": "5", "LATTICA_TRAIN_GROUP_GRACE_S": "3.0"}
-
-
-def _trainer(path: Path, peers: tuple[str, ...]) -> DaemonProcess:
-    args = (
-        *train_args("diloco", rounds=ROUNDS, inner_steps=INNER_STEPS, min_peers=3),
-        "--averaging", "gossip", "--gossip-overlap",
-    )
-    return DaemonProcess(path, peers=peers, extra_args=args, env=ENV)
 
 
 @pytest.fixture
@@ -43,13 +33,8 @@ def daemons() -> Iterator[list[DaemonProcess]]:
 
 
 def test_three_daemons_with_overlapped_gossip_land_every_round(tmp_path: Path, daemons: list[DaemonProcess]) -> None:
-    first = _trainer(tmp_path / "p0", ()).start()
-    daemons.append(first)
-    first.wait_ready(60)
-    for i in (1, 2):
-        daemons.append(_trainer(tmp_path / f"p{i}", (first.addr,)).start())
-    for d in daemons[1:]:
-        d.wait_ready(60)
+    start_gossip_trainers(tmp_path, daemons, 3, "diloco", rounds=ROUNDS, inner_steps=INNER_STEPS,
+                          extra=("--gossip-overlap",))
     infos = wait_done(daemons, 240)
     for d, info in zip(daemons, infos, strict=True):
         assert info["averaging"] == "gossip"

@@ -15,25 +15,15 @@ import pytest
 
 from lattica_lab.daemons import DaemonProcess, wait_for
 from lattica_lab.training_daemons import (
-    TRAIN_ENV,
     killed_at_end,
     paired_syncs,
-    train_args,
+    start_gossip_trainers,
     training,
 )
 
 INNER_STEPS = 4
 ROUNDS = 6
-ENV = {**TRAIN_ENV, "LATTICA_TRAIN_ROUND_DEADLINE_S": "5", "LATTICA_TRAIN_GROUP_GRACE_S": "3.0"}
 DENSE_ROUND_BYTES = 124_672 * 4  # one fp32 copy of the tiny model to one partner
-
-
-def _trainer(path: Path, peers: tuple[str, ...]) -> DaemonProcess:
-    args = (
-        *train_args("sparseloco", rounds=ROUNDS, inner_steps=INNER_STEPS, min_peers=4),
-        "--averaging", "gossip", "--group-size", "2",
-    )
-    return DaemonProcess(path, peers=peers, extra_args=args, env=ENV)
 
 
 @pytest.fixture
@@ -49,13 +39,8 @@ def daemons() -> Iterator[list[DaemonProcess]]:
 def test_four_sparseloco_daemons_average_sparse_contributions_in_pairs(
     tmp_path: Path, daemons: list[DaemonProcess]
 ) -> None:
-    first = _trainer(tmp_path / "p0", ()).start()
-    daemons.append(first)
-    first.wait_ready(60)
-    for i in (1, 2, 3):
-        daemons.append(_trainer(tmp_path / f"p{i}", (first.addr,)).start())
-    for d in daemons[1:]:
-        d.wait_ready(60)
+    start_gossip_trainers(tmp_path, daemons, 4, "sparseloco", rounds=ROUNDS, inner_steps=INNER_STEPS,
+                          extra=("--group-size", "2"))
     assert wait_for(lambda: all(training(d).get("phase") == "done" for d in daemons), 240), [
         d.log() for d in daemons
     ]
