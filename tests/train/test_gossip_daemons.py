@@ -31,11 +31,13 @@ GRACE_S = 3.0  # also what realigns peers started apart: the one ahead waits up 
 ENV = {**TRAIN_ENV, "LATTICA_TRAIN_ROUND_DEADLINE_S": "5", "LATTICA_TRAIN_GROUP_GRACE_S": str(GRACE_S)}
 
 
-def _trainer(path: Path, *, rounds: int, peers: tuple[str, ...], min_peers: int, strategy: str) -> DaemonProcess:
+def _trainer(
+    path: Path, *, rounds: int, peers: tuple[str, ...], min_peers: int, strategy: str, overlap: bool = False
+) -> DaemonProcess:
     gossip = ("--averaging", "gossip") if strategy == "diloco" else ()
     args = (
         *train_args(strategy, rounds=rounds, inner_steps=INNER_STEPS, min_peers=min_peers),
-        *gossip, "--group-size", "2",
+        *gossip, "--group-size", "2", *(("--gossip-overlap",) if overlap else ()),
     )
     return DaemonProcess(path, peers=peers, extra_args=args, env=ENV)
 
@@ -47,14 +49,17 @@ def daemons() -> Iterator[list[DaemonProcess]]:
 
 
 def _swarm(
-    tmp_path: Path, daemons: list[DaemonProcess], count: int, rounds: int, strategy: str = "diloco"
+    tmp_path: Path, daemons: list[DaemonProcess], count: int, rounds: int, strategy: str = "diloco",
+    overlap: bool = False,
 ) -> list[DaemonProcess]:
     ready_s = 60.0 + 10.0 * count  # several daemons starting at once on a loaded 2-core machine
-    first = _trainer(tmp_path / "p0", rounds=rounds, peers=(), min_peers=count, strategy=strategy).start()
+    first = _trainer(tmp_path / "p0", rounds=rounds, peers=(), min_peers=count, strategy=strategy,
+                     overlap=overlap).start()
     daemons.append(first)
     first.wait_ready(ready_s)
     others = [
-        _trainer(tmp_path / f"p{i}", rounds=rounds, peers=(first.addr,), min_peers=count, strategy=strategy).start()
+        _trainer(tmp_path / f"p{i}", rounds=rounds, peers=(first.addr,), min_peers=count, strategy=strategy,
+                 overlap=overlap).start()
         for i in range(1, count)
     ]
     daemons.extend(others)
@@ -93,11 +98,17 @@ def _frozen_peer_does_not_hold_the_others(
         assert info["replicas_agree"] is False
 
 
-def test_four_gossip_daemons_keep_training_while_one_is_frozen(tmp_path: Path, daemons: list[DaemonProcess]) -> None:
-    swarm = _swarm(tmp_path, daemons, 3, rounds=400)
+# overlapped gossip (its exchanges in flight through the freeze and the adoption) for the suite's
+# time among the slow ones (the default set runs overlap in tests/train/test_gossip_overlap_daemons.py)
+@pytest.mark.parametrize("overlap", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_four_gossip_daemons_keep_training_while_one_is_frozen(
+    tmp_path: Path, daemons: list[DaemonProcess], overlap: bool
+) -> None:
+    swarm = _swarm(tmp_path, daemons, 3, rounds=400, overlap=overlap)
     assert wait_for(lambda: all(rounds_completed(d) >= 2 for d in swarm), 90), [d.log() for d in swarm]
     # a joiner adopts the newest published replica (replicas differ: no majority hash), then gossips
-    joiner = _trainer(tmp_path / "p3", rounds=400, peers=(swarm[0].addr,), min_peers=3, strategy="diloco").start()
+    joiner = _trainer(tmp_path / "p3", rounds=400, peers=(swarm[0].addr,), min_peers=3, strategy="diloco",
+                      overlap=overlap).start()
     daemons.append(joiner)
     joiner.wait_ready(60)
     assert wait_for(lambda: "adopted outer state of round" in joiner.log(), 60), joiner.log()
