@@ -185,7 +185,6 @@ class _GossipFlight:
     round: int
     key: str
     payload: list[torch.Tensor]  # [φ as sent, Δ]
-    started: float
     done: trio.Event = field(default_factory=trio.Event)
     partners: tuple[str, ...] = ()
     answers: list[list[torch.Tensor]] = field(default_factory=list)
@@ -296,7 +295,7 @@ class DiLoCo(EveryHSteps, AccountedStrategy):
     async def _gossip_sync(self) -> OuterStepReport:
         """Average ``[φ, Δ]`` with this round's group, then step on the group's mean Δ."""
         started = time.monotonic()
-        flight = self._next_flight(self._outer + pseudo_gradient(self._outer, self._inner), started)
+        flight = self._next_flight(self._outer + pseudo_gradient(self._outer, self._inner))
         await self._exchange(flight)
         return self._land(flight, started)
 
@@ -313,7 +312,7 @@ class DiLoCo(EveryHSteps, AccountedStrategy):
         else:
             await previous.done.wait()
             report = self._land(previous, started)
-        flight = self._next_flight([*(t.clone() for t in self._outer), *fresh], started)
+        flight = self._next_flight([*(t.clone() for t in self._outer), *fresh])
         self._in_flight = flight
         self.nursery.start_soon(self._exchange, flight)
         momentum = [self.outer_optimizer.state.get(p, {}).get("momentum_buffer") for p in self._outer]
@@ -333,11 +332,11 @@ class DiLoCo(EveryHSteps, AccountedStrategy):
         self._begin_phase(self._outer)
         return [report]
 
-    def _next_flight(self, payload: list[torch.Tensor], started: float) -> _GossipFlight:
+    def _next_flight(self, payload: list[torch.Tensor]) -> _GossipFlight:
         """The next round's exchange of ``payload`` (its key: the swarm's next round when this
         replica fell behind, ``realigned_round``)."""
         self._round = realigned_round(self.groups, self._round)
-        flight = _GossipFlight(round=self._round, key=f"round/{self._round}", payload=payload, started=started)
+        flight = _GossipFlight(round=self._round, key=f"round/{self._round}", payload=payload)
         self._round += 1
         return flight
 
