@@ -120,8 +120,11 @@ def test_four_gossip_daemons_keep_training_while_one_is_frozen(
 
 
 @pytest.mark.slow  # for the suite's time (8 daemons)
-def test_eight_gossip_daemons_keep_training_while_one_is_frozen(tmp_path: Path, daemons: list[DaemonProcess]) -> None:
-    swarm = _swarm(tmp_path, daemons, 8, rounds=400)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_eight_gossip_daemons_keep_training_while_one_is_frozen(
+    tmp_path: Path, daemons: list[DaemonProcess], overlap: bool
+) -> None:
+    swarm = _swarm(tmp_path, daemons, 8, rounds=400, overlap=overlap)
     _frozen_peer_does_not_hold_the_others(swarm, freeze_s=6 * GRACE_S, align_s=120.0)
 
 
