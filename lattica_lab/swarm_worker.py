@@ -305,20 +305,16 @@ class Worker:
         own_drift = DRIFT * torch.randn(numel, generator=own)
         # distinct tags per phase: round keys start at the phase's base
         strategy.load_outer_state_dict({"params": {"weight": init}, "round": int(cmd["round_base"])})
-        # an all-reduce phase is cut at its end (a step would wait for peers that stopped); a
-        # gossip peer finishes the step it is in, so no exchange is cut mid-send
-        end_at = cmd.get("end_at")
-        cut = end_at if end_at is not None and cmd["mode"] != "gossip" else None
         async with trio.open_nursery() as flights:
             strategy.bind_nursery(flights)  # overlapped exchanges run here
-            await self._steps(p, strategy, cmd, out, (shared_drift, own_drift), linger=linger, cut=cut, gossip=gossip)
+            await self._steps(p, strategy, cmd, out, (shared_drift, own_drift), linger=linger, gossip=gossip)
             # with overlap, the last exchange lands (no exchange is cut mid-send either)
             await strategy.finish()
         if gossip is not None:  # as a daemon whose training ended: partners asking are answered gone
             gossip.groups.leave()
 
     async def _steps(self, p: LocalPeer, strategy: DiLoCo, cmd: Message, out: list[Message],
-                     drifts: tuple[torch.Tensor, torch.Tensor], *, linger: bool, cut: float | None,
+                     drifts: tuple[torch.Tensor, torch.Tensor], *, linger: bool,
                      gossip: TimedGroups | None) -> None:
         """The peer's steps of one phase: inner phase (a sleep, then the drifts), sync, record."""
         members: list[str] = cmd["members"]
@@ -332,6 +328,9 @@ class Worker:
         signs = random.Random(p.id)
         if gossip is not None:
             gossip.groups.begin()  # the first inner phase starts now
+        # an all-reduce phase is cut at its end (a step would wait for peers that stopped); a
+        # gossip peer finishes the step it is in, so no exchange is cut mid-send
+        cut = end_at if end_at is not None and cmd["mode"] != "gossip" else None
         stats = p.service.stats
         sent, slow = stats.total_sent(), libp2p_sent(stats)
         with trio.move_on_after(max(0.0, cut - time.time()) if cut is not None else math.inf):

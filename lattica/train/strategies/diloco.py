@@ -273,6 +273,7 @@ class DiLoCo(EveryHSteps, AccountedStrategy):
                 log.info("sync %s attempt %d with %s failed: %s", key, attempt, ", ".join(group), exc)
                 continue
             self._apply(mean)
+            self._copy_outer_to_model()
             self.traffic.record_sync(sent)
             return OuterStepReport(
                 round=self._round - 1,
@@ -297,7 +298,9 @@ class DiLoCo(EveryHSteps, AccountedStrategy):
         started = time.monotonic()
         flight = self._next_flight(self._outer + pseudo_gradient(self._outer, self._inner))
         await self._exchange(flight)
-        return self._land(flight, started)
+        report = self._land(flight, started)
+        self._copy_outer_to_model()
+        return report
 
     async def _overlapped_gossip_sync(self) -> OuterStepReport:
         """Land the previous round's exchange, launch this round's, start the next phase from
@@ -384,11 +387,11 @@ class DiLoCo(EveryHSteps, AccountedStrategy):
         )
 
     def _apply(self, mean: Sequence[torch.Tensor]) -> None:
+        """The Nesterov outer step on ``mean``; the caller sets where θ goes next."""
         for outer, delta in zip(self._outer, mean, strict=True):
             outer.grad = delta.to(torch.float32)
         self.outer_optimizer.step()
         self.outer_optimizer.zero_grad(set_to_none=True)
-        self._copy_outer_to_model()
         self._completed += 1
 
     def _copy_outer_to_model(self) -> None:
