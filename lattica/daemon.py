@@ -139,6 +139,7 @@ class TrainingMetricsExporter:
         task_status.started()
         last_round, last_round_at, last_step, last_step_at = 0, trio.current_time(), 0, trio.current_time()
         accounted: dict[str, int] = {}
+        rejected = 0
         while True:
             info = self.training.status()["training"]
             now = trio.current_time()
@@ -157,6 +158,10 @@ class TrainingMetricsExporter:
                                 ("consensus_distance", metrics.consensus_distance)):
                 if info.get(name) is not None:
                     gauge.set(info[name])
+            refused = sum((info.get("rejected_contributions") or {}).values())
+            metrics.rejected_contributions.inc(max(0, refused - rejected))
+            rejected = max(rejected, refused)
+            metrics.avoided_partners.set(len(info.get("avoided_partners") or ()))
             progress = self.state.snapshot().get("progress", {})
             newest = max((r for p in progress.values() if isinstance(r := p.get("round"), int)), default=0)
             metrics.staleness_rounds.set(max(0, newest - rounds))

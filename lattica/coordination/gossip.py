@@ -23,6 +23,10 @@ was alone) is waited for. Every answer carries the answerer's latest step, and e
 asker's; ``next_step()`` tells a strategy that fell behind where the swarm is
 (``groups.SwarmStep``).
 
+A partner whose contribution this peer refused (``avoid``, called by the node when its
+strategy's screen refuses one) is left out of this peer's draws for a while
+(``coordination.avoidance``): the proposal is drawn from the view without it.
+
 Messages are length-prefixed msgpack (``net.wire``), capped at a few KiB; a malformed request
 ends that one stream and is logged.
 """
@@ -38,6 +42,7 @@ from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 from trio_typing import TaskStatus
 
+from lattica.coordination.avoidance import AvoidanceConfig, PartnerAvoidance
 from lattica.coordination.groups import (
     WAIT,
     GossipGroupsConfig,
@@ -74,6 +79,7 @@ class GossipGroups:
         members: Callable[[], Sequence[str]],
         config: GossipGroupsConfig | None = None,
         responsive: Callable[[str], bool] | None = None,
+        avoidance: AvoidanceConfig | None = None,
     ) -> None:
         self.host = host
         self.peer_id = peer_id
@@ -81,6 +87,7 @@ class GossipGroups:
         self.members = members
         self.config = config or GossipGroupsConfig()
         self.responsive = responsive or (lambda peer: True)
+        self.avoidance = PartnerAvoidance(avoidance)
         self._handshakes = GroupHandshakes(self.config)
         self._swarm = SwarmStep()
         self._opened = trio.Event()  # set (and replaced) whenever this peer opens a key
@@ -105,7 +112,22 @@ class GossipGroups:
         opened.set()  # held requests decide again
 
     def proposal(self, key: str) -> tuple[str, ...]:
-        return proposed_group(self.members(), self.peer_id, key=key, group_size=self.config.group_size)
+        """This peer's stripe for ``key``, drawn from its view without the partners it avoids."""
+        step = step_of(key)
+        view = self.avoidance.drawable(self.members(), step=self._step_now() if step is None else step)
+        return proposed_group(view, self.peer_id, key=key, group_size=self.config.group_size)
+
+    def avoid(self, peer: str) -> None:
+        """``peer``'s contribution was refused: leave it out of the next draws (module docstring)."""
+        until = self.avoidance.refused(peer, step=self._step_now())
+        log.info("leaving %s out of gossip groups until step %d", peer, until)
+
+    def avoided(self) -> list[str]:
+        """The partners left out of this peer's draws now."""
+        return self.avoidance.avoided(step=self._step_now())
+
+    def _step_now(self) -> int:
+        return self._handshakes.latest_step or 0
 
     def next_step(self) -> int | None:
         """The step the swarm goes to next, as partners announced it (None: nothing heard).

@@ -102,22 +102,7 @@ def reduce_parts(
         no_outlier = screen.max_norm_ratio is None or _no_norm_outlier([_norm(p) for p in floats], screen.max_norm_ratio)
         if no_outlier and _plain_mean_into(out, floats):
             return out, []
-    rejected: list[Rejection] = []
-    finite: list[int] = []
-    for i, part in enumerate(parts):
-        if _all_finite(part):
-            finite.append(i)
-        else:
-            rejected.append(Rejection(peers[i], "non-finite values"))
-    norms: dict[int, float] = {}
-    if screen.max_norm_ratio is not None or screen.clip_ratio is not None:
-        norms = {i: float(torch.linalg.vector_norm(parts[i].to(torch.float32))) for i in finite}
-    accepted = finite
-    median_norm = _median(norms.values()) if screen.max_norm_ratio is not None and len(finite) >= 3 else 0.0
-    if screen.max_norm_ratio is not None and median_norm > 0:
-        limit = screen.max_norm_ratio * median_norm
-        accepted = [i for i in finite if norms[i] <= limit]
-        rejected += [Rejection(peers[i], f"norm {norms[i]:.3g} > {limit:.3g}") for i in finite if norms[i] > limit]
+    accepted, rejected, norms = _screened(parts, peers, screen)
     if not accepted:
         return out.zero_(), rejected
     chosen = [parts[i].to(torch.float32) for i in accepted]
@@ -139,6 +124,41 @@ def reduce_parts(
         )
     _sum_into(out, chosen)
     return out.div_(len(chosen)), rejected
+
+
+def accepted_members(
+    parts: Sequence[torch.Tensor], peers: Sequence[str], screen: ContributionScreen = DEFAULT_SCREEN,
+) -> tuple[list[int], list[Rejection]]:
+    """Which of ``parts`` (one flat tensor per peer, in group order) rules 1 and 2 accept, by
+    index, and who is refused: the verdicts ``reduce_parts`` reaches, for callers that average
+    the accepted contributions themselves (an all-gather, where every member judges the same
+    list and so reaches the same verdict)."""
+    accepted, rejected, _ = _screened(parts, peers, screen)
+    return accepted, rejected
+
+
+def _screened(
+    parts: Sequence[torch.Tensor], peers: Sequence[str], screen: ContributionScreen,
+) -> tuple[list[int], list[Rejection], dict[int, float]]:
+    """Rules 1 and 2: the accepted indices, the refusals and the finite parts' norms (when a
+    norm rule needs them)."""
+    rejected: list[Rejection] = []
+    finite: list[int] = []
+    for i, part in enumerate(parts):
+        if _all_finite(part):
+            finite.append(i)
+        else:
+            rejected.append(Rejection(peers[i], "non-finite values"))
+    norms: dict[int, float] = {}
+    if screen.max_norm_ratio is not None or screen.clip_ratio is not None:
+        norms = {i: float(torch.linalg.vector_norm(parts[i].to(torch.float32))) for i in finite}
+    accepted = finite
+    median_norm = _median(norms.values()) if screen.max_norm_ratio is not None and len(finite) >= 3 else 0.0
+    if screen.max_norm_ratio is not None and median_norm > 0:
+        limit = screen.max_norm_ratio * median_norm
+        accepted = [i for i in finite if norms[i] <= limit]
+        rejected += [Rejection(peers[i], f"norm {norms[i]:.3g} > {limit:.3g}") for i in finite if norms[i] > limit]
+    return accepted, rejected, norms
 
 
 def _only_screens_norms(screen: ContributionScreen) -> bool:

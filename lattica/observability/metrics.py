@@ -174,6 +174,16 @@ class NodeMetrics:
             CHECKPOINT_BUCKETS,
         )
         """``lattica_checkpoint_fetch_duration_seconds``."""
+        self.rejected_contributions = self._counter(
+            "rejected_contributions",
+            "Contributions from peers this node refused before averaging (non-finite values, "
+            "norm outliers, malformed payloads): all-reduce parts and group partners' exchanges.",
+        )
+        """``lattica_rejected_contributions_total``: per peer in ``lattica status --json``."""
+        self.avoided_partners = self._gauge(
+            "avoided_partners", "Gossip partners left out of this node's group draws after a refusal."
+        )
+        """``lattica_avoided_partners``."""
 
     def _define_accounting(self) -> None:
         self.strategy_bytes_sent = self._counter(

@@ -24,7 +24,9 @@ fetching after a restart. A member whose training stopped on an error says ``fai
 daemon stays up): nobody waits for it. ``min_peers`` only gates the start of a run (a claimed
 round that no holder serves starts none). Syncs go through a stall guard (a silent member
 aborts the sync after a round deadline). After the last round the service keeps repairing, so
-every replica ends on the same state.
+every replica ends on the same state. A contribution the strategy refuses (``_refused``) counts
+against its sender in the data plane's ``rejected_contributions``, and with gossip groups the
+sender is left out of this peer's next draws; both show in ``lattica status``.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from lattica.coordination.gossip import GossipGroups
 from lattica.coordination.provider import GroupProvider
 from lattica.coordination.rounds import RoundCoordinator
 from lattica.errors import LatticaError
+from lattica.numerics.screen import Rejection
 from lattica.train import trainer_factory
 from lattica.train.collective import Collective, StallGuardedCollective
 from lattica.train.liveness import PeerLiveness
@@ -105,6 +108,11 @@ class ReceivedBytes(Protocol):
         """peer -> (bytes, seconds) of the last large message sent to it (``lattica doctor``)."""
         ...
 
+    @property
+    def rejected_contributions(self) -> Mapping[str, int]:
+        """peer -> its contributions refused (all-reduce parts, group partners' exchanges)."""
+        ...
+
     def total_received(self) -> int: ...
 
 
@@ -114,6 +122,9 @@ class DataPlane(Collective, Protocol):
 
     @property
     def stats(self) -> ReceivedBytes: ...
+
+    def score_down(self, rejection: Rejection) -> None:
+        """Count a refused contribution against its peer (``stats.rejected_contributions``)."""
 
     async def run(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None: ...
 
@@ -292,8 +303,16 @@ class TrainingService:
             checkpoint_dir=self.node.config.data_dir / "checkpoints",
             members=tuple(sorted(self.view.live_with_role(JOINING_ROLE, TRAINER_ROLE))),
             ownership=self._ownership, on_progress=self._on_progress, on_round=self._on_round,
+            on_refused=self._refused,
         )
         return await trio.to_thread.run_sync(lambda: trainer_factory.build_trainer(s, parts, wrap=self._wrap))
+
+    def _refused(self, rejection: Rejection) -> None:
+        """The strategy refused a partner's contribution: score the peer down, and with gossip
+        groups leave it out of this peer's next draws."""
+        self.tensors.score_down(rejection)
+        if isinstance(self.groups, GossipGroups):
+            self.groups.avoid(rejection.peer)
 
     def _wrap(self, strategy: OuterStrategy) -> OuterStrategy:
         """Outer-state sync around the strategy: catch-up and repair where replicas agree,
@@ -408,8 +427,13 @@ class TrainingService:
             "device": self.trainer.device.describe() if self.trainer is not None else None,
             **self.progress,
         }
+        rejected = {p: n for p, n in self.tensors.stats.rejected_contributions.items() if n}
+        if rejected:  # peer -> contributions refused (screened out of all-reduces and exchanges)
+            info["rejected_contributions"] = dict(sorted(rejected.items()))
         if self._gossips:
             info["averaging"] = "gossip"
+            if isinstance(self.groups, GossipGroups) and (avoided := self.groups.avoided()):
+                info["avoided_partners"] = avoided  # left out of this peer's group draws for now
             if self.settings.gossip_overlap:
                 info["gossip_overlap"] = True  # each round's exchange overlaps the next inner phase
             spread = strategy.consensus_distance if strategy is not None else None

@@ -10,7 +10,8 @@ what to wrap the strategy in; this module decides *what* is built:
   dense preset, with the expert ownership the service keeps in the replicated state;
 - the strategy from its registered class and the config ``strategy_settings`` maps the run
   settings onto, talking to the network only through the ``Collective`` and ``GroupProvider``
-  it is given;
+  it is given, and judging what partners send with the run's ``max_norm_ratio``
+  (``numerics.partner_screen``; refusals go to ``on_refused``);
 - the trainer's schedule: ``rounds × inner_steps`` steps, warm-up, a validation every round.
 """
 
@@ -24,6 +25,8 @@ from pathlib import Path
 
 from lattica.config import TrainSettings
 from lattica.coordination.provider import GroupProvider
+from lattica.numerics.partner_screen import PartnerScreen
+from lattica.numerics.screen import Rejection
 from lattica.train.checkpoint import CheckpointStore
 from lattica.train.collective import Collective
 from lattica.train.data import DataConfig
@@ -51,6 +54,7 @@ class TrainerParts:
     ownership: ExpertOwnership | None = None
     on_progress: Callable[[Progress], None] | None = None
     on_round: Callable[[RoundCompleted], None] | None = None
+    on_refused: Callable[[Rejection], None] | None = None  # a partner's contribution was refused
 
 
 def averages_in_groups(settings: TrainSettings) -> bool:
@@ -77,9 +81,12 @@ def build_trainer(
     and data loading, so call it in a worker thread."""
     s = settings
     task = build_task(s, peer_id=parts.peer_id)
+    handles = StrategyHandles(
+        ownership=parts.ownership, partner_screen=PartnerScreen(s.max_norm_ratio, on_refused=parts.on_refused),
+    )
     strategy = strategy_class(s.strategy).build(
         task.model, collective=parts.collective, groups=parts.groups,
-        config=strategy_config(s, members=parts.members), handles=StrategyHandles(ownership=parts.ownership),
+        config=strategy_config(s, members=parts.members), handles=handles,
     )
     total = s.rounds * s.inner_steps
     trainer_config = TrainerConfig(

@@ -156,11 +156,12 @@ class TensorService:
         """The mean over ``group``, new or written into ``out`` (see ``collectives.allreduce``)."""
         return await collectives.allreduce(
             self, tensors, group=group, tag=tag, codec=codec, screen=self.config.screen,
-            on_reject=self._score_down, out=out,
+            on_reject=self.score_down, out=out,
         )
 
-    def _score_down(self, rejection: Rejection) -> None:
-        """A contribution this member reduced was excluded: count it against the peer."""
+    def score_down(self, rejection: Rejection) -> None:
+        """A contribution was excluded — by this member reducing an all-reduce part, or by the
+        strategy screening what a group partner sent: count it against the peer."""
         self.stats.rejected_contributions[rejection.peer] += 1
         log.warning("excluded %s's contribution: %s", rejection.peer, rejection.reason)
 

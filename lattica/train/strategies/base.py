@@ -23,12 +23,13 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 import torch
 import trio
 
 from lattica.coordination.provider import GroupProvider as GroupProvider
+from lattica.numerics.partner_screen import PartnerScreen
 from lattica.train.collective import Collective
 from lattica.train.strategies.experts import ExpertOwnership
 
@@ -52,6 +53,9 @@ class StrategyHandles:
     strategy takes what it declares it needs in ``OuterStrategy.build``."""
 
     ownership: ExpertOwnership | None = None  # ``trains_experts``: the replicated expert ownership
+    # how partners' contributions are judged (the run's ``max_norm_ratio``) and where a refusal
+    # is reported (the daemon scores the peer down); None: the default screen, refusals logged
+    partner_screen: PartnerScreen | None = None
 
 
 class OuterStrategy(ABC):
@@ -109,7 +113,7 @@ class OuterStrategy(ABC):
         """The strategy with ``config`` (an instance of ``config_class``, None: its default),
         given the node's ``handles``. Default: the constructor, which needs none of them; a
         strategy that needs one overrides this and takes it from ``handles``."""
-        return cls(model, collective=collective, groups=groups, config=config)
+        return cls(model, collective=collective, groups=groups, config=config).take_handles(handles)
 
     def __init__(
         self,
@@ -124,6 +128,14 @@ class OuterStrategy(ABC):
         self.collective = collective
         self.groups = groups
         self.nursery: trio.Nursery | None = None
+        # judges what partners send before it is averaged (``numerics.partner_screen``)
+        self.partner_screen = PartnerScreen()
+
+    def take_handles(self, handles: StrategyHandles) -> Self:
+        """Use the node's partner screen when it gives one (``build`` calls this)."""
+        if handles.partner_screen is not None:
+            self.partner_screen = handles.partner_screen
+        return self
 
     def bind_nursery(self, nursery: trio.Nursery) -> None:
         """Give the strategy a nursery for communication that overlaps inner steps."""
@@ -265,6 +277,10 @@ class WrappedStrategy(OuterStrategy):
     @syncs_gradients.setter
     def syncs_gradients(self, value: bool) -> None:
         self.inner.syncs_gradients = value
+
+    def take_handles(self, handles: StrategyHandles) -> Self:
+        self.inner.take_handles(handles)
+        return self
 
     def bind_nursery(self, nursery: trio.Nursery) -> None:
         super().bind_nursery(nursery)

@@ -58,7 +58,7 @@ from lattica.numerics import demo_codec, sparse
 from lattica.train.collective import Collective
 from lattica.train.strategies.accounting import AccountedStrategy, tensor_bytes
 from lattica.train.strategies.base import GroupProvider, OuterStepReport
-from lattica.train.strategies.sparse_gather import gather_with_retries
+from lattica.train.strategies.sparse_gather import gather_with_retries, screen_gathered
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -219,6 +219,11 @@ def mean_components(
     return layout.join(segments)
 
 
+def _values(contribution: dict[int, sparse.SparseChunks]) -> torch.Tensor:
+    """The decoded coefficients of a contribution, all blocks in one flat tensor."""
+    return torch.cat([c.values.reshape(-1) for _, c in sorted(contribution.items())])
+
+
 class DeMo(AccountedStrategy):
     """Every step: exchange the fast DCT components of the momentum, step by the sign of their mean."""
 
@@ -304,14 +309,19 @@ class DeMo(AccountedStrategy):
         outcome = await gather_with_retries(
             self.collective, self.groups, payload, key=key, tag=f"demo/{key}",
             attempts=self.config.max_attempts, decode=self._decode, own=sent,
-            group=await self._group_of_window(step),
+            group=await self._group_of_window(step), on_refused=self.partner_screen.refuse,
         )
         self.traffic.record_sync(outcome.bytes_sent)
         self._round_bytes += outcome.bytes_sent
         if outcome.gathered is None:
             return None, ()
         self._window_group = outcome.group  # a retry's fresh group serves the rest of the window
-        return mean_components(outcome.gathered, self.layout), outcome.group
+        accepted = screen_gathered(
+            outcome.gathered, outcome.group, _values, self.partner_screen, me=self.collective.peer_id,
+        )
+        if not accepted:
+            return None, ()
+        return mean_components(accepted, self.layout), outcome.group
 
     async def _group_of_window(self, step: int) -> tuple[str, ...]:
         """The group for the steps of one window (``inner_steps`` steps, the reported round):

@@ -62,7 +62,10 @@ from lattica.train.strategies.gossip import (
     consensus_distance,
     exchange_with_partners,
     group_mean,
+    left_out_detail,
+    phi_and_delta,
     realigned_round,
+    screen_answers,
 )
 from lattica.train.strategies.traffic import allreduce_bytes, payload_bytes
 
@@ -365,8 +368,10 @@ class DiLoCo(EveryHSteps, AccountedStrategy):
         what was sent: nothing changes it between a flight's launch and its landing."""
         n = len(self._outer)
         sent = flight.payload
-        if flight.answers:
-            contributions = [sent, *flight.answers]
+        answered = [p for p in flight.partners if p not in flight.missing]
+        accepted, answers = screen_answers(self.partner_screen, sent, answered, flight.answers, phi_and_delta)
+        if answers:
+            contributions = [sent, *answers]
             mean_phi = group_mean([c[:n] for c in contributions])
             self.consensus_distance = consensus_distance(sent[:n], mean_phi)
             with torch.no_grad():
@@ -376,14 +381,13 @@ class DiLoCo(EveryHSteps, AccountedStrategy):
         else:
             mean_delta = sent[n:]
         self._apply(mean_delta)
-        me, missing = self.collective.peer_id, flight.missing
         return OuterStepReport(
             round=flight.round,
             key=flight.key,
-            group=tuple(sorted({me, *flight.partners} - missing)),
+            group=tuple(sorted({self.collective.peer_id, *accepted})),
             bytes_sent=payload_bytes(sent, self.config.codec) * len(flight.partners),
             seconds=time.monotonic() - started,
-            detail=f"no answer from: {', '.join(sorted(missing))}" if missing else "",
+            detail=left_out_detail(flight.missing, set(answered) - set(accepted)),
         )
 
     def _apply(self, mean: Sequence[torch.Tensor]) -> None:

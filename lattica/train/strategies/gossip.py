@@ -30,12 +30,17 @@ averaging, from the tensors exchanged anyway —
 — this peer's distance to its group's mean, relative to the weights' norm. Groups are random
 each step, so over steps it samples the swarm's spread; it is 0 while a peer averages alone
 (nothing to compare with; the last measured value is kept).
+
+What a partner sent is screened before it is averaged (``screen_answers``,
+``numerics.partner_screen``): a contribution with a non-finite value, or with a segment (φ, Δ)
+whose norm is far above this replica's own, is refused — left out of the mean as if that
+partner had not answered, and reported so the node scores it down and avoids it.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import trio
@@ -43,6 +48,7 @@ import trio
 from lattica.coordination.groups import JUMP_BEHIND
 from lattica.coordination.provider import SwarmStepSource
 from lattica.errors import BrokenError, PeerUnavailableError, RemoteProtocolError
+from lattica.numerics.partner_screen import PartnerScreen, Segments
 from lattica.train.collective import Collective
 
 AVERAGING_MODES = ("allreduce", "gossip")
@@ -115,6 +121,34 @@ def realigned_round(groups: object, next_round: int) -> int:
     if not isinstance(ahead, int) or next_round > ahead - 1 - JUMP_BEHIND:
         return next_round
     return ahead
+
+
+def screen_answers(
+    screen: PartnerScreen, own: Sequence[torch.Tensor], answered: Sequence[str],
+    answers: Sequence[Sequence[torch.Tensor]], segments: Callable[[Sequence[torch.Tensor]], Segments],
+) -> tuple[list[str], list[Sequence[torch.Tensor]]]:
+    """The partners of ``answered`` whose answers ``screen`` accepts, and those answers (both in
+    order), each judged segment by segment (``segments``) against this replica's ``own``
+    (``numerics.partner_screen``); the refused ones are reported by the screen."""
+    verdict = screen.screen(segments(own), {p: segments(a) for p, a in zip(answered, answers, strict=True)})
+    kept = set(verdict.accepted)
+    pairs = [(p, a) for p, a in zip(answered, answers, strict=True) if p in kept]
+    return [p for p, _ in pairs], [a for _, a in pairs]
+
+
+def left_out_detail(missing: Iterable[str], refused: Iterable[str]) -> str:
+    """The partners an exchange left out, for a sync's report: silent or gone, and refused."""
+    silent, screened_out = sorted(missing), sorted(refused)
+    parts = [f"no answer from: {', '.join(silent)}"] if silent else []
+    if screened_out:
+        parts.append(f"refused: {', '.join(screened_out)}")
+    return "; ".join(parts)
+
+
+def phi_and_delta(payload: Sequence[torch.Tensor]) -> Segments:
+    """``[φ..., Δ...]`` (DiLoCo's and NoLoCo's gossip payload) as its two segments."""
+    n = len(payload) // 2
+    return {"phi": payload[:n], "delta": payload[n:]}
 
 
 def group_mean(contributions: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:

@@ -13,6 +13,8 @@ and applies the modified Nesterov step of the paper with the group means:
 
 Failure: a partner that is gone (``PeerUnavailableError``) or silent past the deadline is left
 out of the means; with nobody left the worker steps on its own Δ (n = 1, the γ term vanishes).
+So is a partner whose ``[φ, Δ]`` the screen refuses (``gossip.screen_answers``: non-finite values,
+a norm far above this worker's own).
 No one waits on anyone outside their stripe, so a dead peer stalls at most its partners, and
 those only until the deadline. A worker that fell behind the swarm (frozen, slow) jumps its
 round keys to the swarm's next step (``gossip.realigned_round``) and pairs again there. Replicas are not identical: φ differs between workers.
@@ -37,7 +39,10 @@ from lattica.train.strategies.gossip import (
     consensus_distance,
     exchange_with_partners,
     group_mean,
+    left_out_detail,
+    phi_and_delta,
     realigned_round,
+    screen_answers,
 )
 from lattica.train.strategies.traffic import payload_bytes
 
@@ -156,15 +161,18 @@ class NoLoCo(EveryHSteps, AccountedStrategy):
         stripe = next(s for s in stripes if me in s)
         with torch.no_grad():
             delta = [phi - p.detach() for phi, p in zip(self._phi, self._params, strict=True)]
+        partners = [q for q in stripe if q != me]
         answers, missing = await exchange_with_partners(
-            self.collective, [q for q in stripe if q != me], self._phi + delta, tag=f"noloco/{key}",
+            self.collective, partners, self._phi + delta, tag=f"noloco/{key}",
             codec=self.config.codec, timeout_s=self.config.exchange_timeout_s,
         )
+        answered = [q for q in partners if q not in missing]
+        accepted, kept = screen_answers(self.partner_screen, self._phi + delta, answered, answers, phi_and_delta)
         n = len(self._phi)
-        contributions = [self._phi + delta, *answers]
+        contributions = [self._phi + delta, *kept]
         mean_phi = group_mean([c[:n] for c in contributions])
         mean_delta = group_mean([c[n:] for c in contributions])
-        if answers:
+        if kept:
             self.consensus_distance = consensus_distance(self._phi, mean_phi)
         noloco_outer_step(
             self._phi,
@@ -184,11 +192,11 @@ class NoLoCo(EveryHSteps, AccountedStrategy):
         return OuterStepReport(
             round=round_number,
             key=key,
-            group=tuple(sorted(q for q in stripe if q not in missing)),  # sorted, as every provider's
+            group=tuple(sorted({me, *accepted})),  # sorted, as every provider's
             bytes_sent=sent,
             seconds=time.monotonic() - started,
-            skipped=len(answers) == 0,
-            detail=f"unavailable: {', '.join(sorted(missing))}" if missing else "",
+            skipped=not kept,
+            detail=left_out_detail(missing, set(answered) - set(accepted)),
         )
 
     def outer_state_dict(self) -> dict[str, Any]:

@@ -8,7 +8,15 @@ fraction of one dense all-reduce (``2 (M − 1) / M`` of the dense fp32 size).
 
 Failure: one exchange that fails (a peer gone, a broken stream, a malformed payload) cancels
 the other exchanges of the call and fails the whole gather with that error; the caller
-decides (retry with a fresh group, or skip the sync).
+decides (retry with a fresh group, or skip the sync). A payload that does not decode (a lying
+header, a non-finite scale or value) is reported as a refused contribution of its sender too.
+
+Screening (``screen_gathered``): of a gathered list, the contributions are judged by the
+all-reduce owner's rules (``numerics.screen.accepted_members`` on their decoded values: a
+non-finite one refused, with three or more one above ``max_norm_ratio`` × the median norm).
+Every member judges the same list the same way, so replicas still apply the same mean; an
+all-gather of two has no majority, and only non-finite values are refused there (the
+decoder already refuses them).
 """
 
 from __future__ import annotations
@@ -22,6 +30,8 @@ import torch
 import trio
 
 from lattica.errors import BrokenError, PeerUnavailableError, RemoteProtocolError
+from lattica.numerics.partner_screen import PartnerScreen
+from lattica.numerics.screen import ContributionScreen, Rejection, accepted_members
 from lattica.train.collective import Collective
 from lattica.train.strategies.base import GroupProvider
 
@@ -43,11 +53,13 @@ async def all_gather(
     tag: str,
     decode: Callable[[list[torch.Tensor], str], T],
     own: T,
+    on_refused: Callable[[Rejection], None] | None = None,
 ) -> list[T]:
     """Every member's decoded contribution, in ``group`` order (``own`` for this node).
 
     ``decode(tensors, peer)`` checks and rebuilds what ``peer`` sent; it raises
-    ``RemoteProtocolError`` on anything that does not fit.
+    ``RemoteProtocolError`` on anything that does not fit, which is reported to
+    ``on_refused`` before the gather fails.
     """
     me = collective.peer_id
     received: dict[str, T] = {me: own}
@@ -56,7 +68,12 @@ async def all_gather(
     async def one(peer: str) -> None:
         try:
             answer = await collective.exchange(payload, peer=peer, tag=tag, codec="raw")
-            received[peer] = decode(answer, peer)
+            try:
+                received[peer] = decode(answer, peer)
+            except RemoteProtocolError as exc:
+                if on_refused is not None:
+                    on_refused(Rejection(peer, f"malformed payload: {exc}"))
+                raise
         except GATHER_FAILURES as exc:
             failures.append(exc)
             nursery.cancel_scope.cancel()  # the gather cannot complete: stop waiting for the rest
@@ -92,6 +109,7 @@ async def gather_with_retries(
     decode: Callable[[list[torch.Tensor], str], T],
     own: T,
     group: Sequence[str] | None = None,
+    on_refused: Callable[[Rejection], None] | None = None,
 ) -> GatherOutcome[T]:
     """``all_gather`` in the group agreed for ``key`` (or in ``group`` when the caller already
     holds an agreed one: no agreement for the first attempt); after a failure, again in a fresh
@@ -105,7 +123,8 @@ async def gather_with_retries(
         nbytes += gather_bytes(payload, len(members))
         try:
             gathered = await all_gather(
-                collective, payload, group=members, tag=f"{tag}/{attempt}", decode=decode, own=own
+                collective, payload, group=members, tag=f"{tag}/{attempt}", decode=decode, own=own,
+                on_refused=on_refused,
             )
         except GATHER_FAILURES as exc:
             failure = str(exc)
@@ -113,3 +132,19 @@ async def gather_with_retries(
             continue
         return GatherOutcome(gathered, members, nbytes, "")
     return GatherOutcome(None, (), nbytes, failure)
+
+
+def screen_gathered(
+    gathered: Sequence[T], group: Sequence[str], values: Callable[[T], torch.Tensor], screen: PartnerScreen,
+    *, me: str,
+) -> list[T]:
+    """The contributions of ``gathered`` (one per member of ``group``, in order) that the
+    all-reduce owner's rules accept (module docstring), judged on their decoded ``values`` (one
+    flat tensor each); refusals of other members are reported to ``screen``. Empty when every
+    contribution is refused: nothing to apply."""
+    rules = ContributionScreen(max_norm_ratio=screen.max_norm_ratio)
+    accepted, rejected = accepted_members([values(c) for c in gathered], group, rules)
+    for rejection in rejected:
+        if rejection.peer != me:
+            screen.refuse(rejection)
+    return [gathered[i] for i in accepted]

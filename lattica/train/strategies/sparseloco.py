@@ -35,7 +35,6 @@ so dropping it can lose a little of one replica's progress but never applies any
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -47,14 +46,18 @@ from lattica.config import DEFAULT_INNER_STEPS
 from lattica.coordination.groups import proposed_group
 from lattica.errors import RemoteProtocolError
 from lattica.numerics import sparse
+from lattica.numerics.screen import Rejection
 from lattica.train.collective import Collective
 from lattica.train.strategies.accounting import AccountedStrategy, tensor_bytes
 from lattica.train.strategies.base import EveryHSteps, GroupProvider, OuterStepReport
 from lattica.train.strategies.diloco import _check_tensors, outer_copy, pseudo_gradient
-from lattica.train.strategies.gossip import check_averaging, exchange_with_partners, realigned_round
-from lattica.train.strategies.sparse_gather import gather_with_retries
-
-log = logging.getLogger(__name__)
+from lattica.train.strategies.gossip import (
+    check_averaging,
+    exchange_with_partners,
+    left_out_detail,
+    realigned_round,
+)
+from lattica.train.strategies.sparse_gather import gather_with_retries, screen_gathered
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -119,6 +122,12 @@ def mean_of_sparse(contributions: Sequence[sparse.SparseChunks], numel: int) -> 
         sparse.add_into(total, contribution)
     total /= len(contributions)
     return total[:numel]
+
+
+def _values(contribution: sparse.SparseChunks) -> torch.Tensor:
+    """The decoded values of a contribution (their norm is that of its dense vector: the
+    indices within a chunk are distinct)."""
+    return contribution.values.reshape(-1)
 
 
 class SparseLoCo(EveryHSteps, AccountedStrategy):
@@ -188,12 +197,17 @@ class SparseLoCo(EveryHSteps, AccountedStrategy):
             return await self._gossip(key, payload, sent, new_error, started)
         outcome = await gather_with_retries(
             self.collective, self.groups, payload, key=key, tag=f"sparseloco/{key}",
-            attempts=cfg.max_attempts, decode=self._decode, own=sent,
+            attempts=cfg.max_attempts, decode=self._decode, own=sent, on_refused=self.partner_screen.refuse,
         )
         self.traffic.record_sync(outcome.bytes_sent)
         if outcome.gathered is None:
             return self._report(key, (), outcome.bytes_sent, started, skipped=True, detail=outcome.failure)
-        self._apply(mean_of_sparse(outcome.gathered, self._numel), new_error)
+        accepted = screen_gathered(
+            outcome.gathered, outcome.group, _values, self.partner_screen, me=self.collective.peer_id,
+        )
+        if not accepted:
+            return self._report(key, (), outcome.bytes_sent, started, skipped=True, detail="no contribution accepted")
+        self._apply(mean_of_sparse(accepted, self._numel), new_error)
         return self._report(key, outcome.group, outcome.bytes_sent, started)
 
     async def _gossip(
@@ -211,19 +225,22 @@ class SparseLoCo(EveryHSteps, AccountedStrategy):
             timeout_s=self.config.exchange_timeout_s, shapes_vary=True,  # Rice/Elias-Fano coded: lengths differ
         )
         answered = [p for p in partners if p not in silent]
-        contributions = {me: sent}
+        decoded: dict[str, sparse.SparseChunks] = {}
         for partner, answer in zip(answered, answers, strict=True):
             try:
-                contributions[partner] = self._decode(answer, partner)
-            except RemoteProtocolError as exc:  # a malformed payload: that partner is left out
-                log.info("sync %s: payload of %s dropped: %s", key, partner, exc)
+                decoded[partner] = self._decode(answer, partner)
+            except RemoteProtocolError as exc:  # a malformed payload: that partner is refused
+                self.partner_screen.refuse(Rejection(partner, f"malformed payload: {exc}"))
+        verdict = self.partner_screen.screen(
+            {"update": [sent.values]}, {p: {"update": [c.values]} for p, c in decoded.items()}
+        )
+        contributions = {me: sent, **{p: decoded[p] for p in verdict.accepted}}
         group = tuple(sorted(contributions))
         nbytes = sum(t.numel() * t.element_size() for t in payload) * len(partners)
         self.traffic.record_sync(nbytes)
         self._apply(mean_of_sparse([contributions[p] for p in group], self._numel), new_error)
-        missing = sorted(set(partners) - set(group))
         return self._report(
-            key, group, nbytes, started, detail=f"no answer from: {', '.join(missing)}" if missing else ""
+            key, group, nbytes, started, detail=left_out_detail(silent, set(answered) - set(verdict.accepted)),
         )
 
     def _decode(self, tensors: list[torch.Tensor], peer: str) -> sparse.SparseChunks:

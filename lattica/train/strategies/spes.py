@@ -58,6 +58,8 @@ import trio
 from lattica.config import DEFAULT_INNER_STEPS
 from lattica.coordination.groups import proposed_group
 from lattica.errors import BrokenError, PeerUnavailableError, RemoteProtocolError
+from lattica.numerics.partner_screen import Segments, refusal, segment_norm
+from lattica.numerics.screen import Rejection
 from lattica.train.collective import Collective
 from lattica.train.moe import MoEGPT, dense_parameters, expert_parameters
 from lattica.train.strategies.accounting import AccountedStrategy
@@ -73,6 +75,7 @@ from lattica.train.strategies.gossip import (
     consensus_distance,
     exchange_with_partners,
     group_mean,
+    left_out_detail,
 )
 from lattica.train.strategies.traffic import allreduce_bytes, payload_bytes
 
@@ -190,7 +193,9 @@ class SPES(AccountedStrategy):
             raise TypeError(f"SPES trains a mixture-of-experts model (MoEGPT), got {type(model).__name__}")
         if config is not None and not isinstance(config, SPESConfig):
             raise TypeError(f"SPES takes an SPESConfig, got {type(config).__name__}")
-        return cls(model, collective=collective, groups=groups, config=config, ownership=handles.ownership)
+        return cls(
+            model, collective=collective, groups=groups, config=config, ownership=handles.ownership,
+        ).take_handles(handles)
 
     @property
     def completed_rounds(self) -> int:
@@ -294,6 +299,13 @@ class SPES(AccountedStrategy):
         )
         answered = [p for p in partners if p not in missing]
         n = len(dense)
+        # experts are judged for non-finite values only: this node's copy of another's expert
+        # is a stale snapshot, not its own update, and the owner is the expert's one source
+        verdict = self.partner_screen.screen({"dense": dense}, {
+            p: self._segments(a, n, experts_of(self.owners, p)) for p, a in zip(answered, answers, strict=True)
+        })
+        kept = [(p, a) for p, a in zip(answered, answers, strict=True) if p in verdict.accepted]
+        answered, answers = [p for p, _ in kept], [a for _, a in kept]
         copies: dict[int, list[torch.Tensor]] = {}
         if answers:
             mean = group_mean([dense, *[a[:n] for a in answers]])
@@ -323,8 +335,19 @@ class SPES(AccountedStrategy):
             group=tuple(sorted({me, *answered})),
             bytes_sent=sent,
             seconds=time.monotonic() - started,
-            detail=f"no answer from: {', '.join(sorted(missing))}" if missing else "",
+            detail=left_out_detail(missing, [r.peer for r in verdict.rejected]),
         )
+
+    def _segments(self, payload: Sequence[torch.Tensor], dense: int, experts: Sequence[int]) -> Segments:
+        """A payload of the dense parameters (``dense`` tensors) then ``experts``' tensors, by
+        segment (``"dense"``, ``"expert/<e>"``) for the partner screen."""
+        segments: dict[str, Sequence[torch.Tensor]] = {"dense": payload[:dense]}
+        offset = dense
+        for e in experts:
+            count = len(self._experts[e])
+            segments[f"expert/{e}"] = payload[offset : offset + count]
+            offset += count
+        return segments
 
     async def _exchange(
         self, members: tuple[str, ...], sources: Mapping[int, str], key: str
@@ -354,13 +377,15 @@ class SPES(AccountedStrategy):
             per_expert = [len(self._experts[e]) for e in theirs]
             if len(answer) != sum(per_expert):
                 raise RemoteProtocolError("wrong number of expert tensors", peer_id=peer)
-            offset = 0
+            offset, arrived = 0, {}
             for e, count in zip(theirs, per_expert, strict=True):
-                copies[e] = list(answer[offset : offset + count])
+                arrived[e] = list(answer[offset : offset + count])
                 offset += count
-                shapes = [t.shape for t in copies[e]]
+                shapes = [t.shape for t in arrived[e]]
                 if shapes != [p.shape for p in self._experts[e]]:
                     raise RemoteProtocolError(f"expert {e} arrived with wrong shapes", peer_id=peer)
+            if self._copies_refused(peer, arrived) is None:
+                copies.update(arrived)
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(dense)
@@ -369,6 +394,16 @@ class SPES(AccountedStrategy):
                     nursery.start_soon(experts_from, peer)
         sent = payload_bytes(payload, self.config.codec) * (len(members) - 1)
         return result[0], copies, sent
+
+    def _copies_refused(self, peer: str, arrived: Mapping[int, Sequence[torch.Tensor]]) -> Rejection | None:
+        """Why the expert copies ``peer`` sent in an all-reduce sync are refused (a non-finite
+        value), or None; a refused source's experts keep the copies every member holds, so
+        replicas still agree. Each expert has one source, so, as in an all-reduce of two, no
+        majority tells an outlier by its norm."""
+        why = refusal(peer, {f"expert/{e}": segment_norm(t) for e, t in arrived.items()}, {}, None)
+        if why is not None:
+            self.partner_screen.refuse(why)
+        return why
 
     @torch.no_grad()
     def _apply(
