@@ -11,13 +11,14 @@ before being handed out), so a strategy sees the same numerics in memory as over
 ``bytes_sent[peer]`` counts what the member would have put on the wire with a butterfly
 all-reduce: ``2 (N-1)/N`` of its encoded payload per ``allreduce``, the encoded payload per
 ``exchange``. Contributions are screened like the real reducer does (``screen.py``); the
-excluded ones are listed in ``rejections``. ``fail(peer)`` simulates a peer that died: every pending or later operation that
+excluded ones are listed in ``rejections``. ``PoisonedCollective`` makes a member a hostile
+partner (its exchanges send NaN, or anything else a test gives it). ``fail(peer)`` simulates a peer that died: every pending or later operation that
 involves it raises ``PeerUnavailableError`` naming it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -158,6 +159,35 @@ def _check_shapes(deposits: dict[str, list[torch.Tensor]]) -> None:
     layouts = {tuple(tuple(t.shape) for t in tensors) for tensors in deposits.values()}
     if len(layouts) > 1:
         raise LocalProtocolError("members passed tensors of different shapes to one allreduce")
+
+
+class PoisonedCollective:
+    """A member's ``Collective`` that sends ``poison(tensor)`` instead of each tensor it sends in
+    an exchange: a hostile or broken group partner (a GPU that produced a NaN, an attacker).
+    Its all-reduces and what it receives are untouched."""
+
+    def __init__(self, inner: Collective, poison: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.inner, self.poison = inner, poison
+
+    @property
+    def peer_id(self) -> str:
+        return self.inner.peer_id
+
+    async def allreduce(
+        self, tensors: Sequence[torch.Tensor], *, group: Sequence[str], tag: str, codec: str = "fp32"
+    ) -> list[torch.Tensor]:
+        return await self.inner.allreduce(tensors, group=group, tag=tag, codec=codec)
+
+    async def exchange(
+        self, tensors: Sequence[torch.Tensor], *, peer: str, tag: str, codec: str = "fp32"
+    ) -> list[torch.Tensor]:
+        return await self.inner.exchange([self.poison(t) for t in tensors], peer=peer, tag=tag, codec=codec)
+
+
+def nan_like(tensor: torch.Tensor) -> torch.Tensor:
+    """A poison for ``PoisonedCollective``: NaN of a floating-point tensor's shape and dtype (an
+    encoded payload, bytes, is left as it is)."""
+    return torch.full_like(tensor, float("nan")) if tensor.is_floating_point() else tensor
 
 
 class FixedGroups:

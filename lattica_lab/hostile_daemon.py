@@ -21,11 +21,8 @@ import torch
 from lattica.cli.main import main
 from lattica.net.tensors.transfer import TensorService
 from lattica_lab import lab_env
+from lattica_lab.collective import nan_like
 from lattica_lab.daemons import DaemonProcess
-
-
-def _nan_like(tensor: torch.Tensor) -> torch.Tensor:
-    return torch.full_like(tensor, float("nan")) if tensor.is_floating_point() else tensor
 
 
 def poison_exchanges() -> None:
@@ -35,7 +32,7 @@ def poison_exchanges() -> None:
     async def exchange(
         self: TensorService, tensors: Sequence[torch.Tensor], *, peer: str, tag: str, codec: str = "fp32",
     ) -> list[torch.Tensor]:
-        return await honest(self, [_nan_like(t) for t in tensors], peer=peer, tag=tag, codec=codec)
+        return await honest(self, [nan_like(t) for t in tensors], peer=peer, tag=tag, codec=codec)
 
     TensorService.exchange = exchange  # type: ignore[method-assign]
 

@@ -261,3 +261,21 @@ async def test_a_peer_that_leaves_answers_held_and_new_requests_gone_at_once() -
             assert groups[asker] == (asker,)
             assert took[asker] < 1.0
             nursery.cancel_scope.cancel()
+
+
+async def test_an_avoided_partner_is_drawn_by_nobody_who_refused_it() -> None:
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            peers = await gossip_peers(nursery, 3, grace_s=GRACE_S)  # groups of 2: one stripe of three
+            me, refused, other = sorted(peers)
+            groups, _ = await _ask_all(peers, "round/0")
+            assert all(len(g) == 3 for g in groups.values())
+            peers[me].avoid(refused)
+            assert peers[me].avoided() == [refused]
+            assert peers[me].proposal("round/1") == tuple(sorted((me, other)))
+            groups, _ = await _ask_all(peers, "round/1")
+            # the refused partner proposes us still, but our answer does not hold it: unconfirmed
+            assert groups[me] == tuple(sorted((me, other)))
+            assert me not in groups[refused]
+            assert groups[other] == tuple(sorted(peers))
+            nursery.cancel_scope.cancel()

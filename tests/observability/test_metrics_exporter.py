@@ -34,6 +34,8 @@ EXPECTED_FAMILIES = {
     "lattica_replicated_state_bytes",
     "lattica_rejected_updates",
     "lattica_checkpoint_fetch_duration_seconds",
+    "lattica_rejected_contributions",
+    "lattica_avoided_partners",
     "lattica_strategy_bytes_sent",
     "lattica_strategy_syncs",
     "lattica_sync_bytes",
