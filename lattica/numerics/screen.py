@@ -30,6 +30,11 @@ reports it (``Rejection``) so the caller can score that peer down. A member whos
 contribution is non-finite is therefore excluded by every owner, i.e. from the round. Sums run
 in group order, so the same inputs give the same bits on any machine. If nothing is accepted,
 the part is zero (no update).
+
+``accepted_members`` gives rules 1 and 2's verdicts alone, for an all-gather whose every member
+averages the same list itself (SparseLoCo's and DeMo's sparse payloads). Groups that average
+without an owner (gossip) judge partners against the receiver's own contribution instead
+(``partner_screen``).
 """
 
 from __future__ import annotations

@@ -16,7 +16,9 @@ m per parameter (fp32, CPU). After backward of every step, with the step's learn
    and removed from m as receivers decode them: m ← m − IDCT(q); what was not sent, rounding
    error included, stays in m (error feedback);
 4. members exchange their q (``sparse_gather``: indices in the smallest scheme, values), and
-   each computes Q = (1/M) Σ q_m in fp32 in group order. The group is agreed with the group
+   each computes Q = (1/M) Σ q_m in fp32 in group order, over the q that the screen accepts
+   alike at every member (``sparse_gather.screen_gathered``: with three members or more, one
+   whose coefficients' norm is above ``max_norm_ratio`` × the median is left out). The group is agreed with the group
    provider once per window of ``inner_steps`` steps (key ``round/W``, at the window's first
    step) and reused for every step of the window: a per-step exchange waits for no agreement
    (a round coordinator's seal can take up to its deadline on a loaded machine);

@@ -19,7 +19,10 @@ role of DiLoCo's outer momentum. After every ``inner_steps`` (H) inner steps:
 No outer momentum: the decayed accumulator carries what was not sent yet.
 
 Invariants: all members of a completed round apply the same mean to the same θ with the same
-CPU fp32 arithmetic, so θ stays bit-identical; e only ever loses what was applied.
+CPU fp32 arithmetic, so θ stays bit-identical; e only ever loses what was applied. Before the
+mean, the gathered ŝ are screened alike at every member (``sparse_gather.screen_gathered``: with
+three members or more, one whose norm is above ``max_norm_ratio`` × the median is left out);
+with gossip, a partner's ŝ is judged against this replica's own (``numerics.partner_screen``).
 
 Failure rule (e stays consistent): a sync is a transaction. c and ŝ are computed aside; only
 when every contribution of the round has arrived are θ and e updated together. If the gather

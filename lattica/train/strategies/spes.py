@@ -35,7 +35,11 @@ not move with a group — a group is not the membership — : it is the one in f
 (``ownership.current()``, the replicated map in the daemon), so experts stay with their owners.
 Replicas then differ (``replicas_agree`` False); the spread of the dense parameters is measured
 as ``consensus_distance``. A partner that is silent, gone, or answers tensors that do not fit
-its experts in the map is left out; alone, a node keeps its weights and trains on.
+its experts in the map is left out; alone, a node keeps its weights and trains on. So is a
+partner whose answer the screen refuses (``numerics.partner_screen``): a non-finite value
+anywhere, or dense weights whose norm is far above this node's own (expert copies are judged
+for non-finite values only: the owner is an expert's one source). In an all-reduce sync, expert
+copies that are not finite are refused and the copy every member holds is kept.
 
 After a completed all-reduce sync all members hold bit-identical weights. Failure: if any part of the sync
 fails (a peer vanished), nothing is applied and the sync is retried with the group agreed for
