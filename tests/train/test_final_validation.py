@@ -140,5 +140,5 @@ def _service() -> TrainingService:
         peer_id=SimpleNamespace(to_base58=lambda: "me"), host=None, config=SimpleNamespace(run_id="run"),
         metrics=SimpleNamespace(checkpoint_fetch_seconds=fetch_seconds),
     )
-    tensors = SimpleNamespace(stats=SimpleNamespace(total_received=lambda: 0))
+    tensors = SimpleNamespace(stats=SimpleNamespace(total_received=lambda: 0, rejected_contributions={}))
     return TrainingService(node, state, TrainSettings(), tensors=tensors)  # type: ignore[arg-type]
