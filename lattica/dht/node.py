@@ -6,7 +6,8 @@ What this adds around the library:
   publicly reachable, client behind NAT. ``set_reachability`` flips it at runtime.
 - Every inbound frame is screened (``inbound.py``) against strict namespaced validators
   and size caps; a bad frame is counted, logged once per peer, the peer is banned for a
-  while, removed from the routing table and its provider records, and disconnected.
+  while, removed from the routing table, the records it stored here are dropped, and it is
+  disconnected.
 - Provider records expire after ``DHTConfig.provider_ttl`` rather than 48 h.
 - What the node stores for other peers is bounded per sender and in total (``quota.py``,
   ``DHTConfig.store``): a request beyond a quota is refused before the library sees it, and
@@ -127,6 +128,7 @@ class LatticaDHT:
             return
         self.kad.routing_table.remove_peer(peer_id)
         self.providers.remove_provider(peer)
+        self.ledger.drop_sender(peer)  # its value records too
         try:
             await self._host.disconnect(peer_id)
         except Exception:  # best effort; libp2p raises many kinds on a closing connection

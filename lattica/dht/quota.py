@@ -200,6 +200,16 @@ class StoreLedger:
             del self._holdings[sender]
         return True
 
+    def drop_sender(self, sender: str) -> int:
+        """Evict every entry of ``sender`` (a peer dropped for bad input); the number evicted."""
+        held = self._holdings.get(sender)
+        entries = list(held.entries) if held is not None else []
+        for entry in entries:
+            self.release(entry)
+            for listener in self._evict_listeners:
+                listener(entry)
+        return len(entries)
+
     def reconcile(self, present: Iterable[EntryKey]) -> int:
         """Forget entries whose records are gone; the number forgotten."""
         keep = set(present)

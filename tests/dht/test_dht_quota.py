@@ -109,6 +109,18 @@ def test_released_and_reconciled_entries_free_their_share():
     assert ledger.stats().senders == 1
 
 
+def test_dropping_a_sender_evicts_all_its_entries_and_tells_the_stores():
+    ledger = _ledger()
+    evicted: list[object] = []
+    ledger.on_evict(evicted.append)
+    ledger.admit(("value", 0), "bad", 10)
+    ledger.admit(("provider", b"k", "bad"), "bad", 10)
+    ledger.admit(("value", 1), "good", 10)
+    assert ledger.drop_sender("bad") == 2
+    assert evicted == [("value", 0), ("provider", b"k", "bad")]
+    assert ledger.entries() == [("value", 1)]
+
+
 @pytest.mark.parametrize("field", ["max_records", "max_bytes", "max_records_per_sender", "max_bytes_per_sender"])
 def test_limits_must_be_positive(field):
     with pytest.raises(ValueError, match=field):

@@ -86,3 +86,20 @@ async def test_a_flood_spread_over_many_identities_stays_within_the_total_and_ev
             len(r) for k, r in victim_dht.providers.providers.items() if k != run_key("honest-run")
         )
         assert held == records  # the stores hold exactly what the ledger accounts for
+
+
+async def test_a_peer_dropped_for_bad_input_loses_the_records_it_stored():
+    async with running_hosts(2) as (victim, attacker):
+        victim_dht = LatticaDHT(victim, config=DHTConfig())
+        with trio.fail_after(30):
+            await connect(attacker, victim)
+            for i in range(3):
+                assert await _acknowledged(attacker, victim, put_value_frame(f"/lattica/ckpt/r{i}", b"v"))
+            assert await _acknowledged(attacker, victim, add_provider_frame(attacker, content_key(b"c")))
+            assert victim_dht.store_stats().records == 4
+            await _acknowledged(attacker, victim, b"\x05hello")  # garbage: the peer is dropped
+            while victim_dht.rejected_inputs == 0:
+                await trio.sleep(0.05)
+        assert victim_dht.store_stats().records == 0
+        assert not victim_dht.values.store
+        assert not victim_dht.providers.providers
