@@ -12,8 +12,8 @@ Target: ``rss_growth_mb`` (peak minus baseline) <= 100. Last line: one JSON obje
 ``rss_growth_mb``, ``records_accepted`` / ``records_refused`` (as the flooders saw them),
 the identities used, the daemon's stored records and bytes, and its refusal counters.
 
-A daemon that does not start, is not a DHT server, or dies during the flood fails the run: exit
-status 1 and one line on stderr, no figures.
+A daemon that does not start, is not a DHT server, or dies during the flood, or a flood that
+never reaches it, fails the run: exit status 1 and one line on stderr, no figures.
 """
 
 from __future__ import annotations
@@ -75,7 +75,8 @@ def scrape(port: int, prefix: str = "lattica_dht_") -> dict[str, float]:
     for line in text.splitlines():
         if line.startswith(prefix):
             name, _, value = line.rpartition(" ")
-            figures[name] = float(value)
+            if not name.split("{")[0].endswith("_created"):
+                figures[name] = float(value)
     return figures
 
 
@@ -99,6 +100,8 @@ def run(seconds: float, workers: int) -> dict[str, object]:
                 samples.append(rss_mb(pid))
             if daemon.proc.poll() is not None:
                 raise BenchmarkFailed(f"the daemon exited during the flood: {daemon.log()}")
+            if counts.identities == 0 or counts.accepted + counts.refused == 0:
+                raise BenchmarkFailed("the flood never reached the daemon (no outsider connected)")
             dht = daemon.call("status")["dht"]  # type: ignore[index]
             metrics = scrape(metrics_port)
         finally:
