@@ -115,8 +115,12 @@ class DiscoveryService:
             nursery.start_soon(self._export_metrics)
 
     async def _export_metrics(self) -> None:
+        previous = None
         while True:
             self._metrics.dht_routing_table_peers.set(self.discovery.routing_table_size())
+            stats = self.discovery.dht.store_stats()
+            self._metrics.set_dht_store(stats, previous=previous)
+            previous = stats
             await trio.sleep(_METRICS_INTERVAL_S)
 
     async def set_reachability(self, public: bool) -> None:

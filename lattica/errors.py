@@ -6,7 +6,8 @@
   the peer id; the caller logs it, drops or penalizes the peer, and carries on.
 - ``ClosedError`` vs ``BrokenError``: "you closed it" vs "the other side (or the network)
   broke it", as trio distinguishes ``ClosedResourceError`` and ``BrokenResourceError``.
-- ``PeerUnavailableError``: a peer could not be reached or vanished mid-operation.
+- ``PeerUnavailableError``: a peer could not be reached or vanished mid-operation;
+  ``PeerBusyError``: it answered that it is over its serving budget (try later).
 """
 
 from __future__ import annotations
@@ -44,6 +45,10 @@ class RemoteProtocolError(RemoteError):
 
 class PeerUnavailableError(RemoteError):
     """A peer could not be reached, or disconnected during an operation."""
+
+
+class PeerBusyError(PeerUnavailableError):
+    """A peer refused to serve for now (over its serving budget): try again later."""
 
 
 class ClosedError(LatticaError):

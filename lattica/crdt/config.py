@@ -6,12 +6,20 @@ from dataclasses import dataclass, field
 
 from lattica.crdt.liveness import LeasePolicy
 from lattica.crdt.replica import ReplicaLimits
+from lattica.net.serving_budget import ServingLimits
+
+
+def default_serving() -> ServingLimits:
+    """What the node sends in state-sync answers, all peers together: a joiner's full state is
+    typically well under 1 MiB, a repair session a state vector of a few KiB."""
+    return ServingLimits(bytes_per_s=8 << 20, burst_bytes=64 << 20, max_answers=64)
 
 
 @dataclass(frozen=True, kw_only=True)
 class StateConfig:
     """``admins``: peer ids allowed to write the run config; empty means this node alone
-    (the run's creator). Nodes joining a run must be given the creator's peer id."""
+    (the run's creator). Nodes joining a run must be given the creator's peer id.
+    ``serving``: the node-wide budget for answering state-sync sessions (``sync.py``)."""
 
     admins: tuple[str, ...] = ()
     lease: LeasePolicy = field(default_factory=LeasePolicy)
@@ -21,6 +29,7 @@ class StateConfig:
     sync_timeout: float = 10.0
     max_backoff: float = 30.0
     compact_min_records: int = 1024
+    serving: ServingLimits = field(default_factory=default_serving)
 
     def __post_init__(self) -> None:
         if isinstance(self.admins, str) or not all(isinstance(a, str) and a for a in self.admins):

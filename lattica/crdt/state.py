@@ -23,6 +23,11 @@ The service wraps a sans-IO ``Replica`` with three kinds of I/O:
   vouches). ``live_members`` counts only verified writers (``liveness.verified_writers``), so
   records signed by throwaway keys that never connected are not members, whatever lease they
   claim; the replica evicts such writers first when its table is full.
+- **Serving budget.** Answering a session sends whatever the asker lacks (a fresh identity:
+  the whole state). The node answers at most ``StateConfig.serving`` (bytes per second, bursts,
+  sessions at once; ``lattica.net.serving_budget``) all peers together, and at most
+  ``_MAX_ANSWERS_PER_PEER`` sessions of one peer at once; beyond, the session is answered
+  ``busy`` and the asker tries later.
 - **Equivocation.** A writer caught signing two histories is banned by the replica; the
   evidence is persisted with the log and sent to peers that still hold the writer.
 """
@@ -49,12 +54,14 @@ from lattica.crdt.liveness import MAX_VOUCHES, is_live, live_members, verified_w
 from lattica.crdt.log import AppendLog
 from lattica.crdt.replica import Replica
 from lattica.errors import BrokenError, LocalProtocolError, RemoteError, RemoteProtocolError
+from lattica.net.serving_budget import ServingBudget
 
 log = logging.getLogger(__name__)
 
 # not the relaying peer's fault: an honest peer relays a writer it has not caught or proven yet
 _BENIGN_REJECTIONS = frozenset({"replay", "equivocation", "banned", "evicted"})
 _MAX_PROVEN = 4096
+_MAX_ANSWERS_PER_PEER = 2  # an honest peer runs one session with us at a time
 
 
 def _now_ms() -> int:
@@ -100,6 +107,8 @@ class ReplicatedState:
         self._closed = False  # run() has ended and closed the log
         self._nursery: trio.Nursery | None = None
         self.torn_bytes_at_open = 0
+        self.serving = ServingBudget(self.config.serving)
+        self._answering: dict[str, int] = {}  # peer -> sessions we are answering
 
     # -- service -------------------------------------------------------------------------------
 
@@ -302,6 +311,8 @@ class ReplicatedState:
     def counters(self) -> dict[str, int | dict[str, int]]:
         counters = self._replica.counters()
         counters["log_bytes"] = self._log.size_bytes if self._log else 0
+        counters["sync_answers_busy"] = self.serving.busy
+        counters["sync_answer_bytes"] = self.serving.served_bytes
         return counters
 
     def dump(self) -> dict[str, object]:
@@ -438,11 +449,17 @@ class ReplicatedState:
         if self._nursery is None or trio.current_time() < self._penalized_until.get(peer, 0.0):
             await _reset_quietly(stream)
             return
+        if not self._start_answer(peer):
+            with contextlib.suppress(BrokenError):
+                await sync.refuse_busy(stream, peer_id=peer)
+            await _close_quietly(stream)
+            return
         self._ensure_peer(peer)
         try:
             with trio.fail_after(self.config.sync_timeout):
-                await sync.respond(stream, self, peer_id=peer)
-            self._mark_proven(peer)
+                answered = await sync.respond(stream, self, peer_id=peer, take=self._take_answer_bytes)
+            if answered:
+                self._mark_proven(peer)
         except RemoteProtocolError as exc:
             log.warning("state sync: dropping bad input from %s: %s", peer, exc)
             self._penalized_until[peer] = trio.current_time() + self.config.max_backoff
@@ -451,7 +468,27 @@ class ReplicatedState:
             log.debug("state sync from %s failed: %s", peer, exc)
             await _reset_quietly(stream)
         finally:
+            self._end_answer(peer)
             await _close_quietly(stream)
+
+    def _start_answer(self, peer: str) -> bool:
+        """Room to answer ``peer``'s session: its own share, then the node's budget."""
+        if self._answering.get(peer, 0) >= _MAX_ANSWERS_PER_PEER:
+            self.serving.busy += 1
+            return False
+        if not self.serving.try_start(trio.current_time()):
+            return False
+        self._answering[peer] = self._answering.get(peer, 0) + 1
+        return True
+
+    def _take_answer_bytes(self, nbytes: int) -> bool:
+        return self.serving.try_take(nbytes, trio.current_time())
+
+    def _end_answer(self, peer: str) -> None:
+        self.serving.done()
+        remaining = self._answering.pop(peer, 1) - 1
+        if remaining > 0:
+            self._answering[peer] = remaining
 
     async def _heartbeat_loop(self) -> None:
         while True:

@@ -17,6 +17,11 @@ The same session is used for prompt pushes (the service starts one as soon as it
 something new) and for periodic repair, which is what makes the state converge after
 partitions heal or messages are lost.
 
+A responder over its node-wide serving budget (``state.py``) answers the hello with
+``{"t": "busy"}`` instead and ends the session; the initiator raises ``PeerBusyError`` and tries
+again later, as after any failed session — busy is not bad input. The responder asks the budget
+for what it is about to send (``take``) before its hello, and answers busy if refused.
+
 A peer that sends a malformed frame, a wrong run id, or an envelope that fails its signature
 or permission check ends the session with ``RemoteProtocolError``; replays do not.
 Timeouts are the caller's (``trio.fail_after`` around a session). Sessions are opened only to
@@ -26,7 +31,7 @@ without it, such as a plain libp2p relay or DHT server among the bootstrap peers
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 from libp2p.abc import IHost, INetStream
@@ -34,7 +39,7 @@ from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 
 from lattica.crdt.envelope import Envelope
-from lattica.errors import RemoteProtocolError
+from lattica.errors import PeerBusyError, RemoteProtocolError
 from lattica.net.host import peer_may_support
 from lattica.net.wire import read_message, write_message
 
@@ -42,6 +47,8 @@ SYNC_PROTOCOL = TProtocol("/lattica/state-sync/1.0.0")
 MAX_FRAME_BYTES = 2 * 1024 * 1024
 BATCH_BYTES = 512 * 1024
 MAX_BATCHES = 10_000
+BUSY: dict[str, object] = {"t": "busy"}
+_VECTOR_ROW_BYTES = 96  # a state-vector row on the wire: document, writer id, count, head digest
 
 
 class SyncEndpoint(Protocol):
@@ -70,7 +77,10 @@ def hello(run_id: str, vector: list[list[str | int]]) -> dict[str, object]:
 
 
 def parse_hello(obj: object, *, run_id: str, peer_id: str) -> list[object]:
-    """A ``hello`` -> the peer's state vector (its rows are checked by the replica)."""
+    """A ``hello`` -> the peer's state vector (its rows are checked by the replica); ``busy``
+    -> ``PeerBusyError``."""
+    if obj == BUSY:
+        raise PeerBusyError("peer is busy serving state; try again later", peer_id=peer_id)
     vector = obj.get("sv") if isinstance(obj, dict) and obj.get("t") == "hello" else None
     if not isinstance(obj, dict) or not isinstance(vector, list):
         raise RemoteProtocolError("expected a sync hello", peer_id=peer_id)
@@ -137,12 +147,27 @@ async def initiate(stream: INetStream, endpoint: SyncEndpoint, *, peer_id: str) 
     await _send_all(stream, batches(endpoint.missing_for(theirs)), peer_id)
 
 
-async def respond(stream: INetStream, endpoint: SyncEndpoint, *, peer_id: str) -> None:
+async def respond(
+    stream: INetStream, endpoint: SyncEndpoint, *, peer_id: str, take: Callable[[int], bool] = lambda nbytes: True
+) -> bool:
+    """Answer one session; True when answered, False when ``take(nbytes)`` refused what this
+    side would send and the session was answered busy."""
     theirs = parse_hello(
         await read_message(stream, max_size=MAX_FRAME_BYTES, peer_id=peer_id),
         run_id=endpoint.run_id,
         peer_id=peer_id,
     )
-    await write_message(stream, hello(endpoint.run_id, endpoint.state_vector()), peer_id=peer_id)
-    await _send_all(stream, batches(endpoint.missing_for(theirs)), peer_id)
+    vector = endpoint.state_vector()
+    missing = endpoint.missing_for(theirs)
+    if not take(len(vector) * _VECTOR_ROW_BYTES + sum(env.encoded_size() for env in missing)):
+        await refuse_busy(stream, peer_id=peer_id)
+        return False
+    await write_message(stream, hello(endpoint.run_id, vector), peer_id=peer_id)
+    await _send_all(stream, batches(missing), peer_id)
     await _receive_all(stream, endpoint, peer_id)
+    return True
+
+
+async def refuse_busy(stream: INetStream, *, peer_id: str) -> None:
+    """Answer a session with ``busy`` (the initiator's hello is left unread)."""
+    await write_message(stream, BUSY, peer_id=peer_id)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from lattica.dht.quota import ENTRY_OVERHEAD, StoreLimits
+from lattica.dht.records import ENVELOPE_OVERHEAD, MAX_KEY_BYTES
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -14,6 +17,9 @@ class DHTConfig:
     which must be shorter so that a live member never lapses. ``min_run_peers`` is how many
     run members discovery keeps connected (it connects to all it finds, up to
     ``max_run_peers``).
+
+    ``store`` bounds what the node stores for other peers (``quota.py``): per sender and in
+    total, in records and in bytes.
     """
 
     provider_ttl: float = 30 * 60.0
@@ -33,6 +39,7 @@ class DHTConfig:
     max_addrs_per_peer: int = 16
     ban_seconds: float = 10 * 60.0
     start_as_server: bool = True
+    store: StoreLimits = field(default_factory=StoreLimits)
 
     def __post_init__(self) -> None:
         for name in (
@@ -74,3 +81,9 @@ class DHTConfig:
             raise ValueError("min_run_peers must not exceed max_run_peers")
         if self.max_value_bytes + 1024 > self.max_message_bytes:
             raise ValueError("max_message_bytes must leave room for a max-size value")
+        largest_record = MAX_KEY_BYTES + self.max_value_bytes + ENVELOPE_OVERHEAD + ENTRY_OVERHEAD
+        if self.store.max_bytes_per_sender < largest_record:
+            raise ValueError(
+                f"store.max_bytes_per_sender ({self.store.max_bytes_per_sender}) must hold one "
+                f"max-size record ({largest_record} bytes)"
+            )

@@ -68,12 +68,17 @@ class RunDiscovery:
 
     def status(self) -> dict[str, object]:
         """A JSON-able summary for the daemon's status command."""
+        store = self.dht.store_stats()
         return {
             "dht_mode": "server" if self.dht.is_server else "client",
             "routing_table": self.routing_table_size(),
             "run_members": len(self._members),
             "member_lookups": self.lookups_done,
             "rejected_inputs": self.rejected_inputs,
+            "stored_records": store.records,
+            "stored_bytes": store.bytes,
+            "store_refused": sum(store.refused.values()),
+            "store_evicted": store.evicted,
         }
 
     async def set_reachability(self, public: bool) -> None:

@@ -6,8 +6,12 @@ What this adds around the library:
   publicly reachable, client behind NAT. ``set_reachability`` flips it at runtime.
 - Every inbound frame is screened (``inbound.py``) against strict namespaced validators
   and size caps; a bad frame is counted, logged once per peer, the peer is banned for a
-  while, removed from the routing table and its provider records, and disconnected.
+  while, removed from the routing table, the records it stored here are dropped, and it is
+  disconnected.
 - Provider records expire after ``DHTConfig.provider_ttl`` rather than 48 h.
+- What the node stores for other peers is bounded per sender and in total (``quota.py``,
+  ``DHTConfig.store``): a request beyond a quota is refused before the library sees it, and
+  both stores charge what they hold to one ledger; ``store_stats`` reports it.
 - Value records carry their own expiry (``records.py``); ``put_record`` remembers what this
   node published so ``republish_records`` can refresh it before it lapses.
 
@@ -24,6 +28,7 @@ import trio
 from libp2p.abc import IHost, INetStream
 from libp2p.kad_dht import DHTMode, KadDHT
 from libp2p.kad_dht.common import PROTOCOL_ID
+from libp2p.kad_dht.pb.kademlia_pb2 import Message
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 
@@ -32,6 +37,7 @@ from lattica.dht.content import ContentRouting, LookupResult
 from lattica.dht.inbound import guarded_handler
 from lattica.dht.penalties import PenaltyBox
 from lattica.dht.provider_store import ExpiringProviderStore
+from lattica.dht.quota import Refusal, StoreLedger, StoreStats
 from lattica.dht.records import (
     ExpiringRecord,
     ExpiringRecordValidator,
@@ -39,9 +45,12 @@ from lattica.dht.records import (
     build_validator,
     encode_record,
 )
+from lattica.dht.screen import quota_refusal
+from lattica.dht.value_store import BoundedValueStore
 from lattica.errors import LocalProtocolError, RemoteProtocolError
 
 logger = logging.getLogger(__name__)
+_REFUSAL_LOG_INTERVAL_S = 60.0
 
 
 class LatticaDHT:
@@ -57,10 +66,14 @@ class LatticaDHT:
         self.kad = KadDHT(
             host, mode, validator=self.validator, validator_changed=True, strict_validation=True
         )
+        self.ledger = StoreLedger(config.store)
         self.providers = ExpiringProviderStore(
-            host=host, peer_routing=self.kad.peer_routing, ttl=config.provider_ttl
+            host=host, peer_routing=self.kad.peer_routing, ttl=config.provider_ttl, ledger=self.ledger
         )
         self.kad.provider_store = self.providers
+        self.values = BoundedValueStore(host, host.get_id(), ledger=self.ledger)
+        self.kad.value_store = self.values
+        self._refusals_logged_at = -_REFUSAL_LOG_INTERVAL_S
         self.penalties = PenaltyBox(ban_seconds=config.ban_seconds)
         self.content = ContentRouting(host, self.kad, config, on_bad_answer=self.penalize)
         self._published: dict[str, tuple[bytes, int]] = {}
@@ -91,6 +104,8 @@ class LatticaDHT:
                 max_frame=self._config.max_message_bytes,
                 is_banned=lambda peer: self.penalties.is_banned(peer, now=time.monotonic()),
                 on_reject=self.penalize,
+                check_store=self._store_refusal,
+                on_refuse=self._note_refusal,
             )
 
         self._host.set_stream_handler(PROTOCOL_ID, handler)
@@ -113,10 +128,30 @@ class LatticaDHT:
             return
         self.kad.routing_table.remove_peer(peer_id)
         self.providers.remove_provider(peer)
+        self.ledger.drop_sender(peer)  # its value records too
         try:
             await self._host.disconnect(peer_id)
         except Exception:  # best effort; libp2p raises many kinds on a closing connection
             logger.debug("disconnecting %s failed", peer, exc_info=True)
+
+    # -- what we store for others -----------------------------------------------------------
+    def store_stats(self) -> StoreStats:
+        return self.ledger.stats()
+
+    def _store_refusal(self, peer: str, msg: Message) -> Refusal | None:
+        return quota_refusal(msg, sender=peer, sender_id=ID.from_base58(peer).to_bytes(), ledger=self.ledger)
+
+    def _note_refusal(self, peer: str, refusal: Refusal) -> None:
+        """Count a refused store request; log at most one line a minute (a flood is one event)."""
+        self.ledger.refused[refusal] += 1
+        now = time.monotonic()
+        if now - self._refusals_logged_at >= _REFUSAL_LOG_INTERVAL_S:
+            self._refusals_logged_at = now
+            stats = self.ledger.stats()
+            logger.info(
+                "refusing DHT records from %s (%s); storing %d records, %d bytes for %d peers; refused so far: %s",
+                peer, refusal.value, stats.records, stats.bytes, stats.senders, stats.refused,
+            )
 
     # -- routing table ----------------------------------------------------------------------
     def routing_table_size(self) -> int:
@@ -141,13 +176,15 @@ class LatticaDHT:
         return await self.content.find_providers(key, enough=enough, include_local=include_local)
 
     def expire_records(self) -> None:
-        """Drop provider records past their TTL and value records past their expiry."""
+        """Drop provider records past their TTL and value records past their expiry; forget
+        ledger entries of records the library dropped on its own."""
         self.providers.cleanup_expired()
-        for key, (record, _) in list(self.kad.value_store.store.items()):
+        for key, (record, _) in list(self.values.store.items()):
             try:
                 self.validator.validate(key.decode(), record.value)
             except (InvalidRecord, UnicodeDecodeError):
-                self.kad.value_store.remove(key)
+                self.values.remove(key)
+        self.ledger.reconcile([*self.providers.entries(), *self.values.entries()])
 
     # -- value records ----------------------------------------------------------------------
     async def put_record(self, key: str, value: bytes) -> None:

@@ -10,12 +10,16 @@ it is a request this node answers, with sane sizes:
 - a known message type; keys non-empty and at most 128 bytes (80 for ADD_PROVIDER);
 - PUT_VALUE carries a record whose key matches and whose value the namespaced validator
   accepts (so unknown namespaces, oversize and expired values are refused here);
-- ADD_PROVIDER carries at most 20 providers, each a parseable peer id with a bounded number
-  of addresses.
+- ADD_PROVIDER is for a key in Lattica's form (a sha2-256 multihash, ``keys.py``) and carries
+  at most 20 providers, each a parseable peer id with a bounded number of addresses.
 
 Anything else raises ``RemoteProtocolError`` with the peer id; the I/O layer counts it, logs
 it once, drops the stream and penalizes the peer. py-libp2p's own handler only ever sees
 frames that passed.
+
+A well-formed request to store something may still be more than this node stores for its
+sender: ``quota_refusal`` asks the store ledger (``quota.py``) first, so a refused record never
+reaches the library. That is a refusal, not bad input: the stream is reset, nothing is banned.
 """
 
 from __future__ import annotations
@@ -27,10 +31,19 @@ import multihash
 from google.protobuf.message import DecodeError
 from libp2p.kad_dht.pb.kademlia_pb2 import Message
 
+from lattica.dht.quota import (
+    Refusal,
+    StoreLedger,
+    provider_cost,
+    provider_entry,
+    value_cost,
+    value_entry,
+)
 from lattica.errors import RemoteProtocolError
 
 MAX_KEY_BYTES = 128
 MAX_PROVIDER_KEY_BYTES = 80
+_SHA2_256_KEY = (b"\x12\x20", 34)  # multihash prefix and length of every Lattica provider key
 MAX_PROVIDERS_PER_MESSAGE = 20
 _VARINT_MAX_BYTES = 10
 _REQUEST_TYPES = frozenset(
@@ -140,6 +153,9 @@ def _screen_put_value(msg: Message, validator: RecordValidator, reject: _Reject)
 def _screen_add_provider(msg: Message, reject: _Reject) -> None:
     if len(msg.key) > MAX_PROVIDER_KEY_BYTES:
         raise reject(f"ADD_PROVIDER key of {len(msg.key)} bytes")
+    prefix, length = _SHA2_256_KEY
+    if len(msg.key) != length or not msg.key.startswith(prefix):
+        raise reject("ADD_PROVIDER key is not a sha2-256 multihash")
     if not 0 < len(msg.providerPeers) <= MAX_PROVIDERS_PER_MESSAGE:
         raise reject(f"ADD_PROVIDER with {len(msg.providerPeers)} providers")
     for provider in msg.providerPeers:
@@ -149,3 +165,16 @@ def _screen_add_provider(msg: Message, reject: _Reject) -> None:
             raise reject("ADD_PROVIDER with an unparseable peer id") from None
         if len(provider.addrs) > 32:
             raise reject("ADD_PROVIDER with too many addresses")
+
+
+def quota_refusal(msg: Message, *, sender: str, sender_id: bytes, ledger: StoreLedger) -> Refusal | None:
+    """Whether the ledger refuses what a screened request asks this node to store for ``sender``
+    (``sender_id``: its peer id's bytes); None for requests that store nothing."""
+    if msg.type == Message.MessageType.PUT_VALUE:
+        return ledger.check(value_entry(msg.key), sender, value_cost(msg.key, msg.record.value))
+    if msg.type == Message.MessageType.ADD_PROVIDER:
+        for provider in msg.providerPeers:
+            if provider.id == sender_id:  # the library stores a record for the sender only
+                cost = provider_cost(msg.key, provider.id, provider.addrs)
+                return ledger.check(provider_entry(msg.key, sender), sender, cost)
+    return None

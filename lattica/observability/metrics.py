@@ -20,9 +20,13 @@ import math
 import platform
 from collections.abc import Iterable
 from importlib import metadata
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.process_collector import ProcessCollector
+
+if TYPE_CHECKING:
+    from lattica.dht.quota import StoreStats
 
 NAMESPACE = "lattica"
 
@@ -32,6 +36,9 @@ CONNECTION_PATHS = ("direct", "hole-punched", "relayed")
 # Reasons a replicated-state update may be refused; values of ``rejected_updates{reason}``.
 # Subsystems may use other reasons too; these are pre-created so the dashboard always has series.
 REJECT_REASONS = ("malformed", "bad-signature", "unknown-author", "oversized", "stale")
+
+# Why the DHT refuses to store a record; values of ``dht_store_refused{reason}``.
+DHT_STORE_REFUSALS = ("sender-quota", "store-full", "too-large")
 
 # Collective operations timed by ``collective_seconds{op}``.
 COLLECTIVE_OPS = ("allreduce", "exchange")
@@ -119,6 +126,45 @@ class NodeMetrics:
             "dht_routing_table_peers", "Peers in the Kademlia routing table."
         )
         """``lattica_dht_routing_table_peers``."""
+        self._define_dht_store()
+
+    def _define_dht_store(self) -> None:
+        self.dht_stored_records = self._gauge(
+            "dht_stored_records", "DHT records this node stores for other peers."
+        )
+        """``lattica_dht_stored_records``: provider and value records of others (not our own)."""
+        self.dht_stored_bytes = self._gauge(
+            "dht_stored_bytes", "Bytes charged for the DHT records this node stores for other peers."
+        )
+        """``lattica_dht_stored_bytes``."""
+        self.dht_store_limit = self._gauge(
+            "dht_store_limit", "Bounds on what the DHT stores for others.", ("bound",)
+        )
+        """``lattica_dht_store_limit{bound=records|bytes|records_per_sender|bytes_per_sender}``."""
+        self.dht_store_refused = self._counter(
+            "dht_store_refused", "DHT records refused, by reason.", ("reason",)
+        )
+        """``lattica_dht_store_refused_total{reason=sender-quota|store-full|too-large}``."""
+        for reason in DHT_STORE_REFUSALS:
+            self.dht_store_refused.labels(reason=reason)
+        self.dht_store_evicted = self._counter(
+            "dht_store_evicted", "DHT records of others evicted to make room (largest holder first)."
+        )
+        """``lattica_dht_store_evicted_total``."""
+
+    def set_dht_store(self, stats: StoreStats, *, previous: StoreStats | None) -> None:
+        """Copy the DHT store ledger's figures; ``previous`` (the last copied) advances the counters."""
+        self.dht_stored_records.set(stats.records)
+        self.dht_stored_bytes.set(stats.bytes)
+        limits = stats.limits
+        for bound, value in (("records", limits.max_records), ("bytes", limits.max_bytes),
+                             ("records_per_sender", limits.max_records_per_sender),
+                             ("bytes_per_sender", limits.max_bytes_per_sender)):
+            self.dht_store_limit.labels(bound=bound).set(value)
+        for reason, count in stats.refused.items():
+            before = previous.refused.get(reason, 0) if previous is not None else 0
+            self.dht_store_refused.labels(reason=reason).inc(max(0, count - before))
+        self.dht_store_evicted.inc(max(0, stats.evicted - (previous.evicted if previous is not None else 0)))
 
     def _define_training(self) -> None:
         self.outer_round = self._gauge("outer_round", "Current outer (DiLoCo) round of this node.")

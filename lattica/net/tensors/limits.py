@@ -8,10 +8,13 @@ are read and dropped, so the stream stays usable) and counted as refused.
 A ``fetch`` request is a few bytes that make us send every tensor it names, so answering is
 rationed too (``FetchGate``): a peer has at most ``max_peer_fetch_serves`` answers in flight and
 gets the same content (the same served tensors) at most once per ``fetch_repeat_s``; the node
-sends at most ``max_fetch_serves`` answers at once (the others wait their turn). A request over
-a peer's share is answered with no tensors (the fetcher sees "does not serve"); while a few such
-refusals are still on their way to the peer, more requests are dropped unanswered, so a flood
-costs the flooder's bandwidth, not ours.
+sends at most ``max_fetch_serves`` answers at once (the others wait their turn). Identities are
+free, so the node as a whole also has a budget (``ServingBudget``): at most ``max_fetch_answers``
+answers in flight (sending or waiting), and bytes at ``fetch_serve_bytes_per_s`` with bursts of
+``fetch_serve_burst_bytes``. A request over a peer's share or over the node's budget is answered
+with no tensors (the fetcher sees "does not serve … or is busy" and tries another holder or
+later); while a few such refusals are still on their way to the peer, more requests are dropped
+unanswered, so a flood costs the flooder's bandwidth, not ours.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from dataclasses import dataclass
 from enum import Enum
 
 import torch
+
+from lattica.net.serving_budget import ServingBudget, ServingLimits
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -37,6 +42,9 @@ class TensorLimits:
     max_peer_fetch_serves: int = 2
     max_fetch_serves: int = 8
     fetch_repeat_s: float = 5.0
+    max_fetch_answers: int = 32
+    fetch_serve_bytes_per_s: float = 32 << 20
+    fetch_serve_burst_bytes: int = 256 << 20
 
     def __post_init__(self) -> None:
         for name in ("max_message_bytes", "max_total_bytes", "max_peer_bytes"):
@@ -56,6 +64,16 @@ class TensorLimits:
             raise ValueError("max_peer_fetch_serves must be between 1 and max_fetch_serves")
         if not 0 <= self.fetch_repeat_s < float("inf"):
             raise ValueError("fetch_repeat_s must be a finite number of seconds, at least 0")
+        if self.max_fetch_answers < self.max_fetch_serves:
+            raise ValueError("max_fetch_answers must be at least max_fetch_serves")
+        self.fetch_serving()  # validates the serving budget's settings
+
+    def fetch_serving(self) -> ServingLimits:
+        """The node-wide budget for fetch answers."""
+        return ServingLimits(
+            bytes_per_s=self.fetch_serve_bytes_per_s, burst_bytes=self.fetch_serve_burst_bytes,
+            max_answers=self.max_fetch_answers,
+        )
 
 
 class MemoryBudget:
@@ -107,22 +125,23 @@ _MAX_REFUSALS_IN_FLIGHT = 4  # per peer; more requests meanwhile go unanswered
 class FetchGate:
     """Decides how a ``fetch`` request is answered; sans-IO (the caller passes the clock).
 
-    ``content`` identifies what would be sent (the names and versions of the served tensors);
-    an empty one is cheap to answer and only counted as a refusal. Every ``SERVE`` and
-    ``REFUSE`` must be followed by ``done`` once the answer went out (or failed).
+    ``content`` identifies what would be sent (the names and versions of the served tensors),
+    ``nbytes`` its size; an empty one is cheap to answer and only counted as a refusal. Every
+    ``SERVE`` and ``REFUSE`` must be followed by ``done`` once the answer went out (or failed).
     """
 
     def __init__(self, limits: TensorLimits) -> None:
         self.limits = limits
+        self.budget = ServingBudget(limits.fetch_serving())
         self.serving: Counter[str] = Counter()
         self.refusing: Counter[str] = Counter()
         self.refused: Counter[str] = Counter()  # requests refused or dropped, per peer
         # per peer, content -> when last sent, oldest first; peers in order of their last send
         self._recent: OrderedDict[str, OrderedDict[Hashable, float]] = OrderedDict()
 
-    def request(self, peer: str, content: tuple[Hashable, ...], now: float) -> FetchAnswer:
+    def request(self, peer: str, content: tuple[Hashable, ...], now: float, *, nbytes: int = 0) -> FetchAnswer:
         self._forget_before(now - self.limits.fetch_repeat_s)
-        answer = self._decide(peer, content, now)
+        answer = self._decide(peer, content, now, nbytes)
         if answer is FetchAnswer.SERVE:
             self.serving[peer] += 1
             self._remember(peer, content, now)
@@ -138,12 +157,13 @@ class FetchGate:
         if counter[peer] <= 0:
             del counter[peer]
         if answer is FetchAnswer.SERVE:
+            self.budget.done()
             self._remember(peer, content, now)  # the interval counts from the end of a send
 
-    def _decide(self, peer: str, content: tuple[Hashable, ...], now: float) -> FetchAnswer:
-        if content and self.serving[peer] < self.limits.max_peer_fetch_serves and not self._repeated(
-            peer, content, now
-        ):
+    def _decide(self, peer: str, content: tuple[Hashable, ...], now: float, nbytes: int) -> FetchAnswer:
+        within_share = content and self.serving[peer] < self.limits.max_peer_fetch_serves
+        if within_share and not self._repeated(peer, content, now) and self.budget.try_start(now):
+            self.budget.try_take(nbytes, now)  # holds tokens: try_start just saw them
             return FetchAnswer.SERVE
         return FetchAnswer.DROP if self.refusing[peer] >= _MAX_REFUSALS_IN_FLIGHT else FetchAnswer.REFUSE
 

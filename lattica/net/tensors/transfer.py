@@ -187,7 +187,7 @@ class TensorService:
         by_name = dict(got)
         missing = [n for n in names if n not in by_name]
         if missing:
-            raise PeerUnavailableError(f"peer does not serve {missing}", peer_id=peer)
+            raise PeerUnavailableError(f"peer does not serve {missing} or is busy", peer_id=peer)
         return {n: by_name[n] for n in names}
 
     # -- point to point ----------------------------------------------------------------------
@@ -462,12 +462,16 @@ class TensorService:
         """Answer a fetch within the gate's ration: the tensors as they are now, each once."""
         names = [n for n in dict.fromkeys(request.names) if n in self._served]
         content = tuple((n, self._served[n][1]) for n in names)
-        answer = self.fetch_gate.request(peer, content, trio.current_time())
+        nbytes = sum(self._served[n][0].numel() * self._served[n][0].element_size() for n in names)
+        answer = self.fetch_gate.request(peer, content, trio.current_time(), nbytes=nbytes)
         if answer is FetchAnswer.DROP:
             log.debug("dropped a fetch from %s: a refusal is still on its way", peer)
             return
         if answer is FetchAnswer.REFUSE and content:
-            log.info("refused a fetch of %d tensor(s) from %s: too many or repeated", len(names), peer)
+            log.info(
+                "refused a fetch of %d tensor(s) from %s: too many or repeated, or the node's serving budget is spent",
+                len(names), peer,
+            )
         tensors = [self._served[n][0] for n in names] if answer is FetchAnswer.SERVE else []
         names = names if answer is FetchAnswer.SERVE else []
         assert self._nursery is not None, "TensorService.run() is not running"
