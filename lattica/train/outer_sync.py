@@ -9,7 +9,10 @@ it adopts that, and the two share rounds again). Which state to adopt is the one
 peers hold (``outer_transfer.repair_target``, with our own hash history kept in the
 checkpoints). Adopted states are checkpointed at once. A published (round, hash) that no holder
 serves is distrusted (``membership.UnservableClaims``): it starts no run, marks nobody as
-behind, and is offered for adoption again only after a back-off.
+behind, and is offered for adoption again only after a back-off. A claim beyond the run, far
+ahead of the others or (where replicas agree) ahead on one holder's word is not fetched, and a
+fetched state that fails the checks is refused and its holders scored down (``adoption.py``,
+``state_schema.py``); adopting never stops the trainer.
 
 ``OuterStateSync`` holds that logic; it reaches the trainer's strategy through two wrappers,
 which implement the strategy interface around it (``strategies.base.WrappedStrategy``) rather

@@ -5,8 +5,8 @@ trains and syncs like the others but publishes, with its true hash, a state clai
 of its own:
 
 - gossip (three members, pairs): a malformed manifest (``round: "not-a-round"``), claimed 50
-  and 3 rounds ahead in turn. The honest trainers — whose newest-round rule would pick it —
-  refuse it (50 ahead: implausible next to the other honest member's round; 3 ahead: fetched,
+  and 4 rounds ahead in turn. The honest trainers — whose newest-round rule would pick it —
+  refuse it (50 ahead: implausible next to the other honest member's round; 4 ahead: fetched,
   and its manifest fails the schema), say so once, and keep training; none goes ``failed``;
 - all-reduce with two members: NaN weights, claimed 20 rounds ahead. The other
   member fetches it (with two members nobody else can corroborate or contradict a claim),
@@ -77,7 +77,7 @@ def test_gossip_trainers_refuse_a_malformed_state_claimed_ahead(tmp_path: Path, 
     first.wait_ready(60)
     second = DaemonProcess(tmp_path / "p1", peers=(first.addr,), extra_args=args, env=GOSSIP_ENV).start()
     hostile = PoisonedStateDaemon(
-        tmp_path / "hostile", peers=(first.addr,), extra_args=args, env=GOSSIP_ENV, poison="manifest", ahead=(50, 3),
+        tmp_path / "hostile", peers=(first.addr,), extra_args=args, env=GOSSIP_ENV, poison="manifest", ahead=(50, 4),
     ).start()
     daemons.extend([second, hostile])
     honest = [first, second]
@@ -101,6 +101,10 @@ def test_gossip_trainers_refuse_a_malformed_state_claimed_ahead(tmp_path: Path, 
         refusals = [line for line in log_from(d).splitlines() if REFUSED in line]
         assert all(hostile_id in line for line in refusals), refusals
         assert len(refusals) <= 2, refusals  # once per reason (implausible, malformed), not per poll
+    # the claim 4 rounds ahead was fetched by whoever was behind it, and refused for its manifest
+    logs = "".join(log_from(d) for d in honest)
+    assert "'round' is not a valid count: 'not-a-round'" in logs, logs[-6000:]
+    assert any(training(d).get("refused_states") == {hostile_id: 1} for d in honest), [training(d) for d in honest]
 
 
 def test_a_nan_state_claimed_ahead_is_not_adopted_in_a_two_member_allreduce(
