@@ -11,7 +11,7 @@ stands between the published claims and ``outer_transfer.agreed_round`` / ``repa
 Before any fetch (``admissible``), a claim is left out, and logged once per holder and reason,
 when:
 
-1. its round is beyond the run's ``rounds``;
+1. its round is beyond the run's ``rounds`` (once the run's config is agreed);
 2. it is implausibly far ahead: more than ``max_rounds_ahead`` rounds beyond the newest round
    published by a live, verified member that trains (or finished) and does not hold it — when
    there is such a member (ourselves excluded: a replica that was stopped or restarted is behind
@@ -67,7 +67,7 @@ class RunPicture:
     reporters: Collection[str]  # live members that train or finished: their rounds are reports
     members: int  # live members of the run (training roles), ourselves included
     my_round: int  # rounds this replica completed
-    rounds: int  # the run's rounds
+    rounds: int | None  # the run's rounds (None: its config is not agreed yet)
     replicas_agree: bool
 
 
@@ -96,7 +96,7 @@ def refusal_before_fetch(
     ``reports``: the rounds published by the run's reporters (holders and ourselves not excluded yet)."""
     rnd = claim[0]
     holders = tuple(sorted(holders))
-    if rnd > run.rounds:
+    if run.rounds is not None and rnd > run.rounds:
         return Refusal(claim, holders, f"beyond the run's {run.rounds} rounds", "beyond")
     others = [r for peer, r in reports.items() if peer not in holders and peer != run.me]
     if others and rnd > max(others) + limits.max_rounds_ahead:

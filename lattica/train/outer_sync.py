@@ -131,11 +131,14 @@ class OuterStateSync:
 
     def _run_picture(self) -> RunPicture:
         view = self.view
+        live = view.live()
+        roles = {peer: view.role(peer) for peer in live}
+        trainer = self.trainer  # before it exists (and the run's config is agreed) claims are only probed
         return RunPicture(
-            me=view.peer_id, live=view.live(), reporters=view.live_with_role(TRAINER_ROLE, DONE_ROLE),
-            members=len(view.live_with_role(*TRAINING_ROLES)), my_round=self.mine[0], rounds=self.settings.rounds,
-            # before the trainer exists claims are only probed, never adopted
-            replicas_agree=self.trainer is not None and self.trainer.strategy.replicas_agree,
+            me=view.peer_id, live=live, reporters=[p for p in live if roles[p] in (TRAINER_ROLE, DONE_ROLE)],
+            members=sum(1 for p in live if roles[p] in TRAINING_ROLES), my_round=self.mine[0],
+            rounds=self.settings.rounds if trainer is not None else None,
+            replicas_agree=trainer is not None and trainer.strategy.replicas_agree,
         )
 
     def refused_states(self) -> dict[str, int]:

@@ -62,6 +62,11 @@ def test_the_holders_and_this_replica_do_not_report_on_a_claim() -> None:
     assert _rule((60, "h"), ["a"], {"a": 60, "me": 60, "b": 10}) == "ahead"
 
 
+def test_before_the_runs_config_is_agreed_its_rounds_bound_nothing() -> None:
+    """A joiner's own ``rounds`` may not be the run's yet: the claim is probed, not refused."""
+    assert _rule((500, "h"), ["a"], {"a": 500, "b": 499}, replace(GOSSIP, rounds=None)) is None
+
+
 def test_without_another_member_only_the_runs_rounds_bound_a_claim() -> None:
     """A run of two: a replica restarted far behind still adopts the other's state."""
     two = replace(GOSSIP, live=("me", "a"), reporters=("me", "a"), members=2, my_round=0)
