@@ -20,8 +20,9 @@ A joiner picks the holders that published the newest round with the same hash an
    bytes), every holder is tried alone, in turn, and only a state whose hash matches is
    accepted. A holder whose state mismatches is reported as a ``RemoteProtocolError``.
 
-The result goes through ``unflatten_outer_state`` into ``Trainer.adopt_outer_state``; the
-joiner takes part from the next round.
+The result is held to the joiner's own outer state (``state_schema.check_outer_state``: names,
+shapes, dtypes, finite values, the manifest's entries) and goes into ``Trainer.adopt_outer_state``;
+the joiner takes part from the next round. Which claims are fetched at all: ``adoption.py``.
 """
 
 from __future__ import annotations

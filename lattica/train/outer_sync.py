@@ -9,7 +9,10 @@ it adopts that, and the two share rounds again). Which state to adopt is the one
 peers hold (``outer_transfer.repair_target``, with our own hash history kept in the
 checkpoints). Adopted states are checkpointed at once. A published (round, hash) that no holder
 serves is distrusted (``membership.UnservableClaims``): it starts no run, marks nobody as
-behind, and is offered for adoption again only after a back-off.
+behind, and is offered for adoption again only after a back-off. A claim beyond the run, far
+ahead of the others or (where replicas agree) ahead on one holder's word is not fetched, and a
+fetched state that fails the checks is refused and its holders scored down (``adoption.py``,
+``state_schema.py``); adopting never stops the trainer.
 
 ``OuterStateSync`` holds that logic; it reaches the trainer's strategy through two wrappers,
 which implement the strategy interface around it (``strategies.base.WrappedStrategy``) rather
@@ -32,15 +35,22 @@ import torch
 import trio
 
 from lattica.config import TrainSettings
+from lattica.crdt.documents import ProgressRecord
 from lattica.errors import LatticaError
+from lattica.train.adoption import ClaimScreen, RunPicture
 from lattica.train.join import (
     MANIFEST,
     fetch_outer_state,
     outer_state_hash,
     read_manifest,
-    unflatten_outer_state,
 )
-from lattica.train.membership import MembershipView, UnservableClaims
+from lattica.train.membership import (
+    DONE_ROLE,
+    TRAINER_ROLE,
+    TRAINING_ROLES,
+    MembershipView,
+    UnservableClaims,
+)
 from lattica.train.outer_transfer import (
     ProbedManifests,
     ServedRounds,
@@ -49,6 +59,7 @@ from lattica.train.outer_transfer import (
     fetch_of_round,
     repair_target,
 )
+from lattica.train.state_schema import OuterStateSchema, check_outer_state
 from lattica.train.strategies.base import OuterStepReport, OuterStrategy, WrappedStrategy
 from lattica.train.trainer import Trainer
 
@@ -100,13 +111,39 @@ class OuterStateSync:
         self._served: ServedRounds | None = None
         self._unservable = UnservableClaims()  # (round, hash) claims no holder could serve
         self._probed = ProbedManifests()  # manifests fetched by ``servable``, for the fetch after it
+        self._claims = ClaimScreen()  # claims that may not be adopted, holders that served bad states
+        self._schema: OuterStateSchema | None = None  # our own outer state's, once the trainer exists
 
     # -- what the run holds ------------------------------------------------------------------
 
     def agreed(self) -> Agreed | None:
-        """The state most live peers published (claims backing off left out)."""
+        """The state most live peers published (claims backing off or refused left out)."""
+        return agreed_round(self._adoptable_progress(), self.view.live(), self.view.peer_id)
+
+    def _adoptable_progress(self) -> dict[str, ProgressRecord]:
+        """The published progress without the claims backing off (``UnservableClaims``) and
+        those that may not be adopted (``adoption.ClaimScreen``); new refusals are logged."""
         progress = self._unservable.trusted_progress(self.view.progress(), self.clock())
-        return agreed_round(progress, self.view.live(), self.view.peer_id)
+        kept, refusals = self._claims.admissible(progress, self._run_picture(), now=self.clock())
+        for refusal in refusals:
+            log.warning("%s", refusal.describe())
+        return kept
+
+    def _run_picture(self) -> RunPicture:
+        view = self.view
+        live = view.live()
+        roles = {peer: view.role(peer) for peer in live}
+        trainer = self.trainer  # before it exists (and the run's config is agreed) claims are only probed
+        return RunPicture(
+            me=view.peer_id, live=live, reporters=[p for p in live if roles[p] in (TRAINER_ROLE, DONE_ROLE)],
+            members=sum(1 for p in live if roles[p] in TRAINING_ROLES), my_round=self.mine[0],
+            rounds=self.settings.rounds if trainer is not None else None,
+            replicas_agree=trainer is not None and trainer.strategy.replicas_agree,
+        )
+
+    def refused_states(self) -> dict[str, int]:
+        """Holders by the number of bad outer states they served us (``lattica status``)."""
+        return dict(self._claims.refusals)
 
     def run_started(self) -> bool:
         """Whether the run is past its start: we completed a round, or a live peer published
@@ -205,25 +242,18 @@ class OuterStateSync:
         return False
 
     async def adopt(self, agreed: Agreed) -> bool:
-        trainer = self._trainer()
+        """Fetch, check and load the state of ``agreed``; True when it is now ours. A state that
+        cannot be fetched backs off (``UnservableClaims``); one that fails the checks is refused
+        and its holders scored down (``adoption.ClaimScreen``). Nothing raised while adopting
+        stops the trainer: the claim is refused instead."""
         rnd, digest, holders = agreed
         started = self.clock()
-        # a trainer catching up mid-run stays a round candidate while it fetches: the others are
-        # in the inner steps of the round after the fetched one, and it asks for that round one
-        # fetch after them; a coordinator that did not wait would make it run that round alone
-        # too, and then the next (two trainers a round apart never met again)
-        try:
-            with trio.fail_after(max(30.0, self.settings.round_deadline_s)):
-                fetch = self._probed.round_fetch(self.store.fetch, rnd)
-                flat = await fetch_outer_state(holders, fetch, expected_hash=digest)
-            outer = unflatten_outer_state(flat)
-        except (LatticaError, trio.TooSlowError) as exc:
-            period = self._unservable.failed((rnd, digest), self.clock())
-            log.warning("could not fetch outer state of round %d: %s; ignoring that claim for %.0f s", rnd, exc, period)
+        flat = await self._fetch(agreed)
+        if flat is None or not await self._load_checked(agreed, flat):
             return False
         self._unservable.served((rnd, digest))
-        trainer.adopt_outer_state(outer, step=int(outer.get("step", rnd * self.settings.inner_steps)))
         self.on_fetched(self.clock() - started)
+        trainer = self._trainer()
         self.history = {trainer.strategy.completed_rounds: digest}  # rounds past it were another line
         await self._checkpoint_adopted()
         self.remember(trainer.strategy.completed_rounds, digest)  # reported once durable
@@ -231,6 +261,50 @@ class OuterStateSync:
             "adopted outer state of round %d from %d holder(s) in %.2f s", rnd, len(holders), self.clock() - started,
         )
         return True
+
+    async def _fetch(self, agreed: Agreed) -> Mapping[str, torch.Tensor] | None:
+        """The hash-verified flat state of ``agreed``, or None (the claim then backs off)."""
+        rnd, digest, holders = agreed
+        # a trainer catching up mid-run stays a round candidate while it fetches: the others are
+        # in the inner steps of the round after the fetched one, and it asks for that round one
+        # fetch after them; a coordinator that did not wait would make it run that round alone
+        # too, and then the next (two trainers a round apart never met again)
+        try:
+            with trio.fail_after(max(30.0, self.settings.round_deadline_s)):
+                fetch = self._probed.round_fetch(self.store.fetch, rnd)
+                return await fetch_outer_state(holders, fetch, expected_hash=digest)
+        except Exception as exc:  # noqa: BLE001 - whatever peers sent, the trainer goes on
+            period = self._unservable.failed((rnd, digest), self.clock())
+            log.warning("could not fetch outer state of round %d: %s; ignoring that claim for %.0f s", rnd, exc, period)
+            return None
+
+    async def _load_checked(self, agreed: Agreed, flat: Mapping[str, torch.Tensor]) -> bool:
+        """Load ``flat`` into the trainer if it passes ``state_schema`` and, once loaded, its
+        round is the claimed one; else refuse the claim (the trainer keeps its state)."""
+        rnd, digest, holders = agreed
+        trainer = self._trainer()
+
+        def claimed_round_loaded() -> None:
+            if trainer.strategy.completed_rounds != rnd:
+                raise ValueError(f"its counters say round {trainer.strategy.completed_rounds}")
+
+        try:
+            schema = self._state_schema(trainer)
+            outer = await trio.to_thread.run_sync(check_outer_state, flat, schema)
+            step = int(outer.get("step", rnd * self.settings.inner_steps))
+            trainer.adopt_outer_state(outer, step=step, check=claimed_round_loaded)
+        except Exception as exc:  # noqa: BLE001 - whatever a state holds, the trainer goes on
+            reason = str(exc) if isinstance(exc, LatticaError) else f"{type(exc).__name__}: {exc}"
+            refusal = self._claims.refuse((rnd, digest), holders, reason, now=self.clock())
+            log.warning("%s; their claims are ignored for %.0f s", refusal.describe(), self._claims.limits.ban_s)
+            return False
+        return True
+
+    def _state_schema(self, trainer: Trainer) -> OuterStateSchema:
+        if self._schema is None:
+            own = trainer.strategy.outer_state_dict()
+            self._schema = OuterStateSchema.of(own, max_count=trainer.config.total_steps)
+        return self._schema
 
     async def _checkpoint_adopted(self) -> None:
         """Make an adopted state durable at once, and drop our checkpoints past it: after a
@@ -282,8 +356,7 @@ class OuterStateSync:
         True when a state was adopted."""
         if self.clock() < self._next_repair_at:
             return False
-        progress = self._unservable.trusted_progress(self.view.progress(), self.clock())
-        target = repair_target(progress, self.view.live(), self.view.peer_id, self.mine, self.history)
+        target = repair_target(self._adoptable_progress(), self.view.live(), self.view.peer_id, self.mine, self.history)
         if target is None:
             return False
         log.info("outer state differs from the swarm's round %d: adopting it", target[0])

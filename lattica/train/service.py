@@ -444,6 +444,9 @@ class TrainingService:
         failed = [p for p in self.view.failed() if p != self.peer_id]
         if failed:  # live members whose training stopped on an error: no round waits for them
             info["failed_members"] = sorted(failed)
+        refused = self.outer_sync.refused_states()
+        if refused:  # members that served us outer states failing the checks (``adoption.py``)
+            info["refused_states"] = refused
         if self.summary:
             info["summary"] = self.summary
         return {"training": info}

@@ -420,17 +420,38 @@ class Trainer:
         log.info("resumed at step %d", self.step)
         return True
 
-    def adopt_outer_state(self, outer: dict[str, Any], *, step: int | None = None) -> None:
+    def adopt_outer_state(
+        self, outer: dict[str, Any], *, step: int | None = None, check: Callable[[], None] = lambda: None,
+    ) -> None:
         """Join a running swarm: take the fetched outer state and continue from its step.
 
         ``step`` defaults to the inner step recorded in the outer state (``outer["step"]``), so
         the joiner takes part from the next round with the right learning rate.
+
+        All or nothing: when loading raises, or ``check`` (called with the state loaded: the
+        strategy's counters are the adopted ones) raises, the outer state, weights and step of
+        before are put back and the error propagates.
         """
-        self.strategy.load_outer_state_dict(outer)
-        self.step = int(outer.get("step", 0)) if step is None else step
+        before = self.strategy.outer_state_dict(), _copy_of_weights(self.model), self.step
+        try:
+            self.strategy.load_outer_state_dict(outer)
+            self.step = int(outer.get("step", 0)) if step is None else step
+            check()
+        except Exception:
+            self._put_back(*before)
+            raise
         # the weights changed: the last validation loss was of the replaced ones (the next
         # validation, or ``revalidate`` once the run has ended, measures these)
         self.last_val_loss = None
+
+    def _put_back(self, outer: dict[str, Any], weights: dict[str, torch.Tensor], step: int) -> None:
+        self.strategy.load_outer_state_dict(outer)
+        self.model.load_state_dict(weights)
+        self.step = step
+
+
+def _copy_of_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: t.detach().to("cpu", copy=True) for name, t in model.state_dict().items()}
 
 
 def _next_multiple(step: int, every: int) -> int:

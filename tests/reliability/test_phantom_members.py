@@ -2,10 +2,11 @@
 
 Two ``lattica join --train`` daemons on loopback; a third party joins the (open) run with a real
 libp2p host and the replicated state (it is a member: connected, syncing, renewing its lease),
-claims round 999 under a hash nobody holds, and relays records signed by fresh keys: trainers
-with leases until 2036 at round 999. Those keys never connect, so they are not members, and the
-member's own claim is dropped after one failed fetch: the two trainers keep running their
-rounds together and end on the same state; ``lattica state`` lists the keys as unverified.
+claims the run's last round under a hash nobody holds (a round beyond the run's is not even
+tried), and relays records signed by fresh keys: trainers with leases until 2036 at round 999.
+Those keys never connect, so they are not members, and the member's own claim is dropped after
+one failed fetch: the two trainers keep running their rounds together and end on the same
+state; ``lattica state`` lists the keys as unverified.
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ async def test_throwaway_keys_do_not_split_or_stall_a_run(tmp_path: Path) -> Non
             member = ReplicatedState(attacker, attacker_keys, data_dir=tmp_path / "attacker", run_id=RUN, config=config)
             await nursery.start(member.run)
             await member.update_member(role="observer")
-            await member.set_progress(999, "d" * 64)  # a claim of its own that it cannot serve
+            await member.set_progress(ROUNDS, "d" * 64)  # a claim of its own that it cannot serve
             # the throwaway keys' records, relayed like any other writer's
             await member.accept_batch([e.to_wire() for e in envelopes], from_peer=member.peer_id)
             await attacker.connect(info_from_p2p_addr(Multiaddr(a_addr)))
@@ -125,8 +126,8 @@ async def test_throwaway_keys_do_not_split_or_stall_a_run(tmp_path: Path) -> Non
             # took to start, their spacing does not
             tries = [
                 (_seconds(m.group(1)), float(m.group(2))) for m in re.finditer(
-                    r"^(\S+) WARNING .*(?:could not fetch outer state of round 999|"
-                    r"no holder serves the published state of round 999).* ignoring that claim for (\d+) s", log, re.M,
+                    rf"^(\S+) WARNING .*(?:could not fetch outer state of round {ROUNDS}|"
+                    rf"no holder serves the published state of round {ROUNDS}).* ignoring that claim for (\d+) s", log, re.M,
                 )
             ]
             assert tries, log[-6000:]
