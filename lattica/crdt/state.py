@@ -25,6 +25,11 @@ The service wraps a sans-IO ``Replica`` with three kinds of I/O:
   claim; the replica evicts such writers first when its table is full.
 - **Equivocation.** A writer caught signing two histories is banned by the replica; the
   evidence is persisted with the log and sent to peers that still hold the writer.
+- **Our own history.** After the log is replayed our own streams are held (``Replica``, "A
+  writer's own history"): our writes are persisted but published only after the first
+  completed sync session, which brings back whatever the swarm holds of ours — a data dir
+  restored from a backup then supersedes its past life's newer entries under a higher seq
+  instead of signing the same seqs again (which every peer would take for an equivocation).
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ from lattica.errors import BrokenError, LocalProtocolError, RemoteError, RemoteP
 log = logging.getLogger(__name__)
 
 # not the relaying peer's fault: an honest peer relays a writer it has not caught or proven yet
-_BENIGN_REJECTIONS = frozenset({"replay", "equivocation", "banned", "evicted"})
+_BENIGN_REJECTIONS = frozenset({"replay", "equivocation", "banned", "evicted", "superseded"})
 _MAX_PROVEN = 4096
 
 
@@ -141,6 +146,7 @@ class ReplicatedState:
                 if exc.reason not in _BENIGN_REJECTIONS:
                     log.warning("state log %s: skipped a record: %s", self._log_path, exc)
         self._replica.take_new_evidence()  # it came from the log
+        self._replica.hold_own_streams()
         member = self._replica.snapshot()["members"].get(self.peer_id)
         self._heartbeat = member["heartbeat"] if member else 0
         self._bump()
@@ -220,6 +226,25 @@ class ReplicatedState:
                 self._not_durable -= keys
         if envelopes:
             self._bump()
+
+    async def _settle_own_streams(self) -> None:
+        """After a completed sync session: publish our own streams (see "Our own history")."""
+        if not self._replica.holding:
+            return
+        async with self._log_lock:
+            snapshots = self._replica.settle()
+            keys = {(e.doc, e.writer, e.seq) for e in snapshots}
+            self._not_durable |= keys
+            try:
+                await self._persist(snapshots)
+            finally:
+                self._not_durable -= keys
+        for env in snapshots:
+            log.warning(
+                "state: the swarm held entries of this node from an earlier run of its data dir "
+                "(a restored copy?): superseded them with seq %d of %r", env.seq, env.doc,
+            )
+        self._bump()
 
     async def _persist(self, envelopes: list[Envelope]) -> None:
         """Append to the log; called with ``_log_lock`` held.
@@ -364,11 +389,13 @@ class ReplicatedState:
         self._ensure_peer(str(peer_id))
 
     async def flush(self) -> None:
-        """One sync session with every connected peer, concurrently, bounded by sync_timeout."""
+        """One sync session with every connected peer, concurrently, bounded by sync_timeout
+        (two while our own streams are held: the first publishes them)."""
         with trio.move_on_after(self.config.sync_timeout):
-            async with trio.open_nursery() as nursery:
-                for peer in self.host.get_connected_peers():
-                    nursery.start_soon(self._sync_once_quietly, peer.to_base58())
+            for _ in range(2 if self._replica.holding else 1):
+                async with trio.open_nursery() as nursery:
+                    for peer in self.host.get_connected_peers():
+                        nursery.start_soon(self._sync_once_quietly, peer.to_base58())
 
     def _ensure_peer(self, peer: str) -> None:
         if self._nursery is None or peer == self.peer_id or peer in self._peers:
@@ -422,6 +449,7 @@ class ReplicatedState:
                 finally:
                     await _close_quietly(stream)
             self._mark_proven(peer)
+            await self._settle_own_streams()
         except RemoteProtocolError as exc:
             log.warning("state sync: dropping bad input from %s: %s", peer, exc)
             self._penalized_until[peer] = trio.current_time() + self.config.max_backoff
@@ -443,6 +471,7 @@ class ReplicatedState:
             with trio.fail_after(self.config.sync_timeout):
                 await sync.respond(stream, self, peer_id=peer)
             self._mark_proven(peer)
+            await self._settle_own_streams()
         except RemoteProtocolError as exc:
             log.warning("state sync: dropping bad input from %s: %s", peer, exc)
             self._penalized_until[peer] = trio.current_time() + self.config.max_backoff
