@@ -4,17 +4,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lattica.crdt.liveness import LeasePolicy
+from lattica.crdt.liveness import LeasePolicy, VouchPolicy
 from lattica.crdt.replica import ReplicaLimits
 
 
 @dataclass(frozen=True, kw_only=True)
 class StateConfig:
     """``admins``: peer ids allowed to write the run config; empty means this node alone
-    (the run's creator). Nodes joining a run must be given the creator's peer id."""
+    (the run's creator). Nodes joining a run must be given the creator's peer id.
+    ``vouching``: whose word makes a peer that never connected to us a member."""
 
     admins: tuple[str, ...] = ()
     lease: LeasePolicy = field(default_factory=LeasePolicy)
+    vouching: VouchPolicy = field(default_factory=VouchPolicy)
     limits: ReplicaLimits = field(default_factory=ReplicaLimits)
     sync_interval: float = 1.0
     peer_poll_interval: float = 0.5
