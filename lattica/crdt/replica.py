@@ -331,7 +331,6 @@ class Replica:
         """Publish our own streams again (the owner calls this after a completed sync session);
         supersede the envelopes of another life absorbed meanwhile. Returns the snapshots to
         persist and send."""
-        self._holding = False
         snapshots = []
         for key, seen in sorted(self._own_seen.items()):
             this_life = self._this_life.pop(key[0], None)
@@ -340,8 +339,8 @@ class Replica:
             stream = self._stream(key)
             update = self._doc(key[0]).get_update()
             snapshots.append(self._sign_and_keep(stream, key[0], update, full=True, seq=max(stream.have, seen) + 1))
-        self._own_seen.clear()
-        self._this_life.clear()
+            del self._own_seen[key]
+        self._holding = False
         self.superseded += len(snapshots)
         return snapshots
 

@@ -244,7 +244,11 @@ class ReplicatedState:
         if not self._replica.holding:
             return
         async with self._log_lock:
-            snapshots = self._replica.settle()
+            try:
+                snapshots = self._replica.settle()
+            except LocalProtocolError as exc:  # a document past the snapshot cap: stays unpublished
+                log.warning("state: cannot publish this node's own entries: %s", exc)
+                return
             keys = {(e.doc, e.writer, e.seq) for e in snapshots}
             self._not_durable |= keys
             try:
@@ -363,6 +367,10 @@ class ReplicatedState:
             **self.snapshot(),
             "live": self.live_members(),
             "unverified": self.unverified_claims(),
+            "proven": {
+                peer: {"origin": proof.origin, "standing_s": round(proof.standing_s, 1)}
+                for peer, proof in sorted(self.proofs().items())
+            },
             "banned": self._replica.banned(),
             "node": {"peer_id": self.peer_id, "run_id": self.run_id, **self.counters()},
         }
