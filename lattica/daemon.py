@@ -52,6 +52,7 @@ class StateService:
         own_addrs: Callable[[], list[str]], metrics: NodeMetrics, role: str | None = None,
     ) -> None:
         from lattica.crdt import StateConfig
+        from lattica.crdt.liveness import VouchPolicy
         from lattica.crdt.state import ReplicatedState
 
         self.role = role
@@ -59,7 +60,10 @@ class StateService:
         self._metrics = metrics
         self.state = ReplicatedState(
             host, key_pair, data_dir=config.data_dir, run_id=config.run_id,
-            config=StateConfig(admins=run_admins(config, host.get_id().to_base58())),
+            config=StateConfig(
+                admins=run_admins(config, host.get_id().to_base58()),
+                vouching=VouchPolicy(admins_only=bool(config.admins)),  # named admins: only they admit
+            ),
         )
 
     async def run(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lattica.crdt.liveness import LeasePolicy
+from lattica.crdt.liveness import LeasePolicy, VouchPolicy
 from lattica.crdt.replica import ReplicaLimits
 from lattica.net.serving_budget import ServingLimits
 
@@ -19,10 +19,12 @@ def default_serving() -> ServingLimits:
 class StateConfig:
     """``admins``: peer ids allowed to write the run config; empty means this node alone
     (the run's creator). Nodes joining a run must be given the creator's peer id.
+    ``vouching``: whose word makes a peer that never connected to us a member.
     ``serving``: the node-wide budget for answering state-sync sessions (``sync.py``)."""
 
     admins: tuple[str, ...] = ()
     lease: LeasePolicy = field(default_factory=LeasePolicy)
+    vouching: VouchPolicy = field(default_factory=VouchPolicy)
     limits: ReplicaLimits = field(default_factory=ReplicaLimits)
     sync_interval: float = 1.0
     peer_poll_interval: float = 0.5

@@ -32,6 +32,7 @@ from lattica.crdt.liveness import MAX_VOUCHES, vouches
 from lattica.decoding import bounded_text, finite_float, str_map
 
 CONFIG_DOC = "config"
+WRITER_ROOTS = ("member", "progress", "completed", "checkpoints", "experts")
 MEMBER_FIELDS = ("addrs", "device", "throughput", "reachability", "role")
 KEEP_COMPLETED_ROUNDS = 16
 _MAX_TEXT = 512
@@ -218,6 +219,20 @@ def write_config(doc: Doc[Map[object]], config: Mapping[str, object]) -> None:
     for key, text in encoded.items():
         if root.get(key) != text:
             root[key] = text
+
+
+def reassert(doc: Doc[Map[object]], wanted: Doc[Map[object]]) -> None:
+    """Make a writer's ``doc`` hold exactly what ``wanted`` holds, root map by root map, by
+    writing afresh every entry that differs: new writes are causally after everything ``doc``
+    holds, so they win over entries that were written concurrently elsewhere."""
+    for name in WRITER_ROOTS:
+        want, have = _root(wanted, name), _root(doc, name)
+        root = doc.get(name, type=Map)
+        for key in sorted(set(have) - set(want)):
+            del root[key]
+        for key, value in want.items():
+            if have.get(key) != value:
+                root[key] = value
 
 
 # -- readers (untrusted content -> typed, JSON-able views) ---------------------------------------

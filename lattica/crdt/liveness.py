@@ -17,15 +17,32 @@ to be live until 2036 is not live).
 A record is only a claim: anyone who can write to the run can sign records with throwaway keys.
 So a member counts only when it is *verified* (``verified_writers``): it proved itself to us on
 a live, authenticated connection (a completed state-sync session on a connection whose peer id
-is the writer's key, which the access gate admitted when the run has a secret), or enough
-members that proved themselves to us *vouch* for it — each member lists in its record (``peers``)
-the peers that proved themselves to it. Enough is two when at least two members proved
-themselves to us (one dishonest member cannot add members on its own), one when only one did
-(a newcomer that knows only its bootstrap peer takes its word, and dials the others it names).
+is the writer's key, which the access gate admitted when the run has a secret), or members that
+proved themselves to us *vouch* for it — each member lists in its record (``peers``) the peers
+that proved themselves to it. Whose word counts (``VouchPolicy``):
+
+- an admin's: a peer the operator named (``admins``), or one this node was told to join
+  through — its word alone;
+- a newcomer's only peer: while no more than one peer has ever proved itself to us, we take its
+  word (a newcomer that knows only its bootstrap peer dials the others it names) — unless the
+  run's admins were named explicitly. A node that has had other peers does not fall back on
+  one voucher when their leases lapse for a moment;
+- otherwise members with *standing*, from ``quorum`` (2) distinct *network origins*: a writer
+  counts when members at two origins list it. Standing is a track record: the member has proved
+  itself to us without a break (a completed sync session within every lease) for
+  ``min_standing_s`` (60 s). A published round hash is no such record — any member can copy
+  one it read from the state. An origin is the /24 (IPv4) or /48 (IPv6) prefix of the address
+  its live connection to us comes from; a relayed connection has none, so a member reached
+  only through a relay vouches only as an admin or our only peer. Where the admins were named
+  explicitly (``admins_only``), only admins' vouches count.
+
+So one member — or many identities of one member on one network — cannot make anyone a
+member for a node that has other peers, and fresh identities cannot at all.
 """
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
@@ -87,7 +104,54 @@ def live_members(
 
 
 MAX_VOUCHES = 128  # peers a member lists in its record
-VOUCH_QUORUM = 2
+IPV4_ORIGIN_PREFIX = 24
+IPV6_ORIGIN_PREFIX = 48
+
+
+@dataclass(frozen=True, kw_only=True)
+class VouchPolicy:
+    """Whose vouches make a writer that never proved itself to us a member (module docstring).
+
+    ``quorum``: distinct network origins of members with standing that must list a writer;
+    ``min_standing_s``: how long a member must have proved itself to us without a break before
+    its vouches count; ``admins_only``: only admins vouch (the run's admins were named)."""
+
+    quorum: int = 2
+    min_standing_s: float = 60.0
+    admins_only: bool = False
+
+    def __post_init__(self) -> None:
+        if type(self.quorum) is not int or self.quorum < 1:
+            raise ValueError(f"VouchPolicy quorum must be an int >= 1, got {self.quorum!r}")
+        if not self.min_standing_s >= 0:
+            raise ValueError(f"VouchPolicy min_standing_s must be >= 0, got {self.min_standing_s!r}")
+
+
+DEFAULT_VOUCHING = VouchPolicy()
+
+
+@dataclass(frozen=True)
+class Proof:
+    """A peer that proved itself to us: the network origin of its connection (None: relayed or
+    unknown) and how long it has proved itself without a break."""
+
+    origin: str | None
+    standing_s: float
+
+
+def network_origin(host: str | None, *, relayed: bool = False) -> str | None:
+    """The /24 (IPv4) or /48 (IPv6) prefix that ``host`` — the address a live connection comes
+    from, as we observe it — belongs to; None for a relayed connection or no address."""
+    if relayed or not host:
+        return None
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    prefix = IPV4_ORIGIN_PREFIX if address.version == 4 else IPV6_ORIGIN_PREFIX
+    return str(ipaddress.ip_network(f"{address}/{prefix}", strict=False))
 
 
 def vouches(record: Mapping[str, object]) -> list[str]:
@@ -101,24 +165,32 @@ def verified_writers(
     members: Mapping[str, Mapping[str, object]],
     *,
     me: str,
-    proven: Collection[str],
+    proven: Mapping[str, Proof],
     now_ms: int,
+    admins: Collection[str] = (),
+    newcomer: bool = False,
+    policy: VouchPolicy = DEFAULT_VOUCHING,
     clock_skew_ms: int = 0,
     max_ahead_ms: int | None = None,
 ) -> set[str]:
-    """Who counts as a member for us: ourselves, the peers that ``proven`` themselves to us,
-    and peers vouched for by enough live members of those (see the module docstring)."""
-    direct = set(proven) | {me}
-    vouchers = [
-        peer for peer in sorted(direct - {me})
-        if peer in members
+    """Who counts as a member for us: ourselves, the peers ``proven`` to us, and the peers
+    whose vouchers ``policy`` accepts among the live members of those (module docstring).
+    ``newcomer``: no more than one peer has ever proved itself to us."""
+    vouchers = {
+        peer: proof for peer, proof in sorted(proven.items())
+        if peer != me and peer in members
         and is_live(members[peer], now_ms=now_ms, clock_skew_ms=clock_skew_ms, max_ahead_ms=max_ahead_ms)
-    ]
-    quorum = min(VOUCH_QUORUM, len(vouchers))
-    if quorum == 0:
-        return direct
-    counts: dict[str, int] = {}
+    }
+    verified = set(proven) | {me}
+    take_word = newcomer and not policy.admins_only
     for voucher in vouchers:
-        for peer in set(vouches(members[voucher])) - direct - {voucher}:
-            counts[peer] = counts.get(peer, 0) + 1
-    return direct | {peer for peer, count in counts.items() if count >= quorum}
+        if voucher in admins or take_word:
+            verified.update(vouches(members[voucher]))
+    if policy.admins_only:
+        return verified
+    origins: dict[str, set[str]] = {}
+    for voucher, proof in vouchers.items():
+        if proof.origin is not None and proof.standing_s >= policy.min_standing_s:
+            for peer in vouches(members[voucher]):
+                origins.setdefault(peer, set()).add(proof.origin)
+    return verified | {peer for peer, seen in origins.items() if len(seen) >= policy.quorum}

@@ -29,6 +29,28 @@ peer whose state vector still lists the writer, which then sees the pair and ban
 every honest replica ends without the writer's content, whichever history it saw first. The
 evidence is part of ``retained()`` (and so of the durable log): a restart bans again.
 
+A fork is *healed* by a ``full`` snapshot of the writer, signed under a seq above both envelopes
+of the pair, whose content already holds both (applying either to it changes nothing): every
+replica that takes it ends on the same document, whichever fork it held. A replica that holds
+such a snapshot does not ban for an older pair (``superseded``), and one that banned the writer
+takes the snapshot and lifts the ban. This is how a writer repairs the fork below.
+
+A writer's own history
+----------------------
+A node restarted from an older copy of its data dir (a backup) holds its streams up to some seq
+k while the swarm holds its envelopes up to n > k from the life after the copy; writing k + 1
+again would sign a second history. So the owner ``hold_own_streams()`` at start: until the
+first completed sync session (``settle()``), its own streams are neither listed in
+``state_vector()`` (a peer then sends every envelope of ours it holds) nor offered by
+``missing_for()`` — local writes are kept and persisted, not published. An envelope of ours that
+comes back and is not a copy of what we hold — while holding, or later (a peer we met first did
+not know our newer entries) — is *absorbed*: its content is merged into our document, it is not
+kept in the stream, we never ban ourselves for it, and we hold again. ``settle()`` then
+supersedes: our document's entries are set back to what this life wrote (the absorbed ones
+describe a past life: rounds and checkpoints we no longer hold), and one ``full`` snapshot is
+signed under the seq after the highest one seen. It holds both histories, so it heals the fork
+at any replica that saw our other history, and our next writes follow it.
+
 Anti-entropy is two pure functions: ``state_vector()`` (stream -> have) and
 ``missing_for(vector)`` (the envelopes a peer with that vector lacks). Yjs updates commute
 and are idempotent, so replicas that hold the same envelopes hold identical documents,
@@ -46,7 +68,7 @@ from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID
 from pycrdt import Doc, Map
 
-from lattica.crdt.documents import CONFIG_DOC, Snapshot, build_snapshot
+from lattica.crdt.documents import CONFIG_DOC, Snapshot, build_snapshot, reassert
 from lattica.crdt.envelope import (
     Envelope,
     RejectedUpdate,
@@ -141,6 +163,10 @@ class Replica:
         self._banned: OrderedDict[str, tuple[Envelope, Envelope]] = OrderedDict()  # -> evidence
         self._new_evidence: list[Envelope] = []  # evidence not yet handed to ``take_new_evidence``
         self._loose: OrderedDict[_SeqKey, Envelope] = OrderedDict()  # seen, not held
+        self._holding = False  # our own streams are not published (see "A writer's own history")
+        self._own_seen: dict[StreamKey, int] = {}  # our streams -> highest seq absorbed
+        self._this_life: dict[str, Doc[Map[object]]] = {}  # our document as this life wrote it
+        self.superseded = 0  # snapshots signed to supersede another life's envelopes
 
     # -- local writes --------------------------------------------------------------------------
 
@@ -153,6 +179,8 @@ class Replica:
         doc = self._doc(doc_name)
         before = doc.get_state()
         mutate(doc)
+        if doc_name in self._this_life:
+            mutate(self._this_life[doc_name])
         update = doc.get_update(before)
         if update == b"\x00\x00":  # nothing changed
             return []
@@ -162,12 +190,14 @@ class Replica:
             envelopes.append(self._sign_and_keep(stream, doc_name, doc.get_update(), full=True))
         return envelopes
 
-    def _sign_and_keep(self, stream: _Stream, doc_name: str, update: bytes, *, full: bool) -> Envelope:
+    def _sign_and_keep(
+        self, stream: _Stream, doc_name: str, update: bytes, *, full: bool, seq: int | None = None
+    ) -> Envelope:
         cap = self.limits.max_snapshot_bytes if full else self.limits.max_update_bytes
         if len(update) > cap:
             raise LocalProtocolError(f"update of {len(update)} bytes exceeds the {cap}-byte limit")
         env = sign_envelope(
-            self.key_pair, run=self.run_id, doc=doc_name, seq=stream.have + 1, full=full, update=update
+            self.key_pair, run=self.run_id, doc=doc_name, seq=seq or stream.have + 1, full=full, update=update
         )
         self._keep(stream, env)
         self.accepted += 1
@@ -202,8 +232,12 @@ class Replica:
             raise RejectedUpdate("oversized", f"{len(env.update)} bytes > {cap}", peer_id=from_peer)
         verify_envelope(env, run=self.run_id, peer_id=from_peer)
         self._check_permission(env, from_peer)
+        if env.writer == self.peer_id:
+            return self._receive_own(env, from_peer)
         if env.writer in self._banned:
-            raise RejectedUpdate("banned", f"{env.writer} equivocated", peer_id=from_peer)
+            if not self._heals(env, self._banned[env.writer]):
+                raise RejectedUpdate("banned", f"{env.writer} equivocated", peer_id=from_peer)
+            del self._banned[env.writer]
         self._check_equivocation(env, from_peer)
         stream = self._admit(env, from_peer)
         if env.seq <= stream.have:
@@ -283,17 +317,94 @@ class Replica:
         self.accepted += 1
         return env
 
+    # -- our own history -----------------------------------------------------------------------
+
+    def hold_own_streams(self) -> None:
+        """Publish none of our own envelopes until ``settle()`` (see "A writer's own history")."""
+        self._holding = True
+
+    @property
+    def holding(self) -> bool:
+        return self._holding
+
+    def settle(self) -> list[Envelope]:
+        """Publish our own streams again (the owner calls this after a completed sync session);
+        supersede the envelopes of another life absorbed meanwhile. Returns the snapshots to
+        persist and send."""
+        snapshots = []
+        for key, seen in sorted(self._own_seen.items()):
+            this_life = self._this_life.pop(key[0], None)
+            if this_life is not None:
+                reassert(self._doc(key[0]), this_life)
+            stream = self._stream(key)
+            update = self._doc(key[0]).get_update()
+            snapshots.append(self._sign_and_keep(stream, key[0], update, full=True, seq=max(stream.have, seen) + 1))
+            del self._own_seen[key]
+        self._holding = False
+        self.superseded += len(snapshots)
+        return snapshots
+
+    def _receive_own(self, env: Envelope, from_peer: str | None) -> list[Envelope]:
+        """One of our own envelopes: a copy of ours is a replay; the next one of our stream is
+        taken while we publish (a replay of our log at start); anything else is another life's."""
+        stream = self._stream(env.stream)
+        if stream.find(env.seq) == env:
+            return self._replay(stream, env, from_peer)
+        follows = env.seq == stream.have + 1 or (env.full and env.seq > stream.have)
+        if follows and not self._holding:
+            return [self._apply(stream, env, from_peer)]
+        return self._absorb(stream, env, from_peer)
+
+    def _absorb(self, stream: _Stream, env: Envelope, from_peer: str | None) -> list[Envelope]:
+        """Merge another life's envelope of ours into our document, to be superseded."""
+        doc = self._doc(env.doc)
+        before = doc.get_update()
+        try:
+            doc.apply_update(env.update)
+        except Exception as exc:  # noqa: BLE001 - pycrdt (Rust) raises its own kinds for an undecodable update
+            raise RejectedUpdate("bad_update", f"undecodable update: {exc}", peer_id=from_peer) from None
+        changed = doc.get_update() != before
+        if not changed and env.seq <= stream.have:
+            raise RejectedUpdate("replay", f"seq {env.seq} already held", peer_id=from_peer)
+        if changed and env.doc != CONFIG_DOC and env.doc not in self._this_life:
+            self._this_life[env.doc] = _doc_from(before)
+        self._own_seen[env.stream] = max(self._own_seen.get(env.stream, 0), env.seq)
+        self._holding = True
+        return []
+
     # -- equivocation --------------------------------------------------------------------------
 
     def _check_equivocation(self, env: Envelope, from_peer: str | None) -> None:
-        """Ban ``env.writer`` if another signed envelope of it holds the same (doc, seq)."""
+        """Ban ``env.writer`` if another signed envelope of it holds the same (doc, seq) and no
+        snapshot of it that we hold has healed that fork."""
         other = self._copy_of(env)
         if other is None or other == env:
             return
+        if self._superseded(env, other):
+            raise RejectedUpdate("superseded", f"seq {env.seq} of {env.writer} is healed by a snapshot", peer_id=from_peer)
         self._ban(env.writer, (other, env))
         raise RejectedUpdate(
             "equivocation", f"{env.writer} signed two different updates for seq {env.seq}", peer_id=from_peer
         )
+
+    def _superseded(self, env: Envelope, other: Envelope) -> bool:
+        stream = self._streams.get(env.stream)
+        snapshot = stream.retained[0] if stream is not None and stream.retained else None
+        return snapshot is not None and self._heals(snapshot, (env, other))
+
+    @staticmethod
+    def _heals(snapshot: Envelope, fork: tuple[Envelope, Envelope]) -> bool:
+        """Whether ``snapshot`` is a later full snapshot of the fork's document holding both sides."""
+        if not snapshot.full or any(e.doc != snapshot.doc or e.seq >= snapshot.seq for e in fork):
+            return False
+        try:
+            doc = _doc_from(snapshot.update)
+            reference = doc.get_update()
+            for env in fork:
+                doc.apply_update(env.update)
+        except Exception:  # noqa: BLE001 - pycrdt (Rust) raises its own kinds for an undecodable update
+            return False
+        return doc.get_update() == reference
 
     def _copy_of(self, env: Envelope) -> Envelope | None:
         stream = self._streams.get(env.stream)
@@ -358,10 +469,17 @@ class Replica:
 
     def state_vector(self) -> list[list[str | int]]:
         """``[[doc, writer, have, head], ...]``: ``head`` names the envelope at ``have``, so two
-        replicas that hold different envelopes under the same seqs (a fork) can tell."""
+        replicas that hold different envelopes under the same seqs (a fork) can tell. Our own
+        streams are left out while we hold them: a peer then sends all it holds of them."""
         return [
             [doc, writer, s.have, _digest(s.retained[-1])]
-            for (doc, writer), s in sorted(self._streams.items()) if s.have and s.retained
+            for (doc, writer), s in self._published_streams() if s.have and s.retained
+        ]
+
+    def _published_streams(self) -> list[tuple[StreamKey, _Stream]]:
+        return [
+            (key, stream) for key, stream in sorted(self._streams.items())
+            if not (self._holding and key[1] == self.peer_id)
         ]
 
     def missing_for(self, vector: object) -> list[Envelope]:
@@ -370,7 +488,7 @@ class Replica:
         the evidence against every banned writer it still holds."""
         theirs = _parse_rows(vector)
         missing: list[Envelope] = []
-        for key, stream in sorted(self._streams.items()):
+        for key, stream in self._published_streams():
             their_have, their_head = theirs.get(key, (0, None))
             ours_there = stream.find(their_have) if their_head is not None else None
             if ours_there is not None and _digest(ours_there) != their_head:
@@ -419,6 +537,7 @@ class Replica:
             "pending": self._pending_total,
             "banned_writers": len(self._banned),
             "evicted_writers": len(self._evicted),
+            "superseded_own": self.superseded,
         }
 
     # -- internals -----------------------------------------------------------------------------
@@ -442,6 +561,12 @@ class Replica:
             stream.retained = [env]
         else:
             stream.retained.append(env)
+
+
+def _doc_from(update: bytes) -> Doc[Map[object]]:
+    doc: Doc[Map[object]] = Doc()
+    doc.apply_update(update)
+    return doc
 
 
 def _digest(env: Envelope) -> str:

@@ -19,10 +19,12 @@ The service wraps a sans-IO ``Replica`` with three kinds of I/O:
   to every connected peer at once.
 - **Proof of presence.** A completed sync session proves that its peer is connected under the
   key it claims (Noise) and was admitted by the access gate (the sync protocol is guarded): the
-  peer is *proven* for a lease. The heartbeat also writes the proven peers into our record (our
-  vouches). ``live_members`` counts only verified writers (``liveness.verified_writers``), so
-  records signed by throwaway keys that never connected are not members, whatever lease they
-  claim; the replica evicts such writers first when its table is full.
+  peer is *proven* for a lease. We note the network origin of the connection the session ran on
+  and since when the peer has been proven without a break (its standing). The heartbeat also
+  writes the proven peers into our record (our vouches). ``live_members`` counts only verified
+  writers (``liveness.verified_writers``, under ``config.vouching``), so records signed by
+  throwaway keys that never connected are not members, whatever lease they claim; the replica
+  evicts such writers first when its table is full.
 - **Serving budget.** Answering a session sends whatever the asker lacks (a fresh identity:
   the whole state). The node answers at most ``StateConfig.serving`` (bytes per second, bursts,
   sessions at once; ``lattica.net.serving_budget``) all peers together, and at most
@@ -30,6 +32,11 @@ The service wraps a sans-IO ``Replica`` with three kinds of I/O:
   ``busy`` and the asker tries later.
 - **Equivocation.** A writer caught signing two histories is banned by the replica; the
   evidence is persisted with the log and sent to peers that still hold the writer.
+- **Our own history.** After the log is replayed our own streams are held (``Replica``, "A
+  writer's own history"): our writes are persisted but published only after the first
+  completed sync session, which brings back whatever the swarm holds of ours — a data dir
+  restored from a backup then supersedes its past life's newer entries under a higher seq
+  instead of signing the same seqs again (which every peer would take for an equivocation).
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from pathlib import Path
 
 import trio
 from libp2p.abc import IHost, INetStream
+from libp2p.connection_types import ConnectionType
 from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID
 from pycrdt import Doc, Map
@@ -50,7 +58,14 @@ from trio_typing import TaskStatus
 from lattica.crdt import documents, sync
 from lattica.crdt.config import StateConfig
 from lattica.crdt.envelope import Envelope, RejectedUpdate
-from lattica.crdt.liveness import MAX_VOUCHES, is_live, live_members, verified_writers
+from lattica.crdt.liveness import (
+    MAX_VOUCHES,
+    Proof,
+    is_live,
+    live_members,
+    network_origin,
+    verified_writers,
+)
 from lattica.crdt.log import AppendLog
 from lattica.crdt.replica import Replica
 from lattica.errors import BrokenError, LocalProtocolError, RemoteError, RemoteProtocolError
@@ -59,7 +74,7 @@ from lattica.net.serving_budget import ServingBudget
 log = logging.getLogger(__name__)
 
 # not the relaying peer's fault: an honest peer relays a writer it has not caught or proven yet
-_BENIGN_REJECTIONS = frozenset({"replay", "equivocation", "banned", "evicted"})
+_BENIGN_REJECTIONS = frozenset({"replay", "equivocation", "banned", "evicted", "superseded"})
 _MAX_PROVEN = 4096
 _MAX_ANSWERS_PER_PEER = 2  # an honest peer runs one session with us at a time
 
@@ -101,6 +116,8 @@ class ReplicatedState:
         self._penalized_until: dict[str, float] = {}  # peers that sent bad input
         self._heartbeat = 0
         self._proven: dict[str, float] = {}  # peer -> monotonic time of its last completed sync session
+        self._proven_since: dict[str, float] = {}  # peer -> start of its unbroken run of proofs
+        self._origins: dict[str, str | None] = {}  # peer -> network origin of its last proof
         self._vouched: list[str] | None = None  # the proven peers our record lists
         self._verified_cache: tuple[tuple[int, int], set[str]] | None = None  # see ``_trusted``
         self._left = False
@@ -150,6 +167,7 @@ class ReplicatedState:
                 if exc.reason not in _BENIGN_REJECTIONS:
                     log.warning("state log %s: skipped a record: %s", self._log_path, exc)
         self._replica.take_new_evidence()  # it came from the log
+        self._replica.hold_own_streams()
         member = self._replica.snapshot()["members"].get(self.peer_id)
         self._heartbeat = member["heartbeat"] if member else 0
         self._bump()
@@ -230,6 +248,29 @@ class ReplicatedState:
         if envelopes:
             self._bump()
 
+    async def _settle_own_streams(self) -> None:
+        """After a completed sync session: publish our own streams (see "Our own history")."""
+        if not self._replica.holding:
+            return
+        async with self._log_lock:
+            try:
+                snapshots = self._replica.settle()
+            except LocalProtocolError as exc:  # a document past the snapshot cap: stays unpublished
+                log.warning("state: cannot publish this node's own entries: %s", exc)
+                return
+            keys = {(e.doc, e.writer, e.seq) for e in snapshots}
+            self._not_durable |= keys
+            try:
+                await self._persist(snapshots)
+            finally:
+                self._not_durable -= keys
+        for env in snapshots:
+            log.warning(
+                "state: the swarm held entries of this node from an earlier run of its data dir "
+                "(a restored copy?): superseded them with seq %d of %r", env.seq, env.doc,
+            )
+        self._bump()
+
     async def _persist(self, envelopes: list[Envelope]) -> None:
         """Append to the log; called with ``_log_lock`` held.
 
@@ -263,7 +304,8 @@ class ReplicatedState:
         """Writers that count as members for us: ourselves, peers that proved themselves to us
         on a live connection, and peers enough of those vouch for (``liveness.verified_writers``)."""
         return verified_writers(
-            self.snapshot()["members"], me=self.peer_id, proven=self.proven_peers(), now_ms=_now_ms(),
+            self.snapshot()["members"], me=self.peer_id, proven=self.proofs(), now_ms=_now_ms(),
+            admins=self._replica.admins, newcomer=len(self._proven) <= 1, policy=self.config.vouching,
             **self._lease_margins(),
         )
 
@@ -276,6 +318,14 @@ class ReplicatedState:
         """Peers with a completed sync session within the last lease."""
         since = time.monotonic() - self.config.lease.lease
         return {peer for peer, at in list(self._proven.items()) if at >= since}  # a copy: threads read it
+
+    def proofs(self) -> dict[str, Proof]:
+        """The proven peers with the network origin of their connection and their standing."""
+        now = time.monotonic()
+        return {
+            peer: Proof(self._origins.get(peer), now - self._proven_since.get(peer, now))
+            for peer in self.proven_peers()
+        }
 
     def _lease_margins(self) -> dict[str, int]:
         lease = self.config.lease
@@ -292,12 +342,19 @@ class ReplicatedState:
             self._verified_cache = (key, self.verified())
         return writer in self._verified_cache[1]
 
-    def _mark_proven(self, peer: str) -> None:
+    def _mark_proven(self, peer: str, stream: INetStream) -> None:
         fresh = peer not in self.proven_peers()
+        now = time.monotonic()
         self._proven.pop(peer, None)
-        self._proven[peer] = time.monotonic()
+        self._proven[peer] = now
+        if fresh:
+            self._proven_since[peer] = now
+        self._origins[peer] = _observed_origin(stream)
         while len(self._proven) > _MAX_PROVEN:
-            del self._proven[next(iter(self._proven))]
+            oldest = next(iter(self._proven))
+            del self._proven[oldest]
+            self._proven_since.pop(oldest, None)
+            self._origins.pop(oldest, None)
         if fresh and self._nursery is not None:  # others may be waiting for our word on it
             self._nursery.start_soon(self._refresh_vouches)
 
@@ -321,6 +378,10 @@ class ReplicatedState:
             **self.snapshot(),
             "live": self.live_members(),
             "unverified": self.unverified_claims(),
+            "proven": {
+                peer: {"origin": proof.origin, "standing_s": round(proof.standing_s, 1)}
+                for peer, proof in sorted(self.proofs().items())
+            },
             "banned": self._replica.banned(),
             "node": {"peer_id": self.peer_id, "run_id": self.run_id, **self.counters()},
         }
@@ -375,11 +436,13 @@ class ReplicatedState:
         self._ensure_peer(str(peer_id))
 
     async def flush(self) -> None:
-        """One sync session with every connected peer, concurrently, bounded by sync_timeout."""
+        """One sync session with every connected peer, concurrently, bounded by sync_timeout
+        (two while our own streams are held: the first publishes them)."""
         with trio.move_on_after(self.config.sync_timeout):
-            async with trio.open_nursery() as nursery:
-                for peer in self.host.get_connected_peers():
-                    nursery.start_soon(self._sync_once_quietly, peer.to_base58())
+            for _ in range(2 if self._replica.holding else 1):
+                async with trio.open_nursery() as nursery:
+                    for peer in self.host.get_connected_peers():
+                        nursery.start_soon(self._sync_once_quietly, peer.to_base58())
 
     def _ensure_peer(self, peer: str) -> None:
         if self._nursery is None or peer == self.peer_id or peer in self._peers:
@@ -432,7 +495,8 @@ class ReplicatedState:
                     await sync.initiate(stream, self, peer_id=peer)
                 finally:
                     await _close_quietly(stream)
-            self._mark_proven(peer)
+            self._mark_proven(peer, stream)
+            await self._settle_own_streams()
         except RemoteProtocolError as exc:
             log.warning("state sync: dropping bad input from %s: %s", peer, exc)
             self._penalized_until[peer] = trio.current_time() + self.config.max_backoff
@@ -459,7 +523,8 @@ class ReplicatedState:
             with trio.fail_after(self.config.sync_timeout):
                 answered = await sync.respond(stream, self, peer_id=peer, take=self._take_answer_bytes)
             if answered:
-                self._mark_proven(peer)
+                self._mark_proven(peer, stream)
+                await self._settle_own_streams()
         except RemoteProtocolError as exc:
             log.warning("state sync: dropping bad input from %s: %s", peer, exc)
             self._penalized_until[peer] = trio.current_time() + self.config.max_backoff
@@ -500,6 +565,17 @@ class ReplicatedState:
 def state_log_path(data_dir: Path, run_id: str) -> Path:
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in run_id)
     return data_dir / f"state-{safe}.log"
+
+
+def _observed_origin(stream: INetStream) -> str | None:
+    """The network origin of the connection ``stream`` runs on, as we observe it."""
+    try:
+        relayed = stream.muxed_conn.get_connection_type() is ConnectionType.RELAYED
+        remote = stream.get_remote_address()
+    except Exception:  # noqa: BLE001 - a stream whose connection is gone: no origin
+        return None
+    host = remote[0] if remote else None
+    return network_origin(host if isinstance(host, str) else None, relayed=relayed)
 
 
 async def _close_quietly(stream: INetStream) -> None:

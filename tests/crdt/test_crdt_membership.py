@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
+import time
 
+import multiaddr
 import pytest
 import trio
 from crdt_helpers import peer_of
@@ -13,6 +16,7 @@ from test_crdt_service import FAST, LOOPBACK, connect, p2p_addr, running_node, w
 
 from lattica.crdt import ReplicatedState, StateConfig, documents
 from lattica.crdt.envelope import Envelope
+from lattica.crdt.liveness import VouchPolicy
 from lattica.crdt.replica import Replica, ReplicaLimits
 from lattica.crdt.sync import SYNC_PROTOCOL, hello
 from lattica.net.host import build_host
@@ -154,3 +158,71 @@ async def test_a_flood_of_throwaway_writers_locks_no_member_out(tmp_path):
                 await wait_for(lambda: a.snapshot()["progress"].get(c.peer_id, {}).get("round") == 3, [a, c], timeout=30)
                 # live: leases renewed every 0.2 s; one late renewal under load is waited out
                 await wait_for(lambda: {b.peer_id, c.peer_id} <= set(a.live_members()), [a, b, c], timeout=30)
+
+
+@contextlib.asynccontextmanager
+async def _node_at(tmp_path, name: str, ip: str, *, vouching: VouchPolicy | None = None):
+    """A node listening on its own loopback address: peers that dial it see that address."""
+    key_pair = create_new_key_pair()
+    host = build_host(key_pair)
+    async with host.run([multiaddr.Multiaddr(f"/ip4/{ip}/tcp/0")]), trio.open_nursery() as nursery:
+        config = StateConfig(**FAST, vouching=vouching or VouchPolicy())
+        state = ReplicatedState(host, key_pair, data_dir=tmp_path / name, run_id=RUN, config=config)
+        await nursery.start(state.run)
+        yield state
+        nursery.cancel_scope.cancel()
+
+
+async def _renew_leases(phantoms: list[Replica], relays: list[ReplicatedState]) -> None:
+    """The throwaway keys' owner renews their leases and hands the records to its members."""
+    for beat in itertools.count(1):
+        expires = time.time_ns() // 1_000_000 + 4000
+        for p in phantoms:
+            p.local_write(p.peer_id, lambda d, b=beat, e=expires: documents.write_lease(d, lease_expires_ms=e, heartbeat=b))
+        wire = [env.to_wire() for p in phantoms for env in p.retained()]
+        for relay in relays:
+            await relay.accept_batch(wire, from_peer=relay.peer_id)
+        await trio.sleep(0.5)
+
+
+async def test_members_on_one_network_vouch_nobody_in_but_members_at_two_do(tmp_path):
+    """Two members on one network list throwaway keys whose leases they keep renewing: the keys
+    stay unverified. A member reached only through two members on two other networks counts,
+    once those have proved themselves for the standing the policy asks (2 s here)."""
+    policy = VouchPolicy(min_standing_s=2.0)
+    phantoms = [Replica(run_id=RUN, key_pair=create_new_key_pair(), admins=()) for _ in range(3)]
+    phantom_ids = {p.peer_id for p in phantoms}
+    async with contextlib.AsyncExitStack() as stack:
+        a = await stack.enter_async_context(_node_at(tmp_path, "a", "127.0.0.1", vouching=policy))
+        v1 = await stack.enter_async_context(_node_at(tmp_path, "v1", "127.0.1.1"))
+        v2 = await stack.enter_async_context(_node_at(tmp_path, "v2", "127.0.2.1"))
+        m1 = await stack.enter_async_context(_node_at(tmp_path, "m1", "127.0.3.1"))
+        m2 = await stack.enter_async_context(_node_at(tmp_path, "m2", "127.0.3.1"))
+        c = await stack.enter_async_context(_node_at(tmp_path, "c", "127.0.0.1"))
+        for member in (m1, m2):  # each lists the throwaway keys as proven to it
+            member.proven_peers = lambda real=member.proven_peers: real() | phantom_ids  # type: ignore[method-assign]
+        for member in (v1, v2, m1, m2):
+            await connect(a, member)
+        await connect(v1, c)  # c: reached only through v1 and v2
+        await connect(v2, c)
+        nursery = await stack.enter_async_context(trio.open_nursery())
+        nursery.start_soon(_renew_leases, phantoms, [m1, m2])
+        await wait_for(lambda: phantom_ids <= set(a.snapshot()["members"]), [a], timeout=20)
+        await wait_for(lambda: c.peer_id in a.live_members(), [a], timeout=30)
+        proofs = a.proofs()
+        assert proofs[m1.peer_id].origin == proofs[m2.peer_id].origin == "127.0.3.0/24"
+        assert proofs[v1.peer_id].origin != proofs[v2.peer_id].origin
+
+
+        def seasoned() -> bool:
+            proofs = a.proofs()
+            return all(p in proofs and proofs[p].standing_s >= policy.min_standing_s for p in (m1.peer_id, m2.peer_id))
+
+        await wait_for(seasoned, [a], timeout=20)
+        with trio.move_on_after(3.0):  # a few more heartbeats and renewals: still nobody
+            while True:
+                assert not phantom_ids & set(a.live_members())
+                await trio.sleep(0.1)
+        assert phantom_ids <= set(a.dump()["unverified"])
+        assert c.peer_id in a.live_members()
+        nursery.cancel_scope.cancel()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import re
+import time
 from pathlib import Path
 
 import trio
@@ -24,6 +25,7 @@ from lattica.config import NodeConfig
 from lattica.crdt import documents
 from lattica.crdt.config import StateConfig
 from lattica.crdt.envelope import Envelope
+from lattica.crdt.liveness import vouches
 from lattica.crdt.replica import Replica
 from lattica.crdt.state import ReplicatedState
 from lattica.daemon import build_node
@@ -184,4 +186,61 @@ async def test_a_connected_peer_the_gate_refuses_is_no_member_even_when_a_member
             assert x_id not in a_state.live_members()
             assert x_id in a_state.dump()["unverified"]
             assert a_state.live_members() == sorted([a_state.peer_id, m_id])
+            nursery.cancel_scope.cancel()
+
+
+# -- with the secret: members vouching for throwaway keys ----------------------------------------
+
+PHANTOM_LEASE_MS = 4000
+
+
+async def _renew_leases(phantoms: list[Replica], members: list) -> None:
+    """The keys' owner renews their leases (well within the readers' bound) through its members."""
+    for beat in itertools.count(1):
+        expires = time.time_ns() // 1_000_000 + PHANTOM_LEASE_MS
+        for p in phantoms:
+            p.local_write(p.peer_id, lambda d, b=beat, e=expires: documents.write_lease(d, lease_expires_ms=e, heartbeat=b))
+        wire = [env.to_wire() for p in phantoms for env in p.retained()]
+        for member in members:
+            await member.accept_batch(wire, from_peer=member.peer_id)
+        await trio.sleep(0.5)
+
+
+async def test_two_members_with_the_secret_cannot_vouch_throwaway_keys_in(tmp_path: Path) -> None:
+    """Two identities that hold the secret (on one host) list three throwaway keys as proven to
+    them and keep their leases fresh: neither honest node counts them (``phantoms_live`` 0)."""
+    phantoms = [Replica(run_id="gated", key_pair=create_new_key_pair(), admins=()) for _ in range(3)]
+    phantom_ids = {p.peer_id for p in phantoms}
+    for phantom in phantoms:
+        phantom.local_write(phantom.peer_id, lambda d: documents.write_member(d, {"role": "trainer"}))
+    with trio.fail_after(90):
+        async with trio.open_nursery() as nursery:
+            a, a_state = await _gated_node(nursery, tmp_path / "a", secret=SECRET)
+            a_addr = str(a.dialable_addrs()[0])
+            _b, b_state = await _gated_node(nursery, tmp_path / "b", peers=(a_addr,), secret=SECRET)
+            while b_state.peer_id not in a_state.live_members():
+                await trio.sleep(0.2)
+            members = []
+            for name in ("m1", "m2"):
+                _m, m_state = await _gated_node(nursery, tmp_path / name, peers=(a_addr,), secret=SECRET)
+                m_state.proven_peers = lambda real=m_state.proven_peers: real() | phantom_ids
+                members.append(m_state)
+            nursery.start_soon(_renew_leases, phantoms, members)
+            honest = (a_state, b_state)
+
+            def everyone_sees_all() -> bool:
+                return all(
+                    phantom_ids <= set(s.snapshot()["members"]) and {m.peer_id for m in members} <= set(s.live_members())
+                    and phantom_ids <= set(vouches(s.snapshot()["members"][m.peer_id])) for s in honest for m in members
+                )
+
+            while not everyone_sees_all():
+                await trio.sleep(0.2)
+            with trio.move_on_after(6.0):  # more than a lease of renewals and heartbeats
+                while True:
+                    phantoms_live = [p for s in honest for p in s.live_members() if p in phantom_ids]
+                    assert phantoms_live == []
+                    await trio.sleep(0.1)
+            for state in honest:
+                assert phantom_ids <= set(state.dump()["unverified"])
             nursery.cancel_scope.cancel()
