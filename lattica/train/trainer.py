@@ -33,6 +33,7 @@ validation and throughput go to ``on_progress``.
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections.abc import Callable
@@ -336,9 +337,11 @@ class Trainer:
             await self.checkpoint_writer.save(self.state_dict)
 
     async def checkpoint_until_written(self) -> None:
-        """After the run: while the last checkpoint could not be written, keep trying."""
+        """After the run: while the last checkpoint could not be written, keep trying. Each
+        attempt writes a copy: a state adopted meanwhile (``revalidate``'s caller) changes the
+        weights on the trio thread while the worker thread serializes."""
         if self.checkpoint_writer is not None:
-            await self.checkpoint_writer.until_written(self.state_dict)
+            await self.checkpoint_writer.until_written(lambda: copy.deepcopy(self.state_dict()))
 
     async def _evaluate_and_report(self) -> None:
         if self.task.val_batches:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import trio
 
 from lattica.cli import main as cli_main
 from lattica.crdt.log import AppendLog, HeldRecordsLog, read_records
@@ -233,6 +234,24 @@ async def test_a_failing_checkpoint_is_said_once_and_retried_after_a_backoff(
     now[0] = 1.0
     assert await writer.save(lambda: _megabyte_state(5)) == disk / "checkpoints" / "step-000000005.pt"
     assert writer.failing is None
+
+
+async def test_a_last_checkpoint_that_failed_is_written_once_space_returns(disk: Path) -> None:
+    """After the last round no later round brings another attempt: ``until_written`` does."""
+    writer = CheckpointWriter(
+        CheckpointStore(disk / "checkpoints"), retry=WriteRetry(first_s=0.1, max_s=0.4), clock=trio.current_time,
+    )
+    fill(disk / "filler")
+    assert await writer.save(lambda: _megabyte_state(7)) is None
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(writer.until_written, lambda: _megabyte_state(7))
+        await trio.sleep(1.5)  # retried all along, in vain
+        assert writer.failing is not None
+        (disk / "filler").unlink()
+        with trio.fail_after(10):  # one backoff later, and the write's own time
+            while writer.failing is not None:
+                await trio.sleep(0.05)
+    assert [step for step, _ in writer.store.checkpoints()] == [7]
 
 
 def test_a_new_identity_on_a_full_disk_fails_in_one_line(disk: Path) -> None:
