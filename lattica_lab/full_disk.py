@@ -2,7 +2,9 @@
 
 ``small_tmpfs`` mounts it (root only: ``disk_unavailable_reason`` says why not) and unmounts it
 when the block ends, also when the test failed; ``fill`` writes a file until the filesystem
-refuses (``ENOSPC``), and removing that file gives the space back.
+refuses (``ENOSPC``), and removing that file gives the space back. ``kept_full`` keeps it full
+while a block runs: a write that fails removes its temporary file (a checkpoint: megabytes),
+and that space is taken again at once, as a disk that another program fills would be.
 """
 
 from __future__ import annotations
@@ -10,9 +12,11 @@ from __future__ import annotations
 import errno
 import os
 import subprocess
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import BinaryIO
 
 
 def disk_unavailable_reason() -> str | None:
@@ -41,15 +45,42 @@ def small_tmpfs(mount_point: Path, size_bytes: int) -> Iterator[Path]:
 def fill(path: Path) -> int:
     """Write ``path`` until its filesystem is full (down to the last byte a partial page
     takes); the bytes written."""
+    with path.open("ab", buffering=0) as f:
+        return _write_until_full(f)
+
+
+@contextmanager
+def kept_full(folder: Path, interval_s: float = 0.01) -> Iterator[None]:
+    """The filesystem of ``folder`` full while the block runs (space freed meanwhile is taken
+    again within ``interval_s``), and its space back when the block ends."""
+    path = folder / ".filler"
+    stop = threading.Event()
+    with path.open("ab", buffering=0) as f:
+        _write_until_full(f)
+
+        def top_up() -> None:
+            while not stop.wait(interval_s):
+                _write_until_full(f)
+
+        keeper = threading.Thread(target=top_up, name="disk-filler", daemon=True)
+        keeper.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            keeper.join()
+    path.unlink()
+
+
+def _write_until_full(f: BinaryIO) -> int:
     written = 0
-    with path.open("wb", buffering=0) as f:
-        for size in (65536, 4096, 256, 1):
-            chunk = b"\0" * size
-            while True:
-                try:
-                    written += f.write(chunk)
-                except OSError as exc:
-                    if exc.errno != errno.ENOSPC:
-                        raise
-                    break
+    for size in (65536, 4096, 256, 1):
+        chunk = b"\0" * size
+        while True:
+            try:
+                written += f.write(chunk) or 0
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
+                break
     return written
