@@ -17,6 +17,8 @@ when the next attempt succeeds; attempts follow a backoff (``WriteRetry``: 1 s, 
 30 s). Past ``max_held`` records the oldest held ones are dropped and the next successful
 write must be a rewrite with everything the state still needs (``needs_rewrite``), which holds
 them too. Records held when the process dies are lost: the log then ends where the disk filled.
+A compaction that does not fit (it writes a whole copy) loses nothing: it is postponed with a
+backoff of its own, warned once, while appends go on.
 
 This module does blocking file I/O; async callers run it in a worker thread.
 """
@@ -147,11 +149,11 @@ class AppendLog:
                 os.replace(tmp, self.path)
             finally:
                 tmp.unlink(missing_ok=True)
+            fd, self._fd = self._fd, os.open(self.path, os.O_RDWR)
+            os.close(fd)
+            self.size_bytes = len(blob)
+            self.record_count = len(records)
             _fsync_dir(self.path.parent)
-            os.close(self._fd)
-            self._fd = os.open(self.path, os.O_RDWR)
-        self.size_bytes = len(blob)
-        self.record_count = len(records)
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -168,6 +170,7 @@ class HeldRecordsLog:
         self.log = log
         self.max_held = max_held
         self._retry = retry or WriteRetry()
+        self._compaction = WriteRetry()  # a compaction needs room for a whole copy: postponed apart
         self._held: list[object] = []
         self._dropped = False  # held records were dropped: only a rewrite restores them
 
@@ -185,8 +188,12 @@ class HeldRecordsLog:
         return self._retry.wait_s(now)
 
     def needs_rewrite(self, max_records: int, now: float) -> bool:
-        """Whether the next write is a rewrite: compaction is due, or held records were dropped."""
-        return self._retry.due(now) and (self._dropped or self.log.record_count > max_records)
+        """Whether the next write is a rewrite: held records were dropped, or the log holds more
+        than ``max_records`` (compaction; not while writes fail, and postponed with a backoff of
+        its own when it failed: the appends may still fit where a whole copy does not)."""
+        if self._dropped:
+            return self._retry.due(now)
+        return self._retry.error is None and self._compaction.due(now) and self.log.record_count > max_records
 
     def append(self, objs: Iterable[object], now: float) -> bool:
         """Hold ``objs`` after the records already held and write them all when an attempt is
@@ -202,7 +209,16 @@ class HeldRecordsLog:
     def rewrite(self, objs: Iterable[object], now: float) -> bool:
         """Replace the log with ``objs``: everything the state needs, the held records too."""
         records = list(objs)
-        return self._attempt(lambda: self.log.rewrite(records), now)
+        if self._held or self._dropped:
+            return self._attempt(lambda: self.log.rewrite(records), now)
+        try:
+            self.log.rewrite(records)
+        except StorageError as exc:  # nothing is lost: the log as it was grows on
+            if self._compaction.failed(str(exc), now):
+                log.warning("state log compaction postponed: %s", exc)
+            return False
+        self._compaction.succeeded()
+        return True
 
     def _attempt(self, write: Callable[[], None], now: float) -> bool:
         try:

@@ -249,10 +249,12 @@ class ReplicatedState:
         backoff is over: with no new record to carry them, they would wait for the next one."""
         while True:
             current = self._log
-            await trio.sleep(max(0.25, current.wait_s(time.monotonic())) if current else 1.0)
-            if current is not None and current.failing is not None:
-                async with self._log_lock:
-                    await self._persist([])
+            if current is None or current.failing is None:
+                await trio.sleep(1.0)
+                continue
+            await trio.sleep(max(0.05, current.wait_s(time.monotonic())))
+            async with self._log_lock:
+                await self._persist([])
 
     def _last_attempt_at_shutdown(self, current: HeldRecordsLog) -> None:
         """Write what is held once more before the log closes (at the next start it is lost)."""

@@ -22,10 +22,10 @@ Churn: a member is ``joining`` until it can sync; once the run is past its first
 member is not a round candidate, so coordinators never wait for a peer that is still loading or
 fetching after a restart. A member whose training stopped on an error says ``failed`` (its
 daemon stays up): nobody waits for it. A full disk is no such error: checkpoints are retried
-(``checkpoint_writer``) while training goes on, and ``lattica status`` says they are failing. ``min_peers`` only gates the start of a run (a claimed
-round that no holder serves starts none). Syncs go through a stall guard (a silent member
-aborts the sync after a round deadline). After the last round the service keeps repairing, so
-every replica ends on the same state.
+(``checkpoint_writer``) while training goes on, and ``lattica status`` says they are failing.
+``min_peers`` only gates the start of a run (a claimed round that no holder serves starts
+none). Syncs go through a stall guard (a silent member aborts the sync after a round deadline).
+After the last round the service keeps repairing, so every replica ends on the same state.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ records, the checkpoint writer's backoff, a new identity and the crash log.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -214,6 +215,27 @@ def test_records_held_past_the_cap_come_back_with_a_rewrite(disk: Path) -> None:
     assert log.failing is None
     log.close()
     assert [r["n"] for r in AppendLog.open(path)[1]] == [0, 1, 2]  # type: ignore[index]
+
+
+def test_a_compaction_that_does_not_fit_is_postponed_while_appends_go_on(disk: Path) -> None:
+    path = disk / "state.log"
+    log = HeldRecordsLog(AppendLog.open(path)[0])
+    records = [{"n": n, "pad": b"x" * 1024} for n in range(64)]
+    assert log.append(records, now=0.0)
+    fill(disk / "filler")
+    os.truncate(disk / "filler", (disk / "filler").stat().st_size - 16384)  # room for appends, not a copy
+    assert log.needs_rewrite(max_records=32, now=0.0)
+    assert not log.rewrite(records[32:], now=0.0)
+    assert log.failing is None  # nothing is held, nothing lost
+    assert not log.needs_rewrite(max_records=32, now=0.5)  # postponed
+    assert log.append([{"n": 64}], now=0.5)
+    assert not list(disk.glob("*.compact"))  # the copy that did not fit is gone
+
+    (disk / "filler").unlink()
+    assert log.needs_rewrite(max_records=32, now=1.0)
+    assert log.rewrite([*records[32:], {"n": 64}], now=1.0)
+    log.close()
+    assert [r["n"] for r in AppendLog.open(path)[1]] == list(range(32, 65))  # type: ignore[index]
 
 
 async def test_a_failing_checkpoint_is_said_once_and_retried_after_a_backoff(
