@@ -13,8 +13,8 @@ keeps its state in memory meanwhile (checkpoints, the state log) tries again wit
 
 from __future__ import annotations
 
+import errno
 import os
-import shutil
 import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -58,6 +58,9 @@ def append_private(path: Path, text: str, *, what: str = "file") -> None:
             f.write(text)
 
 
+DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})  # no blocks, no inodes, over quota
+
+
 @contextmanager
 def writing(path: Path, *, what: str) -> Iterator[None]:
     """Turn an ``OSError`` raised in the block into a ``StorageError`` about ``path``."""
@@ -73,15 +76,17 @@ def storage_error(path: Path, exc: OSError, *, what: str) -> StorageError:
 
 
 def free_space(path: Path) -> str:
-    """``<free> free of <size>`` of the filesystem that holds ``path`` (or would)."""
+    """``<free> free of <size>`` of the filesystem that holds ``path`` (or would), and ``no
+    inodes left`` when that is what is full."""
     folder = path
     while not folder.is_dir() and folder != folder.parent:
         folder = folder.parent
     try:
-        usage = shutil.disk_usage(folder)
+        fs = os.statvfs(folder)
     except OSError:
         return "free space unknown"
-    return f"{_size(usage.free)} free of {_size(usage.total)}"
+    free = f"{_size(fs.f_bavail * fs.f_frsize)} free of {_size(fs.f_blocks * fs.f_frsize)}"
+    return f"{free}, no inodes left" if fs.f_files and not fs.f_favail else free
 
 
 def _size(count: int) -> str:

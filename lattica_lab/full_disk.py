@@ -27,11 +27,13 @@ def disk_unavailable_reason() -> str | None:
 
 
 @contextmanager
-def small_tmpfs(mount_point: Path, size_bytes: int) -> Iterator[Path]:
-    """A tmpfs of ``size_bytes`` on ``mount_point`` (created if missing) while the block runs."""
+def small_tmpfs(mount_point: Path, size_bytes: int, inodes: int | None = None) -> Iterator[Path]:
+    """A tmpfs of ``size_bytes`` (and at most ``inodes`` files and folders) on ``mount_point``
+    (created if missing) while the block runs."""
     mount_point.mkdir(parents=True, exist_ok=True)
+    options = f"size={size_bytes},mode=0700" + (f",nr_inodes={inodes}" if inodes else "")
     subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size_bytes},mode=0700", "tmpfs", str(mount_point)],
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mount_point)],
         check=True, capture_output=True, timeout=20,
     )
     try:
@@ -70,6 +72,20 @@ def kept_full(folder: Path, interval_s: float = 0.01) -> Iterator[None]:
             stop.set()
             keeper.join()
     path.unlink()
+
+
+def use_all_inodes(folder: Path) -> list[Path]:
+    """Create empty files in ``folder`` until no inode is left; the files."""
+    made: list[Path] = []
+    while True:
+        path = folder / f".inode-{len(made)}"
+        try:
+            path.touch()
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+            return made
+        made.append(path)
 
 
 def _write_until_full(f: BinaryIO) -> int:

@@ -8,7 +8,6 @@ traceback to ``crash.log`` in the data dir).
 from __future__ import annotations
 
 import argparse
-import errno
 import sys
 import traceback
 from pathlib import Path
@@ -17,11 +16,10 @@ from lattica.cli import doctor as doctor_cli
 from lattica.cli.common import resolve_data_dir
 from lattica.config import DEFAULT_INNER_STEPS
 from lattica.errors import LatticaError, StorageError
-from lattica.files import append_private, storage_error
+from lattica.files import DISK_FULL_ERRNOS, append_private, storage_error
 
 EXIT_ERROR = 1
 EXIT_INTERNAL = 2
-_DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 
 def _add_data_dir(p: argparse.ArgumentParser) -> None:
@@ -146,7 +144,7 @@ def _report_internal(args: argparse.Namespace, exc: BaseException) -> None:
     """One line for the user; a daemon also keeps the traceback in ``<data dir>/crash.log``
     (not when its disk is full: the line then names the data dir and the space left)."""
     where = ""
-    if args.command == "join" and isinstance(exc, OSError) and exc.errno in _DISK_FULL:
+    if args.command == "join" and isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS:
         full = Path(exc.filename) if isinstance(exc.filename, str) else resolve_data_dir(args)
         print(f"lattica: internal error: {storage_error(full, exc, what='to')}", file=sys.stderr)
         return

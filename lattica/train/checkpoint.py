@@ -39,7 +39,7 @@ from typing import Any, BinaryIO, cast
 import torch
 
 from lattica.errors import ConfigError, RemoteProtocolError
-from lattica.files import writing
+from lattica.files import DISK_FULL_ERRNOS, writing
 
 log = logging.getLogger(__name__)
 _NAME = re.compile(r"^step-(\d{9,})\.pt$")
@@ -89,7 +89,9 @@ class CheckpointStore:
         try:
             self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as exc:
-            raise ConfigError(f"cannot create checkpoint folder {self.directory}: {exc}") from None
+            if exc.errno not in DISK_FULL_ERRNOS:
+                raise ConfigError(f"cannot create checkpoint folder {self.directory}: {exc}") from None
+            return  # no checkpoint to find; the first save creates the folder, or says why not
         for path in (self.directory, *(p for _, p in self.checkpoints())):
             _make_private(path)
         self._remove_stale_temporaries()
@@ -97,7 +99,7 @@ class CheckpointStore:
     def checkpoints(self) -> list[tuple[int, Path]]:
         """``(step, path)`` of every complete checkpoint, oldest first."""
         found = []
-        for path in self.directory.iterdir():
+        for path in self._entries():
             match = _NAME.match(path.name)
             if match:
                 found.append((int(match.group(1)), path))
@@ -107,7 +109,7 @@ class CheckpointStore:
         """Delete the temporaries of saves that were killed: their process is gone, or they
         are older than ``STALE_TMP_S`` (a reused pid)."""
         now = time.time()
-        for path in self.directory.iterdir():
+        for path in self._entries():
             match = _TMP_NAME.match(path.name)
             if match is None:
                 continue
@@ -119,6 +121,9 @@ class CheckpointStore:
             except OSError:
                 continue  # gone meanwhile, or not ours to remove
 
+    def _entries(self) -> list[Path]:
+        return list(self.directory.iterdir()) if self.directory.is_dir() else []
+
     def save(self, step: int, state: dict[str, Any]) -> Path:
         """Write ``step-<n>.pt`` and prune the oldest. A write that fails (a full disk) raises
         ``StorageError`` naming the file and the space left, removes its temporary and leaves
@@ -126,6 +131,7 @@ class CheckpointStore:
         final = self.directory / f"step-{step:09d}.pt"
         tmp = self.directory / f".{final.name}.{os.getpid()}.tmp"
         with writing(final, what="checkpoint"):
+            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
             try:
                 _write_synced(tmp, state)
                 os.replace(tmp, final)

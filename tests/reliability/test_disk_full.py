@@ -34,7 +34,13 @@ from lattica.files import WriteRetry
 from lattica.train.checkpoint import CheckpointStore
 from lattica.train.checkpoint_writer import CheckpointWriter
 from lattica_lab.daemons import DaemonProcess, run_cli, wait_for
-from lattica_lab.full_disk import disk_unavailable_reason, fill, kept_full, small_tmpfs
+from lattica_lab.full_disk import (
+    disk_unavailable_reason,
+    fill,
+    kept_full,
+    small_tmpfs,
+    use_all_inodes,
+)
 from lattica_lab.training_daemons import (
     TRAIN_ENV,
     killed_at_end,
@@ -179,6 +185,21 @@ def test_a_checkpoint_on_a_full_disk_fails_in_one_line_and_keeps_the_older_ones(
     (disk / "filler").unlink()
     store.save(3, _megabyte_state(3))
     assert [step for step, _ in store.checkpoints()] == [2, 3]
+
+
+def test_a_checkpoint_folder_that_cannot_be_created_fails_the_save_not_the_store(tmp_path: Path) -> None:
+    with small_tmpfs(tmp_path / "disk", DISK_BYTES, inodes=64) as disk:
+        taken = use_all_inodes(disk)
+        store = CheckpointStore(disk / "checkpoints")  # the trainer is built with it
+        assert store.load_latest() is None
+        with pytest.raises(StorageError) as failed:
+            store.save(1, _megabyte_state(1))
+        assert "cannot write checkpoint" in str(failed.value)
+        assert str(failed.value).endswith("no inodes left)"), failed.value
+        for path in taken[:2]:  # the folder and the temporary file
+            path.unlink()
+        store.save(1, _megabyte_state(1))
+        assert store.load_latest()["step"] == 1  # type: ignore[index]
 
 
 def test_the_state_log_holds_records_through_a_full_disk_and_writes_them_in_order(disk: Path) -> None:
