@@ -88,7 +88,10 @@ class StateService:
         await self.state.leave()
 
     def status(self) -> dict[str, object]:
-        return {"state": {"live_members": len(self.state.live_members()), **_scalars(self.state.counters())}}
+        status: dict[str, object] = {"live_members": len(self.state.live_members()), **_scalars(self.state.counters())}
+        if self.state.log_failing:  # the node runs on; the log is written once space returns
+            status["log"] = f"failing, records held in memory, retrying: {self.state.log_failing}"
+        return {"state": status}
 
     async def handle_control(self, request: ControlRequest) -> object | None:
         if request.method == "state":

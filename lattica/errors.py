@@ -1,6 +1,8 @@
 """One error taxonomy for the whole runtime.
 
 - ``ConfigError``: the user gave bad input (flag, env var, file). The CLI prints one line.
+- ``StorageError``: a file of the node's own could not be written (disk full, quota, I/O
+  error); one line naming the file, the reason and the space left.
 - ``LocalProtocolError``: *we* tried to do something the protocol forbids (a bug or misuse).
 - ``RemoteProtocolError``: a peer sent something malformed, oversized or hostile. It carries
   the peer id; the caller logs it, drops or penalizes the peer, and carries on.
@@ -19,6 +21,10 @@ class LatticaError(Exception):
 
 class ConfigError(LatticaError):
     """Invalid user input: flags, environment, config or key files."""
+
+
+class StorageError(LatticaError):
+    """A file in the data dir could not be written: disk full, over quota, an I/O error."""
 
 
 class LocalProtocolError(LatticaError):

@@ -15,8 +15,8 @@ from pathlib import Path
 from lattica.cli import doctor as doctor_cli
 from lattica.cli.common import resolve_data_dir
 from lattica.config import DEFAULT_INNER_STEPS
-from lattica.errors import LatticaError
-from lattica.files import append_private
+from lattica.errors import LatticaError, StorageError
+from lattica.files import DISK_FULL_ERRNOS, append_private, storage_error
 
 EXIT_ERROR = 1
 EXIT_INTERNAL = 2
@@ -141,15 +141,22 @@ def _first_leaf(group: BaseExceptionGroup) -> BaseException:
 
 
 def _report_internal(args: argparse.Namespace, exc: BaseException) -> None:
-    """One line for the user; a daemon also keeps the traceback in ``<data dir>/crash.log``."""
+    """One line for the user; a daemon also keeps the traceback in ``<data dir>/crash.log``
+    (not when its disk is full: the line then names the data dir and the space left)."""
     where = ""
+    if args.command == "join" and isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS:
+        full = Path(exc.filename) if isinstance(exc.filename, str) else resolve_data_dir(args)
+        print(f"lattica: internal error: {storage_error(full, exc, what='to')}", file=sys.stderr)
+        return
     if args.command == "join":
         try:
             path = resolve_data_dir(args) / "crash.log"
-            append_private(path, "".join(traceback.format_exception(exc)) + "\n")
+            append_private(path, "".join(traceback.format_exception(exc)) + "\n", what="crash log")
             where = f" (traceback in {path})"
-        except OSError:
-            pass
+        except StorageError as not_kept:
+            where = f" (no traceback kept: {not_kept})"
+        except LatticaError:
+            pass  # no data dir to keep it in
     print(f"lattica: internal error: {type(exc).__name__}: {_first_line(exc)}{where}", file=sys.stderr)
 
 

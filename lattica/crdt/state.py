@@ -9,7 +9,11 @@ The service wraps a sans-IO ``Replica`` with three kinds of I/O:
   *acknowledged*) only after that, and are not offered to peers before it, so a crash can
   never make us reuse a seq that someone else already holds. At start the log is replayed
   through the same validation as network input; a torn tail is cut off. When the log holds
-  much more than the replica still needs, it is rewritten (compaction).
+  much more than the replica still needs, it is rewritten (compaction). A full disk does not
+  stop the node: the log holds what it cannot write in memory and writes it, in order, once
+  space returns (``log.HeldRecordsLog``; warned once, shown in ``lattica status``). Writes
+  are then acknowledged and offered to peers before they are durable; a kill meanwhile loses
+  the held records, and the log ends where the disk filled.
 - **Anti-entropy.** One task per connected peer runs a sync session (``sync.initiate``)
   whenever the local state changed since its last session, and at least every
   ``sync_interval`` — the first is the prompt push, the second the repair that makes
@@ -43,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -66,7 +71,7 @@ from lattica.crdt.liveness import (
     network_origin,
     verified_writers,
 )
-from lattica.crdt.log import AppendLog
+from lattica.crdt.log import AppendLog, HeldRecordsLog
 from lattica.crdt.replica import Replica
 from lattica.errors import BrokenError, LocalProtocolError, RemoteError, RemoteProtocolError
 from lattica.net.serving_budget import ServingBudget
@@ -105,7 +110,7 @@ class ReplicatedState:
             trusted=self._trusted,
         )
         self._log_path = state_log_path(Path(data_dir), run_id)
-        self._log: AppendLog | None = None
+        self._log: HeldRecordsLog | None = None
         self._log_lock = trio.Lock()
         self._not_durable: set[tuple[str, str, int]] = set()
         self._changed = trio.Event()
@@ -138,6 +143,7 @@ class ReplicatedState:
                 await self.heartbeat()
                 nursery.start_soon(self._heartbeat_loop)
                 nursery.start_soon(self._watch_peers_loop)
+                nursery.start_soon(self._retry_held_records_loop)
                 task_status.started()
         finally:
             # The handler stays registered: py-libp2p 0.8.1 raises KeyError inside the swarm
@@ -150,13 +156,14 @@ class ReplicatedState:
                 async with self._log_lock:
                     self._closed = True
                     if self._log is not None:
+                        self._last_attempt_at_shutdown(self._log)
                         self._log.close()
                         self._log = None
 
     async def _open_log(self) -> None:
         self._replica.tick(time.monotonic())
         opened, records = await trio.to_thread.run_sync(AppendLog.open, self._log_path)
-        self._log = opened
+        self._log = HeldRecordsLog(opened)
         self.torn_bytes_at_open = opened.torn_bytes
         if opened.torn_bytes:
             log.warning("state log %s: cut a torn tail of %d bytes", self._log_path, opened.torn_bytes)
@@ -281,11 +288,33 @@ class ReplicatedState:
                 log.debug("state log closed: %d change(s) not persisted at shutdown", len(envelopes))
             return
         current = self._log
-        await trio.to_thread.run_sync(current.append, [e.to_wire() for e in envelopes])
+        await trio.to_thread.run_sync(current.append, [e.to_wire() for e in envelopes], time.monotonic())
         limit = max(self.config.compact_min_records, 2 * len(self._replica.retained()))
-        if current.record_count > limit:
+        if current.needs_rewrite(limit, time.monotonic()):
             keep = [e.to_wire() for e in self._replica.retained()]
-            await trio.to_thread.run_sync(current.rewrite, keep)
+            await trio.to_thread.run_sync(current.rewrite, keep, time.monotonic())
+
+    async def _retry_held_records_loop(self) -> None:
+        """While the log cannot be written (a full disk), write the held records once its
+        backoff is over: with no new record to carry them, they would wait for the next one."""
+        while True:
+            current = self._log
+            if current is None or current.failing is None:
+                await trio.sleep(1.0)
+                continue
+            await trio.sleep(max(0.05, current.wait_s(time.monotonic())))
+            async with self._log_lock:
+                await self._persist([])
+
+    def _last_attempt_at_shutdown(self, current: HeldRecordsLog) -> None:
+        """Write what is held once more before the log closes (at the next start it is lost)."""
+        if current.failing is None:
+            return
+        now = float("inf")  # whatever the backoff
+        if not current.append([], now) and current.needs_rewrite(sys.maxsize, now):  # records dropped
+            current.rewrite([e.to_wire() for e in self._replica.retained()], now)
+        if current.failing is not None:
+            log.warning("state log %s: %d record(s) not written at shutdown", self._log_path, current.held)
 
     # -- reads -----------------------------------------------------------------------------------
 
@@ -367,10 +396,16 @@ class ReplicatedState:
 
     def counters(self) -> dict[str, int | dict[str, int]]:
         counters = self._replica.counters()
-        counters["log_bytes"] = self._log.size_bytes if self._log else 0
+        counters["log_bytes"] = self._log.log.size_bytes if self._log else 0
+        counters["log_held_records"] = self._log.held if self._log else 0
         counters["sync_answers_busy"] = self.serving.busy
         counters["sync_answer_bytes"] = self.serving.served_bytes
         return counters
+
+    @property
+    def log_failing(self) -> str | None:
+        """Why the state log cannot be written now (a full disk), or None."""
+        return self._log.failing if self._log else None
 
     def dump(self) -> dict[str, object]:
         """What ``lattica state --json`` prints: the snapshot plus this node's local view."""

@@ -7,6 +7,7 @@ anyone holding it can impersonate the node and sign its replicated-state updates
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from libp2p.crypto.serialization import deserialize_private_key
 from libp2p.peer.id import ID
 
 from lattica.errors import ConfigError
-from lattica.files import read_capped
+from lattica.files import read_capped, writing
 
 KEY_FILE_NAME = "identity.key"
 _MAX_KEY_FILE_BYTES = 4096
@@ -42,16 +43,24 @@ def load_identity(path: Path) -> KeyPair:
 
 
 def _create_identity(path: Path) -> KeyPair:
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Write a new key atomically (temporary file, fsync, rename): a full disk leaves no key
+    rather than a truncated one, and says so in one line (``StorageError``)."""
     key_pair = create_new_key_pair()
+    raw = key_pair.private_key.serialize()
     tmp = path.with_suffix(".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.write(fd, key_pair.private_key.serialize())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+    with writing(path, what="identity key"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                if os.write(fd, raw) != len(raw):
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
     return key_pair
 
 

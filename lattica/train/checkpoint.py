@@ -5,8 +5,11 @@ Theory of operation
 ``CheckpointStore.save`` writes ``step-<n>.pt`` atomically: serialise to a temporary file in the
 same folder, ``fsync`` it, ``os.replace`` it over the final name and ``fsync`` the folder — a
 crash leaves either the old set of checkpoints or the new one, never a torn file. Only the last
-``keep`` checkpoints are kept. ``load_latest`` returns the newest checkpoint that loads; a
-corrupt file is skipped (and reported), so a restarted peer resumes from the one before.
+``keep`` checkpoints are kept. A full disk fails the write with one line (``StorageError``: the
+file, the reason, the space left) and leaves the older checkpoints as they were; the trainer
+keeps training and tries again later (``Trainer``). ``load_latest`` returns the newest
+checkpoint that loads; a corrupt file is skipped (and reported), so a restarted peer resumes
+from the one before.
 
 Checkpoints are read with ``torch.load(weights_only=True)``: tensors, numbers, strings and
 containers only — a checkpoint file cannot run code. They hold the run's weights: the folder is
@@ -31,11 +34,12 @@ import stat
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, cast
 
 import torch
 
 from lattica.errors import ConfigError, RemoteProtocolError
+from lattica.files import DISK_FULL_ERRNOS, writing
 
 log = logging.getLogger(__name__)
 _NAME = re.compile(r"^step-(\d{9,})\.pt$")
@@ -85,7 +89,9 @@ class CheckpointStore:
         try:
             self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as exc:
-            raise ConfigError(f"cannot create checkpoint folder {self.directory}: {exc}") from None
+            if exc.errno not in DISK_FULL_ERRNOS:
+                raise ConfigError(f"cannot create checkpoint folder {self.directory}: {exc}") from None
+            return  # no checkpoint to find; the first save creates the folder, or says why not
         for path in (self.directory, *(p for _, p in self.checkpoints())):
             _make_private(path)
         self._remove_stale_temporaries()
@@ -93,7 +99,7 @@ class CheckpointStore:
     def checkpoints(self) -> list[tuple[int, Path]]:
         """``(step, path)`` of every complete checkpoint, oldest first."""
         found = []
-        for path in self.directory.iterdir():
+        for path in self._entries():
             match = _NAME.match(path.name)
             if match:
                 found.append((int(match.group(1)), path))
@@ -103,7 +109,7 @@ class CheckpointStore:
         """Delete the temporaries of saves that were killed: their process is gone, or they
         are older than ``STALE_TMP_S`` (a reused pid)."""
         now = time.time()
-        for path in self.directory.iterdir():
+        for path in self._entries():
             match = _TMP_NAME.match(path.name)
             if match is None:
                 continue
@@ -115,20 +121,24 @@ class CheckpointStore:
             except OSError:
                 continue  # gone meanwhile, or not ours to remove
 
+    def _entries(self) -> list[Path]:
+        return list(self.directory.iterdir()) if self.directory.is_dir() else []
+
     def save(self, step: int, state: dict[str, Any]) -> Path:
+        """Write ``step-<n>.pt`` and prune the oldest. A write that fails (a full disk) raises
+        ``StorageError`` naming the file and the space left, removes its temporary and leaves
+        every older checkpoint as it was."""
         final = self.directory / f"step-{step:09d}.pt"
         tmp = self.directory / f".{final.name}.{os.getpid()}.tmp"
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "wb") as f:
-                torch.save(state, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, final)
-        finally:
-            tmp.unlink(missing_ok=True)
-        _fsync_dir(self.directory)
-        self._prune()
+        with writing(final, what="checkpoint"):
+            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            try:
+                _write_synced(tmp, state)
+                os.replace(tmp, final)
+            finally:
+                tmp.unlink(missing_ok=True)
+            _fsync_dir(self.directory)
+            self._prune()
         return final
 
     def _prune(self) -> None:
@@ -159,6 +169,44 @@ class CheckpointStore:
             except ConfigError as exc:
                 log.warning("skipping %s", exc)
         return None
+
+
+def _write_synced(path: Path, state: dict[str, Any]) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        out = _WriteErrorKept(f)
+        try:
+            torch.save(state, cast(BinaryIO, out))  # torch uses write and flush only
+        except RuntimeError:
+            if out.error is None:
+                raise
+            raise out.error from None
+        f.flush()
+        os.fsync(f.fileno())
+
+
+class _WriteErrorKept:
+    """The file ``torch.save`` writes to. torch turns a failed write into a ``RuntimeError``
+    that says only ``enforce fail at inline_container.cc``; this keeps the ``OSError`` behind
+    it (``ENOSPC``) for the one line the user sees."""
+
+    def __init__(self, file: BinaryIO) -> None:
+        self._file = file
+        self.error: OSError | None = None
+
+    def write(self, data: bytes) -> int:
+        try:
+            return self._file.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def flush(self) -> None:
+        try:
+            self._file.flush()
+        except OSError as exc:
+            self.error = exc
+            raise
 
 
 def _make_private(path: Path) -> None:

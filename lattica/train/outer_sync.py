@@ -314,9 +314,8 @@ class OuterStateSync:
         if store is None:
             return
         trainer.annotations["outer_history"] = dict(self.history)
-        state, step = trainer.state_dict(), trainer.step
-        await trio.to_thread.run_sync(store.save, step, state)
-        await trio.to_thread.run_sync(store.discard_after, step)
+        await trainer.save_checkpoint()  # a full disk delays it (``CheckpointWriter``)
+        await trio.to_thread.run_sync(store.discard_after, trainer.step)
 
     async def catch_up_or_repair(self) -> bool:
         """Before a sync: catch up when owed, else (and also) repair; True when a state was

@@ -21,12 +21,14 @@ one concern each:
 Churn: a member is ``joining`` until it can sync; once the run is past its first round a joining
 member is not a round candidate, so coordinators never wait for a peer that is still loading or
 fetching after a restart. A member whose training stopped on an error says ``failed`` (its
-daemon stays up): nobody waits for it. ``min_peers`` only gates the start of a run (a claimed
-round that no holder serves starts none). Syncs go through a stall guard (a silent member
-aborts the sync after a round deadline). After the last round the service keeps repairing, so
-every replica ends on the same state. A contribution the strategy refuses (``_refused``) counts
-against its sender in the data plane's ``rejected_contributions``, and with gossip groups the
-sender is left out of this peer's next draws; both show in ``lattica status``.
+daemon stays up): nobody waits for it. A full disk is no such error: checkpoints are retried
+(``checkpoint_writer``) while training goes on, and ``lattica status`` says they are failing.
+``min_peers`` only gates the start of a run (a claimed round that no holder serves starts
+none). Syncs go through a stall guard (a silent member aborts the sync after a round deadline).
+After the last round the service keeps repairing, so every replica ends on the same state. A
+contribution the strategy refuses (``_refused``) counts against its sender in the data plane's
+``rejected_contributions``, and with gossip groups the sender is left out of this peer's next
+draws; both show in ``lattica status``.
 """
 
 from __future__ import annotations
@@ -276,6 +278,8 @@ class TrainingService:
             self._begin_groups()  # the first inner phase starts now: its length is our first pace
         summary = await trainer.run()
         self._leave_groups()  # partners asking for a step after our last are answered at once
+        if self._nursery is not None:  # a full disk may have kept the last round from disk
+            self._nursery.start_soon(trainer.checkpoint_until_written)
         self.summary = dataclasses.asdict(summary)
         self.phase = "done"
         log.info("training finished: %s", self.summary)
@@ -441,6 +445,9 @@ class TrainingService:
                 info["consensus_distance"] = round(spread, 6)
         if self.error:
             info["error"] = self.error
+        writer = self.trainer.checkpoint_writer if self.trainer is not None else None
+        if writer is not None and writer.failing:  # training goes on; checkpoints are retried
+            info["checkpoints"] = f"failing, retrying: {writer.failing}"
         failed = [p for p in self.view.failed() if p != self.peer_id]
         if failed:  # live members whose training stopped on an error: no round waits for them
             info["failed_members"] = sorted(failed)

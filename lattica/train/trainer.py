@@ -27,11 +27,13 @@ milliseconds per step — time in which no inner step runs. The worker checks fo
 between steps, so stopping the node never waits for more than one step. The learning rate is a pure function of the step (warmup + cosine), so
 a resumed or joining peer only needs the step number. Every completed round triggers
 ``on_round`` (with the content hash of the outer weights, for the replicated state) and a local
-checkpoint; periodic validation and throughput go to ``on_progress``.
+checkpoint (``checkpoint_writer``: a full disk delays checkpoints, never training); periodic
+validation and throughput go to ``on_progress``.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections.abc import Callable
@@ -45,6 +47,7 @@ from trio_typing import TaskStatus
 
 from lattica.errors import ConfigError
 from lattica.train.checkpoint import CheckpointStore, weights_hash
+from lattica.train.checkpoint_writer import CheckpointWriter
 from lattica.train.device import DeviceInfo, autocast, select_device
 from lattica.train.join import outer_state_hash
 from lattica.train.schedule import ScheduleConfig, lr_multiplier
@@ -148,6 +151,7 @@ class Trainer:
         strategy.attach_inner_optimizer(self.optimizer)
         self._base_lrs = [group["lr"] for group in self.optimizer.param_groups]
         self.checkpoints = checkpoints
+        self.checkpoint_writer = CheckpointWriter(checkpoints) if checkpoints is not None else None
         self.on_progress = on_progress or (lambda progress: None)
         self.on_round = on_round or (lambda event: None)
         self.step = 0
@@ -320,12 +324,24 @@ class Trainer:
 
     async def _record_round(self, event: RoundCompleted) -> None:
         self.bytes_sent += event.report.bytes_sent
-        if event.outer_state is not None and self.checkpoints is not None:
+        if event.outer_state is not None:
             # written before the next inner step, in a thread: the event loop (syncs in
             # flight, peers fetching state) keeps running during serialization and fsync
-            state = self.state_dict()
-            await trio.to_thread.run_sync(self.checkpoints.save, self.step, state)
+            await self.save_checkpoint()
         self.on_round(event)
+
+    async def save_checkpoint(self) -> None:
+        """Checkpoint the state held now, if there is a store. A full disk does not stop
+        training: ``checkpoint_writer`` reports it once and tries again later."""
+        if self.checkpoint_writer is not None:
+            await self.checkpoint_writer.save(self.state_dict)
+
+    async def checkpoint_until_written(self) -> None:
+        """After the run: while the last checkpoint could not be written, keep trying. Each
+        attempt writes a copy: a state adopted meanwhile (``revalidate``'s caller) changes the
+        weights on the trio thread while the worker thread serializes."""
+        if self.checkpoint_writer is not None:
+            await self.checkpoint_writer.until_written(lambda: copy.deepcopy(self.state_dict()))
 
     async def _evaluate_and_report(self) -> None:
         if self.task.val_batches:

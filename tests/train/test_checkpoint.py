@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from lattica.errors import ConfigError, RemoteProtocolError
+from lattica.errors import ConfigError, RemoteProtocolError, StorageError
 from lattica.train import checkpoint as checkpoint_mod
 from lattica.train.checkpoint import CheckpointStore, verify_weights, weights_hash
 
@@ -60,7 +60,7 @@ def test_crash_during_write_leaves_previous_checkpoint(tmp_path, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr(checkpoint_mod.torch, "save", torn_save)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(StorageError, match=r"cannot write checkpoint .*step-000000002\.pt: disk full"):
         store.save(2, _state(2))
     assert [s for s, _ in store.checkpoints()] == [1]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000001.pt"]
