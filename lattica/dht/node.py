@@ -8,6 +8,9 @@ What this adds around the library:
   and size caps; a bad frame is counted, logged once per peer, the peer is banned for a
   while, removed from the routing table and its provider records, and disconnected.
 - Provider records expire after ``DHTConfig.provider_ttl`` rather than 48 h.
+- Every query (FIND_NODE walks, GET_PROVIDERS) is bounded by ``DHTConfig.query_timeout`` and
+  reaches a peer it is not connected to through ``reach`` — in the daemon the path dialer,
+  relay addresses included (``reach.py``).
 - Value records carry their own expiry (``records.py``); ``put_record`` remembers what this
   node published so ``republish_records`` can refresh it before it lapses.
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import trio
 from libp2p.abc import IHost, INetStream
@@ -32,6 +36,7 @@ from lattica.dht.content import ContentRouting, LookupResult
 from lattica.dht.inbound import guarded_handler
 from lattica.dht.penalties import PenaltyBox
 from lattica.dht.provider_store import ExpiringProviderStore
+from lattica.dht.reach import PeerReacher, Reach, ReachingPeerRouting
 from lattica.dht.records import (
     ExpiringRecord,
     ExpiringRecordValidator,
@@ -45,7 +50,9 @@ logger = logging.getLogger(__name__)
 
 
 class LatticaDHT:
-    def __init__(self, host: IHost, *, config: DHTConfig) -> None:
+    def __init__(self, host: IHost, *, config: DHTConfig, reach: Reach | None = None) -> None:
+        """``reach`` connects to a peer the DHT wants to query (``reach.py``); by default a
+        plain dial of its direct addresses."""
         self._host = host
         self._config = config
         self.validator = build_validator(
@@ -57,12 +64,18 @@ class LatticaDHT:
         self.kad = KadDHT(
             host, mode, validator=self.validator, validator_changed=True, strict_validation=True
         )
+        self.reacher = PeerReacher(host, reach or self.connect)
+        self.kad.peer_routing = ReachingPeerRouting(
+            host, self.kad.routing_table, reacher=self.reacher, query_timeout=config.query_timeout
+        )
         self.providers = ExpiringProviderStore(
             host=host, peer_routing=self.kad.peer_routing, ttl=config.provider_ttl
         )
         self.kad.provider_store = self.providers
         self.penalties = PenaltyBox(ban_seconds=config.ban_seconds)
-        self.content = ContentRouting(host, self.kad, config, on_bad_answer=self.penalize)
+        self.content = ContentRouting(
+            host, self.kad, config, on_bad_answer=self.penalize, reacher=self.reacher
+        )
         self._published: dict[str, tuple[bytes, int]] = {}
         if mode == DHTMode.SERVER:
             self._serve()
@@ -135,10 +148,17 @@ class LatticaDHT:
         return await self.content.provide(key)
 
     async def find_providers(
-        self, key: bytes, *, enough: int | None = None, include_local: bool = True
+        self,
+        key: bytes,
+        *,
+        enough: int | None = None,
+        include_local: bool = True,
+        on_provider: Callable[[PeerInfo], None] | None = None,
     ) -> LookupResult:
         """Walk the DHT for providers of ``key``; each provider appears once."""
-        return await self.content.find_providers(key, enough=enough, include_local=include_local)
+        return await self.content.find_providers(
+            key, enough=enough, include_local=include_local, on_provider=on_provider
+        )
 
     def expire_records(self) -> None:
         """Drop provider records past their TTL and value records past their expiry."""
