@@ -313,6 +313,9 @@ def bootstrap_findings(facts: NodeFacts) -> list[Finding]:
 
 def _bootstrap_advice(why: str) -> str:
     text = why.lower()
+    if "refused the circuit" in text:
+        return ("the relay answers but does not lead to the peer: the peer is down or reserved on another "
+                "relay; ask for its current address (`lattica status` on it lists relay_addrs)")
     if "refused" in text:
         return "nothing listens there: check that the bootstrap daemon runs and the port (and a container's -p mapping) is right"
     if "timed out" in text or "timeout" in text or "unreachable" in text:

@@ -85,6 +85,8 @@ def test_unreachable_announced_address_names_the_port_mapping():
         ("timed out", "packets get no answer"),
         ("peer id does not correspond to the received pubkey", "another peer id"),
         ("did not prove membership of the run (secret or allowlist)", "--secret-file"),
+        (f"relay {A} refused the circuit: status 204 NO_RESERVATION (the peer holds no reservation "
+         "on this relay)", "does not lead to the peer"),
     ],
 )
 def test_each_bootstrap_failure_gets_its_own_advice(why, hint):

@@ -190,6 +190,21 @@ async def test_a_relay_that_refuses_the_circuit_fails_start_up_naming_its_status
     assert f"relay {relay.host.get_id()} refused the circuit: status 204 NO_RESERVATION" in line, line
 
 
+async def test_doctor_probes_a_relay_address_through_the_relay_and_names_its_refusal(tmp_path) -> None:
+    async with standard_node() as relay:
+        circuit = f"{relay.addr}/p2p-circuit/p2p/{peer_id_of(create_new_key_pair()).to_base58()}"
+        report = await trio.to_thread.run_sync(lambda: run_cli(
+            "doctor", "--data-dir", str(tmp_path / "n"), "--peer", circuit,
+            "--listen", f"/ip4/127.0.0.1/tcp/{free_port()}", "--json", timeout=60))
+    assert "Traceback" not in report.stderr, report.stderr
+    assert report.returncode == 1
+    [finding] = [f for f in json.loads(report.stdout)["findings"] if f["check"] == "bootstrap"]
+    assert finding["status"] == "problem"
+    assert finding["detail"].startswith(circuit), finding
+    assert "refused the circuit: status 204 NO_RESERVATION" in finding["detail"], finding
+    assert "does not lead to the peer" in finding["advice"], finding
+
+
 async def test_doctor_finds_nothing_wrong_with_a_plain_libp2p_bootstrap_peer(tmp_path) -> None:
     def doctor() -> tuple[subprocess.CompletedProcess[str], dict]:
         report = run_cli("doctor", "--data-dir", str(daemon.data_dir), "--json", timeout=60)
