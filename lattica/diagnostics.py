@@ -69,6 +69,7 @@ class NodeFacts:
     relay_serving: bool = False
     peers: tuple[PeerFacts, ...] = ()
     bootstrap_failures: dict[str, str] = field(default_factory=dict)  # address -> why
+    bootstrap_plain: tuple[str, ...] = ()  # reached addresses of plain libp2p nodes (relay, DHT)
     bootstrap_tried: int = 0
 
 
@@ -295,9 +296,16 @@ def _relayed_advice(peer: PeerFacts, nat: NatVerdict) -> str:
 
 
 def bootstrap_findings(facts: NodeFacts) -> list[Finding]:
+    """One problem per failed bootstrap address; a plain libp2p node (a go-libp2p or Kubo
+    relay or DHT server, no Lattica protocol) is a supported bootstrap peer, noted as such."""
     findings = []
     for addr, why in facts.bootstrap_failures.items():
         findings.append(Finding("bootstrap", "problem", f"{addr}: {why}", _bootstrap_advice(why)))
+    for addr in facts.bootstrap_plain:
+        findings.append(Finding(
+            "bootstrap", "ok", f"{addr}: a plain libp2p node (speaks no Lattica protocol); it serves as "
+            "relay and DHT server, and run members are found through its DHT",
+        ))
     if facts.bootstrap_tried and not facts.bootstrap_failures:
         findings.append(Finding("bootstrap", "ok", f"reached all {facts.bootstrap_tried} bootstrap peer(s)"))
     return findings
@@ -305,6 +313,9 @@ def bootstrap_findings(facts: NodeFacts) -> list[Finding]:
 
 def _bootstrap_advice(why: str) -> str:
     text = why.lower()
+    if "refused the circuit" in text:
+        return ("the relay answers but does not lead to the peer: the peer is down or reserved on another "
+                "relay; ask for its current address (`lattica status` on it lists relay_addrs)")
     if "refused" in text:
         return "nothing listens there: check that the bootstrap daemon runs and the port (and a container's -p mapping) is right"
     if "timed out" in text or "timeout" in text or "unreachable" in text:

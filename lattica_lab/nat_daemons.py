@@ -38,6 +38,8 @@ TRAIN_ARGS = ("--train", "--model", "tiny", "--device", "cpu", "--rounds", "200"
 TRAIN_ENV = {"LATTICA_TRAIN_BATCH_SIZE": "4", "LATTICA_TRAIN_SEQ_LEN": "32",
              "LATTICA_TRAIN_WARMUP_STEPS": "1", "OMP_NUM_THREADS": "1"}
 QUIET_ENV = {"LATTICA_PEER_EXCHANGE": "false", "LATTICA_DHT": "false"}
+# py-libp2p's own host, relay v2 and Kademlia server: a relay or DHT server run by someone else
+STANDARD_NODE = Path(__file__).resolve().parents[1] / "tests" / "net" / "standard_node.py"
 
 
 class LabDaemon:
@@ -98,6 +100,24 @@ class LabDaemon:
     def log(self) -> str:
         path = Path(str(self.data_dir) + ".log")
         return path.read_text(errors="replace")[-3000:] if path.exists() else ""
+
+
+class StandardPeer:
+    """A standard libp2p node (``tests/net/standard_node.py``: relay + DHT server, no Lattica
+    protocol) in a lab host."""
+
+    def __init__(self, lab: NetLab, host: LabHost, log_path: Path) -> None:
+        argv = [sys.executable, str(STANDARD_NODE), "--listen", f"/ip4/{host.ip}/tcp/{PORT}"]
+        self.process: LabProcess = lab.spawn(host, argv, name=host.name, stderr_path=str(log_path))
+        up = self.process.wait_for(lambda e: e.get("event") == "up", 60)
+        self.peer_id: str = up["peer_id"]
+        self.addr: str = up["addrs"][0]
+
+    def knows(self, peer_id: str) -> dict[str, Any]:
+        """What it learnt of ``peer_id`` (identify's protocols and addresses, its DHT table)."""
+        self.process.send({"cmd": "peer", "id": peer_id})
+        return self.process.wait_for(lambda e: e.get("event") == "peer" and e.get("id") == peer_id,
+                                     10, fresh=True)
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float) -> tuple[Any, float | None]:
@@ -240,6 +260,24 @@ def nat_nat(root: Path, *, symmetric: bool, before_teardown: Hook | None = None)
         return _finish(result, before_teardown, a=a, b=b, c=c)
 
 
+def nat_nat_via_dht(root: Path, *, before_teardown: Hook | None = None) -> ScenarioResult:
+    """``b`` and ``c`` behind two NATs know only a standard libp2p node ``s`` (relay and DHT
+    server, no Lattica protocol): no replicated state or peer exchange to learn from, only
+    its DHT, where each is known by its LAN address and its relay address on ``s``."""
+    result = ScenarioResult("nat<->nat-via-dht", direct_possible=True)
+    root.mkdir(parents=True, exist_ok=True)
+    with NetLab() as lab:
+        server = StandardPeer(lab, lab.add_public("s"), root / "s.log")
+        hb = lab.add_private("b", lab.add_nat("nat1"))
+        hc = lab.add_private("c", lab.add_nat("nat2"))
+        b = LabDaemon(lab, hb, root / "b", peers=(server.addr,))
+        c = LabDaemon(lab, hc, root / "c", peers=(server.addr,))
+        t0 = _up(b, c)
+        follow_connection(result, b, c.peer_id, t0=t0, timeout=40, want_direct=True)
+        result.details["relay_is_s"] = b.peer(c.peer_id).get("relay") in (None, server.peer_id)
+        return _finish(result, before_teardown, b=b, c=c)
+
+
 def relay_failover(root: Path, *, before_teardown: Hook | None = None) -> ScenarioResult:
     """``b`` and ``c`` behind symmetric NATs, relayed through ``r1`` or ``r2``: the relay in
     use is killed; they reconnect through the other one (their reservations move there).
@@ -291,6 +329,7 @@ SCENARIOS: dict[str, Callable[[Path], ScenarioResult]] = {
     "nat<->public": nat_public,
     "nat<->nat": lambda root: nat_nat(root, symmetric=False),
     "nat<->symmetric-nat": lambda root: nat_nat(root, symmetric=True),
+    "nat<->nat-via-dht": nat_nat_via_dht,
     "relay-failover": relay_failover,
 }
 

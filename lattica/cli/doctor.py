@@ -83,7 +83,7 @@ def node_facts_from_json(raw: object) -> NodeFacts:
     data = dict(_json_object(raw))
     data["observations"] = tuple(build(Observation, _json_object(o)) for o in _json_list(data.get("observations")))
     data["peers"] = tuple(build(PeerFacts, _json_object(p)) for p in _json_list(data.get("peers")))
-    for key in ("listen", "announce", "advertised", "relay_addrs"):
+    for key in ("listen", "announce", "advertised", "relay_addrs", "bootstrap_plain"):
         data[key] = tuple(_json_list(data.get(key)))
     known = {f.name for f in dataclasses.fields(NodeFacts)}
     return build(NodeFacts, {k: v for k, v in data.items() if k in known})

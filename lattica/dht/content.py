@@ -1,7 +1,9 @@
 """Content routing: announce and find holders of a key, over any ``ProviderLookup``.
 
 ``find_providers`` drives the sans-IO ``ProviderLookup`` with real GET_PROVIDERS RPCs, at most
-``parallelism`` in flight, each bounded by ``query_timeout``. Unlike py-libp2p's own
+``parallelism`` in flight, each bounded by ``query_timeout`` — the dial of a peer not yet
+connected included (``reach.py``) — and hands each provider to the caller as soon as it is
+learned. Unlike py-libp2p's own
 ``find_providers`` it always walks the network (the library returns only local records when
 it has any, so a member that provides the run key would only ever find itself), merges the
 local store, and returns each provider once.
@@ -22,7 +24,8 @@ from libp2p.peer.peerinfo import PeerInfo
 
 from lattica.dht.config import DHTConfig
 from lattica.dht.lookup import ProviderLookup
-from lattica.dht.rpc import ResponseCaps, get_providers
+from lattica.dht.reach import PeerReacher
+from lattica.dht.rpc import ProvidersAnswer, ResponseCaps, get_providers
 from lattica.errors import PeerUnavailableError, RemoteProtocolError
 
 logger = logging.getLogger(__name__)
@@ -44,11 +47,13 @@ class ContentRouting:
         config: DHTConfig,
         *,
         on_bad_answer: Callable[[RemoteProtocolError], Awaitable[None]],
+        reacher: PeerReacher,
     ) -> None:
         self._host = host
         self._kad = kad
         self._config = config
         self._on_bad_answer = on_bad_answer
+        self._reacher = reacher
         self._caps = ResponseCaps(
             max_message=config.max_message_bytes,
             max_providers=config.max_providers_per_response,
@@ -73,9 +78,25 @@ class ContentRouting:
         return peers
 
     async def find_providers(
-        self, key: bytes, *, enough: int | None = None, include_local: bool = True
+        self,
+        key: bytes,
+        *,
+        enough: int | None = None,
+        include_local: bool = True,
+        on_provider: Callable[[PeerInfo], None] | None = None,
     ) -> LookupResult:
+        """Walk for providers of ``key``. ``on_provider`` is called with each provider the
+        moment the walk learns of it (once per peer), so a caller can dial it while the walk
+        still waits on slow or unreachable peers."""
         started = trio.current_time()
+        told: set[ID] = set()
+
+        def tell_new() -> None:
+            for info in lookup.providers:
+                if info.peer_id not in told and on_provider is not None:
+                    told.add(info.peer_id)
+                    on_provider(info)
+
         lookup = ProviderLookup(
             key,
             self.seeds(),
@@ -86,6 +107,7 @@ class ContentRouting:
         )
         if include_local:
             lookup.add_local_providers(self._kad.provider_store.get_providers(key))
+            tell_new()
         # Each finished query sends one token; the loop refills the in-flight window.
         finished_send, finished_recv = trio.open_memory_channel[None](math.inf)
         async with trio.open_nursery() as nursery:
@@ -93,6 +115,7 @@ class ContentRouting:
                 for peer in lookup.next_queries():
                     nursery.start_soon(self._query, lookup, peer, key, finished_send)
                 await finished_recv.receive()
+                tell_new()
             nursery.cancel_scope.cancel()
         return LookupResult(
             providers=lookup.providers,
@@ -110,7 +133,7 @@ class ContentRouting:
     ) -> None:
         try:
             with trio.fail_after(self._config.query_timeout):
-                answer = await get_providers(self._host, peer, key, caps=self._caps)
+                answer = await self._ask(peer, key)
         except RemoteProtocolError as exc:
             lookup.on_failure(peer)
             await self._on_bad_answer(exc)
@@ -127,3 +150,9 @@ class ContentRouting:
                 peer, providers=answer.providers, closer=[p.peer_id for p in answer.closer]
             )
         finished.send_nowait(None)
+
+    async def _ask(self, peer: ID, key: bytes) -> ProvidersAnswer:
+        """GET_PROVIDERS to ``peer``, dialing it first (relay addresses included) if needed."""
+        if not await self._reacher(peer):
+            raise PeerUnavailableError("not reachable", peer_id=str(peer))
+        return await get_providers(self._host, peer, key, caps=self._caps)

@@ -9,17 +9,22 @@ Members of run ``R`` provide the key ``/lattica/run/R`` (``keys.run_key``). The 
 2. provides the run key, and re-provides every ``reprovide_interval`` (< ``provider_ttl``,
    so a live member never lapses while one that left disappears after the TTL);
 3. looks up the run's providers every ``lookup_interval`` (sooner, at a quarter of it,
-   while it knows fewer than ``min_run_peers`` members) and connects to those it is not
-   connected to, up to ``max_run_peers`` (through ``connect`` when given: the daemon's path
-   dialer, which also tries the member's relay addresses);
+   while it knows fewer than ``min_run_peers`` members; while it knows none, after 1 s,
+   then 2, 4, … up to that quarter) and connects to those it is not connected to, up to
+   ``max_run_peers``, each the moment the walk learns of it (through ``connect`` when
+   given: the daemon's path dialer, which also tries the member's relay addresses; the DHT
+   reaches the peers it queries the same way, ``reach.py``);
 4. expires stale records, republishes its own value records, and refreshes the routing
    table (a self-lookup) every ``table_refresh_interval``;
 5. provides again at once when the addresses it advertises change (a relay reservation came
    or went): a provider record carries the addresses of its announcement, so a DHT server
    would otherwise hand out a NAT'd member's private address until the next reprovide.
 
-Every step tolerates failure: a lookup or provide that fails is logged and retried next
-period. ``known_run_members`` is the result of the latest lookup (minus this node).
+Steps 1–3 start together: the first lookup does not wait for the self-lookup or the
+provide, whose walks may be slowed by unreachable peers (each query is bounded by
+``query_timeout``). Every step tolerates failure: a lookup or provide that fails is logged
+and retried next period. ``known_run_members`` is the result of the latest lookup (minus
+this node).
 """
 
 from __future__ import annotations
@@ -44,12 +49,12 @@ _ADDR_POLL_S = 1.0
 
 class RunDiscovery:
     def __init__(self, host: IHost, *, run_id: str, config: DHTConfig,
-                 connect: Callable[[PeerInfo], Awaitable[object]] | None = None) -> None:
+                 connect: Callable[[PeerInfo], Awaitable[bool]] | None = None) -> None:
         self.run_id = validate_run_id(run_id)
         self._host = host
         self._config = config
         self._run_key = run_key(run_id)
-        self.dht = LatticaDHT(host, config=config)
+        self.dht = LatticaDHT(host, config=config, reach=connect)
         self._connect = connect or self.dht.connect
         self._members: dict[ID, PeerInfo] = {}
         self._changed = trio.Event()
@@ -100,13 +105,11 @@ class RunDiscovery:
 
     # -- service ----------------------------------------------------------------------------
     async def run(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        await self._step("bootstrap", self.dht.bootstrap)
-        await self._step("provide", self._provide)
-        await self._step("lookup", self.refresh_members)
-        task_status.started()
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._every, self._config.reprovide_interval, "provide", self._provide)
+            nursery.start_soon(self._step, "bootstrap", self.dht.bootstrap)
+            nursery.start_soon(self._provide_every, self._config.reprovide_interval)
             nursery.start_soon(self._lookup_loop)
+            task_status.started()
             nursery.start_soon(self._every, self._config.provider_ttl / 4, "expire", self._expire)
             nursery.start_soon(
                 self._every, self._config.republish_interval, "republish", self.dht.republish_records
@@ -117,17 +120,22 @@ class RunDiscovery:
             nursery.start_soon(self._reprovide_on_new_addrs)
 
     async def refresh_members(self) -> None:
-        """One provider lookup for the run key; connect to members we are not connected to."""
-        result = await self.dht.find_providers(self._run_key)
+        """One provider lookup for the run key; connect to members we are not connected to,
+        each as soon as the walk learns of it."""
         me = self._host.get_id()
-        members = {p.peer_id: p for p in result.providers if p.peer_id != me}
         connected = set(self._host.get_connected_peers())
-        budget = self._config.max_run_peers - len(connected & members.keys())
-        async with trio.open_nursery() as nursery:
-            for info in members.values():
-                if info.peer_id not in connected and budget > 0:
-                    budget -= 1
-                    nursery.start_soon(self._connect, info)
+        budget = self._config.max_run_peers - len(connected & self._members.keys())
+        async with trio.open_nursery() as dials:
+
+            def dial(info: PeerInfo) -> None:
+                nonlocal budget
+                if info.peer_id == me or info.peer_id in connected or budget <= 0:
+                    return
+                budget -= 1
+                dials.start_soon(self._connect, info)
+
+            result = await self.dht.find_providers(self._run_key, on_provider=dial)
+        members = {p.peer_id: p for p in result.providers if p.peer_id != me}
         if members.keys() != self._members.keys():
             self._changed.set()
             self._changed = trio.Event()
@@ -150,11 +158,17 @@ class RunDiscovery:
     async def _expire(self) -> None:
         self.dht.expire_records()
 
-    async def _lookup_loop(self) -> None:
+    async def _provide_every(self, period: float) -> None:
         while True:
-            short = len(self._members) < self._config.min_run_peers
-            await trio.sleep(self._config.lookup_interval / (4 if short else 1))
+            await self._step("provide", self._provide)
+            await trio.sleep(period)
+
+    async def _lookup_loop(self) -> None:
+        lookups_alone = 0
+        while True:
             await self._step("lookup", self.refresh_members)
+            lookups_alone = 0 if self._members else lookups_alone + 1
+            await trio.sleep(lookup_delay(self._config, len(self._members), lookups_alone))
 
     async def _every(self, period: float, name: str, step: Callable[[], Awaitable[object]]) -> None:
         while True:
@@ -167,3 +181,15 @@ class RunDiscovery:
                 await step()
         except Exception as exc:  # noqa: BLE001 - task supervisor: a failed periodic round is logged and retried next period
             logger.warning("DHT %s failed: %r", name, exc)
+
+
+def lookup_delay(config: DHTConfig, members: int, lookups_alone: int) -> float:
+    """Seconds until the next member lookup: ``lookup_interval`` once ``min_run_peers``
+    members are known, a quarter of it while fewer are; while none is known (a node that
+    just started, whose peers may not have provided yet) 1 s, then 2, 4, … up to that quarter."""
+    if members >= config.min_run_peers:
+        return config.lookup_interval
+    short = config.lookup_interval / 4
+    if members:
+        return short
+    return min(2.0 ** max(lookups_alone - 1, 0), short)

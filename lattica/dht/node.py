@@ -12,6 +12,9 @@ What this adds around the library:
 - What the node stores for other peers is bounded per sender and in total (``quota.py``,
   ``DHTConfig.store``): a request beyond a quota is refused before the library sees it, and
   both stores charge what they hold to one ledger; ``store_stats`` reports it.
+- Every query (FIND_NODE walks, GET_PROVIDERS) is bounded by ``DHTConfig.query_timeout`` and
+  reaches a peer it is not connected to through ``reach`` — in the daemon the path dialer,
+  relay addresses included (``reach.py``).
 - Value records carry their own expiry (``records.py``); ``put_record`` remembers what this
   node published so ``republish_records`` can refresh it before it lapses.
 
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import trio
 from libp2p.abc import IHost, INetStream
@@ -38,6 +42,7 @@ from lattica.dht.inbound import guarded_handler
 from lattica.dht.penalties import PenaltyBox
 from lattica.dht.provider_store import ExpiringProviderStore
 from lattica.dht.quota import Refusal, StoreLedger, StoreStats
+from lattica.dht.reach import PeerReacher, Reach, ReachingPeerRouting
 from lattica.dht.records import (
     ExpiringRecord,
     ExpiringRecordValidator,
@@ -54,7 +59,9 @@ _REFUSAL_LOG_INTERVAL_S = 60.0
 
 
 class LatticaDHT:
-    def __init__(self, host: IHost, *, config: DHTConfig) -> None:
+    def __init__(self, host: IHost, *, config: DHTConfig, reach: Reach | None = None) -> None:
+        """``reach`` connects to a peer the DHT wants to query (``reach.py``); by default a
+        plain dial of its direct addresses."""
         self._host = host
         self._config = config
         self.validator = build_validator(
@@ -67,6 +74,10 @@ class LatticaDHT:
             host, mode, validator=self.validator, validator_changed=True, strict_validation=True
         )
         self.ledger = StoreLedger(config.store)
+        self.reacher = PeerReacher(host, reach or self.connect)
+        self.kad.peer_routing = ReachingPeerRouting(
+            host, self.kad.routing_table, reacher=self.reacher, query_timeout=config.query_timeout
+        )
         self.providers = ExpiringProviderStore(
             host=host, peer_routing=self.kad.peer_routing, ttl=config.provider_ttl, ledger=self.ledger
         )
@@ -75,7 +86,9 @@ class LatticaDHT:
         self.kad.value_store = self.values
         self._refusals_logged_at = -_REFUSAL_LOG_INTERVAL_S
         self.penalties = PenaltyBox(ban_seconds=config.ban_seconds)
-        self.content = ContentRouting(host, self.kad, config, on_bad_answer=self.penalize)
+        self.content = ContentRouting(
+            host, self.kad, config, on_bad_answer=self.penalize, reacher=self.reacher
+        )
         self._published: dict[str, tuple[bytes, int]] = {}
         if mode == DHTMode.SERVER:
             self._serve()
@@ -170,10 +183,17 @@ class LatticaDHT:
         return await self.content.provide(key)
 
     async def find_providers(
-        self, key: bytes, *, enough: int | None = None, include_local: bool = True
+        self,
+        key: bytes,
+        *,
+        enough: int | None = None,
+        include_local: bool = True,
+        on_provider: Callable[[PeerInfo], None] | None = None,
     ) -> LookupResult:
         """Walk the DHT for providers of ``key``; each provider appears once."""
-        return await self.content.find_providers(key, enough=enough, include_local=include_local)
+        return await self.content.find_providers(
+            key, enough=enough, include_local=include_local, on_provider=on_provider
+        )
 
     def expire_records(self) -> None:
         """Drop provider records past their TTL and value records past their expiry; forget

@@ -6,7 +6,9 @@ peers (``--peer``) until one answers within ``bootstrap_timeout_s`` — with a r
 one proved membership — and then keeps each bootstrap peer connected with exponential backoff
 and asks connected peers every two seconds whom they know (peer exchange), dialing those it
 does not. Start-up fails with ``ConfigError`` (one line for the user) when no bootstrap peer
-answers; after that, losing them only triggers reconnection attempts.
+answers — for a relay address, when the peer behind the relay is not reached (a relay that
+refuses the circuit is named, with its status code); after that, losing them only triggers
+reconnection attempts.
 
 Dialing (one dial per peer at a time): until the NAT traversal runs (start-up, or
 ``nat = false``) peers are dialed at their direct addresses with ``host.connect``, and a relay
@@ -72,20 +74,30 @@ class PeerMetrics(Protocol):
     def set_peers(self, paths: Iterable[str]) -> None: ...
 
 
+PLAIN_PEER = "speaks no Lattica protocol (a plain libp2p node)"
+
+
 @dataclass(frozen=True)
 class JoinOutcome:
-    """The bootstrap peers that are members of the run, and why the others are not."""
+    """What start-up reached, by the bootstrap address given: the members of the run, the
+    plain libp2p nodes (no Lattica protocol: a relay or DHT server, fine without a secret),
+    and why the others are not members."""
 
     members: tuple[str, ...] = ()
+    plain: tuple[str, ...] = ()
     refused: dict[str, str] = field(default_factory=dict)
 
+    def not_members(self) -> dict[str, str]:
+        """Every reached bootstrap address that is no member, with why."""
+        return {**dict.fromkeys(self.plain, PLAIN_PEER), **self.refused}
+
     def summary(self, run_id: str) -> str:
-        others = len(self.refused)
+        others = len(self.plain) + len(self.refused)
         if self.members:
             text = f"joined run {run_id!r} through {len(self.members)} member(s)"
             return text + (f"; {others} bootstrap peer(s) are not members" if others else "")
-        if others:
-            return (f"connected to {others} bootstrap peer(s) that speak no Lattica protocol (a plain "
+        if self.plain:
+            return (f"connected to {len(self.plain)} bootstrap peer(s) that speak no Lattica protocol (a plain "
                     f"libp2p relay or DHT node); run {run_id!r} members are found through the DHT")
         return f"joined run {run_id!r}"
 
@@ -148,14 +160,20 @@ class Connectivity:
     # -- bootstrap and reconnection ----------------------------------------------------------
 
     async def _bootstrap(self) -> None:
-        """Reach at least one bootstrap peer within the timeout, retrying with backoff."""
+        """Reach at least one bootstrap peer within the timeout, retrying with backoff.
+
+        Reached means connected to the peer the address names: for a relay address the
+        peer behind the relay, not the relay (which stays connected when it refuses the
+        circuit)."""
         if not self.config.peers:
             return
+        targets: set[str] = set()
         for peer in self.config.peers:
             try:
                 info = peer_info_from_addr(peer)
             except ValueError as exc:
                 raise ConfigError(f"--peer: {exc}") from None
+            targets.add(info.peer_id.to_base58())
             self.peer_book.learn(info.peer_id.to_base58(), [peer], now=time.time(), bootstrap=True)
         errors: dict[str, str] = {}
         outcome = JoinOutcome()
@@ -165,7 +183,7 @@ class Connectivity:
                 async with trio.open_nursery() as nursery:
                     for peer in self.config.peers:
                         nursery.start_soon(self._try_dial_addr, peer, errors)
-                if self.connected_ids():
+                if targets & self.connected_ids():
                     outcome = await self._bootstrap_outcome()
                     # a run with a secret is joined only through a member that proved it
                     if outcome.members or self.access.access.secret is None:
@@ -173,8 +191,8 @@ class Connectivity:
                         return
                 await trio.sleep(delay)
                 delay = min(delay * 2, self.config.max_backoff_s)
-        if outcome.refused:
-            reasons = "; ".join(f"{peer}: {why}" for peer, why in outcome.refused.items())
+        if outcome.not_members():
+            reasons = "; ".join(f"{addr}: {why}" for addr, why in outcome.not_members().items())
             raise ConfigError(
                 f"no bootstrap peer proved to be a member of run {self.config.run_id!r} within "
                 f"{self.config.bootstrap_timeout_s:g} s ({reasons})"
@@ -185,25 +203,28 @@ class Connectivity:
         )
 
     async def _bootstrap_outcome(self) -> JoinOutcome:
-        """Which connected bootstrap peers are members of the run, by what their identify
-        says (a Lattica protocol) and, with a secret or allowlist, the access check."""
+        """Which reached bootstrap addresses lead to members of the run, by what their
+        identify says (a Lattica protocol) and, with a secret or allowlist, the access check."""
         host = self._host
-        ids = [r.peer_id for r in self.peer_book.records() if r.bootstrap and r.peer_id in self.connected_ids()]
+        connected = self.connected_ids()
+        reached = {addr: peer_info_from_addr(addr).peer_id.to_base58() for addr in self.config.peers}
+        reached = {addr: peer_id for addr, peer_id in reached.items() if peer_id in connected}
         with trio.move_on_after(_IDENTIFY_WAIT_S):  # identify runs right after connecting
-            while not all(_identified(host, peer_id) for peer_id in ids):
+            while not all(_identified(host, peer_id) for peer_id in reached.values()):
                 await trio.sleep(0.05)
         members: list[str] = []
+        plain: list[str] = []
         refused: dict[str, str] = {}
-        for peer_id in ids:
+        for addr, peer_id in reached.items():
             if not _speaks_lattica(host, peer_id):
-                refused[peer_id] = "speaks no Lattica protocol (a plain libp2p node)"
+                plain.append(addr)
                 continue
             conns = host.get_network().connections.get(ID.from_base58(peer_id)) or []
             if conns and await self.access.admit(peer_id, conns[0].muxed_conn):
-                members.append(peer_id)
+                members.append(addr)
             else:
-                refused[peer_id] = "did not prove membership of the run (secret or allowlist)"
-        return JoinOutcome(members=tuple(members), refused=refused)
+                refused[addr] = "did not prove membership of the run (secret or allowlist)"
+        return JoinOutcome(members=tuple(members), plain=tuple(plain), refused=refused)
 
     async def _try_dial_addr(self, addr: str, errors: dict[str, str]) -> bool:
         info = peer_info_from_addr(addr)

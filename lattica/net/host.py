@@ -17,7 +17,7 @@ What the host tells other peers (identify) follows what it does:
   members-only run serves and sends nothing to non-members whoever registers the protocol
   (our services or py-libp2p's Kademlia). Handlers the host registers while it is built
   (identify, ping) stay open.
-- ``AnnouncementWatcher`` pushes identify (``/ipfs/id/push/1.0.0``) to every connected peer
+- ``AnnouncementWatcher`` pushes identify (``/ipfs/id/push/1.0.0``, ``identify_push.py``) to every connected peer
   whenever the protocols we serve or the addresses we advertise change. Services register
   their handlers after the bootstrap peers identified us (``/ipfs/kad/1.0.0`` among them); a
   standard DHT server adds a peer to its routing table only once identify says it serves
@@ -38,7 +38,6 @@ from libp2p.crypto.keys import KeyPair
 from libp2p.crypto.x25519 import create_new_key_pair as _new_x25519
 from libp2p.custom_types import StreamHandlerFn, TProtocol
 from libp2p.host.basic_host import BasicHost
-from libp2p.identity.identify_push.identify_push import push_identify_to_peers
 from libp2p.network.config import ConnectionConfig
 from libp2p.peer.id import ID
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
@@ -46,6 +45,8 @@ from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux
 from trio_typing import TaskStatus
+
+from lattica.net.identify_push import push_identify
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +201,7 @@ class AnnouncementWatcher:
         self.pushes += 1
         try:
             with trio.move_on_after(self._push_timeout):
-                await push_identify_to_peers(self._host)
+                await push_identify(self._host)
         except Exception as exc:  # noqa: BLE001 - a peer that breaks the push is not our problem
             log.debug("identify push failed: %r", exc)
 

@@ -1,7 +1,8 @@
 """A standalone reachability probe: what ``lattica doctor --peer ...`` learns before joining.
 
 A short-lived libp2p host (this node's identity, its configured listen and announce
-addresses) dials each given bootstrap peer, keeps the reason of every failure, lets identify
+addresses) dials each given bootstrap peer (a relay address through its relay, as ``lattica
+join`` does), keeps the reason of every failure, lets identify
 tell it where the peers see it, asks the reached peers to dial it back (AutoNAT) and to tell
 their time. Nothing joins the run: no state, no training, no relay reservations; the host is
 closed when the probe returns. The result is a ``NodeFacts``, read by the same checks as a
@@ -21,7 +22,9 @@ from lattica.net.addrs import peer_info_from_addr
 from lattica.net.clock import measure_clocks
 from lattica.net.dialing import short_reason
 from lattica.net.host import build_host, stop_auto_connector
+from lattica.net.nat.addresses import is_circuit
 from lattica.net.nat.autonat import ReachabilityService
+from lattica.net.nat.circuit import dial_circuit
 from lattica.net.nat.observations import observations
 
 _DIAL_TIMEOUT_S = 10.0
@@ -44,7 +47,10 @@ async def probe(
             try:
                 info = peer_info_from_addr(addr)
                 with trio.fail_after(_DIAL_TIMEOUT_S):
-                    await host.connect(info)
+                    if is_circuit(addr):  # through the relay it names, to the peer behind it
+                        await dial_circuit(host, info.addrs[0])
+                    else:
+                        await host.connect(info)
             except ValueError as exc:
                 failures[addr] = str(exc)
             except Exception as exc:  # noqa: BLE001 - every dial failure is a finding

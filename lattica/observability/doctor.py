@@ -55,7 +55,7 @@ async def node_facts(node: Node) -> dict[str, object]:
     )
     relay_addrs = tuple(str(a) for a in nat.relay_addrs()) if nat is not None else ()
     failures = dict(node.bootstrap_errors)
-    failures.update({f"/p2p/{peer}": why for peer, why in node.joined.refused.items()})
+    failures.update(node.joined.refused)
     facts = NodeFacts(
         peer_id=node.peer_id.to_base58(),
         listen=tuple(str(a) for a in host.get_transport_addrs()),
@@ -68,6 +68,7 @@ async def node_facts(node: Node) -> dict[str, object]:
         relay_serving=bool(nat.relay_server.serving) if nat is not None else False,
         peers=peers,
         bootstrap_failures=failures,
+        bootstrap_plain=node.joined.plain,
         bootstrap_tried=len(node.config.peers),
     )
     return dataclasses.asdict(facts)

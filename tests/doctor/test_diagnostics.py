@@ -85,6 +85,8 @@ def test_unreachable_announced_address_names_the_port_mapping():
         ("timed out", "packets get no answer"),
         ("peer id does not correspond to the received pubkey", "another peer id"),
         ("did not prove membership of the run (secret or allowlist)", "--secret-file"),
+        (f"relay {A} refused the circuit: status 204 NO_RESERVATION (the peer holds no reservation "
+         "on this relay)", "does not lead to the peer"),
     ],
 )
 def test_each_bootstrap_failure_gets_its_own_advice(why, hint):
@@ -93,6 +95,21 @@ def test_each_bootstrap_failure_gets_its_own_advice(why, hint):
     assert finding.status == "problem"
     assert why in finding.detail
     assert hint in finding.advice
+
+
+def test_a_plain_libp2p_bootstrap_peer_is_no_problem_and_is_named_by_its_address():
+    addr = f"/ip4/198.18.0.2/tcp/4001/p2p/{A}"
+    facts = NodeFacts(peer_id=C, reachability="public", dialback={A: True}, bootstrap_plain=(addr,),
+                      peers=(PeerFacts(peer_id=A, connected=True, path="direct", clock_offset_s=0.0,
+                                       clock_error_s=0.01),),
+                      bootstrap_tried=1)
+    diagnosis = diagnose(facts, MACHINE)
+    [noted, reached] = by_check(diagnosis, "bootstrap")
+    assert noted.status == "ok"
+    assert noted.detail.startswith(addr)
+    assert "speaks no Lattica protocol" in noted.detail
+    assert reached.status == "ok"
+    assert diagnosis.healthy
 
 
 def test_clock_skew_beyond_the_measurement_error():

@@ -9,6 +9,7 @@ bootstrap names its cause, and no stream is opened for a protocol the peer lacks
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import time
@@ -27,10 +28,11 @@ from standard_node import standard_node
 from lattica.config import NodeConfig
 from lattica.daemon import build_node
 from lattica.net.host import build_host
+from lattica.net.identity import peer_id_of
 from lattica.net.nat import AutoNATConfig, RelayReservations, RelayServer
 from lattica.net.nat.autonat import retry_delay
 from lattica.node import Node
-from lattica_lab.daemons import free_port, lattica_command, run_cli
+from lattica_lab.daemons import DaemonProcess, free_port, lattica_command, run_cli, wait_for
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -162,6 +164,70 @@ async def test_a_bootstrap_failure_names_its_cause(tmp_path) -> None:
     line = _one_line_error(proc)
     assert "failed to negotiate the secure protocol" in line, line
     assert "Noise" in line, line
+
+
+def _run_bounded(argv: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """Run ``argv`` to its end; a process still running after ``timeout`` fails the test."""
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:  # run() killed it
+        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout
+        pytest.fail(f"still running after {timeout:g} s, having printed: {out!r}")
+
+
+async def test_a_relay_that_refuses_the_circuit_fails_start_up_naming_its_status(tmp_path) -> None:
+    """The relay answers CONNECT with 204 NO_RESERVATION (the target holds no reservation
+    there): connected to the relay only, the node has reached no bootstrap peer."""
+    async with standard_node() as relay:
+        target = peer_id_of(create_new_key_pair()).to_base58()
+        circuit = f"{relay.addr}/p2p-circuit/p2p/{target}"
+        argv = _join_argv(tmp_path / "n", circuit, "--bootstrap-timeout", "3")
+        proc = await trio.to_thread.run_sync(_run_bounded, argv, 45)
+    assert "joined run" not in proc.stdout, proc.stdout
+    line = _one_line_error(proc)
+    assert "could not reach any bootstrap peer" in line, line
+    assert circuit in line, line
+    assert f"relay {relay.host.get_id()} refused the circuit: status 204 NO_RESERVATION" in line, line
+
+
+async def test_doctor_probes_a_relay_address_through_the_relay_and_names_its_refusal(tmp_path) -> None:
+    async with standard_node() as relay:
+        circuit = f"{relay.addr}/p2p-circuit/p2p/{peer_id_of(create_new_key_pair()).to_base58()}"
+        report = await trio.to_thread.run_sync(lambda: run_cli(
+            "doctor", "--data-dir", str(tmp_path / "n"), "--peer", circuit,
+            "--listen", f"/ip4/127.0.0.1/tcp/{free_port()}", "--json", timeout=60))
+    assert "Traceback" not in report.stderr, report.stderr
+    assert report.returncode == 1
+    [finding] = [f for f in json.loads(report.stdout)["findings"] if f["check"] == "bootstrap"]
+    assert finding["status"] == "problem"
+    assert finding["detail"].startswith(circuit), finding
+    assert "refused the circuit: status 204 NO_RESERVATION" in finding["detail"], finding
+    assert "does not lead to the peer" in finding["advice"], finding
+
+
+async def test_doctor_finds_nothing_wrong_with_a_plain_libp2p_bootstrap_peer(tmp_path) -> None:
+    def doctor() -> tuple[subprocess.CompletedProcess[str], dict]:
+        report = run_cli("doctor", "--data-dir", str(daemon.data_dir), "--json", timeout=60)
+        assert "Traceback" not in report.stderr, report.stderr
+        return report, json.loads(report.stdout)
+
+    def joined() -> bool:  # the control socket answers while bootstrap still runs
+        return bool(daemon.call("status").get("joined", "").startswith("connected to 1"))
+
+    async with standard_node() as server:
+        daemon = DaemonProcess(tmp_path / "n", peers=(server.addr,)).start()
+        try:
+            await trio.to_thread.run_sync(daemon.wait_ready, 60.0)
+            assert await trio.to_thread.run_sync(wait_for, joined, 30.0), daemon.log_path.read_text()[-2000:]
+            report, facts = await trio.to_thread.run_sync(doctor)
+        finally:
+            daemon.kill()
+    bootstrap = [f for f in facts["findings"] if f["check"] == "bootstrap"]
+    assert [f["status"] for f in bootstrap] == ["ok", "ok"], bootstrap
+    assert bootstrap[0]["detail"].startswith(server.addr), bootstrap  # the whole address, not an id
+    assert "speaks no Lattica protocol" in bootstrap[0]["detail"], bootstrap
+    problems = [f for f in facts["findings"] if f["status"] == "problem"]
+    assert (report.returncode, problems) == (0, []), facts
 
 
 async def test_no_stream_is_opened_again_and_again_for_a_protocol_the_peer_lacks(tmp_path) -> None:

@@ -7,8 +7,11 @@ that circuit. The final ``/p2p/<peer>`` is what the relay is asked for, so it mu
 address: py-libp2p's ``info_from_p2p_addr`` moves it into the peer id and leaves an address
 that the relay transport refuses ("Missing /p2p/<peerID> at the end of circuit Multiaddr").
 
-``dial_circuit`` is for dials made before (or without) the NAT services' path ``Dialer``:
-the bootstrap peers of a node that was given a relay address with ``--peer``.
+``dial_circuit`` makes one relayed dial: for the bootstrap peers of a node that was given a
+relay address with ``--peer`` (before the NAT services' path ``Dialer`` runs), and for the
+``Dialer``'s relay addresses. A relay that answers CONNECT with a status other than OK fails
+the dial with ``PeerUnavailableError`` naming the relay, the status code and what it means
+(``refusal_reason``): the connection to the relay itself does not reach the peer.
 """
 
 from __future__ import annotations
@@ -18,9 +21,23 @@ from dataclasses import dataclass
 from libp2p.abc import IHost, INetConn
 from libp2p.peer.id import ID
 from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
+from libp2p.relay.circuit_v2.exceptions import RelayConnectionError
 from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
 from libp2p.relay.circuit_v2.transport import CircuitV2Transport
 from multiaddr import Multiaddr
+
+from lattica.errors import PeerUnavailableError
+
+# Circuit relay v2 status codes a relay answers a CONNECT with, and what they mean for us.
+_REFUSALS = {
+    200: ("RESERVATION_REFUSED", "the relay refused a reservation"),
+    201: ("RESOURCE_LIMIT_EXCEEDED", "the relay is at its limits"),
+    202: ("PERMISSION_DENIED", "the relay does not serve this node"),
+    203: ("CONNECTION_FAILED", "the relay could not reach the peer"),
+    204: ("NO_RESERVATION", "the peer holds no reservation on this relay"),
+    400: ("MALFORMED_MESSAGE", "the relay could not parse the request"),
+    401: ("UNEXPECTED_MESSAGE", "the relay did not expect the request"),
+}
 
 
 @dataclass(frozen=True)
@@ -63,4 +80,32 @@ async def dial_circuit(host: IHost, addr: Multiaddr, transport: CircuitV2Transpo
     if unblock is not None:  # our callers pace redials; the swarm's negative cache must not
         unblock(circuit.relay_id)
         unblock(circuit.peer_id)
-    return await (transport or relay_transport(host)).dial(addr)
+    try:
+        return await (transport or relay_transport(host)).dial(addr)
+    except ConnectionError as exc:
+        status = relay_status(exc)
+        if status is None:
+            raise
+        raise PeerUnavailableError(
+            f"relay {circuit.relay_id} refused the circuit: {refusal_reason(status)}",
+            peer_id=str(circuit.peer_id),
+        ) from None  # the whole cause is in the message
+
+
+def relay_status(exc: BaseException) -> int | None:
+    """The status code of a relay's refusal inside ``exc`` (py-libp2p re-raises it as a plain
+    ``ConnectionError`` whose context holds the ``RelayConnectionError``), or None."""
+    inner: BaseException | None = exc
+    for _ in range(4):
+        if inner is None:
+            return None
+        if isinstance(inner, RelayConnectionError) and inner.status_code is not None:
+            return int(inner.status_code)
+        inner = inner.__cause__ or inner.__context__
+    return None
+
+
+def refusal_reason(status: int) -> str:
+    """``204 NO_RESERVATION (the peer holds no reservation on this relay)``."""
+    name, meaning = _REFUSALS.get(status, ("UNKNOWN", "an unknown refusal"))
+    return f"status {status} {name} ({meaning})"

@@ -37,6 +37,7 @@ from trio_typing import TaskStatus
 
 from lattica.errors import PeerUnavailableError
 from lattica.net.nat.addresses import is_circuit
+from lattica.net.nat.circuit import dial_circuit
 from lattica.net.nat.holepunch import HolePuncher
 from lattica.net.nat.paths import Path, PathBook
 from lattica.net.nat.relay import RelayServer
@@ -146,7 +147,7 @@ class Dialer:
             failures[str(addr)] = f"timed out after {self._relay_timeout:g} s"
             with trio.move_on_after(self._relay_timeout):
                 try:
-                    await self._transport.dial(addr)
+                    await dial_circuit(self._host, addr, self._transport)
                 except Exception as exc:  # noqa: BLE001 - network: any dial failure is a failed attempt, recorded with its reason
                     logger.debug("relayed dial %s via %s failed: %r", peer_id, addr, exc)
                     failures[str(addr)] = dial_failure_reason(exc)

@@ -29,7 +29,6 @@ from typing import Any, Literal
 
 import trio
 from libp2p.abc import IHost
-from libp2p.identity.identify_push.identify_push import push_identify_to_peers
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 from libp2p.peer.peerstore import PeerStoreError
@@ -44,6 +43,7 @@ from multiaddr import Multiaddr
 from multiaddr.exceptions import Error as MultiaddrError
 from trio_typing import TaskStatus
 
+from lattica.net.identify_push import push_identify
 from lattica.net.nat.addresses import conn_is_relayed, is_circuit
 from lattica.net.nat.autonat import Reachability, ReachabilityService
 
@@ -106,7 +106,7 @@ class RelayServer:
         private one can reserve here without reconnecting."""
         try:
             with trio.move_on_after(5.0):
-                await push_identify_to_peers(self._host)
+                await push_identify(self._host)
         except Exception as exc:  # noqa: BLE001 - best effort: identify push raises many kinds on peers that left
             logger.debug("identify push after relay change failed: %r", exc)
 
