@@ -4,10 +4,11 @@ Runs ``lattica demo --nodes 4 --json`` as a user would (four real ``lattica join
 daemons on loopback, the default rounds and inner steps) ``--repeats`` times and reports, per
 run and as the median:
 - ``demo_s``: from spawning ``lattica demo`` to its exit (start-up, loading, training, the
-  identical-replicas check, shutdown);
+  identical-replicas check, shutdown); ``demo_s_max`` the slowest run;
 - ``replicas_identical``: every replica ended on bit-identical outer weights (all runs);
 - ``load_avg``: the machine's 1-minute load average before each run (the machine may be
-  shared: read the time next to it).
+  shared: read the time next to it);
+- ``loss``: per run, node0's train loss at its first report and its final validation loss.
 Target: demo_s <= 120 on 2 CPU cores. ``OMP_NUM_THREADS`` is removed from the demo's
 environment: the figure is of the demo's own choice of threads, as a newcomer gets it.
 
@@ -85,9 +86,13 @@ def one_run(nodes: int, timeout_s: float) -> DemoRun:
     seconds = time.monotonic() - started
     first = demo_figures(proc.returncode, proc.stdout, proc.stderr)[0]
     return DemoRun(
-        demo_s=round(seconds, 1), load_avg=round(load_avg, 2),
-        rounds=first.get("rounds"), first_loss=first.get("first_loss"), val_loss=first.get("val_loss"),
+        demo_s=round(seconds, 1), load_avg=round(load_avg, 2), rounds=first.get("rounds"),
+        first_loss=_rounded(first.get("first_loss")), val_loss=_rounded(first.get("val_loss")),
     )
+
+
+def _rounded(loss: object) -> object:
+    return round(loss, 4) if isinstance(loss, float) else loss
 
 
 def main() -> None:
@@ -112,6 +117,7 @@ def main() -> None:
         "demo_s_max": max(times),
         "replicas_identical": True,  # every run checked (demo_figures)
         "load_avg": [r.load_avg for r in runs],
+        "loss": [[r.first_loss, r.val_loss] for r in runs],  # first report -> final validation
         "nodes": args.nodes,
         "repeats": args.repeats,
         "target_s": TARGET_S,
