@@ -5,10 +5,9 @@ node (a demo may drive several nodes from one process). On a TTY the whole table
 place, at most ``REFRESH_INTERVAL`` times per second and without a background thread (rich's
 auto-refresh thread is disabled). Off a TTY (CI logs, ``docker logs``) each node prints one
 ``key=value`` line when something changed: at once for a new round or phase (loading,
-training, done), at most every ``LOG_INTERVAL`` seconds for other fields (the inner step,
-the loss); a throughput figure alone (``tokens_per_s``, which
-moves all the time) never makes a line, and a line is never printed twice, so logs stay
-readable and greppable. ``render_summary(rows)`` formats the end-of-run table as text.
+training, done), at most every ``LOG_INTERVAL`` seconds for other fields (the inner step, the
+loss); a throughput figure alone (``tokens_per_s``, which moves all the time) never makes a
+line, and a line is never printed twice, so logs stay readable and greppable. ``render_summary(rows)`` formats the end-of-run table as text.
 """
 
 from __future__ import annotations
