@@ -7,7 +7,8 @@ auto-refresh thread is disabled). Off a TTY (CI logs, ``docker logs``) each node
 ``key=value`` line when something changed: at once for a new round or phase (loading,
 training, done), at most every ``LOG_INTERVAL`` seconds for other fields (the inner step, the
 loss); a throughput figure alone (``tokens_per_s``, which moves all the time) never makes a
-line, and a line is never printed twice, so logs stay readable and greppable. ``render_summary(rows)`` formats the end-of-run table as text.
+line, and a line is never printed twice, so logs stay readable and greppable.
+``render_summary(rows)`` formats the end-of-run table as text.
 """
 
 from __future__ import annotations
