@@ -21,6 +21,10 @@ DEFAULT_PORT = 4001
 DEFAULT_LISTEN = (f"/ip4/0.0.0.0/tcp/{DEFAULT_PORT}", f"/ip6/::/tcp/{DEFAULT_PORT}")
 DEFAULT_METRICS_ADDR = "127.0.0.1:9400"
 DEFAULT_INNER_STEPS = 50  # H: inner steps per outer round, for every strategy, the CLI and the demo
+# ``lattica demo``'s outer rounds: the default fits in well under 2 minutes with 4 nodes on 2
+# CPU cores (``benchmarks/demo_time.py``); ``--long`` trains on to a visibly lower loss
+DEMO_ROUNDS = 3
+DEMO_LONG_ROUNDS = 20
 AGGREGATIONS = ("mean", "trimmed_mean", "median")
 AVERAGINGS = ("allreduce", "gossip")
 # sockaddr_un.sun_path holds 108 bytes on Linux, including the terminating NUL

@@ -1,9 +1,13 @@
 """``lattica demo``: a local swarm of real daemons training the default GPT with DiLoCo.
 
 It starts ``--nodes`` ``lattica join --train`` processes on loopback (the first starts the
-swarm, the others join through its address), follows their control sockets to show live
-progress, and ends with a summary table and a check that every replica holds the same outer
-weights. Every process it started is stopped (SIGTERM, then SIGKILL) on the way out.
+swarm, the others join through its address), each on its share of the machine's cores (torch
+threads: several processes with every core each would wait for each other at every step),
+follows their control sockets to show live progress, and ends with a summary table and a check
+that every replica holds the same outer weights. The default workload (``DEMO_ROUNDS`` rounds of
+the default H) is a newcomer's first run and fits in two minutes on two CPU cores; ``--long``
+and ``--rounds`` train more. Every process it started is stopped on the way out: SIGTERM to all
+at once (each says goodbye to its peers), then SIGKILL to any still running after a grace period.
 """
 
 from __future__ import annotations
@@ -17,11 +21,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
 
+from lattica.config import DEMO_LONG_ROUNDS, DEMO_ROUNDS
 from lattica.control import client
 from lattica.decoding import exact_int, finite_float, str_list, str_map
 from lattica.errors import ConfigError, LatticaError
@@ -59,6 +64,8 @@ class DaemonProcess:
     extra_args: tuple[str, ...] = ()
     proc: subprocess.Popen[bytes] | None = None
     listen_ip: str = "127.0.0.1"
+    torch_threads: int | None = None  # the daemon's intra-op threads; None: torch's default
+    _terminated: bool = field(default=False, init=False, repr=False)  # SIGTERM sent to this process
 
     @property
     def log_path(self) -> Path:
@@ -81,10 +88,14 @@ class DaemonProcess:
         return lattica_command(*self.join_args())
 
     def environment(self) -> dict[str, str] | None:
-        """The daemon's environment; None: this process's own."""
-        return None
+        """The daemon's environment; None: this process's own. ``torch_threads`` sets
+        ``OMP_NUM_THREADS`` unless this process's environment already does (the user's choice)."""
+        if self.torch_threads is None or "OMP_NUM_THREADS" in os.environ:
+            return None
+        return {**os.environ, "OMP_NUM_THREADS": str(self.torch_threads)}
 
     def start(self) -> Self:
+        self._terminated = False
         self.data_dir.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:  # a restarted daemon's log follows the one before
             self.proc = subprocess.Popen(
@@ -120,55 +131,96 @@ class DaemonProcess:
         except OSError:
             return ""
 
+    def terminate(self) -> None:
+        """Ask the daemon to shut down (SIGTERM), once: a second signal would make it exit
+        at once, without its goodbyes."""
+        if self.proc is not None and self.proc.poll() is None and not self._terminated:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            self._terminated = True
+
     def stop(self, timeout: float = _STOP_TIMEOUT_S) -> int | None:
         """End the process (SIGTERM, then SIGKILL after ``timeout``); its exit status."""
         if self.proc is None:
             return None
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        self.terminate()
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
         return self.proc.returncode
+
+
+def stop_all(daemons: Sequence[DaemonProcess], timeout: float = _STOP_TIMEOUT_S) -> None:
+    """Stop every daemon, side by side: all are asked first, then each is waited for (each
+    says goodbye to its peers; one after the other, the waits would add up)."""
+    for d in daemons:
+        d.terminate()
+    for d in daemons:
+        d.stop(timeout)
 
 
 def run_demo(args: argparse.Namespace) -> int:
     if not 1 <= args.nodes <= 16:
         raise ConfigError("--nodes must be between 1 and 16")
-    if args.rounds < 1 or args.inner_steps < 1:
+    rounds = demo_rounds(args)
+    if rounds < 1 or args.inner_steps < 1:
         raise ConfigError("--rounds and --inner-steps must be positive")
+    started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="lattica-demo-") as tmp:
         workdir = args.workdir or Path(tmp)
-        daemons = _start_swarm(args, workdir)
+        daemons = _start_swarm(args, workdir, rounds=rounds)
         try:
             statuses = _follow(daemons, json_output=args.json)
         finally:
-            for d in daemons:
-                d.stop()
-    return _report(statuses, json_output=args.json)
+            stop_all(daemons)
+    return _report(statuses, json_output=args.json, seconds=time.monotonic() - started)
 
 
-def _train_args(args: argparse.Namespace) -> tuple[str, ...]:
+def demo_rounds(args: argparse.Namespace) -> int:
+    """The outer rounds to train: ``--rounds``, else the default or ``--long`` workload."""
+    if args.rounds is not None:
+        return int(args.rounds)
+    return DEMO_LONG_ROUNDS if args.long else DEMO_ROUNDS
+
+
+def threads_per_node(nodes: int) -> int:
+    """Each daemon's share of this machine's cores (at least one). The daemons train side by
+    side: with torch's default (every core for each process) their threads outnumber the
+    cores and wait for each other at every operation, which makes each step several times
+    slower than with one thread per core."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // nodes)
+
+
+def _train_args(args: argparse.Namespace, rounds: int) -> tuple[str, ...]:
     return (
         "--train", "--strategy", args.strategy, "--model", args.model,
-        "--rounds", str(args.rounds), "--inner-steps", str(args.inner_steps),
+        "--rounds", str(rounds), "--inner-steps", str(args.inner_steps),
         "--min-peers", str(args.nodes), "--run-id", "demo",
     )
 
 
-def _start_swarm(args: argparse.Namespace, workdir: Path) -> list[DaemonProcess]:
-    def port(i: int) -> int | None:
-        return args.base_port + i if args.base_port else None
+def _start_swarm(args: argparse.Namespace, workdir: Path, *, rounds: int) -> list[DaemonProcess]:
+    threads = threads_per_node(args.nodes)
 
     def make(i: int, peers: tuple[str, ...]) -> DaemonProcess:
-        chosen = port(i)
-        if chosen is None:
-            return DaemonProcess(workdir / f"node{i}", peers=peers, extra_args=_train_args(args))
-        return DaemonProcess(workdir / f"node{i}", port=chosen, peers=peers, extra_args=_train_args(args))
+        daemon = DaemonProcess(
+            workdir / f"node{i}", peers=peers, extra_args=_train_args(args, rounds), torch_threads=threads,
+        )
+        if args.base_port:
+            daemon.port = args.base_port + i
+        return daemon
 
-    _say(f"starting {args.nodes} daemons in {workdir} ...", args.json)
+    started = time.monotonic()
+    _say(
+        f"starting {args.nodes} daemons in {workdir} ({rounds} rounds of {args.inner_steps} inner steps, "
+        f"{threads} thread(s) each) ...",
+        args.json,
+    )
     first = make(0, ()).start()
     daemons = [first]
     try:
@@ -179,9 +231,10 @@ def _start_swarm(args: argparse.Namespace, workdir: Path) -> list[DaemonProcess]
         for d in daemons[1:]:
             d.wait_ready(timeout=_START_TIMEOUT_S)
     except (RuntimeError, TimeoutError) as exc:
-        for d in daemons:
-            d.stop()
+        stop_all(daemons)
         raise ConfigError(f"demo swarm failed to start: {str(exc).splitlines()[0]}") from None
+    _say(f"{args.nodes} daemons up in {time.monotonic() - started:.1f} s; each loads the model and corpus, "
+         "then training starts", args.json)
     return daemons
 
 
@@ -191,6 +244,8 @@ def _section(record: Mapping[str, object], key: str) -> dict[str, object]:
 
 
 def _follow(daemons: list[DaemonProcess], *, json_output: bool) -> list[dict[str, object]]:
+    """Poll every daemon until all are done (or failed, or gone), showing their progress; the
+    statuses at the end."""
     display = ProgressDisplay(stream=sys.stderr if json_output else sys.stdout)
     statuses: list[dict[str, object]] = [{} for _ in daemons]
     try:
@@ -203,9 +258,12 @@ def _follow(daemons: list[DaemonProcess], *, json_output: bool) -> list[dict[str
                         statuses[i] = {"training": {"phase": "exited", "error": d.log().strip().splitlines()[-1:]}}
                     continue
                 t = _section(statuses[i], "training")
+                phase = t.get("phase")
                 display.update(
                     f"node{i}",
                     round=exact_int(t.get("rounds_completed")),
+                    step=exact_int(t.get("step")),
+                    phase=phase if isinstance(phase, str) else None,
                     loss=finite_float(t.get("val_loss")) or finite_float(t.get("loss")),
                     tokens_per_s=finite_float(t.get("tokens_per_s")),
                     peers=exact_int(statuses[i].get("connected_peers")),
@@ -235,21 +293,22 @@ def _attach_weights_hashes(daemons: list[DaemonProcess], statuses: list[dict[str
         status["training"] = training
 
 
-def _report(statuses: list[dict[str, object]], *, json_output: bool) -> int:
+def _report(statuses: list[dict[str, object]], *, json_output: bool, seconds: float) -> int:
     rows: dict[str, dict[str, object]] = {}
     hashes: set[str | None] = set()
     for i, status in enumerate(statuses):
         t = _section(status, "training")
         summary = _section(t, "summary")
-        seconds = finite_float(summary.get("seconds"))
+        node_seconds = finite_float(summary.get("seconds"))
         weights_hash = t.get("weights_hash")
         weights_hash = weights_hash if isinstance(weights_hash, str) else None
         rows[f"node{i}"] = {
             "phase": t.get("phase"),
             "rounds": t.get("rounds_completed"),
+            "first_loss": summary.get("first_loss"),
             "val_loss": summary.get("val_loss"),
             "tokens": summary.get("tokens"),
-            "seconds": round(seconds, 1) if seconds is not None else None,
+            "seconds": round(node_seconds, 1) if node_seconds is not None else None,
             "bytes_sent": summary.get("bytes_sent"),
             "bytes_received": t.get("bytes_received"),
             "weights": (weights_hash or "")[:12],
@@ -261,11 +320,15 @@ def _report(statuses: list[dict[str, object]], *, json_output: bool) -> int:
     ok = all(r["phase"] == "done" for r in rows.values()) and (identical or not must_agree)
     strategy = _section(statuses[0], "training").get("strategy", "diloco") if statuses else "diloco"
     if json_output:
-        print(json.dumps({"nodes": rows, "strategy": strategy, "replicas_identical": identical, "ok": ok}))
+        print(json.dumps({
+            "nodes": rows, "strategy": strategy, "replicas_identical": identical, "ok": ok,
+            "seconds": round(seconds, 1),
+        }))
     else:
         print(render_summary(rows, title=f"Lattica demo: {strategy} on the Python standard library"))
         verdict = "yes" if identical else ("no (expected: replicas differ by design)" if not must_agree else "NO")
         print(f"replicas identical: {verdict}")
+        print(f"demo finished in {seconds:.0f} s")
         for label, status in zip(rows, statuses, strict=True):
             error = _section(status, "training").get("error")
             message = error if isinstance(error, str) else " ".join(str_list(error) or [])

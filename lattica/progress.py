@@ -4,10 +4,11 @@
 node (a demo may drive several nodes from one process). On a TTY the whole table is redrawn in
 place, at most ``REFRESH_INTERVAL`` times per second and without a background thread (rich's
 auto-refresh thread is disabled). Off a TTY (CI logs, ``docker logs``) each node prints one
-``key=value`` line when something changed: at once for a new round, at most every
-``LOG_INTERVAL`` seconds for other fields; a throughput figure alone (``tokens_per_s``, which
-moves all the time) never makes a line, and a line is never printed twice, so logs stay
-readable and greppable. ``render_summary(rows)`` formats the end-of-run table as text.
+``key=value`` line when something changed: at once for a new round or phase (loading,
+training, done), at most every ``LOG_INTERVAL`` seconds for other fields (the inner step, the
+loss); a throughput figure alone (``tokens_per_s``, which moves all the time) never makes a
+line, and a line is never printed twice, so logs stay readable and greppable.
+``render_summary(rows)`` formats the end-of-run table as text.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from rich.table import Table
 REFRESH_INTERVAL = 0.1
 LOG_INTERVAL = 10.0
 _NOT_A_CHANGE = frozenset({"tokens_per_s"})  # shown, but moves on every poll
+_TEXT_COLUMNS = frozenset({"phase", "step"})  # may hold words: one line, cut short when narrow
+_TEXT_WIDTH = 8
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,6 +35,8 @@ class NodeProgress:
     """The latest known values for one node; None means "not reported yet"."""
 
     round: int | None = None
+    step: int | None = None
+    phase: str | None = None
     loss: float | None = None
     tokens_per_s: float | None = None
     peers: int | None = None
@@ -41,6 +46,8 @@ class NodeProgress:
 
 _COLUMNS = {
     "round": "round",
+    "step": "step",
+    "phase": "phase",
     "loss": "loss",
     "tokens_per_s": "tokens/s",
     "peers": "peers",
@@ -67,7 +74,7 @@ def format_value(name: str, value: object) -> str:
         return "-"
     if name.startswith("bytes_") and isinstance(value, int | float):
         return format_bytes(value)
-    if name == "loss" and isinstance(value, float):
+    if name.endswith("loss") and isinstance(value, float):
         return f"{value:.4f}"
     if isinstance(value, float):
         return f"{value:,.1f}"
@@ -81,7 +88,10 @@ def _table(rows: Mapping[str, Mapping[str, object]], *, title: str | None = None
     table = Table(title=title)
     table.add_column("node", style="bold")
     for name in names:
-        table.add_column(_COLUMNS.get(name, name), justify="right")
+        if name in _TEXT_COLUMNS:
+            table.add_column(_COLUMNS.get(name, name), no_wrap=True, overflow="ellipsis", max_width=_TEXT_WIDTH)
+        else:
+            table.add_column(_COLUMNS.get(name, name), justify="right")
     for label, row in rows.items():
         table.add_row(label, *(format_value(name, row.get(name)) for name in names))
     return table
@@ -131,6 +141,8 @@ class ProgressDisplay:
         node_label: str,
         *,
         round: int | None = None,
+        step: int | None = None,
+        phase: str | None = None,
         loss: float | None = None,
         tokens_per_s: float | None = None,
         peers: int | None = None,
@@ -141,6 +153,8 @@ class ProgressDisplay:
         previous = self._nodes.get(node_label, NodeProgress())
         current = NodeProgress(
             round=previous.round if round is None else round,
+            step=previous.step if step is None else step,
+            phase=previous.phase if phase is None else phase,
             loss=previous.loss if loss is None else loss,
             tokens_per_s=previous.tokens_per_s if tokens_per_s is None else tokens_per_s,
             peers=previous.peers if peers is None else peers,
@@ -151,7 +165,8 @@ class ProgressDisplay:
         if self._live is not None:
             self._refresh(self._live, force=False)
         else:
-            self._maybe_log(node_label, current, round_changed=current.round != previous.round)
+            milestone = (current.round, current.phase) != (previous.round, previous.phase)
+            self._maybe_log(node_label, current, milestone=milestone)
 
     def close(self) -> None:
         """Draw the final state and release the terminal."""
@@ -171,20 +186,36 @@ class ProgressDisplay:
         if not force and now - self._last_refresh < REFRESH_INTERVAL:
             return
         self._last_refresh = now
-        live.update(_table(summary_rows(self._nodes.items()), title="Lattica"), refresh=True)
+        rows = {label: _live_row(node) for label, node in self._nodes.items()}
+        live.update(_table(rows, title="Lattica"), refresh=True)
 
-    def _maybe_log(self, label: str, node: NodeProgress, *, round_changed: bool) -> None:
+    def _maybe_log(self, label: str, node: NodeProgress, *, milestone: bool) -> None:
         now = self._clock()
         last = self._last_logged.get(label)
         if last is not None and not _changed(last, node):
             return
-        if not round_changed and now - self._last_log.get(label, -float("inf")) < LOG_INTERVAL:
+        if not milestone and now - self._last_log.get(label, -float("inf")) < LOG_INTERVAL:
             return
         self._last_log[label] = now
         self._last_logged[label] = node
-        parts = [f"{name}={format_value(name, getattr(node, name))}" for name in _COLUMNS]
+        parts = [f"{name}={_log_value(name, getattr(node, name))}" for name in _COLUMNS]
         self._stream.write(f"[{label}] " + " ".join(parts) + "\n")
         self._stream.flush()
+
+
+def _live_row(node: NodeProgress) -> dict[str, object]:
+    """A row of the live table: the inner step while training, else what the node is doing
+    in its place, in a word (starting, waiting, loading, done). One column for both keeps
+    the table within 80 columns; the log lines say the whole phase."""
+    row = {f.name: getattr(node, f.name) for f in fields(node) if f.name != "phase"}
+    if node.phase and (node.phase != "training" or node.step is None):
+        row["step"] = node.phase.split()[0]
+    return row
+
+
+def _log_value(name: str, value: object) -> str:
+    """A value in a ``key=value`` log line: no spaces (a phase reads ``waiting_for_peers``)."""
+    return format_value(name, value).replace(" ", "_")
 
 
 def _changed(before: NodeProgress, after: NodeProgress) -> bool:

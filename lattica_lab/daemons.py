@@ -53,7 +53,10 @@ class DaemonProcess(demo.DaemonProcess):
         return command
 
     def environment(self) -> dict[str, str] | None:
-        return {**os.environ, **self.env} if self.env else None
+        base = super().environment()
+        if not self.env:
+            return base
+        return {**(base if base is not None else os.environ), **self.env}
 
     def wait_ready(self, timeout: float = 30.0) -> dict[str, Any]:
         return super().wait_ready(timeout)

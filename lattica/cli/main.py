@@ -14,7 +14,7 @@ from pathlib import Path
 
 from lattica.cli import doctor as doctor_cli
 from lattica.cli.common import resolve_data_dir
-from lattica.config import DEFAULT_INNER_STEPS
+from lattica.config import DEFAULT_INNER_STEPS, DEMO_LONG_ROUNDS, DEMO_ROUNDS
 from lattica.errors import LatticaError, StorageError
 from lattica.files import DISK_FULL_ERRNOS, append_private, storage_error
 
@@ -87,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="train a local swarm of daemons on the built-in corpus")
     demo.add_argument("--nodes", type=int, default=4)
-    demo.add_argument("--rounds", type=int, default=4)
+    demo.add_argument("--rounds", type=int, help=f"outer rounds (default {DEMO_ROUNDS}; {DEMO_LONG_ROUNDS} with --long)")
+    demo.add_argument("--long", action="store_true", help=f"train {DEMO_LONG_ROUNDS} rounds instead of {DEMO_ROUNDS} (a lower loss; minutes)")
     demo.add_argument("--inner-steps", type=int, default=DEFAULT_INNER_STEPS, help=f"H (default {DEFAULT_INNER_STEPS})")
     demo.add_argument("--strategy", default="diloco")
     demo.add_argument("--model", default="tiny")

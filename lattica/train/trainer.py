@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -122,6 +123,7 @@ class TrainingSummary:
     tokens: int
     seconds: float
     bytes_sent: int
+    first_loss: float | None = None  # the train loss of the first report since this trainer started
 
 
 class Trainer:
@@ -158,6 +160,7 @@ class Trainer:
         self.tokens = 0
         self.bytes_sent = 0
         self.last_loss = float("nan")
+        self.first_loss: float | None = None  # of the first progress report: how far the loss fell
         self.last_val_loss: float | None = None  # of the current weights; None when unknown
         self._started: float | None = None
         self._seconds: float | None = None  # the run's wall time, once it ended
@@ -204,6 +207,7 @@ class Trainer:
             tokens=self.tokens,
             seconds=self._seconds if self._seconds is not None else time.monotonic() - started,
             bytes_sent=self.bytes_sent,
+            first_loss=self.first_loss,
         )
 
     async def train_step(self) -> None:
@@ -384,6 +388,8 @@ class Trainer:
         if self._window_tokens:  # otherwise repeat the last measured rate
             self._rate = self._window_tokens / max(now - self._window_start, 1e-9)
         self._window_tokens, self._window_start = 0, now
+        if self.first_loss is None and math.isfinite(self.last_loss):
+            self.first_loss = self.last_loss
         self.on_progress(
             Progress(
                 step=self.step,

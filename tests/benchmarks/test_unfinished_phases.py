@@ -9,6 +9,7 @@ still give the figures.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 
 import pytest
@@ -238,3 +239,32 @@ def test_overlap_ratios_are_paired_within_a_cycle_and_the_median_over_cycles():
     assert line.startswith("cycle 2: ")
     assert "eager vs nocomm 0.903" in line
     assert "eager speedup vs blocking 1.129" in line
+
+
+# ---------------------------------------------------------------------------- demo_time
+
+
+def _demo_json(**changes: object) -> str:
+    done = {"phase": "done", "rounds": 3, "first_loss": 4.7, "val_loss": 2.55}
+    result = {"nodes": {"node0": done, "node1": done}, "replicas_identical": True, "ok": True, **changes}
+    return "starting ...\n" + json.dumps(result) + "\n"
+
+
+def test_demo_time_a_demo_that_did_not_finish_has_no_figures():
+    demo_time = load("demo_time")
+    with pytest.raises(demo_time.PhaseUnfinished, match=r"exited with 1 without its summary: starting \| node0: boom"):
+        demo_time.demo_figures(1, "", "starting\nnode0: boom\n")
+    with pytest.raises(demo_time.PhaseUnfinished, match="without its summary"):
+        demo_time.demo_figures(0, "not json\n", "")
+    still_training = {"phase": "training", "rounds": 1}
+    with pytest.raises(demo_time.PhaseUnfinished, match="did not finish: node1"):
+        demo_time.demo_figures(0, _demo_json(nodes={"node0": {"phase": "done"}, "node1": still_training}), "")
+    with pytest.raises(demo_time.PhaseUnfinished, match="none reported"):
+        demo_time.demo_figures(0, _demo_json(nodes={}), "")
+    with pytest.raises(demo_time.PhaseUnfinished, match="not bit-identical"):
+        demo_time.demo_figures(0, _demo_json(replicas_identical=False, ok=False), "")
+
+
+def test_demo_time_a_finished_demo_gives_its_rows():
+    rows = load("demo_time").demo_figures(0, _demo_json(), "")
+    assert [row["val_loss"] for row in rows] == [2.55, 2.55]

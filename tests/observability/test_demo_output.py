@@ -1,5 +1,6 @@
 """``lattica demo`` off a terminal: one line per node when something changed, received bytes
-filled in — read from a real two-node demo run."""
+filled in, the phases the nodes go through — read from a real two-node demo run (the
+daemons' threads as the demo chooses them: no ``OMP_NUM_THREADS`` of the test's own)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,14 @@ import subprocess
 from lattica_lab.daemons import lattica_command
 
 LINE = re.compile(r"^\[(node\d+)\] round=(\S+) .* bytes_received=(\S+)$")
+PHASE = re.compile(r" phase=(\S+) ")
 
 
 def test_demo_prints_changes_only_and_received_bytes(tmp_path):
     env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith("LATTICA_")},
+        **{k: v for k, v in os.environ.items() if not k.startswith("LATTICA_") and k != "OMP_NUM_THREADS"},
         "LATTICA_TRAIN_BATCH_SIZE": "4", "LATTICA_TRAIN_SEQ_LEN": "32",
-        "LATTICA_TRAIN_WARMUP_STEPS": "2", "OMP_NUM_THREADS": "1",
+        "LATTICA_TRAIN_WARMUP_STEPS": "2",
     }
     result = subprocess.run(
         lattica_command(
@@ -35,4 +37,11 @@ def test_demo_prints_changes_only_and_received_bytes(tmp_path):
         assert last.group(2) == "3"
         assert last.group(3) != "-"
         assert not last.group(3).startswith("0B"), last.group(0)
-    assert "received" in result.stdout.split("Lattica demo", 1)[1]  # the summary table too
+        phases = [p for line in lines if (p := PHASE.search(line))]
+        assert phases[0].group(1) != "done", lines  # from the start ...
+        assert phases[-1].group(1) == "done", lines  # ... to the end
+    summary = result.stdout.split("Lattica demo", 1)[1]
+    assert "received" in summary  # the summary table too
+    assert "first_loss" in summary
+    assert "replicas identical: yes" in summary
+    assert re.search(r"^demo finished in \d+ s$", summary, re.MULTILINE), summary

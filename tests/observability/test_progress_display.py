@@ -39,11 +39,11 @@ def test_non_tty_prints_one_line_per_round_change_and_throttles():
 
     lines = out.getvalue().splitlines()
     assert lines == [
-        "[node-a] round=1 loss=2.5000 tokens_per_s=1,500.0 peers=2 bytes_sent=3.0MiB "
+        "[node-a] round=1 step=- phase=- loss=2.5000 tokens_per_s=1,500.0 peers=2 bytes_sent=3.0MiB "
         "bytes_received=-",
-        "[node-a] round=2 loss=2.3000 tokens_per_s=1,500.0 peers=2 bytes_sent=3.0MiB "
+        "[node-a] round=2 step=- phase=- loss=2.3000 tokens_per_s=1,500.0 peers=2 bytes_sent=3.0MiB "
         "bytes_received=-",
-        "[node-a] round=2 loss=2.3000 tokens_per_s=1,500.0 peers=3 bytes_sent=3.0MiB "
+        "[node-a] round=2 step=- phase=- loss=2.3000 tokens_per_s=1,500.0 peers=3 bytes_sent=3.0MiB "
         "bytes_received=-",
     ]
     assert not ANSI.search(out.getvalue())
@@ -69,6 +69,25 @@ def test_non_tty_never_prints_the_same_line_twice():
     assert len(set(lines)) == len(lines)
 
 
+def test_non_tty_prints_a_phase_change_at_once_and_the_step_with_the_throttle():
+    out, clock = io.StringIO(), FakeClock()
+    display = ProgressDisplay(stream=out, clock=clock)
+    display.update("node-a", round=0, phase="waiting for peers to load")
+    clock.now = 1.0
+    display.update("node-a", phase="training")  # a new phase: a line at once
+    clock.now = 2.0
+    display.update("node-a", step=10, loss=3.5)  # an inner step within the log interval: no line
+    clock.now = 12.0
+    display.update("node-a", step=20, loss=3.1)  # the interval has passed: a line
+    lines = out.getvalue().splitlines()
+    assert [line.split(" ")[1:4] for line in lines] == [
+        ["round=0", "step=-", "phase=waiting_for_peers_to_load"],  # a key=value line has no spaces
+        ["round=0", "step=-", "phase=training"],
+        ["round=0", "step=20", "phase=training"],
+    ]
+    assert lines[-1].split(" ")[4] == "loss=3.1000"
+
+
 def test_fields_persist_per_node():
     display = ProgressDisplay(stream=io.StringIO())
     display.update("a", round=3, peers=1)
@@ -84,7 +103,7 @@ def test_tty_draws_a_live_table_in_place():
     out, clock = TtyStringIO(), FakeClock()
     with ProgressDisplay(stream=out, clock=clock) as display:
         assert display.is_tty
-        display.update("node-a", round=4, loss=1.5, peers=2, bytes_received=2048)
+        display.update("node-a", round=4, phase="training", loss=1.5, peers=2, bytes_received=2048)
         clock.now = 1.0
         display.update("node-b", round=4, tokens_per_s=900.0)
     text = out.getvalue()
@@ -92,10 +111,21 @@ def test_tty_draws_a_live_table_in_place():
     plain = ANSI.sub("", text)
     assert "node-a" in plain
     assert "node-b" in plain
+    assert "training" in plain  # the phase, as the daemon says it
     assert "1.5000" in plain
     assert "2.0KiB" in plain
     assert "900.0" in plain
     assert "[node-a]" not in plain, "no plain log lines on a terminal"
+
+
+def test_tty_shows_the_step_while_training_and_else_the_phase_in_a_word():
+    out = TtyStringIO()
+    with ProgressDisplay(stream=out) as display:
+        display.update("node-a", round=0, phase="waiting for peers to load")
+        display.update("node-b", round=1, step=60, phase="training")
+    rows = [line for line in ANSI.sub("", out.getvalue()).splitlines() if "node-" in line][-2:]
+    assert [row.split("│")[3].strip() for row in rows] == ["waiting", "60"]
+    assert all(len(row) <= 80 for row in rows)  # an 80-column terminal holds the whole table
 
 
 def test_tty_redraws_are_rate_limited():

@@ -116,6 +116,15 @@ async def test_progress_rounds_and_hashes(text_data):
     assert summary.tokens == 6 * 4 * 32
 
 
+async def test_the_summary_keeps_the_loss_of_the_first_report(text_data):
+    progress = []
+    trainer = _trainer(text_data, steps=12, on_progress=progress.append)
+    summary = await trainer.run()
+    assert summary.first_loss == progress[0].loss  # step 2: how far the loss fell since then
+    assert summary.first_loss is not None
+    assert summary.first_loss > summary.train_loss
+
+
 async def test_resume_from_checkpoint_matches_uninterrupted_run(text_data, tmp_path):
     straight = _trainer(text_data, steps=12)
     await straight.run()
