@@ -190,6 +190,8 @@ def daemon_services(context: NodeContext) -> Sequence[NodeService]:
         metrics=context.metrics, role="joining" if config.train is not None else None,
     )
     services: list[NodeService] = [state]
+    # peer exchange dials only the peers the replicated state verifies as members
+    context.connectivity.follow_members(state.state.verified)
     discovery: DiscoveryService | None = None
     if config.dht:
         discovery = DiscoveryService(
