@@ -10,10 +10,13 @@ from lattica.crdt.replica import ReplicaLimits
 
 @dataclass(frozen=True, kw_only=True)
 class StateConfig:
-    """``admins``: peer ids allowed to write the run config; empty means this node alone
-    (the run's creator). Nodes joining a run must be given the creator's peer id."""
+    """Who may write the run config. ``admins``: exactly these peer ids. Without them the
+    admins follow from the run (``Replica``'s ``admin_relays``): whoever's run config reached
+    this node through ``anchors`` (the peers it joined through), an admin, or its own state
+    log; a node with neither such a record nor anchors founds a run and is its admin."""
 
     admins: tuple[str, ...] = ()
+    anchors: tuple[str, ...] = ()
     lease: LeasePolicy = field(default_factory=LeasePolicy)
     limits: ReplicaLimits = field(default_factory=ReplicaLimits)
     sync_interval: float = 1.0
@@ -23,8 +26,10 @@ class StateConfig:
     compact_min_records: int = 1024
 
     def __post_init__(self) -> None:
-        if isinstance(self.admins, str) or not all(isinstance(a, str) and a for a in self.admins):
-            raise ValueError("admins must be a tuple of peer id strings")
+        for name in ("admins", "anchors"):
+            peers = getattr(self, name)
+            if isinstance(peers, str) or not all(isinstance(a, str) and a for a in peers):
+                raise ValueError(f"{name} must be a tuple of peer id strings")
         for name in ("sync_interval", "peer_poll_interval", "sync_timeout", "max_backoff"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
