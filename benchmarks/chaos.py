@@ -16,9 +16,11 @@ identities (so the same data shards and order).
 Measured (from outside: the daemons' control sockets and ``lattica state``):
 
 - ``kills``, ``partitions``: disturbances done.
-- ``rounds_completed``: the round every replica reports at the end (the slowest one's).
-- ``lost_rounds``: per kill, the rounds the victim reported completed just before the SIGKILL
-  minus the rounds it reports once it trains again, when fewer; summed.
+- ``rounds_reached``: the round every replica reports at the end (the slowest one's). A round
+  is *reached* whether the replica ran it or adopted the swarm's state of it (``round`` of
+  ``lattica status``; ``rounds_completed`` counts only the rounds it ran).
+- ``lost_rounds``: per kill, the round the victim had reached just before the SIGKILL minus
+  the round it reports once it trains again, when less; summed.
 - ``max_stall_s``: the longest time, after the first round, in which the swarm's newest round
   (the most any live replica reports) did not advance; polled every 0.25 s.
 - ``final_loss`` / ``undisturbed_loss``: validation loss of the final model (the mean over the
@@ -29,7 +31,10 @@ Needs root (network namespaces). Last line: one JSON object.
 
 A phase that does not finish — a replica not done within ``--timeout-s`` or without a validation
 loss, no first round — fails the benchmark: exit status 1 and one line on stderr naming the
-phase and the replicas, no figures (never a loss of 0 or null standing in for one).
+phase and the replicas, no figures (never a loss of 0 or null standing in for one). So does,
+at once, a replica that stops progressing: up (neither restarting nor cut off) and not done,
+its round unchanged for ``--stuck-s`` while the swarm's newest round moved on, or still not
+training ``--stuck-s`` after a restart.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +77,7 @@ def finished_loss(phase: str, infos: list[dict[str, Any]]) -> float:
     if not infos:
         raise PhaseUnfinished(f"{phase} phase: no replica answered")
     late = [
-        f"n{i} ({info.get('phase') or 'no answer'}, round {_rounds(info)})"
+        f"n{i} ({info.get('phase') or 'no answer'}, round {_round(info)})"
         for i, info in enumerate(infos)
         if info.get("phase") != "done" or not _finite(info.get("val_loss"))
     ]
@@ -138,8 +143,9 @@ class Swarm:
             d.kill()
 
 
-def _rounds(info: dict[str, Any]) -> int:
-    return int(info.get("rounds_completed") or 0)
+def _round(info: dict[str, Any]) -> int:
+    """The round a replica reached: ran or adopted (not only the rounds it ran itself)."""
+    return int(info.get("round") or 0)
 
 
 def _published(swarm: Swarm) -> set[str]:
@@ -171,7 +177,7 @@ def _final(swarm: Swarm, timeout: float, phase: str) -> tuple[float, bool, int]:
         if identical or time.monotonic() > deadline:
             break
         time.sleep(1.0)
-    return finished_loss(phase, infos), identical, min(_rounds(i) for i in infos)
+    return finished_loss(phase, infos), identical, min(_round(i) for i in infos)
 
 
 @dataclass
@@ -183,24 +189,49 @@ class _Chaos:
     newest: int = 0
     last_advance: float = 0.0
     cut: tuple[int, float] | None = None  # peer, heal time
-    resuming: dict[int, int] | None = None  # restarted peer -> rounds reported before the kill
+    resuming: dict[int, tuple[int, float]] = field(default_factory=dict)  # restarted peer -> (round before the kill, when)
+    progress: dict[int, tuple[int, float, int]] = field(default_factory=dict)  # peer -> (round, since, swarm's newest then)
 
-    def watch(self, swarm: Swarm, infos: list[dict[str, Any]], now: float) -> None:
-        newest = max(_rounds(i) for i in infos)
+    def watch(self, swarm: Swarm, infos: list[dict[str, Any]], now: float, stuck_s: float) -> None:
+        newest = max(_round(i) for i in infos)
         if newest > self.newest:
             if now - self.last_advance > swarm.deadline_s:
                 _say(f"stall of {now - self.last_advance:.1f} s before round {newest}")
             self.newest, self.last_advance = newest, now
         elif newest < swarm.rounds:
             self.stall = max(self.stall, now - self.last_advance)
-        assert self.resuming is not None
-        for i, before in list(self.resuming.items()):
+        for i, (before, _) in list(self.resuming.items()):
             if infos[i].get("phase") in ("training", "done"):
-                self.lost += max(0, before - _rounds(infos[i]))
+                self.lost += max(0, before - _round(infos[i]))
                 del self.resuming[i]
+        self._check_progress(infos, now, stuck_s)
+
+    def _check_progress(self, infos: list[dict[str, Any]], now: float, stuck_s: float) -> None:
+        """Raise ``PhaseUnfinished`` naming a replica that stopped progressing (see the docstring)."""
+        for i, info in enumerate(infos):
+            if i in self.resuming:
+                before, since = self.resuming[i]
+                if now - since > stuck_s:
+                    raise PhaseUnfinished(
+                        f"chaos phase: n{i} is not training {now - since:.0f} s after its restart "
+                        f"(phase {info.get('phase') or 'no answer'}, round {_round(info)}, round {before} "
+                        f"before the kill; the swarm is at round {self.newest})"
+                    )
+                self.progress.pop(i, None)  # watched afresh once it trains again
+                continue
+            reached = _round(info)
+            last = self.progress.get(i)
+            if last is None or reached != last[0] or (self.cut is not None and self.cut[0] == i):
+                self.progress[i] = (reached, now, self.newest)
+                continue
+            if info.get("phase") != "done" and now - last[1] > stuck_s and self.newest > last[2]:
+                raise PhaseUnfinished(
+                    f"chaos phase: n{i} stopped progressing: at round {reached} (phase "
+                    f"{info.get('phase') or 'no answer'}) for {now - last[1]:.0f} s while the swarm went "
+                    f"from round {last[2]} to {self.newest}"
+                )
 
     def disturb(self, swarm: Swarm, rng: random.Random, infos: list[dict[str, Any]], args: argparse.Namespace) -> None:
-        assert self.resuming is not None
         busy = set(self.resuming) | ({self.cut[0]} if self.cut else set())
         victims = [i for i in range(len(swarm.daemons)) if i not in busy]
         partition = (self.kills + self.partitions + 1) % args.partition_every == 0
@@ -213,7 +244,7 @@ class _Chaos:
         elif len(self.resuming) < args.max_restarting and victims:
             victim = rng.choice(victims)
             _say(f"kill n{victim} (round {self.newest})")
-            self.resuming[victim] = _rounds(_training(swarm.daemons[victim]))
+            self.resuming[victim] = (_round(_training(swarm.daemons[victim])), time.monotonic())
             swarm.restart(victim)
             self.kills += 1
 
@@ -233,7 +264,7 @@ def _say(line: str) -> None:
 
 def _wait_first_round(swarm: Swarm, timeout: float) -> None:
     deadline = time.monotonic() + timeout
-    while max(_rounds(i) for i in swarm.infos()) < 1:
+    while max(_round(i) for i in swarm.infos()) < 1:
         if time.monotonic() > deadline:
             raise PhaseUnfinished(f"chaos phase: no round completed in {timeout:.0f} s")
         time.sleep(POLL_S)
@@ -241,7 +272,7 @@ def _wait_first_round(swarm: Swarm, timeout: float) -> None:
 
 def run_chaos(root: Path, args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(args.seed)
-    chaos = _Chaos(resuming={})
+    chaos = _Chaos()
     with NetLab() as lab:
         swarm = Swarm(lab, root / "chaos", args)
         try:
@@ -255,7 +286,7 @@ def run_chaos(root: Path, args: argparse.Namespace) -> dict[str, Any]:
                 infos = swarm.infos()
                 if all(i.get("phase") == "done" for i in infos):
                     break
-                chaos.watch(swarm, infos, now)
+                chaos.watch(swarm, infos, now, args.stuck_s)
                 chaos.heal_due(swarm, now)
                 if now >= next_event and chaos.newest < args.rounds - args.calm_rounds:
                     chaos.disturb(swarm, rng, infos, args)
@@ -264,10 +295,10 @@ def run_chaos(root: Path, args: argparse.Namespace) -> dict[str, Any]:
             if chaos.cut is not None:
                 swarm.lab.heal_link(swarm.hosts[chaos.cut[0]])
             print(f"chaos phase over: kills={chaos.kills} partitions={chaos.partitions} "
-                  f"rounds={[_rounds(i) for i in swarm.infos()]}", flush=True)
+                  f"rounds={[_round(i) for i in swarm.infos()]}", flush=True)
             final_loss, identical, slowest = _final(swarm, 60, "chaos")
             return {
-                "kills": chaos.kills, "partitions": chaos.partitions, "rounds_completed": slowest,
+                "kills": chaos.kills, "partitions": chaos.partitions, "rounds_reached": slowest,
                 "lost_rounds": chaos.lost, "max_stall_s": round(chaos.stall, 2),
                 "deadline_s": args.deadline_s, "final_loss": round(final_loss, 4),
                 "replicas_identical": identical,
@@ -309,6 +340,8 @@ def main() -> None:
     parser.add_argument("--max-restarting", type=int, default=2, help="peers restarting at once, at most")
     parser.add_argument("--calm-rounds", type=int, default=3, help="no disturbance in the last rounds")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="per phase")
+    parser.add_argument("--stuck-s", type=float, default=60.0,
+                        help="fail when a replica's round stays put this long while the swarm moves on")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-undisturbed", action="store_true")
     parser.add_argument("--keep-dir", type=Path, default=None, help="keep data dirs and logs here")
