@@ -123,6 +123,7 @@ class Connectivity:
         self._members: VerifiedMembers | None = None  # set once the replicated state runs
         self.px_budget = PxDialBudget(PxDialLimits())
         self.joined = JoinOutcome()  # what bootstrap reached
+        self.rejoined = 0  # without --peer: members known from before that answered at start
         self.bootstrap_errors: dict[str, str] = {}  # bootstrap address -> why its last dial failed
         self.reconnector = Reconnector(
             peer_book, dialer=self, data_dir=config.data_dir, bootstrap=_bootstrap_peers(config.peers),
@@ -142,7 +143,7 @@ class Connectivity:
             nursery.start_soon(self._watch_connections)
             await self._bootstrap()
             if remembered and not self.config.peers:
-                await self.reconnector.reach_remembered(wait_s=_REMEMBERED_WAIT_S)
+                self.rejoined = await self.reconnector.reach_remembered(wait_s=_REMEMBERED_WAIT_S)
             nursery.start_soon(self.reconnector.run)
             if self.config.peer_exchange:
                 nursery.start_soon(self._peer_exchange_loop)
@@ -170,7 +171,11 @@ class Connectivity:
 
     def join_summary(self) -> str:
         """One line on what start-up joined, for the user."""
-        return self.joined.summary(self.config.run_id)
+        if self.config.peers:
+            return self.joined.summary(self.config.run_id)
+        if self.rejoined:
+            return f"rejoined run {self.config.run_id!r} through {self.rejoined} member(s) known from before"
+        return "started a new swarm"
 
     # -- bootstrap and reconnection ----------------------------------------------------------
 

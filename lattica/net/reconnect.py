@@ -96,12 +96,13 @@ class Reconnector:
             return
         self._saved, self._saved_at, self._save_failure = fingerprint, now, None
 
-    async def reach_remembered(self, *, wait_s: float) -> None:
-        """Dial the remembered members at once and wait up to ``wait_s`` for one to answer."""
+    async def reach_remembered(self, *, wait_s: float) -> int:
+        """Dial the remembered members at once and wait up to ``wait_s`` for one to answer;
+        how many did."""
         now = time.time()
         remembered = [r for r in self._candidates() if not r.bootstrap][:_MAX_DIALS_PER_TICK]
         if not remembered:
-            return
+            return 0
         with trio.move_on_after(wait_s):
             async with trio.open_nursery() as nursery:
                 for record in remembered:
@@ -115,6 +116,7 @@ class Reconnector:
                 "none of the %d member(s) known from before answered within %g s; starting without them "
                 "(they are redialed in the background)", len(remembered), wait_s,
             )
+        return answered
 
     async def _dial_remembered(self, peer_id: str, addrs: list[str], done: trio.CancelScope) -> None:
         if await self._dialer.dial_known(peer_id, addrs):

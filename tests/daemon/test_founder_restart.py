@@ -56,6 +56,7 @@ def test_a_stopped_founder_started_again_is_connected_to_the_joiner_within_secon
         assert time.monotonic() - up < 20
         assert _peers(joiner)[founder_id]["left"] is False
         assert wait_for(lambda: _peers(again).get(joiner.peer_id, {}).get("connected"), 10), again.log()
+        assert "rejoined run 'default' through 1 member(s) known from before" in again.log()
         # what the founder remembered: the joiner, in a file only its owner reads
         saved = founder.data_dir / "known-peers.json"
         assert stat.S_IMODE(saved.stat().st_mode) == 0o600
