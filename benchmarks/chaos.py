@@ -16,9 +16,10 @@ identities (so the same data shards and order).
 Measured (from outside: the daemons' control sockets and ``lattica state``):
 
 - ``kills``, ``partitions``: disturbances done.
-- ``rounds_reached``: the round every replica reports at the end (the slowest one's). A round
-  is *reached* whether the replica ran it or adopted the swarm's state of it (``round`` of
-  ``lattica status``; ``rounds_completed`` counts only the rounds it ran).
+- ``rounds_reached``: the round every replica reached at the end (the slowest one's): its
+  inner step over the inner steps per round, whether it ran the round, adopted the swarm's
+  state of it or skipped it (``rounds_completed`` of ``lattica status`` counts only rounds
+  whose outer step it applied: a failed sync leaves it behind for good).
 - ``lost_rounds``: per kill, the round the victim had reached just before the SIGKILL minus
   the round it reports once it trains again, when less; summed.
 - ``max_stall_s``: the longest time, after the first round, in which the swarm's newest round
@@ -77,7 +78,7 @@ def finished_loss(phase: str, infos: list[dict[str, Any]]) -> float:
     if not infos:
         raise PhaseUnfinished(f"{phase} phase: no replica answered")
     late = [
-        f"n{i} ({info.get('phase') or 'no answer'}, round {_round(info)})"
+        f"n{i} ({info.get('phase') or 'no answer'}, round {int(info.get('round') or 0)})"
         for i, info in enumerate(infos)
         if info.get("phase") != "done" or not _finite(info.get("val_loss"))
     ]
@@ -101,7 +102,7 @@ class Swarm:
     """N daemons, one per lab host; the first is everyone's bootstrap peer."""
 
     def __init__(self, lab: NetLab, root: Path, args: argparse.Namespace) -> None:
-        self.lab, self.rounds, self.deadline_s = lab, args.rounds, args.deadline_s
+        self.lab, self.rounds, self.deadline_s, self.inner_steps = lab, args.rounds, args.deadline_s, args.inner_steps
         train = (
             "--train", "--model", "tiny", "--device", "cpu", "--log-level", "info",
             "--rounds", str(args.rounds), "--inner-steps", str(args.inner_steps),
@@ -143,9 +144,10 @@ class Swarm:
             d.kill()
 
 
-def _round(info: dict[str, Any]) -> int:
-    """The round a replica reached: ran or adopted (not only the rounds it ran itself)."""
-    return int(info.get("round") or 0)
+def _reached(info: dict[str, Any], inner_steps: int) -> int:
+    """The round a replica reached (see ``rounds_reached`` in the docstring); 0 before its
+    first progress report."""
+    return int(info.get("step") or 0) // inner_steps
 
 
 def _published(swarm: Swarm) -> set[str]:
@@ -177,7 +179,7 @@ def _final(swarm: Swarm, timeout: float, phase: str) -> tuple[float, bool, int]:
         if identical or time.monotonic() > deadline:
             break
         time.sleep(1.0)
-    return finished_loss(phase, infos), identical, min(_round(i) for i in infos)
+    return finished_loss(phase, infos), identical, min(_reached(i, swarm.inner_steps) for i in infos)
 
 
 @dataclass
@@ -193,7 +195,7 @@ class _Chaos:
     progress: dict[int, tuple[int, float, int]] = field(default_factory=dict)  # peer -> (round, since, swarm's newest then)
 
     def watch(self, swarm: Swarm, infos: list[dict[str, Any]], now: float, stuck_s: float) -> None:
-        newest = max(_round(i) for i in infos)
+        newest = max(_reached(i, swarm.inner_steps) for i in infos)
         if newest > self.newest:
             if now - self.last_advance > swarm.deadline_s:
                 _say(f"stall of {now - self.last_advance:.1f} s before round {newest}")
@@ -201,12 +203,12 @@ class _Chaos:
         elif newest < swarm.rounds:
             self.stall = max(self.stall, now - self.last_advance)
         for i, (before, _) in list(self.resuming.items()):
-            if infos[i].get("phase") in ("training", "done"):
-                self.lost += max(0, before - _round(infos[i]))
+            if infos[i].get("phase") in ("training", "done") and "step" in infos[i]:
+                self.lost += max(0, before - _reached(infos[i], swarm.inner_steps))
                 del self.resuming[i]
-        self._check_progress(infos, now, stuck_s)
+        self._check_progress(infos, now, stuck_s, swarm.inner_steps)
 
-    def _check_progress(self, infos: list[dict[str, Any]], now: float, stuck_s: float) -> None:
+    def _check_progress(self, infos: list[dict[str, Any]], now: float, stuck_s: float, inner_steps: int) -> None:
         """Raise ``PhaseUnfinished`` naming a replica that stopped progressing (see the docstring)."""
         for i, info in enumerate(infos):
             if i in self.resuming:
@@ -214,12 +216,12 @@ class _Chaos:
                 if now - since > stuck_s:
                     raise PhaseUnfinished(
                         f"chaos phase: n{i} is not training {now - since:.0f} s after its restart "
-                        f"(phase {info.get('phase') or 'no answer'}, round {_round(info)}, round {before} "
+                        f"(phase {info.get('phase') or 'no answer'}, round {_reached(info, inner_steps)}, round {before} "
                         f"before the kill; the swarm is at round {self.newest})"
                     )
                 self.progress.pop(i, None)  # watched afresh once it trains again
                 continue
-            reached = _round(info)
+            reached = _reached(info, inner_steps)
             last = self.progress.get(i)
             if last is None or reached != last[0] or (self.cut is not None and self.cut[0] == i):
                 self.progress[i] = (reached, now, self.newest)
@@ -244,7 +246,8 @@ class _Chaos:
         elif len(self.resuming) < args.max_restarting and victims:
             victim = rng.choice(victims)
             _say(f"kill n{victim} (round {self.newest})")
-            self.resuming[victim] = (_round(_training(swarm.daemons[victim])), time.monotonic())
+            before = _reached(_training(swarm.daemons[victim]), swarm.inner_steps)
+            self.resuming[victim] = (before, time.monotonic())
             swarm.restart(victim)
             self.kills += 1
 
@@ -264,7 +267,7 @@ def _say(line: str) -> None:
 
 def _wait_first_round(swarm: Swarm, timeout: float) -> None:
     deadline = time.monotonic() + timeout
-    while max(_round(i) for i in swarm.infos()) < 1:
+    while max(_reached(i, swarm.inner_steps) for i in swarm.infos()) < 1:
         if time.monotonic() > deadline:
             raise PhaseUnfinished(f"chaos phase: no round completed in {timeout:.0f} s")
         time.sleep(POLL_S)
@@ -295,7 +298,7 @@ def run_chaos(root: Path, args: argparse.Namespace) -> dict[str, Any]:
             if chaos.cut is not None:
                 swarm.lab.heal_link(swarm.hosts[chaos.cut[0]])
             print(f"chaos phase over: kills={chaos.kills} partitions={chaos.partitions} "
-                  f"rounds={[_round(i) for i in swarm.infos()]}", flush=True)
+                  f"rounds={[_reached(i, swarm.inner_steps) for i in swarm.infos()]}", flush=True)
             final_loss, identical, slowest = _final(swarm, 60, "chaos")
             return {
                 "kills": chaos.kills, "partitions": chaos.partitions, "rounds_reached": slowest,
