@@ -66,8 +66,9 @@ class Reconnector:
         self._forget_after_s = forget_after_s
         self._lost_at: dict[str, float] = {}  # member -> when its redials began
         self._saved: list[tuple[str, tuple[str, ...]]] | None = None  # what the file holds
-        self._saved_at = 0.0
+        self._saved_at = -_REFRESH_SAVED_S
         self._save_failure: str | None = None
+        self._saving = trio.Lock()  # the periodic save and the one at shutdown share a temporary
 
     # -- memory ----------------------------------------------------------------------------
 
@@ -82,9 +83,13 @@ class Reconnector:
 
     async def save(self) -> None:
         """Write the saved book now when it changed (or is due for a refresh)."""
+        async with self._saving:
+            await self._save()
+
+    async def _save(self) -> None:
         peers = saved_from_book(self.peer_book.records())
         fingerprint = _fingerprint(peers)
-        now = time.monotonic()
+        now = trio.current_time()
         if fingerprint == self._saved and now - self._saved_at < _REFRESH_SAVED_S:
             return
         try:
@@ -99,8 +104,8 @@ class Reconnector:
     async def reach_remembered(self, *, wait_s: float) -> int:
         """Dial the remembered members at once and wait up to ``wait_s`` for one to answer;
         how many did."""
-        now = time.time()
-        remembered = [r for r in self._candidates() if not r.bootstrap][:_MAX_DIALS_PER_TICK]
+        now = trio.current_time()
+        remembered = [r for r in self._candidates() if r.peer_id not in self._bootstrap][:_MAX_DIALS_PER_TICK]
         if not remembered:
             return 0
         with trio.move_on_after(wait_s):
@@ -132,7 +137,7 @@ class Reconnector:
                 await trio.sleep(_TICK_S)
 
     def _redial_due(self, nursery: trio.Nursery) -> None:
-        now = time.time()
+        now = trio.current_time()
         candidates = self._candidates()
         self._schedule.keep_only({r.peer_id for r in candidates})
         self._lost_at = {r.peer_id: self._lost_at.get(r.peer_id, now) for r in candidates}
