@@ -15,7 +15,8 @@ identities (so the same data shards and order).
 
 Measured (from outside: the daemons' control sockets and ``lattica state``):
 
-- ``kills``, ``partitions``: disturbances done.
+- ``kills``, ``partitions``: disturbances done; ``founder_kills``: kills of n0, the node that
+  started the swarm (the first kill is always its: it restarts with ``--peer`` like the others).
 - ``rounds_reached``: the round every replica reached at the end (the slowest one's): its
   inner step over the inner steps per round, whether it ran the round, adopted the swarm's
   state of it or skipped it (``rounds_completed`` of ``lattica status`` counts only rounds
@@ -185,6 +186,7 @@ def _final(swarm: Swarm, timeout: float, phase: str) -> tuple[float, bool, int]:
 @dataclass
 class _Chaos:
     kills: int = 0
+    founder_kills: int = 0
     partitions: int = 0
     lost: int = 0
     stall: float = 0.0
@@ -192,6 +194,7 @@ class _Chaos:
     last_advance: float = 0.0
     cut: tuple[int, float] | None = None  # peer, heal time
     resuming: dict[int, tuple[int, float]] = field(default_factory=dict)  # restarted peer -> (round before the kill, when)
+    unmeasured: dict[int, int] = field(default_factory=dict)  # trains again, no progress yet -> round before
     progress: dict[int, tuple[int, float, int]] = field(default_factory=dict)  # peer -> (round, since, swarm's newest then)
 
     def watch(self, swarm: Swarm, infos: list[dict[str, Any]], now: float, stuck_s: float) -> None:
@@ -203,9 +206,13 @@ class _Chaos:
         elif newest < swarm.rounds:
             self.stall = max(self.stall, now - self.last_advance)
         for i, (before, _) in list(self.resuming.items()):
-            if infos[i].get("phase") in ("training", "done") and "step" in infos[i]:
-                self.lost += max(0, before - _reached(infos[i], swarm.inner_steps))
+            if infos[i].get("phase") in ("training", "done"):
+                self.unmeasured[i] = before
                 del self.resuming[i]
+        for i, before in list(self.unmeasured.items()):
+            if "step" in infos[i]:  # its first progress report since the restart
+                self.lost += max(0, before - _reached(infos[i], swarm.inner_steps))
+                del self.unmeasured[i]
         self._check_progress(infos, now, stuck_s, swarm.inner_steps)
 
     def _check_progress(self, infos: list[dict[str, Any]], now: float, stuck_s: float, inner_steps: int) -> None:
@@ -244,7 +251,10 @@ class _Chaos:
             self.cut = (victim, time.monotonic() + args.partition_s)
             self.partitions += 1
         elif len(self.resuming) < args.max_restarting and victims:
-            victim = rng.choice(victims)
+            # the founder (n0: no --peer at its first start, the run config's admin) is the
+            # first victim, so every run restarts it at least once; then anyone
+            victim = 0 if self.founder_kills == 0 and 0 in victims else rng.choice(victims)
+            self.founder_kills += victim == 0
             _say(f"kill n{victim} (round {self.newest})")
             before = _reached(_training(swarm.daemons[victim]), swarm.inner_steps)
             self.resuming[victim] = (before, time.monotonic())
@@ -301,7 +311,8 @@ def run_chaos(root: Path, args: argparse.Namespace) -> dict[str, Any]:
                   f"rounds={[_reached(i, swarm.inner_steps) for i in swarm.infos()]}", flush=True)
             final_loss, identical, slowest = _final(swarm, 60, "chaos")
             return {
-                "kills": chaos.kills, "partitions": chaos.partitions, "rounds_reached": slowest,
+                "kills": chaos.kills, "founder_kills": chaos.founder_kills, "partitions": chaos.partitions,
+                "rounds_reached": slowest,
                 "lost_rounds": chaos.lost, "max_stall_s": round(chaos.stall, 2),
                 "deadline_s": args.deadline_s, "final_loss": round(final_loss, 4),
                 "replicas_identical": identical,

@@ -64,7 +64,7 @@ def test_chaos_counts_the_round_reached_adopted_rounds_included():
     watch.resuming[1] = (120, 0.0)  # killed at round 120
     poll(0.5, {"phase": "training", "step": 125}, {"phase": "training"})  # no progress reported yet
     assert watch.lost == 0
-    assert 1 in watch.resuming
+    assert 1 not in watch.resuming  # may be disturbed again, its loss is measured later
     # it adopted round 130: its step says so, its count of rounds it ran does not
     poll(1.0, {"phase": "training", "step": 130}, {"phase": "training", "step": 130, "rounds_completed": 30})
     assert watch.newest == 130
