@@ -15,10 +15,14 @@ identities (so the same data shards and order).
 
 Measured (from outside: the daemons' control sockets and ``lattica state``):
 
-- ``kills``, ``partitions``: disturbances done.
-- ``rounds_completed``: the round every replica reports at the end (the slowest one's).
-- ``lost_rounds``: per kill, the rounds the victim reported completed just before the SIGKILL
-  minus the rounds it reports once it trains again, when fewer; summed.
+- ``kills``, ``partitions``: disturbances done; ``founder_kills``: kills of n0, the node that
+  started the swarm (the first kill is always its: it restarts with ``--peer`` like the others).
+- ``rounds_reached``: the round every replica reached at the end (the slowest one's): its
+  inner step over the inner steps per round, whether it ran the round, adopted the swarm's
+  state of it or skipped it (``rounds_completed`` of ``lattica status`` counts only rounds
+  whose outer step it applied: a failed sync leaves it behind for good).
+- ``lost_rounds``: per kill, the round the victim had reached just before the SIGKILL minus
+  the round it reports once it trains again, when less; summed.
 - ``max_stall_s``: the longest time, after the first round, in which the swarm's newest round
   (the most any live replica reports) did not advance; polled every 0.25 s.
 - ``final_loss`` / ``undisturbed_loss``: validation loss of the final model (the mean over the
@@ -29,7 +33,10 @@ Needs root (network namespaces). Last line: one JSON object.
 
 A phase that does not finish — a replica not done within ``--timeout-s`` or without a validation
 loss, no first round — fails the benchmark: exit status 1 and one line on stderr naming the
-phase and the replicas, no figures (never a loss of 0 or null standing in for one).
+phase and the replicas, no figures (never a loss of 0 or null standing in for one). So does,
+at once, a replica that stops progressing: up (neither restarting nor cut off) and not done,
+its round unchanged for ``--stuck-s`` while the swarm's newest round moved on, or still not
+training ``--stuck-s`` after a restart.
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +79,7 @@ def finished_loss(phase: str, infos: list[dict[str, Any]]) -> float:
     if not infos:
         raise PhaseUnfinished(f"{phase} phase: no replica answered")
     late = [
-        f"n{i} ({info.get('phase') or 'no answer'}, round {_rounds(info)})"
+        f"n{i} ({info.get('phase') or 'no answer'}, round {int(info.get('round') or 0)})"
         for i, info in enumerate(infos)
         if info.get("phase") != "done" or not _finite(info.get("val_loss"))
     ]
@@ -96,7 +103,7 @@ class Swarm:
     """N daemons, one per lab host; the first is everyone's bootstrap peer."""
 
     def __init__(self, lab: NetLab, root: Path, args: argparse.Namespace) -> None:
-        self.lab, self.rounds, self.deadline_s = lab, args.rounds, args.deadline_s
+        self.lab, self.rounds, self.deadline_s, self.inner_steps = lab, args.rounds, args.deadline_s, args.inner_steps
         train = (
             "--train", "--model", "tiny", "--device", "cpu", "--log-level", "info",
             "--rounds", str(args.rounds), "--inner-steps", str(args.inner_steps),
@@ -138,8 +145,10 @@ class Swarm:
             d.kill()
 
 
-def _rounds(info: dict[str, Any]) -> int:
-    return int(info.get("rounds_completed") or 0)
+def _reached(info: dict[str, Any], inner_steps: int) -> int:
+    """The round a replica reached (see ``rounds_reached`` in the docstring); 0 before its
+    first progress report."""
+    return int(info.get("step") or 0) // inner_steps
 
 
 def _published(swarm: Swarm) -> set[str]:
@@ -171,36 +180,67 @@ def _final(swarm: Swarm, timeout: float, phase: str) -> tuple[float, bool, int]:
         if identical or time.monotonic() > deadline:
             break
         time.sleep(1.0)
-    return finished_loss(phase, infos), identical, min(_rounds(i) for i in infos)
+    return finished_loss(phase, infos), identical, min(_reached(i, swarm.inner_steps) for i in infos)
 
 
 @dataclass
 class _Chaos:
     kills: int = 0
+    founder_kills: int = 0
     partitions: int = 0
     lost: int = 0
     stall: float = 0.0
     newest: int = 0
     last_advance: float = 0.0
     cut: tuple[int, float] | None = None  # peer, heal time
-    resuming: dict[int, int] | None = None  # restarted peer -> rounds reported before the kill
+    resuming: dict[int, tuple[int, float]] = field(default_factory=dict)  # restarted peer -> (round before the kill, when)
+    unmeasured: dict[int, int] = field(default_factory=dict)  # trains again, no progress yet -> round before
+    progress: dict[int, tuple[int, float, int]] = field(default_factory=dict)  # peer -> (round, since, swarm's newest then)
 
-    def watch(self, swarm: Swarm, infos: list[dict[str, Any]], now: float) -> None:
-        newest = max(_rounds(i) for i in infos)
+    def watch(self, swarm: Swarm, infos: list[dict[str, Any]], now: float, stuck_s: float) -> None:
+        newest = max(_reached(i, swarm.inner_steps) for i in infos)
         if newest > self.newest:
             if now - self.last_advance > swarm.deadline_s:
                 _say(f"stall of {now - self.last_advance:.1f} s before round {newest}")
             self.newest, self.last_advance = newest, now
         elif newest < swarm.rounds:
             self.stall = max(self.stall, now - self.last_advance)
-        assert self.resuming is not None
-        for i, before in list(self.resuming.items()):
+        for i, (before, _) in list(self.resuming.items()):
             if infos[i].get("phase") in ("training", "done"):
-                self.lost += max(0, before - _rounds(infos[i]))
+                self.unmeasured[i] = before
                 del self.resuming[i]
+        for i, before in list(self.unmeasured.items()):
+            if "step" in infos[i]:  # its first progress report since the restart
+                self.lost += max(0, before - _reached(infos[i], swarm.inner_steps))
+                del self.unmeasured[i]
+        self._check_progress(infos, now, stuck_s, swarm.inner_steps)
+
+    def _check_progress(self, infos: list[dict[str, Any]], now: float, stuck_s: float, inner_steps: int) -> None:
+        """Raise ``PhaseUnfinished`` naming a replica that stopped progressing (see the docstring)."""
+        for i, info in enumerate(infos):
+            if i in self.resuming:
+                before, since = self.resuming[i]
+                if now - since > stuck_s:
+                    raise PhaseUnfinished(
+                        f"chaos phase: n{i} is not training {now - since:.0f} s after its restart "
+                        f"(phase {info.get('phase') or 'no answer'}, round {_reached(info, inner_steps)}, round {before} "
+                        f"before the kill; the swarm is at round {self.newest})"
+                    )
+                self.progress.pop(i, None)  # watched afresh once it trains again
+                continue
+            reached = _reached(info, inner_steps)
+            last = self.progress.get(i)
+            if last is None or reached != last[0] or (self.cut is not None and self.cut[0] == i):
+                self.progress[i] = (reached, now, self.newest)
+                continue
+            if info.get("phase") != "done" and now - last[1] > stuck_s and self.newest > last[2]:
+                raise PhaseUnfinished(
+                    f"chaos phase: n{i} stopped progressing: at round {reached} (phase "
+                    f"{info.get('phase') or 'no answer'}) for {now - last[1]:.0f} s while the swarm went "
+                    f"from round {last[2]} to {self.newest}"
+                )
 
     def disturb(self, swarm: Swarm, rng: random.Random, infos: list[dict[str, Any]], args: argparse.Namespace) -> None:
-        assert self.resuming is not None
         busy = set(self.resuming) | ({self.cut[0]} if self.cut else set())
         victims = [i for i in range(len(swarm.daemons)) if i not in busy]
         partition = (self.kills + self.partitions + 1) % args.partition_every == 0
@@ -211,9 +251,13 @@ class _Chaos:
             self.cut = (victim, time.monotonic() + args.partition_s)
             self.partitions += 1
         elif len(self.resuming) < args.max_restarting and victims:
-            victim = rng.choice(victims)
+            # the founder (n0: no --peer at its first start, the run config's admin) is the
+            # first victim, so every run restarts it at least once; then anyone
+            victim = 0 if self.founder_kills == 0 and 0 in victims else rng.choice(victims)
+            self.founder_kills += victim == 0
             _say(f"kill n{victim} (round {self.newest})")
-            self.resuming[victim] = _rounds(_training(swarm.daemons[victim]))
+            before = _reached(_training(swarm.daemons[victim]), swarm.inner_steps)
+            self.resuming[victim] = (before, time.monotonic())
             swarm.restart(victim)
             self.kills += 1
 
@@ -233,7 +277,7 @@ def _say(line: str) -> None:
 
 def _wait_first_round(swarm: Swarm, timeout: float) -> None:
     deadline = time.monotonic() + timeout
-    while max(_rounds(i) for i in swarm.infos()) < 1:
+    while max(_reached(i, swarm.inner_steps) for i in swarm.infos()) < 1:
         if time.monotonic() > deadline:
             raise PhaseUnfinished(f"chaos phase: no round completed in {timeout:.0f} s")
         time.sleep(POLL_S)
@@ -241,7 +285,7 @@ def _wait_first_round(swarm: Swarm, timeout: float) -> None:
 
 def run_chaos(root: Path, args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(args.seed)
-    chaos = _Chaos(resuming={})
+    chaos = _Chaos()
     with NetLab() as lab:
         swarm = Swarm(lab, root / "chaos", args)
         try:
@@ -255,7 +299,7 @@ def run_chaos(root: Path, args: argparse.Namespace) -> dict[str, Any]:
                 infos = swarm.infos()
                 if all(i.get("phase") == "done" for i in infos):
                     break
-                chaos.watch(swarm, infos, now)
+                chaos.watch(swarm, infos, now, args.stuck_s)
                 chaos.heal_due(swarm, now)
                 if now >= next_event and chaos.newest < args.rounds - args.calm_rounds:
                     chaos.disturb(swarm, rng, infos, args)
@@ -264,10 +308,11 @@ def run_chaos(root: Path, args: argparse.Namespace) -> dict[str, Any]:
             if chaos.cut is not None:
                 swarm.lab.heal_link(swarm.hosts[chaos.cut[0]])
             print(f"chaos phase over: kills={chaos.kills} partitions={chaos.partitions} "
-                  f"rounds={[_rounds(i) for i in swarm.infos()]}", flush=True)
+                  f"rounds={[_reached(i, swarm.inner_steps) for i in swarm.infos()]}", flush=True)
             final_loss, identical, slowest = _final(swarm, 60, "chaos")
             return {
-                "kills": chaos.kills, "partitions": chaos.partitions, "rounds_completed": slowest,
+                "kills": chaos.kills, "founder_kills": chaos.founder_kills, "partitions": chaos.partitions,
+                "rounds_reached": slowest,
                 "lost_rounds": chaos.lost, "max_stall_s": round(chaos.stall, 2),
                 "deadline_s": args.deadline_s, "final_loss": round(final_loss, 4),
                 "replicas_identical": identical,
@@ -309,6 +354,8 @@ def main() -> None:
     parser.add_argument("--max-restarting", type=int, default=2, help="peers restarting at once, at most")
     parser.add_argument("--calm-rounds", type=int, default=3, help="no disturbance in the last rounds")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="per phase")
+    parser.add_argument("--stuck-s", type=float, default=60.0,
+                        help="fail when a replica's round stays put this long while the swarm moves on")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-undisturbed", action="store_true")
     parser.add_argument("--keep-dir", type=Path, default=None, help="keep data dirs and logs here")

@@ -61,10 +61,12 @@ class StateService:
         self.state = ReplicatedState(
             host, key_pair, data_dir=config.data_dir, run_id=config.run_id,
             config=StateConfig(
-                admins=run_admins(config, host.get_id().to_base58()),
+                admins=config.admins,
+                anchors=() if config.admins else bootstrap_ids(config.peers),
                 vouching=VouchPolicy(admins_only=bool(config.admins)),  # named admins: only they admit
             ),
         )
+        self._found_run = not config.admins  # a founder writes the run config's genesis
 
     async def run(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
@@ -75,8 +77,17 @@ class StateService:
                 await self.state.update_member(addrs=self._own_addrs(), role=self.role)
             else:
                 await self.state.update_member(addrs=self._own_addrs())
+            await self._write_genesis()
             task_status.started()
             nursery.start_soon(self._export_metrics)
+
+    async def _write_genesis(self) -> None:
+        """The founder of a run (admin by default: it joined through nobody) writes the run
+        config's first record, naming itself: its authority is then in every member's state,
+        and in its own log across restarts, with or without ``--peer``."""
+        state = self.state
+        if self._found_run and state.peer_id in state.admins and not state.snapshot()["config"]:
+            await state.set_run_config({FOUNDER_KEY: state.peer_id})
 
     async def _export_metrics(self) -> None:
         while True:
@@ -183,14 +194,12 @@ class TrainingMetricsExporter:
             await trio.sleep(1.0)
 
 
-def run_admins(config: NodeConfig, self_id: str) -> tuple[str, ...]:
-    """Who may write the run config: ``admins`` if given; else the creator of a new swarm is
-    this node, and a joiner trusts the peers it was told to join through."""
-    if config.admins:
-        return config.admins
-    if not config.peers:
-        return (self_id,)
-    return tuple(dict.fromkeys(p.split("/p2p/")[-1].split("/")[0] for p in config.peers))
+FOUNDER_KEY = "founder"  # the run config's genesis: {"founder": <peer id>}
+
+
+def bootstrap_ids(peers: Sequence[str]) -> tuple[str, ...]:
+    """The peer ids of ``--peer`` addresses (a relay address names the peer at its end)."""
+    return tuple(dict.fromkeys(p.rsplit("/p2p/", 1)[-1] for p in peers))
 
 
 def _scalars(values: Mapping[str, object]) -> dict[str, object]:
@@ -206,6 +215,8 @@ def daemon_services(context: NodeContext) -> Sequence[NodeService]:
         metrics=context.metrics, role="joining" if config.train is not None else None,
     )
     services: list[NodeService] = [state]
+    # peer exchange dials only the peers the replicated state verifies as members
+    context.connectivity.follow_members(state.state.verified)
     discovery: DiscoveryService | None = None
     if config.dht:
         discovery = DiscoveryService(

@@ -199,6 +199,8 @@ class Node:
 
     def join_summary(self) -> str:
         """One line on what start-up joined, for the user."""
+        if self.connectivity is not None:
+            return self.connectivity.join_summary()
         return self.joined.summary(self.config.run_id)
 
     # -- control API ---------------------------------------------------------------------
@@ -214,7 +216,7 @@ class Node:
             "addrs": self.dialable_addrs(),
             "connected_peers": len(connected),
             "known_peers": len(self.peer_book.records()),
-            "joined": self.join_summary() if self.config.peers else "started a new swarm",
+            "joined": self.join_summary(),
             "metrics_addr": self.metrics_addr,
             "access": self.access.status(),
         }

@@ -77,10 +77,10 @@ def join(args: argparse.Namespace) -> int:
 def _announce_started(node: Node) -> None:
     addrs = node.dialable_addrs()
     lines = [f"lattica node {node.peer_id} is up (run {node.config.run_id!r}, data dir {node.config.data_dir})"]
-    if not node.config.peers:
-        lines.append("started a new swarm; others join it with:")
-    else:
+    if node.config.peers or node.running_connectivity.rejoined:
         lines.append(f"{node.join_summary()}; others can also join through this node with:")
+    else:
+        lines.append("started a new swarm; others join it with:")
     if addrs:
         lines.append(f"  lattica join --peer {addrs[0]}")
     lines.extend(f"  (also {a})" for a in addrs[1:4])

@@ -17,12 +17,15 @@ def default_serving() -> ServingLimits:
 
 @dataclass(frozen=True, kw_only=True)
 class StateConfig:
-    """``admins``: peer ids allowed to write the run config; empty means this node alone
-    (the run's creator). Nodes joining a run must be given the creator's peer id.
+    """Who may write the run config. ``admins``: exactly these peer ids. Without them the
+    admins follow from the run (``Replica``'s ``admin_relays``): whoever's run config reached
+    this node through ``anchors`` (the peers it joined through), an admin, or its own state
+    log; a node with neither such a record nor anchors founds a run and is its admin.
     ``vouching``: whose word makes a peer that never connected to us a member.
     ``serving``: the node-wide budget for answering state-sync sessions (``sync.py``)."""
 
     admins: tuple[str, ...] = ()
+    anchors: tuple[str, ...] = ()
     lease: LeasePolicy = field(default_factory=LeasePolicy)
     vouching: VouchPolicy = field(default_factory=VouchPolicy)
     limits: ReplicaLimits = field(default_factory=ReplicaLimits)
@@ -34,8 +37,10 @@ class StateConfig:
     serving: ServingLimits = field(default_factory=default_serving)
 
     def __post_init__(self) -> None:
-        if isinstance(self.admins, str) or not all(isinstance(a, str) and a for a in self.admins):
-            raise ValueError("admins must be a tuple of peer id strings")
+        for name in ("admins", "anchors"):
+            peers = getattr(self, name)
+            if isinstance(peers, str) or not all(isinstance(a, str) and a for a in peers):
+                raise ValueError(f"{name} must be a tuple of peer id strings")
         for name in ("sync_interval", "peer_poll_interval", "sync_timeout", "max_backoff"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")

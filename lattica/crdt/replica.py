@@ -9,6 +9,12 @@ envelopes needed to bring anyone else up to ``have``: either everything from seq
 ``full`` snapshot followed by the increments after it. Invariants:
 
 - an envelope is applied only after its signature, writer key and write permission checked;
+- the run config (``CONFIG_DOC``) is written by admins only. Who they are is each node's own
+  decision: a fixed set (``admins``), or — with ``admin_relays`` — also whoever's run config
+  reaches it through a peer it trusts for that (a peer it joined through, an admin, or itself
+  replaying its own log, which holds only what it accepted before): that writer becomes an
+  admin for it. Authority thus flows from the run's founder along the joins and survives a
+  restart, whatever the command line of the restart says;
 - a stream's envelopes are applied in seq order; early arrivals wait in a small bounded
   buffer for at most ``pending_ttl`` (``tick(now)`` expires them) or are dropped and fetched
   again by anti-entropy;
@@ -136,6 +142,8 @@ class Replica:
 
     ``trusted(writer)`` says whether the owner has seen ``writer`` prove itself (a live,
     authenticated connection); only untrusted writers' streams are evicted when the table is full.
+    ``admin_relays``: None, only ``admins`` write the run config; else also the writers whose
+    run config these peers, an admin or this node itself relay (see the module docstring).
     """
 
     def __init__(
@@ -146,11 +154,13 @@ class Replica:
         admins: Iterable[str],
         limits: ReplicaLimits | None = None,
         trusted: Callable[[str], bool] | None = None,
+        admin_relays: Iterable[str] | None = None,
     ) -> None:
         self.run_id = run_id
         self.key_pair = key_pair
         self.peer_id = ID.from_pubkey(key_pair.public_key).to_base58()
         self.admins = frozenset(admins)
+        self._admin_relays = None if admin_relays is None else frozenset(admin_relays)
         self.limits = limits or ReplicaLimits()
         self.trusted = trusted or (lambda writer: False)
         self.accepted = 0
@@ -231,14 +241,18 @@ class Replica:
         if len(env.update) > cap:
             raise RejectedUpdate("oversized", f"{len(env.update)} bytes > {cap}", peer_id=from_peer)
         verify_envelope(env, run=self.run_id, peer_id=from_peer)
-        self._check_permission(env, from_peer)
+        relayed_admin = self._check_permission(env, from_peer)
         if env.writer == self.peer_id:
+            if relayed_admin:  # our own run config, replayed from our state log
+                self.adopt_admin(env.writer)
             return self._receive_own(env, from_peer)
         if env.writer in self._banned:
             if not self._heals(env, self._banned[env.writer]):
                 raise RejectedUpdate("banned", f"{env.writer} equivocated", peer_id=from_peer)
             del self._banned[env.writer]
         self._check_equivocation(env, from_peer)
+        if relayed_admin:
+            self.adopt_admin(env.writer)
         stream = self._admit(env, from_peer)
         if env.seq <= stream.have:
             return self._replay(stream, env, from_peer)
@@ -292,14 +306,27 @@ class Replica:
         else:
             self._remember_loose(env)
 
-    def _check_permission(self, env: Envelope, from_peer: str | None) -> None:
+    def adopt_admin(self, writer: str) -> None:
+        """``writer`` may write the run config from now on."""
+        self.admins = self.admins | {writer}
+
+    def _check_permission(self, env: Envelope, from_peer: str | None) -> bool:
+        """Raise unless ``env.writer`` may write ``env.doc``; True when it may because a peer
+        we trust for it relayed its run config (it becomes an admin)."""
         if env.doc == env.writer:
-            return
+            return False
         if env.doc == CONFIG_DOC and env.writer in self.admins:
-            return
+            return False
+        if env.doc == CONFIG_DOC and self._relays_admins(from_peer):
+            return True
         raise RejectedUpdate(
             "unauthorized", f"{env.writer} may not write document {env.doc!r}", peer_id=from_peer
         )
+
+    def _relays_admins(self, peer: str | None) -> bool:
+        if self._admin_relays is None or peer is None:
+            return False
+        return peer == self.peer_id or peer in self._admin_relays or peer in self.admins
 
     def _replay(self, stream: _Stream, env: Envelope, from_peer: str | None) -> list[Envelope]:
         if stream.find(env.seq) is None:

@@ -80,6 +80,9 @@ log = logging.getLogger(__name__)
 
 # not the relaying peer's fault: an honest peer relays a writer it has not caught or proven yet
 _BENIGN_REJECTIONS = frozenset({"replay", "equivocation", "banned", "evicted", "superseded"})
+# nor a run config record we refuse: who may write it is each node's own decision (its admins,
+# whom it joined through), so such a record is skipped and the rest of the session goes on
+_SKIPPED_IN_SYNC = _BENIGN_REJECTIONS | {"unauthorized"}
 _MAX_PROVEN = 4096
 _MAX_ANSWERS_PER_PEER = 2  # an honest peer runs one session with us at a time
 
@@ -104,10 +107,10 @@ class ReplicatedState:
         self.host = host
         self.run_id = run_id
         self.peer_id = ID.from_pubkey(key_pair.public_key).to_base58()
-        admins = self.config.admins or (self.peer_id,)
+        admins = self.config.admins
         self._replica = Replica(
             run_id=run_id, key_pair=key_pair, admins=admins, limits=self.config.limits,
-            trusted=self._trusted,
+            trusted=self._trusted, admin_relays=None if admins else self.config.anchors,
         )
         self._log_path = state_log_path(Path(data_dir), run_id)
         self._log: HeldRecordsLog | None = None
@@ -169,12 +172,15 @@ class ReplicatedState:
             log.warning("state log %s: cut a torn tail of %d bytes", self._log_path, opened.torn_bytes)
         for record in records:
             try:
-                self._replica.receive_wire(record)
+                # relayed by ourselves: the run config we accepted before is accepted again
+                self._replica.receive_wire(record, from_peer=self.peer_id)
             except RejectedUpdate as exc:
                 if exc.reason not in _BENIGN_REJECTIONS:
                     log.warning("state log %s: skipped a record: %s", self._log_path, exc)
         self._replica.take_new_evidence()  # it came from the log
         self._replica.hold_own_streams()
+        if not (self.config.admins or self.config.anchors or self._replica.admins):
+            self._replica.adopt_admin(self.peer_id)  # no admin known, joined through nobody: a new run
         member = self._replica.snapshot()["members"].get(self.peer_id)
         self._heartbeat = member["heartbeat"] if member else 0
         self._bump()
@@ -394,6 +400,11 @@ class ReplicatedState:
         self._vouched = vouched
         await self._write(self.peer_id, lambda doc: documents.write_vouches(doc, vouched))
 
+    @property
+    def admins(self) -> frozenset[str]:
+        """Who may write the run config, as this node sees it now (``StateConfig``)."""
+        return self._replica.admins
+
     def counters(self) -> dict[str, int | dict[str, int]]:
         counters = self._replica.counters()
         counters["log_bytes"] = self._log.log.size_bytes if self._log else 0
@@ -452,8 +463,10 @@ class ReplicatedState:
             try:
                 applied.extend(self._replica.receive_wire(raw, from_peer=from_peer))
             except RejectedUpdate as exc:
-                if exc.reason not in _BENIGN_REJECTIONS:
+                if exc.reason not in _SKIPPED_IN_SYNC:
                     failure = failure or exc
+                elif exc.reason == "unauthorized":
+                    log.debug("state sync: skipped a record from %s: %s", from_peer, exc)
         evidence = self._replica.take_new_evidence()
         if evidence:
             log.warning("state sync: banned %s: signed two different histories", evidence[0].writer)

@@ -3,12 +3,14 @@
 Theory of operation: ``Connectivity.run`` serves peer exchange (``PX_PROTOCOL``) and goodbyes
 (``BYE_PROTOCOL``), watches the host's connections into the peer book, dials the bootstrap
 peers (``--peer``) until one answers within ``bootstrap_timeout_s`` — with a run secret, until
-one proved membership — and then keeps each bootstrap peer connected with exponential backoff
-and asks connected peers every two seconds whom they know (peer exchange), dialing those it
-does not. Start-up fails with ``ConfigError`` (one line for the user) when no bootstrap peer
-answers — for a relay address, when the peer behind the relay is not reached (a relay that
-refuses the circuit is named, with its status code); after that, losing them only triggers
-reconnection attempts.
+one proved membership — or, without ``--peer``, gives the members saved by its previous life a
+moment to answer. Then its ``Reconnector`` (``lattica.net.reconnect``) keeps the bootstrap
+peers and known members connected with backoff, also those that said goodbye, and saves them
+in the data dir; and every two seconds it asks connected peers whom they know (peer exchange),
+dialing the verified run members among them within ``PxDialBudget``. Start-up fails with
+``ConfigError`` (one line for the user) when no bootstrap peer answers — for a relay address,
+when the peer behind the relay is not reached (a relay that refuses the circuit is named, with
+its status code); after that, losing them only triggers reconnection attempts.
 
 Dialing (one dial per peer at a time): until the NAT traversal runs (start-up, or
 ``nat = false``) peers are dialed at their direct addresses with ``host.connect``, and a relay
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -53,6 +55,9 @@ from lattica.net.peer_exchange import (
     px_reply,
 )
 from lattica.net.peerbook import PeerBook
+from lattica.net.px_dials import PxDialBudget, PxDialLimits
+from lattica.net.reconnect import Reconnector
+from lattica.net.redial import RedialPolicy
 from lattica.net.wire import ByteStream, read_message, write_message
 
 log = logging.getLogger(__name__)
@@ -63,9 +68,14 @@ _DIAL_TIMEOUT_S = 5.0
 _PATH_DIAL_TIMEOUT_S = 15.0  # direct (3 s) then up to three relays in turn
 _STREAM_TIMEOUT_S = 5.0
 _IDENTIFY_WAIT_S = 3.0  # for a bootstrap peer's identify, to tell a Lattica node from others
+_REMEMBERED_WAIT_S = 5.0  # without --peer: for one of the members known from before to answer
+_LEFT_MAX_PAUSE_S = 120.0  # the slowest redial of a peer that said goodbye
 
 StreamMeter = Callable[[INetStream, str], ByteStream]
 """Wraps a stream so that its bytes are counted under a protocol label."""
+
+VerifiedMembers = Callable[[], Collection[str]]
+"""The peers with a verified membership entry in the run's replicated state."""
 
 
 class PeerMetrics(Protocol):
@@ -121,19 +131,31 @@ class Connectivity:
         self._dialer: Dialer | None = None  # the NAT traversal's, once it runs
         self._dialing: dict[str, bool] = {}  # peer -> the dial in flight includes relay addrs
         self._no_px: set[str] = set()  # connected peers that refused peer exchange
+        self._members: VerifiedMembers | None = None  # set once the replicated state runs
+        self.px_budget = PxDialBudget(PxDialLimits())
         self.joined = JoinOutcome()  # what bootstrap reached
+        self.rejoined = 0  # without --peer: members known from before that answered at start
         self.bootstrap_errors: dict[str, str] = {}  # bootstrap address -> why its last dial failed
+        self.reconnector = Reconnector(
+            peer_book, dialer=self, data_dir=config.data_dir, bootstrap=_bootstrap_peers(config.peers),
+            policy=RedialPolicy(
+                first_pause_s=min(1.0, config.max_backoff_s), max_pause_s=config.max_backoff_s,
+                left_max_pause_s=max(_LEFT_MAX_PAUSE_S, config.max_backoff_s),
+            ),
+        )
 
     async def run(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve peer exchange and goodbyes, bootstrap, then keep connected; started once
         bootstrap succeeded (raises ``ConfigError`` when it did not)."""
         self._host.set_stream_handler(PX_PROTOCOL, self._handle_px)
         self._host.set_stream_handler(BYE_PROTOCOL, self._handle_bye)
+        remembered = self.reconnector.restore()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._watch_connections)
             await self._bootstrap()
-            for peer in self.config.peers:
-                nursery.start_soon(self._keep_connected, peer)
+            if remembered and not self.config.peers:
+                self.rejoined = await self.reconnector.reach_remembered(wait_s=_REMEMBERED_WAIT_S)
+            nursery.start_soon(self.reconnector.run)
             if self.config.peer_exchange:
                 nursery.start_soon(self._peer_exchange_loop)
             if self._use_nat:
@@ -153,9 +175,18 @@ class Connectivity:
     def connected_ids(self) -> set[str]:
         return {p.to_base58() for p in self._host.get_connected_peers()}
 
+    def follow_members(self, verified: VerifiedMembers) -> None:
+        """From now on, dial peers named in peer exchange only when ``verified`` lists them
+        (without it — a node without the replicated state — any peer, within the budget)."""
+        self._members = verified
+
     def join_summary(self) -> str:
         """One line on what start-up joined, for the user."""
-        return self.joined.summary(self.config.run_id)
+        if self.config.peers:
+            return self.joined.summary(self.config.run_id)
+        if self.rejoined:
+            return f"rejoined run {self.config.run_id!r} through {self.rejoined} member(s) known from before"
+        return "started a new swarm"
 
     # -- bootstrap and reconnection ----------------------------------------------------------
 
@@ -241,30 +272,20 @@ class Connectivity:
         self.bootstrap_errors.pop(addr, None)
         return True
 
-    async def _keep_connected(self, addr: str) -> None:
-        """Redial a bootstrap peer whenever it is not connected, backing off exponentially."""
-        info = peer_info_from_addr(addr)
-        key = info.peer_id.to_base58()
-        delay = 1.0
-        while True:
-            if key in self.connected_ids():
-                delay = 1.0
-                await trio.sleep(1.0)
-                continue
-            record = self.peer_book.get(key)
-            errors: dict[str, str] = {}
-            # a dial can "succeed" with the connection already gone (py-libp2p can return
-            # from connect() on a stale entry): that backs off like any failure
-            if (
-                (record is None or not record.left)
-                and await self._try_dial_addr(addr, errors)
-                and key in self.connected_ids()
-            ):
-                log.info("reconnected to bootstrap peer %s", key)
-                delay = 1.0
-                continue
-            await trio.sleep(delay)
-            delay = min(delay * 2, self.config.max_backoff_s)
+    # -- what the reconnector dials with (``reconnect.KnownPeerDialer``) ---------------------
+
+    def is_dialing(self, peer_id: str) -> bool:
+        return peer_id in self._dialing
+
+    async def dial_bootstrap(self, addr: str) -> bool:
+        """Dial a ``--peer`` address, recording why it failed; True when connected after.
+        A dial can "succeed" with the connection already gone (py-libp2p can return from
+        connect() on a stale entry): that counts as a failure."""
+        key = peer_info_from_addr(addr).peer_id.to_base58()
+        return await self._try_dial_addr(addr, {}) and key in self.connected_ids()
+
+    async def dial_known(self, peer_id: str, addrs: list[str]) -> bool:
+        return await self._dial_any(peer_id, addrs)
 
     # -- dialing ---------------------------------------------------------------------------
 
@@ -351,22 +372,29 @@ class Connectivity:
             joined, gone = self.peer_book.set_connected(self.connected_ids(), now=time.time())
             for peer_id in joined:
                 addrs = self._peerstore_addrs(peer_id)
-                self.peer_book.learn(peer_id, addrs, now=time.time())
-                record = self.peer_book.get(peer_id)
+                record = self.peer_book.learn_reported(peer_id, addrs, now=time.time())
                 if record is not None and record.path == "unknown" and self._dialer is None:
                     record.path = "direct"  # relayed connections exist only with the NAT traversal
                 log.info("peer connected: %s", peer_id)
             for peer_id in gone:
                 self._no_px.discard(peer_id)  # it may come back as a newer version
                 log.info("peer disconnected: %s", peer_id)
+            self._note_members()
             self._metrics.set_peers(r.path for r in self.peer_book.records() if r.connected)
             await trio.sleep(_WATCH_INTERVAL_S)
 
+    def _note_members(self) -> None:
+        """Connected peers that speak a Lattica protocol are members worth redialing later
+        (a plain libp2p relay or DHT node is not)."""
+        for record in self.peer_book.records():
+            if record.connected and not record.member and _speaks_lattica(self._host, record.peer_id):
+                record.member = True
+
     def _known_addrs(self, peer_id: str) -> list[str]:
-        """Addresses to tell others for ``peer_id``; refreshed from identify as it arrives."""
-        fresh = self._peerstore_addrs(peer_id)
-        record = self.peer_book.learn(peer_id, fresh, now=time.time())
-        return list(record.addrs) if record is not None else fresh
+        """Addresses to tell others for ``peer_id``: those it vouched for itself (refreshed
+        from identify as it arrives), never ones we only heard from a third party."""
+        record = self.peer_book.learn_reported(peer_id, self._peerstore_addrs(peer_id), now=time.time())
+        return list(record.addrs) if record is not None else []
 
     def _peerstore_addrs(self, peer_id: str) -> list[str]:
         try:
@@ -388,10 +416,12 @@ class Connectivity:
         # dials of newly heard peers run beside the exchanges: a relayed dial takes seconds
         async with trio.open_nursery() as dials:
             while True:
+                self.peer_book.forget_unanswered(now=time.time(), heard_ttl=self.px_budget.limits.heard_ttl_s)
+                members = set(self._members()) if self._members is not None else None
                 async with trio.open_nursery() as nursery:
                     for peer_id in self.peer_book.connected_ids():
                         if self._may_exchange_with(peer_id):
-                            nursery.start_soon(self._exchange_with, peer_id, dials)
+                            nursery.start_soon(self._exchange_with, peer_id, dials, members)
                 await trio.sleep(_PX_INTERVAL_S)
 
     def _may_exchange_with(self, peer_id: str) -> bool:
@@ -401,7 +431,7 @@ class Connectivity:
             return False
         return peer_may_support(self._host, ID.from_base58(peer_id), PX_PROTOCOL)
 
-    async def _exchange_with(self, peer_id: str, dials: trio.Nursery) -> None:
+    async def _exchange_with(self, peer_id: str, dials: trio.Nursery, members: set[str] | None) -> None:
         try:
             with trio.fail_after(_STREAM_TIMEOUT_S):
                 started = time.perf_counter()
@@ -425,12 +455,25 @@ class Connectivity:
         record = self.peer_book.get(peer_id)
         if record is not None:
             record.rtt_ms = round(rtt_ms, 2)
-        connected = self.connected_ids()
+        for other, addrs in self.px_budget.plan(peer_id, self._px_candidates(entries, members), now=time.time()):
+            dials.start_soon(self._dial_any, other, addrs)
+
+    def _px_candidates(
+        self, entries: list[tuple[str, list[str]]], members: set[str] | None,
+    ) -> list[tuple[str, list[str]]]:
+        """Peers a reply names that are worth a dial: verified members (when the replicated
+        state runs) that are neither connected, leaving, nor being dialed; with the
+        addresses they vouched for and those the reply adds (heard, unconfirmed)."""
+        connected, now = self.connected_ids(), time.time()
+        wanted: list[tuple[str, list[str]]] = []
         for other, addrs in entries:
-            rec = self.peer_book.learn(other, addrs, now=time.time())
-            if rec is None or other in connected or rec.left or not addrs or self._dialing.get(other):
+            if members is not None and other not in members:
                 continue
-            dials.start_soon(self._dial_any, other, list(rec.addrs))
+            rec = self.peer_book.hear(other, addrs, now=now)
+            if rec is None or other in connected or rec.left or other in self._dialing:
+                continue
+            wanted.append((other, [*rec.addrs, *rec.heard]))
+        return wanted
 
     async def _handle_px(self, raw: INetStream) -> None:
         peer_id = raw.muxed_conn.peer_id.to_base58()
@@ -468,7 +511,8 @@ class Connectivity:
             await stream.close()
 
     async def say_goodbye(self) -> None:
-        """Tell every connected peer we leave (best effort; bound it with a deadline)."""
+        """Save the peer book and tell every connected peer we leave (best effort; bound it
+        with a deadline)."""
 
         async def bye(peer_id: str) -> None:
             try:
@@ -480,8 +524,20 @@ class Connectivity:
                 log.debug("goodbye to %s failed: %r", peer_id, exc)
 
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.reconnector.save)
             for peer_id in sorted(self.connected_ids()):
                 nursery.start_soon(bye, peer_id)
+
+
+def _bootstrap_peers(addrs: Sequence[str]) -> dict[str, list[str]]:
+    """Bootstrap peer id -> its ``--peer`` addresses (a malformed one is start-up's to report)."""
+    peers: dict[str, list[str]] = {}
+    for addr in addrs:
+        try:
+            peers.setdefault(peer_info_from_addr(addr).peer_id.to_base58(), []).append(addr)
+        except ValueError:
+            continue
+    return peers
 
 
 def _identified(host: IHost, peer_id: str) -> bool:

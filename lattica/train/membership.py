@@ -57,6 +57,9 @@ class RunState(Protocol):
     @property
     def config(self) -> StateConfig: ...
 
+    @property
+    def admins(self) -> frozenset[str]: ...
+
     def snapshot(self) -> Snapshot: ...
 
     def live_members(self) -> list[str]: ...
@@ -113,7 +116,7 @@ class MembershipView:
 
     @property
     def admins(self) -> tuple[str, ...]:
-        return tuple(self.state.config.admins)
+        return tuple(sorted(self.state.admins))
 
     def progress(self) -> Mapping[str, ProgressRecord]:
         """Every member's published ``(round, weights hash)``, live or not."""

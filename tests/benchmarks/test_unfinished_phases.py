@@ -24,8 +24,8 @@ from lattica_lab.benchmark_scripts import load
 def test_chaos_undisturbed_phase_that_did_not_finish_has_no_loss():
     chaos = load("chaos")
     infos = [
-        {"phase": "done", "rounds_completed": 240, "val_loss": 2.5},
-        {"phase": "training", "rounds_completed": 97, "val_loss": None},
+        {"phase": "done", "round": 240, "rounds_completed": 235, "val_loss": 2.5},
+        {"phase": "training", "round": 97, "rounds_completed": 90, "val_loss": None},
         {},  # a daemon that did not answer
     ]
     with pytest.raises(chaos.PhaseUnfinished, match=r"undisturbed phase did not finish: n1 \(training, round 97\), n2"):
@@ -46,6 +46,62 @@ def test_chaos_finished_phase_gives_the_mean_loss():
     chaos = load("chaos")
     infos = [{"phase": "done", "val_loss": 2.0}, {"phase": "done", "val_loss": 3.0}]
     assert chaos.finished_loss("chaos", infos) == pytest.approx(2.5)
+
+
+def _watched(chaos, stuck_s: float = 60.0):
+    """A chaos watch over 2 replicas and its swarm (only what ``watch`` reads of it)."""
+    swarm = argparse.Namespace(deadline_s=5.0, rounds=240, inner_steps=1)  # a step a round: step = round
+    watch = chaos._Chaos(newest=1, last_advance=0.0)
+
+    def poll(now: float, *infos: dict) -> None:
+        watch.watch(swarm, list(infos), now, stuck_s)
+
+    return watch, poll
+
+
+def test_chaos_counts_the_round_reached_adopted_rounds_included():
+    chaos = load("chaos")
+    watch, poll = _watched(chaos)
+    watch.resuming[1] = (120, 0.0)  # killed at round 120
+    poll(0.5, {"phase": "training", "step": 125}, {"phase": "training"})  # no progress reported yet
+    assert watch.lost == 0
+    assert 1 not in watch.resuming  # may be disturbed again, its loss is measured later
+    # it adopted round 130: its step says so, its count of rounds it ran does not
+    poll(1.0, {"phase": "training", "step": 130}, {"phase": "training", "step": 130, "rounds_completed": 30})
+    assert watch.newest == 130
+    assert watch.lost == 0  # it adopted the swarm's round: nothing lost
+
+
+def test_chaos_fails_at_once_naming_a_replica_that_stopped_progressing():
+    chaos = load("chaos")
+    _, poll = _watched(chaos)
+    stuck = {"phase": "waiting for peers", "step": 0}
+    for second in range(0, 61, 5):
+        poll(float(second), {"phase": "training", "step": 10 + second}, stuck)
+    with pytest.raises(chaos.PhaseUnfinished, match=r"n1 stopped progressing: at round 0 \(phase waiting for peers\)"):
+        poll(61.0, {"phase": "training", "step": 72}, stuck)
+
+
+def test_chaos_fails_naming_a_restarted_replica_that_never_trains_again():
+    chaos = load("chaos")
+    watch, poll = _watched(chaos)
+    watch.resuming[0] = (50, 0.0)
+    poll(30.0, {"phase": "loading", "step": 0}, {"phase": "training", "step": 60})
+    with pytest.raises(chaos.PhaseUnfinished, match=r"n0 is not training 61 s after its restart"):
+        poll(61.0, {"phase": "waiting for peers", "step": 0}, {"phase": "training", "step": 90})
+
+
+def test_chaos_does_not_blame_a_replica_that_is_cut_off_done_or_waiting_for_a_stalled_swarm():
+    chaos = load("chaos")
+    watch, poll = _watched(chaos)
+    watch.cut = (1, 100.0)
+    for second in range(0, 100, 5):  # cut off: its round stays, the others move on
+        poll(float(second), {"phase": "training", "step": 10 + second}, {"phase": "training", "step": 9})
+    watch.cut = None
+    poll(100.0, {"phase": "training", "step": 110}, {"phase": "training", "step": 9})  # healed: watched afresh
+    poll(150.0, {"phase": "training", "step": 110}, {"phase": "training", "step": 110})
+    poll(215.0, {"phase": "done", "step": 240}, {"phase": "done", "step": 240})
+    poll(400.0, {"phase": "done", "step": 240}, {"phase": "done", "step": 240})
 
 
 # ---------------------------------------------------------------------------- overlap
