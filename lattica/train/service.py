@@ -61,7 +61,7 @@ from lattica.train.membership import (
 )
 from lattica.train.outer_sync import CatchingUpStrategy, KeepingUpStrategy, OuterStateSync
 from lattica.train.ownership import ReplicatedOwnership
-from lattica.train.run_config import agree_run_config
+from lattica.train.run_config import agree_run_config, agree_run_identity
 from lattica.train.strategies.base import OuterStrategy
 from lattica.train.trainer import Progress, RoundCompleted, Trainer
 
@@ -257,6 +257,10 @@ class TrainingService:
             await self._start_gossip_groups()
         self.phase = "loading"
         trainer = await self._build_trainer()
+        # the same model and data as the run, or no training (``run_config.py``)
+        await agree_run_identity(
+            self.view, self.settings, trainer_factory.run_identity(trainer.task), wait_s=self.settings.round_deadline_s,
+        )
         self.trainer, self.strategy = trainer, trainer.strategy
         self.outer_sync.bind(trainer)
         await self.view.set_device(trainer.device.describe())
