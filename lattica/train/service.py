@@ -63,6 +63,7 @@ from lattica.train.outer_sync import CatchingUpStrategy, KeepingUpStrategy, Oute
 from lattica.train.ownership import ReplicatedOwnership
 from lattica.train.run_config import agree_run_config, agree_run_identity
 from lattica.train.strategies.base import OuterStrategy
+from lattica.train.tokenized import bits_per_byte
 from lattica.train.trainer import Progress, RoundCompleted, Trainer
 
 log = logging.getLogger(__name__)
@@ -392,6 +393,7 @@ class TrainingService:
     # -- progress ----------------------------------------------------------------------------
 
     def _on_progress(self, progress: Progress) -> None:
+        per_token = self.trainer.task.bytes_per_token if self.trainer is not None else None
         self.progress = {
             "step": progress.step,
             "round": progress.round,
@@ -400,6 +402,8 @@ class TrainingService:
             "lr": progress.lr,
             "val_loss": None if progress.val_loss is None else round(progress.val_loss, 4),
         }
+        if progress.val_loss is not None and per_token:  # comparable across tokenizers
+            self.progress["val_bpb"] = round(bits_per_byte(progress.val_loss, per_token), 4)
 
     def _on_round(self, event: RoundCompleted) -> None:
         report = event.report

@@ -258,3 +258,16 @@ def test_cli_prepares_with_progress_on_stderr_and_errors_in_one_line(tmp_path, b
     assert not (tmp_path / "q").exists()
     assert not (tmp_path / "r").exists()
     assert os.listdir(tmp_path / "p")
+
+
+def test_join_refuses_a_corrupted_prepared_corpus_in_one_line(tmp_path, bpe_tokenizer):
+    _, out = _prepare(tmp_path, bpe_tokenizer, _jsonl(tmp_path / "a.jsonl", 60))
+    shard = out / "val-00000.bin"
+    data = bytearray(shard.read_bytes())
+    data[0] ^= 1
+    shard.write_bytes(bytes(data))
+    result = run_cli("join", "--data-dir", str(tmp_path / "node"), "--train", "--metrics-addr", "off",
+                     "--model", "llama-tiny", "--data", str(out), timeout=60)
+    assert result.returncode == 1
+    assert result.stderr.count("\n") == 1
+    assert "val-00000.bin is corrupted" in result.stderr
