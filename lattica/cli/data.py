@@ -1,7 +1,8 @@
 """``lattica data prepare``: tokenize a corpus into memory-mappable shards (``train/prepare.py``).
 
 Progress goes to stderr, the summary to stdout; every error is one line and leaves nothing
-half-written.
+half-written. The parser imports nothing of ``lattica.train``: ``lattica status`` and the other
+commands start without torch.
 """
 
 from __future__ import annotations
@@ -9,8 +10,6 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-
-from lattica.train.prepare import DEFAULT_SHARD_TOKENS
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -24,18 +23,18 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     prepare.add_argument("--out", type=Path, required=True, help="folder to write (must not exist, unless --force)")
     prepare.add_argument("--text-field", default="text", help="JSONL field / parquet column with the text (default: text)")
     prepare.add_argument("--val-fraction", type=float, default=0.05, help="share of documents held out (default 0.05)")
-    prepare.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS,
-                         help=f"tokens per shard file (default {DEFAULT_SHARD_TOKENS:,})")
+    prepare.add_argument("--shard-tokens", type=int, help="tokens per shard file (default 100,000,000)")
     prepare.add_argument("--eos", help="end-of-document token (default: <|endoftext|>, </s>, … if the tokenizer has one)")
     prepare.add_argument("--force", action="store_true", help="replace --out if it exists")
 
 
 def data(args: argparse.Namespace) -> int:
-    from lattica.train.prepare import PrepareConfig, prepare
+    from lattica.train.prepare import DEFAULT_SHARD_TOKENS, PrepareConfig, prepare
 
     config = PrepareConfig(
         inputs=tuple(args.inputs), tokenizer=args.tokenizer, out=args.out, text_field=args.text_field,
-        val_fraction=args.val_fraction, shard_tokens=args.shard_tokens, eos=args.eos, force=args.force,
+        val_fraction=args.val_fraction, shard_tokens=args.shard_tokens or DEFAULT_SHARD_TOKENS, eos=args.eos,
+        force=args.force,
     )
     manifest = prepare(config, progress=lambda line: print(line, file=sys.stderr, flush=True))
     train, val = manifest.splits["train"], manifest.splits["val"]

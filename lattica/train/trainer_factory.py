@@ -135,6 +135,7 @@ def build_task(settings: TrainSettings, *, peer_id: str) -> Task:
     )
     if strategy_class(s.strategy).trains_experts:
         task.model = build_moe_model(moe_preset(s.model), seed=s.seed)
+        task.model_description = None  # not the dense preset's: export knows no MoE model
     return task
 
 

@@ -113,3 +113,12 @@ def test_join_refuses_bad_model_settings_in_one_line(tmp_path, args, message):
     assert result.returncode == 1
     assert result.stderr.count("\n") == 1
     assert message in result.stderr
+
+
+def test_the_cli_parser_with_the_new_commands_starts_without_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, lattica.cli.main as m; m.build_parser(); print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert result.stdout.strip() == "False"
