@@ -122,3 +122,17 @@ def test_the_cli_parser_with_the_new_commands_starts_without_torch():
     code = "import sys, lattica.cli.main as m; m.build_parser(); print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert result.stdout.strip() == "False"
+
+
+def test_join_refuses_a_tokenizer_larger_than_the_hf_models_vocabulary(tmp_path, bpe_tokenizer):
+    from lattica.train.prepare import PrepareConfig, prepare
+
+    source = tmp_path / "a.jsonl"
+    source.write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(30)))
+    prepare(PrepareConfig(inputs=(source,), tokenizer=bpe_tokenizer, out=tmp_path / "data"))  # 384 tokens
+    folder = _hf_folder(tmp_path / "m", vocab=100)
+    result = run_cli("join", "--data-dir", str(tmp_path / "node"), "--train", "--metrics-addr", "off",
+                     "--model", f"hf:{folder}", "--data", str(tmp_path / "data"), timeout=60)
+    assert result.returncode == 1
+    assert result.stderr.count("\n") == 1
+    assert "has 384 tokens, more than the vocabulary of hf:" in result.stderr
