@@ -50,6 +50,7 @@ from lattica.train.checkpoint import CheckpointStore, weights_hash
 from lattica.train.join import outer_state_hash
 from lattica.train.llama import LlamaConfig, build_llama
 from lattica.train.model import GPTConfig, build_model
+from lattica.train.prepare import replace_folder
 
 FORMATS = ("safetensors", "hf")
 DESCRIPTION_NAME = "lattica_model.json"
@@ -157,8 +158,8 @@ def _empty_model(description: Mapping[str, Any]) -> nn.Module:
         raise ConfigError(f"the checkpoint's model description is not valid: {exc}") from None
     if family == "hf":
         transformers = _transformers()
-        built: nn.Module = transformers.AutoModelForCausalLM.from_config(hf.hf_config_object(config), dtype=torch.float32)
-        return built
+        built: nn.Module = transformers.AutoModelForCausalLM.from_config(hf.hf_config_object(config))
+        return built.float()
     raise ConfigError(f"the checkpoint's model family {family!r} is unknown")
 
 
@@ -214,7 +215,7 @@ def export(
             "outer_state_hash": agreed.state_hash, "weights_hash": weights_hash(model.state_dict()),
         }
         (staging / DESCRIPTION_NAME).write_text(json.dumps(provenance, indent=1, sort_keys=True) + "\n")
-        _replace(staging, out)
+        replace_folder(staging, out)
     except OSError as exc:
         raise ConfigError(f"cannot write {out}: {exc.strerror or exc}") from None
     finally:
@@ -251,13 +252,3 @@ def _copy_tokenizer(annotations: Mapping[str, Any], folder: Path, *, hf_format: 
         config = {"tokenizer_class": "PreTrainedTokenizerFast"}
         (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n")
     return []
-
-
-def _replace(staging: Path, out: Path) -> None:
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        out.rename(old)
-        staging.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        staging.rename(out)

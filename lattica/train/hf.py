@@ -123,16 +123,16 @@ def build_hf_model(directory: Path, *, init: str, seed: int) -> nn.Module:
     try:
         if init == "weights":
             model = transformers.AutoModelForCausalLM.from_pretrained(
-                directory, local_files_only=True, trust_remote_code=False, dtype=torch.float32,
+                directory, local_files_only=True, trust_remote_code=False,
             )
         else:
             config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True, trust_remote_code=False)
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)
-                model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+                model = transformers.AutoModelForCausalLM.from_config(config)
     except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
         raise ConfigError(f"cannot build the model of {directory}: {_first_line(exc)}") from None
-    model.float()
+    model.float()  # trained in fp32 (autocast on a GPU), whatever dtype the folder stores
     built: nn.Module = model
     return built
 

@@ -270,7 +270,7 @@ def prepare(config: PrepareConfig, *, progress: Callable[[str], None] = lambda l
         raise ConfigError(f"cannot write beside {out}: {exc.strerror or exc}") from None
     try:
         manifest = _write_staging(config, staging, tokenizer, vocab_size, eos_id, progress)
-        _replace(staging, out)
+        replace_folder(staging, out)
     except OSError as exc:
         raise ConfigError(f"cannot write {out}: {exc.strerror or exc}") from None
     finally:
@@ -333,12 +333,16 @@ def _batches(documents: Iterator[Document]) -> Iterator[list[Document]]:
         yield batch
 
 
-def _replace(staging: Path, out: Path) -> None:
-    if out.exists():
+def replace_folder(staging: Path, out: Path) -> None:
+    """Put the complete folder ``staging`` at ``out``, replacing what is there (``--force``)."""
+    if out.exists() or out.is_symlink():
         old = out.parent / f".{out.name}.old-{os.getpid()}"
         out.rename(old)
         staging.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink()
     else:
         staging.rename(out)
 
