@@ -224,11 +224,20 @@ def export(
 
 
 def _write_safetensors(model: nn.Module, folder: Path) -> None:
+    """Every tensor of the state dict once: a tied head is stored under the embedding's name
+    (the first name of shared storage), as transformers stores tied weights."""
     try:
-        from safetensors.torch import save_model
+        from safetensors.torch import save_file
     except ImportError:
         raise ConfigError("safetensors export needs safetensors: pip install 'lattica[hf]'") from None
-    save_model(model, str(folder / "model.safetensors"))
+    tensors: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, tensor in model.state_dict().items():
+        if tensor.numel() and tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        tensors[name] = tensor.detach().contiguous()
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
 def _write_hf(model: nn.Module, description: Mapping[str, Any], folder: Path) -> None:

@@ -86,6 +86,18 @@ def test_llama_on_prepared_data_trains_identically_and_exports_to_transformers(t
     with torch.no_grad():
         assert torch.allclose(trained.eval()(batch), exported(input_ids=batch).logits, atol=1e-5)
 
+    plain = tmp_path / "plain"
+    result = run_cli("export", "--data-dir", str(pair[0].data_dir), "--out", str(plain), timeout=120)
+    assert result.returncode == 0, result.stderr
+    from safetensors.torch import load_file
+
+    stored = load_file(plain / "model.safetensors")
+    assert all(torch.equal(stored[name], tensor) for name, tensor in trained.state_dict().items() if name in stored)
+    assert "model.embed_tokens.weight" in stored  # the tied head is stored once
+    provenance = json.loads((plain / "lattica_model.json").read_text())
+    assert provenance["round"] == ROUNDS
+    assert provenance["model"] == description
+
     again = run_cli("export", "--data-dir", str(pair[1].data_dir), "--out", str(out), timeout=60)
     assert again.returncode == 1
     assert again.stderr.count("\n") == 1
