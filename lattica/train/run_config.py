@@ -106,7 +106,7 @@ async def agree_run_config(view: MembershipView, settings: TrainSettings, *, wai
         log.warning("no admin published a run config: training with this node's settings")
         return settings
     adopted, replaced = apply_run_config(settings, published)
-    check_settings(adopted)
+    check_settings(adopted, verify_shards=False)  # hashed at start-up; this runs on the event loop
     for name, mine in replaced.items():
         log.warning("run config: %s = %r (this node's %r is overridden)", name, getattr(adopted, name), mine)
     return adopted

@@ -16,8 +16,10 @@ from lattica.errors import ConfigError
 from lattica.train.strategy_settings import strategy_config
 
 
-def check_settings(settings: TrainSettings) -> None:
-    """Raise ``ConfigError`` on a strategy, model, data source or task that cannot be used."""
+def check_settings(settings: TrainSettings, *, verify_shards: bool = True) -> None:
+    """Raise ``ConfigError`` on a strategy, model, data source or task that cannot be used.
+    ``verify_shards=False`` skips hashing a prepared corpus's shards (seconds per GB): a daemon
+    checking a run config on its event loop already verified them at start-up."""
     from lattica.train.model_spec import check_model
     from lattica.train.strategies import strategy_class
     from lattica.train.task import resolve_task
@@ -34,11 +36,11 @@ def check_settings(settings: TrainSettings) -> None:
     if strategy.trains_experts and settings.model.startswith(("llama-", "hf:")):
         raise ConfigError(f"strategy {settings.strategy} trains its own mixture-of-experts model; "
                           f"model = {settings.model!r} is not one (use diloco, sparseloco, …)")
-    check_data_source(settings.data)
+    check_data_source(settings.data, verify_shards=verify_shards)
     check_vocabulary(settings.model, settings.data)
 
 
-def check_data_source(source: str) -> None:
+def check_data_source(source: str, *, verify_shards: bool = True) -> None:
     """A local data source must exist and be readable ('stdlib' and 'hf:' load later); a
     prepared corpus must be whole: its manifest valid, every shard of the size and sha256 the
     manifest gives (read in pieces, never whole)."""
@@ -54,7 +56,7 @@ def check_data_source(source: str) -> None:
     from lattica.train.tokenized import is_prepared, open_prepared
 
     if is_prepared(path):
-        open_prepared(path, verify=True)
+        open_prepared(path, verify=verify_shards)
 
 
 def check_vocabulary(model: str, source: str) -> None:
