@@ -50,7 +50,7 @@ class ModelSpec:
     native: GPTConfig | LlamaConfig | None = None
     hf_dir: Path | None = None
     init: str = "seed"
-    _description: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    hf_description: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def build(self, *, seed: int) -> nn.Module:
         if isinstance(self.native, LlamaConfig):
@@ -67,7 +67,7 @@ class ModelSpec:
     def description(self) -> dict[str, Any]:
         if self.native is not None:
             return {"family": self.family, "preset": self.name, "config": dataclasses.asdict(self.native)}
-        return dict(self._description)
+        return dict(self.hf_description)
 
     def model_hash(self) -> str:
         blob = json.dumps(self.description(), sort_keys=True, separators=(",", ":")).encode()
@@ -111,7 +111,7 @@ def resolve_model(name: str, *, vocab_size: int, seq_len: int, init: str = "seed
         )
     return ModelSpec(
         name=name, family="hf", vocab_size=model_vocab, context=hf.hf_context(config, seq_len), hf_dir=directory,
-        init=init, _description=hf.model_description(directory, config, init),
+        init=init, hf_description=hf.model_description(directory, config, init),
     )
 
 
