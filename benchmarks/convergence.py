@@ -10,11 +10,17 @@ collective, whose per-worker byte counter counts what a butterfly all-reduce rea
 (2 (N-1)/N of the fp32 payload per sync). Validation loss is in nats per byte: the mean over the
 workers' replicas, evaluated on each strategy's evaluation weights.
 
+``--model`` trains another built-in preset instead of the byte-level ``tiny`` (``llama-tiny`` …;
+the MoE methods keep ``tiny-moe``); its vocabulary is the data's — with ``--data`` a folder from
+``lattica data prepare``, whose tokens are memory-mapped. The JSON line then also carries
+``<name>_bpb``: the validation loss in bits per UTF-8 byte, comparable across tokenizers (for
+byte-level data, nats / ln 2), and ``<name>_vs_nocomm`` when ``nocomm`` ran.
+
 Adding a method: register its strategy in ``lattica.train.strategies.STRATEGIES`` and add a
 ``Method`` to ``METHODS`` (its own model builder and config if it needs them); the JSON line
 then carries ``<name>_loss``, ``<name>_bytes`` and ``<name>_vs_ddp``.
 
-    python benchmarks/convergence.py [--data PATH] [--strategies ddp,nocomm,diloco|all] [--seed N]
+    python benchmarks/convergence.py [--data PATH] [--model tiny|llama-tiny|…] [--strategies ddp,nocomm,diloco|all] [--seed N]
         [--steps 500] [--batch-size 8] [--context 128] [--lr 3e-3] [--warmup 50]
         [--outer-lr 0.7] [--outer-momentum 0.9] [--warm-start-steps 0] [--workers 4]
 
@@ -52,7 +58,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +76,7 @@ from lattica.train.data import (
 )
 from lattica.train.device import select_device
 from lattica.train.model import build_model, lm_loss
+from lattica.train.model_spec import model_names, resolve_model
 from lattica.train.moe import build_moe_model
 from lattica.train.schedule import ScheduleConfig
 from lattica.train.strategies import STRATEGIES, create_strategy
@@ -83,6 +90,7 @@ from lattica.train.strategies.spes import SPESConfig
 from lattica.train.strategies.streaming import StreamingDiLoCoConfig
 from lattica.train.strategies.streaming_eager import StreamingEagerConfig
 from lattica.train.task import Task
+from lattica.train.tokenized import bits_per_byte
 from lattica.train.trainer import Trainer, TrainerConfig
 from lattica_lab.collective import InMemoryCollectiveGroup
 
@@ -96,15 +104,17 @@ WARM_SEED_OFFSET = 7919  # the pretraining draws its own batches, not worker 0's
 SCRATCH_METHODS = ("ddp", "diloco")  # also compared from the seed's fresh weights
 
 
+def _tiny(seed: int) -> torch.nn.Module:
+    return build_model("tiny", seed=seed)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Method:
     """One benchmarked method: a registered strategy, its config and (optionally) its model."""
 
     strategy: str
     config: Any = None
-    build_model: Callable[[int], torch.nn.Module] = field(
-        default=lambda seed: build_model("tiny", seed=seed)
-    )
+    build_model: Callable[[int], torch.nn.Module] = _tiny
     evaluate_average: bool = False  # also report the loss of the replicas' averaged weights
 
 
@@ -173,6 +183,20 @@ def all_methods(workers: int = WORKERS) -> dict[str, Method]:
     spes = methods["spes"]
     methods["spes"] = dataclasses.replace(spes, config=dataclasses.replace(spes.config, members=peers_of(workers)))
     return methods
+
+
+def with_model(methods: dict[str, Method], model: str, vocab_size: int, context: int) -> dict[str, Method]:
+    """``methods`` training the preset ``model`` (sized for the data) where they train ``tiny``."""
+    if model == "tiny":
+        return methods
+    spec = resolve_model(model, vocab_size=vocab_size, seq_len=context)
+    if spec.context < context:
+        raise ConfigError(f"model {model} has a context of {spec.context}, shorter than --context {context}")
+
+    def build(seed: int) -> torch.nn.Module:
+        return spec.build(seed=seed)
+
+    return {name: dataclasses.replace(m, build_model=build) if m.build_model is _tiny else m for name, m in methods.items()}
 
 
 def peers_of(workers: int) -> tuple[str, ...]:
@@ -368,6 +392,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default="ddp,nocomm,diloco",
         help=f"comma-separated, from {sorted(all_methods())}, or 'all'",
     )
+    parser.add_argument("--model", default="tiny", choices=model_names(),
+                        help="built-in preset (default tiny; llama-* take the data's vocabulary)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=Budget.steps, help="inner steps per worker")
     parser.add_argument("--batch-size", type=int, default=Budget.batch_size)
@@ -434,15 +460,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     tokens = args.workers * budget.steps * budget.batch_size * budget.context
-    print(f"data: {corpus.description} (sha256 {corpus.content_hash[:12]})")
+    print(f"data: {corpus.description} (sha256 {corpus.content_hash[:12]}), model {args.model}")
     print(
         f"{args.workers} workers x {budget.steps} steps x {budget.batch_size}x{budget.context} "
         f"tokens = {tokens} tokens per method, seed {args.seed}"
     )
     methods = _with_outer(known, args.outer_lr, args.outer_momentum)
     try:
-        methods = with_overrides(methods, args.overrides)
-    except ValueError as exc:
+        methods = with_model(with_overrides(methods, args.overrides), args.model, corpus.vocab_size, budget.context)
+    except (ValueError, ConfigError) as exc:
         print(f"error: --set: {exc}", file=sys.stderr)
         return 2
     initial: dict[Callable[[int], torch.nn.Module], dict[str, torch.Tensor]] = {}
@@ -481,6 +507,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     summary = summary_json(results, args.seed, tokens, args.workers)
     summary["warm_start_steps"] = args.warm_start_steps
+    summary["model"] = args.model
+    summary.update(bits_per_byte_json(results, corpus.bytes_per_token))
     print(json.dumps(summary))
     return 0
 
@@ -571,6 +599,18 @@ def with_overrides(methods: dict[str, Method], overrides: list[str]) -> dict[str
         value: Any = raw.lower() in ("1", "true", "yes") if isinstance(current, bool) else type(current)(raw)
         methods[name] = dataclasses.replace(methods[name], config=dataclasses.replace(config, **{key: value}))
     return methods
+
+
+def bits_per_byte_json(results: dict[str, dict[str, float]], bytes_per_token: float) -> dict[str, Any]:
+    """``<name>_bpb`` for every method, and ``<name>_vs_nocomm`` when ``nocomm`` ran."""
+    out: dict[str, Any] = {"bytes_per_token": round(bytes_per_token, 5)}
+    for name, r in results.items():
+        out[f"{name}_bpb"] = round(bits_per_byte(r["loss"], bytes_per_token), 5)
+    nocomm = results.get("nocomm")
+    for name, r in results.items():
+        if nocomm is not None and name != "nocomm" and not name.startswith("scratch_"):
+            out[f"{name}_vs_nocomm"] = round(r["loss"] / nocomm["loss"], 5)
+    return out
 
 
 def summary_json(

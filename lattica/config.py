@@ -146,7 +146,8 @@ class TrainSettings:
     """
 
     strategy: str = "diloco"
-    model: str = "tiny"
+    model: str = "tiny"  # a GPT or Llama preset, or hf:<local dir> (``train/model_spec.py``)
+    init: str = "seed"  # hf: models: "seed" (fresh weights from the seed) or "weights" (the dir's)
     data: str = "stdlib"
     task: str | None = None
     inner_steps: int = DEFAULT_INNER_STEPS
@@ -219,6 +220,8 @@ class TrainSettings:
         if self.gossip_overlap and self.averaging != "gossip":
             raise ConfigError("train.gossip_overlap needs train.averaging = \"gossip\" (the overlapped "
                               "all-reduce is strategy \"eager\")")
+        if self.init not in ("seed", "weights"):
+            raise ConfigError(f"train.init must be seed or weights, got {self.init!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"train.device must be auto, cpu or cuda, got {self.device!r}")
 

@@ -44,6 +44,7 @@ def join(args: argparse.Namespace) -> int:
     train_flags = {
         "strategy": args.strategy,
         "model": args.model,
+        "init": args.init,
         "data": args.data,
         "task": args.task,
         "inner_steps": args.inner_steps,

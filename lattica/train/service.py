@@ -63,8 +63,9 @@ from lattica.train.membership import (
 )
 from lattica.train.outer_sync import CatchingUpStrategy, KeepingUpStrategy, OuterStateSync
 from lattica.train.ownership import ReplicatedOwnership
-from lattica.train.run_config import agree_run_config
+from lattica.train.run_config import agree_run_config, agree_run_identity
 from lattica.train.strategies.base import OuterStrategy
+from lattica.train.tokenized import bits_per_byte
 from lattica.train.trainer import Progress, RoundCompleted, Trainer
 
 log = logging.getLogger(__name__)
@@ -259,6 +260,10 @@ class TrainingService:
             await self._start_gossip_groups()
         self.phase = "loading"
         trainer = await self._build_trainer()
+        # the same model and data as the run, or no training (``run_config.py``)
+        await agree_run_identity(
+            self.view, self.settings, trainer_factory.run_identity(trainer.task), wait_s=self.settings.round_deadline_s,
+        )
         self.trainer, self.strategy = trainer, trainer.strategy
         self.outer_sync.bind(trainer)
         await self.view.set_device(trainer.device.describe())
@@ -392,6 +397,7 @@ class TrainingService:
     # -- progress ----------------------------------------------------------------------------
 
     def _on_progress(self, progress: Progress) -> None:
+        per_token = self.trainer.task.bytes_per_token if self.trainer is not None else None
         self.progress = {
             "step": progress.step,
             "round": progress.round,
@@ -400,6 +406,8 @@ class TrainingService:
             "lr": progress.lr,
             "val_loss": None if progress.val_loss is None else round(progress.val_loss, 4),
         }
+        if progress.val_loss is not None and per_token:  # comparable across tokenizers
+            self.progress["val_bpb"] = round(bits_per_byte(progress.val_loss, per_token), 4)
 
     def _on_round(self, event: RoundCompleted) -> None:
         report = event.report
@@ -477,7 +485,9 @@ def _averages_in_groups(settings: TrainSettings) -> bool:
 
 
 def check_settings(settings: TrainSettings) -> None:
-    """Fail at start-up, as one line, on settings that cannot run (see ``settings_check``)."""
+    """Fail at start-up, as one line, on settings that cannot run (see ``settings_check``).
+    A prepared corpus's shards are not hashed again here: ``lattica join`` did that before it
+    built the node (the building trainer still checks every shard's size)."""
     from lattica.train.settings_check import check_settings as check
 
-    check(settings)
+    check(settings, verify_shards=False)

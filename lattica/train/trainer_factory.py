@@ -17,7 +17,6 @@ what to wrap the strategy in; this module decides *what* is built:
 
 from __future__ import annotations
 
-import dataclasses
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,7 +30,6 @@ from lattica.train.checkpoint import CheckpointStore
 from lattica.train.collective import Collective
 from lattica.train.data import DataConfig
 from lattica.train.device import select_device
-from lattica.train.model import GPTConfig, preset
 from lattica.train.moe import MOE_PRESETS, build_moe_model
 from lattica.train.schedule import ScheduleConfig
 from lattica.train.strategies import strategy_class
@@ -95,13 +93,32 @@ def build_trainer(
         eval_every=s.inner_steps,
         log_every=max(1, min(10, s.inner_steps // 2)),
     )
-    return Trainer(
+    trainer = Trainer(
         task, wrap(strategy), trainer_config,
         device=select_device(s.device),
         checkpoints=CheckpointStore(parts.checkpoint_dir, keep=s.keep_checkpoints),
         on_progress=parts.on_progress,
         on_round=parts.on_round,
     )
+    trainer.annotations.update(export_annotations(task))
+    return trainer
+
+
+def run_identity(task: Task) -> dict[str, str]:
+    """The hashes the run agrees on (``run_config.agree_run_identity``): the model's, and a
+    prepared corpus's manifest (a byte-level corpus stays each member's own)."""
+    return {"model_hash": task.model_hash, "data_hash": task.data_hash if task.tokenizer is not None else ""}
+
+
+def export_annotations(task: Task) -> dict[str, object]:
+    """What ``lattica export`` needs beside the weights, kept with every checkpoint: the model's
+    description and the tokenizer of the data."""
+    annotations: dict[str, object] = {}
+    if task.model_description is not None:
+        annotations["model"] = task.model_description
+    if task.tokenizer is not None:
+        annotations["tokenizer"] = str(task.tokenizer.resolve())
+    return annotations
 
 
 def build_task(settings: TrainSettings, *, peer_id: str) -> Task:
@@ -111,19 +128,15 @@ def build_task(settings: TrainSettings, *, peer_id: str) -> Task:
     context = TaskContext(seed=s.seed * 1_000_003 + zlib.crc32(peer_id.encode()))
     if s.task:
         return load_task(s.task, context)
+    # the shards' sha256s were checked at start-up (``settings_check``): here sizes only
     task = builtin_task(
-        model=model_config(s), data=DataConfig(source=s.data), batch_size=s.batch_size,
-        context=context, model_seed=s.seed,
+        model=s.model, data=DataConfig(source=s.data, verify=False), batch_size=s.batch_size,
+        context=context, model_seed=s.seed, seq_len=s.seq_len, init=s.init,
     )
     if strategy_class(s.strategy).trains_experts:
         task.model = build_moe_model(moe_preset(s.model), seed=s.seed)
+        task.model_description = None  # not the dense preset's: export knows no MoE model
     return task
-
-
-def model_config(settings: TrainSettings) -> GPTConfig:
-    """The preset, trained on sequences of ``seq_len`` tokens (at most the preset's context)."""
-    gpt = preset(settings.model)
-    return dataclasses.replace(gpt, context=min(settings.seq_len, gpt.context))
 
 
 def moe_preset(model: str) -> str:
