@@ -49,7 +49,7 @@ import contextlib
 import logging
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 
 import trio
@@ -390,8 +390,8 @@ class ReplicatedState:
             del self._proven[oldest]
             self._proven_since.pop(oldest, None)
             self._origins.pop(oldest, None)
-        if fresh and self._nursery is not None:  # others may be waiting for our word on it
-            self._nursery.start_soon(self._refresh_vouches)
+        if fresh:  # others may be waiting for our word on it
+            self._spawn(self._refresh_vouches)
 
     async def _refresh_vouches(self) -> None:
         vouched = sorted(self.proven_peers())[:MAX_VOUCHES]
@@ -497,8 +497,21 @@ class ReplicatedState:
             return
         if not sync.serves_sync(self.host, peer):  # e.g. a plain libp2p relay or DHT server
             return
-        self._peers.add(peer)
-        self._nursery.start_soon(self._peer_loop, peer)
+        if self._spawn(self._peer_loop, peer):
+            self._peers.add(peer)
+
+    def _spawn(self, fn: Callable[..., Awaitable[object]], *args: object) -> bool:
+        """Start ``fn`` in the service's nursery; False once the service is closing.
+
+        A stream handler can run after the nursery has closed and before ``run`` has cleared it.
+        """
+        if self._nursery is None:
+            return False
+        try:
+            self._nursery.start_soon(fn, *args)
+        except RuntimeError:  # "Nursery is closed to new arrivals"
+            return False
+        return True
 
     async def _watch_peers_loop(self) -> None:
         while True:

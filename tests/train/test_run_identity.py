@@ -17,6 +17,7 @@ class _RunConfigState:
     def __init__(self, config, *, admin: bool) -> None:
         self.run_config, self.admin = dict(config), admin
         self.config = StateConfig()
+        self.admins: frozenset[str] = frozenset()
 
     def snapshot(self):
         return {"config": dict(self.run_config), "members": {}}
