@@ -53,6 +53,10 @@ def join(args: argparse.Namespace) -> int:
         "averaging": args.averaging,
         "group_size": args.group_size,
         "gossip_overlap": args.gossip_overlap,
+        "compile": {"true": True, "false": False}.get(args.compile, args.compile),
+        "micro_batches": args.micro_batches,
+        "activation_checkpointing": args.activation_checkpointing,
+        "outer_state_device": args.outer_state_device,
     }
     config = build_node_config(
         flags=flags,

@@ -63,6 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--group-size", type=int, help="gossip averaging and NoLoCo: members per group (default 2)")
     join.add_argument("--gossip-overlap", action="store_const", const=True, default=None,
                       help="DiLoCo with gossip: each round's exchange runs during the next inner phase")
+    join.add_argument("--compile", choices=("auto", "true", "false"),
+                      help="torch.compile the model (default auto: on CUDA, not on the CPU)")
+    join.add_argument("--micro-batches", type=int, help="gradient accumulation: each step's batch in this many parts")
+    join.add_argument("--activation-checkpointing", action="store_const", const=True, default=None,
+                      help="recompute each layer's activations in backward (less memory, more compute)")
+    join.add_argument("--outer-state-device", choices=("cpu", "same"),
+                      help="where DiLoCo/eager keep their outer state (default cpu: pinned host memory on CUDA)")
 
     ident = sub.add_parser("id", help="print this node's peer id and the addresses others can join")
     _add_data_dir(ident)
