@@ -17,12 +17,15 @@ the compiled module under a guard: when it raises, ``on_retry`` discards what th
 (its gradients) and the step runs again on the eager model. If that works, the failure was
 the compiler's: one warning line, and training stays eager from then on. If the eager step
 fails too, the error is the task's own and propagates. After a first step that succeeded,
-calls are not guarded.
+calls are not guarded. First calls take a lock shared by the process: torch.compile's tracing
+is not made to run in several threads at once, and several trainers in one process (the
+convergence harness, training scripts) would otherwise compile side by side.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from typing import Literal, TypeVar
 
@@ -32,6 +35,8 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 _Result = TypeVar("_Result")
+COMPILE_BACKEND: str | Callable[..., object] = "inductor"  # torch.compile's code generator
+_FIRST_CALLS = threading.Lock()  # one compilation at a time in a process
 
 
 def compile_enabled(setting: bool | Literal["auto"], device: torch.device) -> bool:
@@ -44,14 +49,14 @@ def compile_enabled(setting: bool | Literal["auto"], device: torch.device) -> bo
 class ForwardModule:
     """The module an inner step's forward runs through (module docstring)."""
 
-    def __init__(self, model: nn.Module, *, compile: bool, backend: str | Callable[..., object] = "inductor") -> None:
+    def __init__(self, model: nn.Module, *, compile: bool, backend: str | Callable[..., object] | None = None) -> None:
         self.eager = model
         self.module: nn.Module = model
         self.compiled = False
         self._proven = True
         if compile:
             try:
-                self.module = torch.compile(model, backend=backend)  # type: ignore[assignment]  # an OptimizedModule is an nn.Module
+                self.module = torch.compile(model, backend=backend or COMPILE_BACKEND)  # type: ignore[assignment]  # an OptimizedModule is an nn.Module
             except Exception as exc:  # noqa: BLE001 - torch.compile may refuse a model or platform in many ways
                 log.warning("torch.compile is not available (%s: %s); training eagerly", type(exc).__name__, exc)
             else:
@@ -61,6 +66,10 @@ class ForwardModule:
         """``step(module)``; the first compiled call falls back to eager (module docstring)."""
         if self._proven:
             return step(self.module)
+        with _FIRST_CALLS:
+            return self._first_call(step, on_retry)
+
+    def _first_call(self, step: Callable[[nn.Module], _Result], on_retry: Callable[[], None]) -> _Result:
         try:
             result = step(self.module)
         except Exception as compiled_error:  # noqa: BLE001 - compiler failures come in many types
