@@ -51,7 +51,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import torch
 import trio
@@ -64,6 +64,7 @@ from lattica.train.checkpoint import CheckpointStore, weights_hash
 from lattica.train.compiled_model import ForwardModule, compile_enabled
 from lattica.train.device import DeviceInfo, autocast, select_device
 from lattica.train.inner_optimizer import build_adamw
+from lattica.train.inner_step import WorkerStream, accumulate_gradients
 from lattica.train.join import outer_state_hash
 from lattica.train.schedule import ScheduleConfig, lr_multiplier
 from lattica.train.strategies.base import OuterStepReport, OuterStrategy
@@ -71,9 +72,6 @@ from lattica.train.task import Batch, Task
 from lattica.train.utilization import device_peak_flops, mfu, model_flops_per_token
 
 log = logging.getLogger(__name__)
-
-_Result = TypeVar("_Result")
-
 
 @dataclass(frozen=True, kw_only=True)
 class TrainerConfig:
@@ -193,9 +191,7 @@ class Trainer:
         self._rate = 0.0
         self._flops_per_token: float | None = None  # known from the first batch's length
         self._peak_flops = device_peak_flops(self.device)
-        cuda = self.device.device.type == "cuda"
-        # the inner steps' own CUDA stream (``_in_worker``)
-        self._stream = torch.cuda.Stream(self.device.device) if cuda else None  # type: ignore[no-untyped-call]  # unannotated in torch
+        self._worker = WorkerStream(self.device.device)  # on CUDA the inner steps' own stream
         self._batches = self._new_batches(depth=0)  # drawn in the step's thread until ``run``
         self._done_in_thread: list[RoundCompleted] = []  # by the worker, recorded on trio
         # plain data that the caller keeps with every checkpoint (e.g. the daemon's history of
@@ -251,12 +247,12 @@ class Trainer:
         if self.strategy.syncs_gradients:
             step = self.step + 1
             self._set_lr(step - 1)
-            loss = await trio.to_thread.run_sync(self._in_worker, self._forward_backward)
+            loss = await trio.to_thread.run_sync(self._worker.run, self._forward_backward)
             await self.strategy.before_optimizer_step(step)
-            await trio.to_thread.run_sync(self._in_worker, self._optimizer_step)
+            await trio.to_thread.run_sync(self._worker.run, self._optimizer_step)
             self.step, self._loss = step, loss
         else:
-            await trio.to_thread.run_sync(self._in_worker, self._inner_steps, self._next_stop())
+            await trio.to_thread.run_sync(self._worker.run, self._inner_steps, self._next_stop())
         done_in_thread, self._done_in_thread = self._done_in_thread, []
         for round_event in done_in_thread:
             await self._record_round(round_event)
@@ -322,18 +318,6 @@ class Trainer:
         for group, base in zip(self.optimizer.param_groups, self._base_lrs, strict=True):
             group["lr"] = base * factor
 
-    def _in_worker(self, work: Callable[..., _Result], *args: Any) -> _Result:
-        """Worker thread: ``work(*args)``, on CUDA on the trainer's own stream — after what the
-        trio thread queued on the device, and finished before the trio thread takes over."""
-        if self._stream is None:
-            return work(*args)
-        self._stream.wait_stream(torch.cuda.current_stream(self.device.device))
-        try:
-            with torch.cuda.stream(self._stream):
-                return work(*args)
-        finally:
-            self._stream.synchronize()
-
     def _whole_step(self) -> torch.Tensor:
         loss = self._forward_backward()
         self._optimizer_step()
@@ -351,22 +335,10 @@ class Trainer:
         return loss
 
     def _backward(self, module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Gradients of the batch's mean loss, accumulated over ``micro_batches`` parts, each
-        loss weighted by its part's share of the batch."""
-        parts = self.config.micro_batches
-        if parts == 1:
-            loss = self._loss_of(module, x, y)
-            loss.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward unannotated
-            return loss.detach()
-        total = None
-        for x_part, y_part in zip(x.tensor_split(parts), y.tensor_split(parts), strict=True):
-            if len(x_part) == 0:
-                continue
-            weighted = self._loss_of(module, x_part, y_part) * (len(x_part) / len(x))
-            weighted.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward unannotated
-            total = weighted.detach() if total is None else total + weighted.detach()
-        assert total is not None  # a batch has at least one row
-        return total
+        """Gradients of the batch's mean loss, in ``micro_batches`` parts (``inner_step``)."""
+        return accumulate_gradients(
+            lambda xs, ys: self._loss_of(module, xs, ys), x, y, self.config.micro_batches,
+        )
 
     def _loss_of(self, module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with autocast(self.device):
@@ -458,7 +430,7 @@ class Trainer:
                 with torch.no_grad():
                     for p, s in zip(params, saved, strict=True):
                         p.copy_(s)
-        return float(torch.stack(losses).mean()) if losses else float("nan")
+        return float(torch.stack(losses).double().mean()) if losses else float("nan")
 
     def _report(self, val_loss: float | None = None) -> None:
         loss = self.last_loss  # waits for the steps queued on the device: the rate counts them

@@ -183,8 +183,9 @@ async def test_an_error_of_the_task_is_not_taken_for_a_compile_failure(text_data
 
 @pytest.mark.timeout(180)
 async def test_a_compiled_trainer_trains_like_the_eager_one(text_data, monkeypatch):
-    """Compiled through dynamo (the eager backend: no C compiler on the test machine's path):
-    the same losses as without compiling."""
+    """Compiled through dynamo with its eager backend (inductor's code generation takes a
+    minute and more on a small CPU; ``benchmarks/throughput.py --compile true`` runs it): the
+    same losses as without compiling."""
     monkeypatch.setattr(compiled_model, "COMPILE_BACKEND", "eager")
     eager, compiled = _trainer(text_data, steps=4), _trainer(text_data, steps=4, compile=True)
     losses: dict[str, list[float]] = {"eager": [], "compiled": []}
