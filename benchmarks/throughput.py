@@ -11,7 +11,8 @@ For each preset the same model (same seed) is trained twice in one process, in t
 
 Both run the same number of warm-up steps (compilation happens there), then ``--reps`` timed
 chunks of ``--steps`` steps each, interleaved: a trainer chunk, then a plain chunk, so load on
-a shared machine hits both alike. Each chunk ends by waiting for the device (the trainer's
+a shared machine hits both alike (short chunks, many reps: load that drifts within seconds
+still does). Each chunk ends by waiting for the device (the trainer's
 report reads its loss; the plain loop reads its last loss). Tokens per second are each side's
 median over the reps.
 
@@ -24,7 +25,7 @@ outer round (CUDA: the allocator's peak above what was allocated before; CPU: th
 itself, since there the device's memory is the host's).
 
     python benchmarks/throughput.py [--presets tiny,mini] [--device auto|cpu|cuda]
-        [--compile auto|true|false] [--steps 20] [--warmup 20] [--reps 5]
+        [--compile auto|true|false] [--steps 10] [--warmup 20] [--reps 9]
         [--batch-size N] [--seq-len N]
 
 Last line: one JSON object ``{"device", "compile", "presets": {name: {...}}, ...}``. A phase that
@@ -272,9 +273,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--compile", default="auto", choices=("auto", "true", "false"),
                         help="for both sides (default: the device's default, as the trainer's)")
-    parser.add_argument("--steps", type=int, default=20, help="steps per timed chunk")
+    parser.add_argument("--steps", type=int, default=10, help="steps per timed chunk (the daemon reports every 10)")
     parser.add_argument("--warmup", type=int, default=20, help="warm-up steps (rounded up to whole chunks)")
-    parser.add_argument("--reps", type=int, default=5, help="timed chunks per side, interleaved")
+    parser.add_argument("--reps", type=int, default=9, help="timed chunks per side, interleaved")
     parser.add_argument("--batch-size", type=int, help="instead of the preset's (SHAPES)")
     parser.add_argument("--seq-len", type=int, help="instead of the preset's (SHAPES)")
     return parser.parse_args(argv)

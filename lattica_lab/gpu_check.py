@@ -69,15 +69,15 @@ def plan(device: str, *, quick: bool) -> list[list[Phase]]:
         ]
     return [
         [Phase("throughput", (f"{bench}/throughput.py", "--presets", "gpt2-124m,gpt-350m", "--device", device,
-                              "--steps", "10", "--reps", "3", "--warmup", "10"), 140)],
+                              "--steps", "10", "--reps", "3", "--warmup", "10"), 160)],
         [
             Phase("daemons", ("-m", "lattica.cli.main", "demo", "--nodes", "2", "--rounds", "2",
-                              "--inner-steps", "50", "--model", "small", "--json"), 150,
+                              "--inner-steps", "50", "--model", "small", "--json"), 140,
                   {"LATTICA_TRAIN_DEVICE": device}),
             Phase("convergence", (f"{bench}/convergence.py", "--device", device, "--model", "medium",
                                   "--strategies", "ddp,diloco", "--steps", "2000", "--workers", "4",
                                   "--batch-size", "16", "--context", "256", "--eval-batches", "8",
-                                  "--compile", "false"), 160),
+                                  "--compile", "false"), 140),
             Phase("placement", (f"{bench}/outer_placement.py", "--preset", "medium", "--device", device,
                                 "--rounds", "3"), 90),
         ],
