@@ -73,6 +73,7 @@ from lattica.train.utilization import device_peak_flops, mfu, model_flops_per_to
 
 log = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True, kw_only=True)
 class TrainerConfig:
     total_steps: int

@@ -14,9 +14,10 @@ and trains its own copy θ with the inner optimizer. After every ``inner_steps``
 
 Invariant: every member of a completed round receives the same Δ and starts from the same φ and
 b, and the outer step is deterministic fp32 math on the CPU (or on the same kind of device
-everywhere), so all replicas hold bit-identical φ afterwards. Failure: if the all-reduce breaks because a peer vanished, the round is retried with
-a fresh group (the provider leaves the dead peer out); if every attempt fails the round is
-skipped — φ stays, θ keeps training, and the next round's Δ covers both rounds.
+everywhere), so all replicas hold bit-identical φ afterwards. Failure: if the all-reduce breaks
+because a peer vanished, the round is retried with a fresh group (the provider leaves the dead
+peer out); if every attempt fails the round is skipped — φ stays, θ keeps training, and the next
+round's Δ covers both rounds.
 
 Gossip averaging (``averaging = "gossip"``, see ``gossip.py``): instead of one all-reduce over
 the round's members, each replica exchanges ``[φ_m, Δ_m]`` with the partners of its small group
