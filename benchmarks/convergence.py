@@ -23,6 +23,7 @@ then carries ``<name>_loss``, ``<name>_bytes`` and ``<name>_vs_ddp``.
     python benchmarks/convergence.py [--data PATH] [--model tiny|llama-tiny|…] [--strategies ddp,nocomm,diloco|all] [--seed N]
         [--steps 500] [--batch-size 8] [--context 128] [--lr 3e-3] [--warmup 50]
         [--outer-lr 0.7] [--outer-momentum 0.9] [--warm-start-steps 0] [--workers 4]
+        [--device cpu|cuda] [--compile auto|true|false]
 
 ``diloco_gossip`` is DiLoCo with gossip averaging (groups of 2 redrawn every round, no
 all-reduce); like NoLoCo its replicas differ, so it also reports the loss of their averaged
@@ -39,6 +40,13 @@ without a finite validation loss) fails the run: exit status 1, one line on stde
 Every method gets the same inner hyperparameters (AdamW, warmup + cosine over ``--steps``).
 ``--outer-lr`` / ``--outer-momentum`` change only the two DiLoCo runs (``diloco``,
 ``moe_diloco``), for sweeps; without them DiLoCo runs with its defaults η 0.7, μ 0.9.
+
+``--device cuda`` trains the workers on one GPU (CPU stays the default): each worker's inner
+steps run in its own thread on its own CUDA stream (the trainer's), so the workers' steps
+overlap on the device; the model is compiled there (``--compile``, default auto: on CUDA); DDP
+averages its gradients on the device (``DDPConfig.reduce_on_device``: the in-memory collective
+sums them where they are) instead of copying them to the host every step. DiLoCo's outer
+state stays on the host, pinned, as in the product.
 
 ``--measure-memory`` runs each method in a forked child process and reports
 ``<name>_peak_memory_bytes``: the child's peak resident memory (``VmHWM``, reset through
@@ -81,6 +89,7 @@ from lattica.train.moe import build_moe_model
 from lattica.train.schedule import ScheduleConfig
 from lattica.train.strategies import STRATEGIES, create_strategy
 from lattica.train.strategies.accounting import optimizer_state_bytes
+from lattica.train.strategies.ddp import DDPConfig
 from lattica.train.strategies.demo_momentum import DeMoConfig
 from lattica.train.strategies.diloco import DiLoCoConfig
 from lattica.train.strategies.eager import EagerDiLoCoConfig
@@ -232,6 +241,8 @@ class Budget:
     lr: float = 3e-3
     warmup: int = 50
     eval_batches: int = 16
+    device: str = "cpu"  # where the workers train: cpu or cuda
+    compile: bool | str = "auto"  # the trainers' torch.compile setting (auto: on CUDA)
 
 
 class FixedGroups:
@@ -258,6 +269,8 @@ async def warm_start(
             batch_size=budget.batch_size, context=budget.context, seed=seed + WARM_SEED_OFFSET
         ),
     )
+    device = select_device(budget.device)
+    model.to(device.device)
     task = Task(model=model, train_batches=iter(sampler), val_batches=[], sampler=sampler)
     strategy = create_strategy(
         "nocomm", model, collective=InMemoryCollectiveGroup(("warm",)).member("warm"),
@@ -268,9 +281,10 @@ async def warm_start(
         eval_every=0,
         log_every=steps,
         schedule=ScheduleConfig(lr=budget.lr, warmup_steps=budget.warmup, total_steps=steps),
+        compile=budget.compile,  # type: ignore[arg-type]
     )
-    await Trainer(task, strategy, config, device=select_device("cpu")).run()
-    return {name: t.detach().clone() for name, t in model.state_dict().items()}
+    await Trainer(task, strategy, config, device=device).run()
+    return {name: t.detach().to("cpu", copy=True) for name, t in model.state_dict().items()}
 
 
 async def run_method(
@@ -292,6 +306,10 @@ async def run_method(
         context=budget.context,
         max_batches=budget.eval_batches,
     )
+    device = select_device(budget.device)
+    config_of_method = method.config
+    if method.strategy == "ddp" and device.device.type != "cpu":  # gradients averaged on the device
+        config_of_method = DDPConfig(reduce_on_device=True)
     trainers = []
     for i, peer in enumerate(peers):
         sampler = BatchSampler(
@@ -307,13 +325,14 @@ async def run_method(
         model = method.build_model(seed)
         if initial is not None:
             model.load_state_dict(initial)
+        model.to(device.device)  # before the strategy: it places its outer state for this device
         task = Task(model=model, train_batches=iter(sampler), val_batches=val, sampler=sampler)
         strategy = create_strategy(
             method.strategy,
             model,
             collective=network.member(peer),
             groups=FixedGroups(peers),
-            config=method.config,
+            config=config_of_method,
         )
         config = TrainerConfig(
             total_steps=budget.steps,
@@ -322,13 +341,14 @@ async def run_method(
             schedule=ScheduleConfig(
                 lr=budget.lr, warmup_steps=budget.warmup, total_steps=budget.steps
             ),
+            compile=budget.compile,  # type: ignore[arg-type]
         )
 
         def track_peak(event, i=i) -> None:
             peaks[i] = max(peaks[i], event.report.bytes_sent)
 
         trainers.append(
-            Trainer(task, strategy, config, device=select_device("cpu"), on_round=track_peak)
+            Trainer(task, strategy, config, device=device, on_round=track_peak)
         )
     summaries = {}
 
@@ -378,7 +398,8 @@ def _averaged_weights_loss(models: list[torch.nn.Module], val) -> float:
         for params in zip(*(m.parameters() for m in models), strict=True):
             params[0].copy_(torch.stack([p.detach() for p in params]).mean(dim=0))
         average.eval()
-        losses = [float(lm_loss(average(x), y)) for x, y in val]
+        device = next(average.parameters()).device
+        losses = [float(lm_loss(average(x.to(device)), y.to(device))) for x, y in val]
     return statistics.fmean(losses)
 
 
@@ -420,6 +441,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="replace one field of a method's strategy config, for sweeps (repeatable), "
         "e.g. --set demo.topk=64 --set sparseloco.error_decay=0.9",
     )
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the workers train (default cpu)")
+    parser.add_argument("--compile", default="auto", choices=("auto", "true", "false"),
+                        help="torch.compile the workers' models (default auto: on CUDA)")
     parser.add_argument(
         "--measure-memory", action="store_true",
         help="each method in a forked child: peak resident memory per worker (<name>_peak_memory_bytes)",
@@ -445,7 +469,15 @@ def main(argv: list[str] | None = None) -> int:
             f"error: --steps must be a multiple of {SYNC_EVERY} (the sync period)", file=sys.stderr
         )
         return 2
+    if args.measure_memory and args.device != "cpu":
+        print("error: --measure-memory forks a child per method: CPU only", file=sys.stderr)
+        return 2
     torch.set_num_threads(args.threads)
+    try:
+        select_device(args.device)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     budget = Budget(
         steps=args.steps,
         batch_size=args.batch_size,
@@ -453,6 +485,8 @@ def main(argv: list[str] | None = None) -> int:
         lr=args.lr,
         warmup=args.warmup,
         eval_batches=args.eval_batches,
+        device=args.device,
+        compile={"true": True, "false": False}.get(args.compile, "auto"),
     )
     try:
         corpus = load_corpus(DataConfig(source=args.data))
@@ -463,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"data: {corpus.description} (sha256 {corpus.content_hash[:12]}), model {args.model}")
     print(
         f"{args.workers} workers x {budget.steps} steps x {budget.batch_size}x{budget.context} "
-        f"tokens = {tokens} tokens per method, seed {args.seed}"
+        f"tokens = {tokens} tokens per method, seed {args.seed}, on {select_device(args.device).describe()}"
     )
     methods = _with_outer(known, args.outer_lr, args.outer_momentum)
     try:
@@ -508,6 +542,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = summary_json(results, args.seed, tokens, args.workers)
     summary["warm_start_steps"] = args.warm_start_steps
     summary["model"] = args.model
+    summary["device"] = select_device(args.device).describe()
     summary.update(bits_per_byte_json(results, corpus.bytes_per_token))
     print(json.dumps(summary))
     return 0

@@ -176,7 +176,7 @@ class TrainingMetricsExporter:
                 metrics.inner_steps_per_second.set((step - last_step) / max(now - last_step_at, 1e-9))
                 last_step, last_step_at = step, now
             for name, gauge in (("loss", metrics.train_loss), ("val_loss", metrics.validation_loss),
-                                ("tokens_per_s", metrics.tokens_per_second),
+                                ("tokens_per_s", metrics.tokens_per_second), ("mfu", metrics.mfu),
                                 ("consensus_distance", metrics.consensus_distance)):
                 if info.get(name) is not None:
                     gauge.set(info[name])

@@ -25,7 +25,7 @@ EXIT_INTERNAL = 2
 # ``model_spec.preset_help()`` as text (a test keeps them equal): ``lattica --help`` needs no torch
 MODEL_HELP = (
     "GPT presets (byte vocabulary): tiny (125k), mini (859k), small (4.9M), medium (25.6M), gpt2-124m (86.0M), "
-    "gpt-125m (121.5M); Llama presets (parameters at a 32k vocabulary; the vocabulary is the data's): "
+    "gpt-125m (121.5M), gpt-350m (303.6M); Llama presets (parameters at a 32k vocabulary; the vocabulary is the data's): "
     "llama-tiny (2.1M), llama-20m (21.7M), llama-150m (144.1M), llama-1b (1.10B); or hf:<local dir>"
 )
 
@@ -72,6 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--group-size", type=int, help="gossip averaging and NoLoCo: members per group (default 2)")
     join.add_argument("--gossip-overlap", action="store_const", const=True, default=None,
                       help="DiLoCo with gossip: each round's exchange runs during the next inner phase")
+    join.add_argument("--compile", choices=("auto", "true", "false"),
+                      help="torch.compile the model (default auto: on CUDA, not on the CPU)")
+    join.add_argument("--micro-batches", type=int, help="gradient accumulation: each step's batch in this many parts")
+    join.add_argument("--activation-checkpointing", action="store_const", const=True, default=None,
+                      help="recompute each layer's activations in backward (less memory, more compute)")
+    join.add_argument("--outer-state-device", choices=("cpu", "same"),
+                      help="where DiLoCo/eager keep their outer state (default cpu: pinned host memory on CUDA)")
 
     ident = sub.add_parser("id", help="print this node's peer id and the addresses others can join")
     _add_data_dir(ident)

@@ -408,6 +408,8 @@ class TrainingService:
         }
         if progress.val_loss is not None and per_token:  # comparable across tokenizers
             self.progress["val_bpb"] = round(bits_per_byte(progress.val_loss, per_token), 4)
+        if progress.mfu is not None:  # CUDA, a device of known peak, the built-in GPT
+            self.progress["mfu"] = round(progress.mfu, 4)
 
     def _on_round(self, event: RoundCompleted) -> None:
         report = event.report
@@ -437,6 +439,7 @@ class TrainingService:
             # tensor-plane bytes this node received (syncs and state fetches), as counted on the wire
             "bytes_received": self.tensors.stats.total_received(),
             "device": self.trainer.device.describe() if self.trainer is not None else None,
+            "compiled": self.trainer.forward.compiled if self.trainer is not None else None,
             **self.progress,
         }
         rejected = {p: n for p, n in self.tensors.stats.rejected_contributions.items() if n}

@@ -12,7 +12,10 @@ what to wrap the strategy in; this module decides *what* is built:
   settings onto, talking to the network only through the ``Collective`` and ``GroupProvider``
   it is given, and judging what partners send with the run's ``max_norm_ratio``
   (``numerics.partner_screen``; refusals go to ``on_refused``);
-- the trainer's schedule: ``rounds × inner_steps`` steps, warm-up, a validation every round.
+- the trainer's schedule: ``rounds × inner_steps`` steps, warm-up, a validation every round;
+  and how its inner loop runs on this node's hardware (``compile``, ``micro_batches``,
+  ``activation_checkpointing``). The model is on the training device before the strategy is
+  built, so the strategy places its outer state for that device (``outer_placement``).
 """
 
 from __future__ import annotations
@@ -78,7 +81,9 @@ def build_trainer(
     implements the same interface (the daemon's outer-state sync). Blocking: model building
     and data loading, so call it in a worker thread."""
     s = settings
+    device = select_device(s.device)
     task = build_task(s, peer_id=parts.peer_id)
+    task.model.to(device.device)
     handles = StrategyHandles(
         ownership=parts.ownership, partner_screen=PartnerScreen(s.max_norm_ratio, on_refused=parts.on_refused),
     )
@@ -92,10 +97,13 @@ def build_trainer(
         schedule=ScheduleConfig(lr=s.inner_lr, warmup_steps=min(s.warmup_steps, total - 1), total_steps=total),
         eval_every=s.inner_steps,
         log_every=max(1, min(10, s.inner_steps // 2)),
+        compile=s.compile,
+        micro_batches=s.micro_batches,
+        activation_checkpointing=s.activation_checkpointing,
     )
     trainer = Trainer(
         task, wrap(strategy), trainer_config,
-        device=select_device(s.device),
+        device=device,
         checkpoints=CheckpointStore(parts.checkpoint_dir, keep=s.keep_checkpoints),
         on_progress=parts.on_progress,
         on_round=parts.on_round,
