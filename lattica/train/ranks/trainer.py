@@ -246,6 +246,8 @@ class RankedTrainer(Trainer):
         for rank, name in enumerate(self.ranks.devices.names):
             report = self._reports[rank] if rank < len(self._reports) else {}
             entry: dict[str, Any] = {"rank": rank, "device": report.get("device") or name, "name": name}
+            if self._group is not None and rank < len(self._group.procs):
+                entry["pid"] = self._group.procs[rank].pid
             for key in ("tokens_per_s", "memory_bytes", "mfu"):
                 if isinstance(report.get(key), int | float):
                     entry[key] = round(report[key], 4 if key == "mfu" else 1)
