@@ -77,7 +77,8 @@ def test_a_rank_killed_mid_run_is_restarted_and_the_node_rejoins(tmp_path: Path)
         os.kill(before["devices"][1]["pid"], signal.SIGKILL)  # a rank process of our own daemon
         named = wait_for(lambda: training(victim_node).get("rank_failures"), timeout=60)
         assert "rank 1 (cpu:1): killed by SIGKILL" in named[-1]
-        assert victim_node.proc is not None and victim_node.proc.poll() is None  # the daemon survives
+        assert victim_node.proc is not None
+        assert victim_node.proc.poll() is None  # the daemon survives
         infos = wait_done(nodes, timeout=200)
         assert infos[1]["rank_restarts"] == 1
         assert len(final_hashes(nodes, rounds=rounds)) == 1
