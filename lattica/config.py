@@ -164,6 +164,9 @@ class TrainSettings:
     min_peers: int = 1
     seed: int = 0
     device: str = "auto"
+    # the node's accelerators: "auto" (every visible CUDA device, else one CPU), a list such as
+    # "cuda:0,cuda:2", or "cpu:N" (N CPU ranks); several make one rank per device (train/ranks/)
+    devices: str = "auto"
     keep_checkpoints: int = 3
     # how the owner of each part of an all-reduce combines the members' contributions
     aggregation: str = "mean"
@@ -234,6 +237,7 @@ class TrainSettings:
             raise ConfigError(f"train.init must be seed or weights, got {self.init!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"train.device must be auto, cpu or cuda, got {self.device!r}")
+        check_devices_syntax(self.devices)
         self._check_inner_loop()
 
     def _check_inner_loop(self) -> None:
@@ -252,6 +256,21 @@ class TrainSettings:
                 f"train.outer_state_device must be one of {', '.join(OUTER_STATE_DEVICES)}, "
                 f"got {self.outer_state_device!r}"
             )
+
+
+_DEVICES = re.compile(r"^(auto|cpu(:\d+)?|cuda(:\d+)?(,cuda(:\d+)?)*)$")
+
+
+def check_devices_syntax(devices: object) -> None:
+    """``train.devices`` must read as ``auto``, ``cpu:N`` or a comma-separated list of
+    ``cuda:I``; whether those devices exist is checked where they are opened
+    (``train/ranks/devices.py``)."""
+    if not isinstance(devices, str) or not _DEVICES.match(devices.replace(" ", "")):
+        raise ConfigError(
+            f"train.devices must be auto, cpu:N or a list such as cuda:0,cuda:1, got {devices!r}"
+        )
+    if devices.replace(" ", "") in ("cpu:0",):
+        raise ConfigError("train.devices cpu:N needs N >= 1 (cpu:0 would train on no device)")
 
 
 def _is_int(value: object) -> bool:

@@ -180,6 +180,7 @@ class TrainingMetricsExporter:
                                 ("consensus_distance", metrics.consensus_distance)):
                 if info.get(name) is not None:
                     gauge.set(info[name])
+            metrics.set_devices(info.get("devices") or [])
             refused = sum((info.get("rejected_contributions") or {}).values())
             metrics.rejected_contributions.inc(max(0, refused - rejected))
             rejected = max(rejected, refused)

@@ -50,6 +50,7 @@ def join(args: argparse.Namespace) -> int:
         "rounds": args.rounds,
         "min_peers": args.min_peers,
         "device": args.device,
+        "devices": args.devices,
         "seed": args.seed,
         "averaging": args.averaging,
         "group_size": args.group_size,

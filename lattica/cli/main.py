@@ -67,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--rounds", type=int, help="outer rounds to train")
     join.add_argument("--min-peers", type=int, help="peers (including this one) needed before training starts")
     join.add_argument("--device", choices=("auto", "cpu", "cuda"))
+    join.add_argument("--devices", help="the node's accelerators: auto (every CUDA device, else one CPU; "
+                      "default), a list such as cuda:0,cuda:1, or cpu:N (N CPU ranks)")
     join.add_argument("--seed", type=int)
     join.add_argument("--averaging", choices=("allreduce", "gossip"), help="DiLoCo: one all-reduce per round (default) or gossip in small groups")
     join.add_argument("--group-size", type=int, help="gossip averaging and NoLoCo: members per group (default 2)")

@@ -373,11 +373,13 @@ class BatchSampler:
             config.seed * 1_000_003 + config.shard_index
         )
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def next_batch(self, rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next batch; ``rows``: only those of its windows are read (one rank's slice of a
+        node's batch — the sampler moves on by the whole batch either way)."""
         c = self.config
         high = len(self.tokens) - c.context
         starts = torch.randint(0, high, (c.batch_size,), generator=self._generator)
-        return _windows(self.tokens, starts, c.context)
+        return _windows(self.tokens, starts[rows], c.context)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         while True:

@@ -441,6 +441,7 @@ class TrainingService:
             "device": self.trainer.device.describe() if self.trainer is not None else None,
             "compiled": self.trainer.forward.compiled if self.trainer is not None else None,
             **self.progress,
+            **(self.trainer.device_status() if self.trainer is not None else {}),
         }
         rejected = {p: n for p, n in self.tensors.stats.rejected_contributions.items() if n}
         if rejected:  # peer -> contributions refused (screened out of all-reduces and exchanges)

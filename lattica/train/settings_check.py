@@ -13,6 +13,7 @@ from pathlib import Path
 
 from lattica.config import TrainSettings
 from lattica.errors import ConfigError
+from lattica.train.ranks.devices import check_rank_settings
 from lattica.train.strategy_settings import strategy_config
 
 
@@ -29,6 +30,7 @@ def check_settings(settings: TrainSettings, *, verify_shards: bool = True) -> No
     except (ValueError, KeyError) as exc:
         raise ConfigError(str(exc).strip("'\"")) from None
     strategy_config(settings)  # the strategy's own checks (e.g. fragments dividing H)
+    check_rank_settings(settings)  # the node's devices are there and can share the work
     if settings.task is not None:
         resolve_task(settings.task)
         return

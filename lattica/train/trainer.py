@@ -261,7 +261,7 @@ class Trainer:
             await trio.to_thread.run_sync(self._worker.run, self._optimizer_step)
             self.step, self._loss = step, loss
         else:
-            await trio.to_thread.run_sync(self._worker.run, self._inner_steps, self._next_stop())
+            await self._run_inner_steps(self._next_stop())
         done_in_thread, self._done_in_thread = self._done_in_thread, []
         for round_event in done_in_thread:
             await self._record_round(round_event)
@@ -272,6 +272,21 @@ class Trainer:
             await self._evaluate_and_report()
         elif step % self.config.log_every == 0:
             self._report()
+
+    async def _run_inner_steps(self, last: int) -> None:
+        """Inner steps up to ``last`` in the worker thread (on a node of several devices, by
+        its rank processes: ``train/ranks/``)."""
+        await trio.to_thread.run_sync(self._worker.run, self._inner_steps, last)
+
+    def device_status(self) -> dict[str, Any]:
+        """``lattica status``'s ``devices``: one entry per rank — here the one device."""
+        entry: dict[str, Any] = {"rank": 0, "device": self.device.describe(), "tokens_per_s": round(self._rate, 1)}
+        if self.device.device.type == "cuda":
+            entry["memory_bytes"] = torch.cuda.max_memory_allocated(self.device.device)
+        utilization = mfu(self._flops_per_token, self._rate, self._peak_flops)
+        if utilization is not None:
+            entry["mfu"] = round(utilization, 4)
+        return {"devices": [entry]}
 
     def _next_stop(self) -> int:
         """The next step after which the strategy or the trainer has work: a sync, a report or

@@ -15,7 +15,9 @@ what to wrap the strategy in; this module decides *what* is built:
 - the trainer's schedule: ``rounds × inner_steps`` steps, warm-up, a validation every round;
   and how its inner loop runs on this node's hardware (``compile``, ``micro_batches``,
   ``activation_checkpointing``). The model is on the training device before the strategy is
-  built, so the strategy places its outer state for that device (``outer_placement``).
+  built, so the strategy places its outer state for that device (``outer_placement``);
+- with several devices (``train.devices``) a ``RankedTrainer``: the model stays on the CPU as
+  the node's replica and one rank process per device trains it (``train/ranks``).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from lattica.train.collective import Collective
 from lattica.train.data import DataConfig
 from lattica.train.device import select_device
 from lattica.train.moe import MOE_PRESETS, build_moe_model
+from lattica.train.ranks.devices import check_rank_settings
+from lattica.train.ranks.trainer import RankedTrainer, RankSetup
 from lattica.train.schedule import ScheduleConfig
 from lattica.train.strategies import strategy_class
 from lattica.train.strategies.base import OuterStrategy, StrategyHandles
@@ -81,7 +85,8 @@ def build_trainer(
     implements the same interface (the daemon's outer-state sync). Blocking: model building
     and data loading, so call it in a worker thread."""
     s = settings
-    device = select_device(s.device)
+    node = check_rank_settings(s)
+    device = select_device(node.single if node.ranks == 1 else "cpu")  # several: the replica stays on the CPU
     task = build_task(s, peer_id=parts.peer_id)
     task.model.to(device.device)
     handles = StrategyHandles(
@@ -101,13 +106,18 @@ def build_trainer(
         micro_batches=s.micro_batches,
         activation_checkpointing=s.activation_checkpointing,
     )
-    trainer = Trainer(
-        task, wrap(strategy), trainer_config,
-        device=device,
-        checkpoints=CheckpointStore(parts.checkpoint_dir, keep=s.keep_checkpoints),
-        on_progress=parts.on_progress,
-        on_round=parts.on_round,
-    )
+    checkpoints = CheckpointStore(parts.checkpoint_dir, keep=s.keep_checkpoints)
+    trainer: Trainer
+    if node.ranks > 1:  # one rank process per device, the replica in the daemon (``train/ranks``)
+        trainer = RankedTrainer(
+            task, wrap(strategy), trainer_config, ranks=RankSetup(devices=node, settings=s, peer_id=parts.peer_id),
+            checkpoints=checkpoints, on_progress=parts.on_progress, on_round=parts.on_round,
+        )
+    else:
+        trainer = Trainer(
+            task, wrap(strategy), trainer_config, device=device, checkpoints=checkpoints,
+            on_progress=parts.on_progress, on_round=parts.on_round,
+        )
     trainer.annotations.update(export_annotations(task))
     return trainer
 

@@ -34,6 +34,7 @@ _SAMPLES: dict[str, Any] = {
     "data": "shakespeare",
     "task": "mypkg.tasks:build",
     "device": "cpu",
+    "devices": "cpu:2",
     "aggregation": "median",
     "averaging": "gossip",
     "compile": True,
