@@ -362,7 +362,7 @@ def run_undisturbed(root: Path, args: argparse.Namespace) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, default=6)
-    parser.add_argument("--rounds", type=int, default=240)
+    parser.add_argument("--rounds", type=int, default=300)
     parser.add_argument("--inner-steps", type=int, default=10)
     parser.add_argument("--deadline-s", type=float, default=5.0)
     parser.add_argument("--kill-every", type=float, default=3.0, help="seconds between disturbances")
