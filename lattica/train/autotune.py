@@ -154,7 +154,7 @@ class Tuned:
 def _values(knob: str) -> list[object]:
     """A knob's values from the cheapest in loss to the dearest (ties: the smaller H first)."""
     costs = LOSS_COST[knob]
-    return sorted(costs, key=lambda v: (costs[v], v if knob == "inner_steps" else 0))  # type: ignore[operator]
+    return sorted(costs, key=lambda v: (costs[v], v if isinstance(v, int) and knob == "inner_steps" else 0))
 
 
 def tune(m: Measurements, *, target: float = DEFAULT_TARGET) -> Tuned:
@@ -187,7 +187,7 @@ def tune(m: Measurements, *, target: float = DEFAULT_TARGET) -> Tuned:
             knob, current, prediction = min(meeting, key=lambda mv: mv[2].loss_cost)
             reason = f"meets utilization {target} at the least loss cost of one step"
         else:
-            knob, current, prediction = max(moves, key=lambda mv, now=now: _worth(mv[2], now))
+            knob, current, prediction = max(moves, key=lambda mv: _worth(mv[2], now))
             reason = "the most utilization per loss cost of one step"
         index[knob] += 1
         choices.append(Choice(knob=knob, value=getattr(current, knob), prediction=prediction, reason=reason))
