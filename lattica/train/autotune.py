@@ -216,3 +216,17 @@ def needs_retune(tuned_for_bps: float, measured_bps: float, *, factor: float = 2
         return False
     ratio = measured_bps / tuned_for_bps
     return ratio > factor or ratio < 1 / factor
+
+
+def run_settings(candidate: Candidate) -> dict[str, object]:
+    """The ``[train]`` settings of ``candidate``: overlap is strategy ``co2`` (all-reduce) or
+    gossip with ``gossip_overlap``; a group smaller than the round is gossip averaging. The codec
+    and chunk size are the data plane's (advisory here: the codec of the DiLoCo family's config)."""
+    settings: dict[str, object] = {"inner_steps": candidate.inner_steps}
+    if candidate.group_size:
+        settings |= {"strategy": "diloco", "averaging": "gossip", "group_size": candidate.group_size}
+        if candidate.overlap:
+            settings["gossip_overlap"] = True
+    else:
+        settings["strategy"] = "co2" if candidate.overlap else "diloco"
+    return settings

@@ -94,3 +94,18 @@ def test_bad_measurements_are_refused(bad):
     values = {"step_s": 0.1, "model_bytes": 10, "bandwidth_bps": 1e6, "rtt_s": 0.0, "peers": 2} | bad
     with pytest.raises(ValueError, match="must"):
         Measurements(**values)
+
+
+def test_the_tune_command_prints_each_choice_and_the_settings(capsys):
+    from lattica.cli.main import main
+
+    args = ["tune", "--step-ms", "100", "--model-bytes", "800000", "--bandwidth-mbit", "20", "--rtt-ms", "100",
+            "--peers", "4"]
+    assert main(args) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("chunk_bytes = ")
+    assert out[1].startswith("overlap = True: utilization 1.000")
+    assert out[-3:] == ["[train]", "inner_steps = 25", 'strategy = "co2"']
+    assert main([*args[:2], "-5", *args[3:]]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["lattica: error: tune: step_s must be a finite positive number, got -0.005"]
