@@ -5,7 +5,7 @@ import torch
 import trio
 
 from lattica.config import TrainSettings
-from lattica.train.strategies.co2 import CO2, CO2Config, co2_outer_step, staleness_factors
+from lattica.train.strategies.co2 import CO2, CO2Config, co2_outer_step, look_ahead, staleness_factors
 from lattica.train.strategy_settings import strategy_config
 from lattica_lab.collective import FixedGroups, InMemoryCollectiveGroup, scalar_model
 
@@ -27,6 +27,17 @@ def test_outer_step_scales_by_the_penalty_then_clips_the_momentum():
     assert momentum[0].item() == -1.5
     assert outer[0].item() == 4.5
     assert base[0].item() == 3.0  # where the pseudo-gradient launched at this sync was taken
+
+
+def test_a_phase_starts_from_the_step_its_own_fresh_delta_would_give():
+    phi, m = torch.tensor([3.0]), torch.tensor([-2.0])
+    config = CO2Config(outer_lr=1.0, outer_momentum=0.5, momentum_clip=None)
+    # s = φ − η·(μ·m + Δ_own) = 3 − (−1 − 1)
+    assert look_ahead([phi], [m], [torch.tensor([-1.0])], config)[0].item() == 5.0
+    clipped = CO2Config(outer_lr=1.0, outer_momentum=0.5, momentum_clip=1.5)
+    assert look_ahead([phi], [m], [torch.tensor([-1.0])], clipped)[0].item() == 4.5
+    assert phi.item() == 3.0
+    assert m.item() == -2.0  # the shared state is not touched
 
 
 async def _run(config, drift, rounds, start=1.0):
@@ -55,8 +66,9 @@ async def _run(config, drift, rounds, start=1.0):
 async def test_two_replicas_match_the_hand_computed_trajectory():
     config = CO2Config(inner_steps=1, outer_lr=1.0, outer_momentum=0.5, staleness_penalty=1.0, momentum_clip=None)
     models, strategies, reports = await _run(config, drift=[1.0, 3.0], rounds=3)
-    # every round: Δ = φ − θ = (−1, −3), mean −2, landed one round late.
-    # sync 1: nothing lands; θ ← φ = 1.
+    # every round: Δ = s − θ = (−1, −3), mean −2, landed one round late; each phase starts
+    # from its own look-ahead, which leaves the shared (φ, m) alone.
+    # sync 1: nothing lands; s = φ − Δ_own = (2, 4).
     # sync 2: Λ = 1 (φ has not moved); m = −2; φ = 1 + 2 = 3.
     # sync 3: Λ = 1 + |3 − 1|/1 = 3; m = −1 − 2/3; φ = 3 + 5/3 = 14/3.
     # finish: Λ = 1 + (14/3 − 3)/3 = 14/9; m = −5/6 − 2·9/14; φ = 14/3 + 5/6 + 9/7.

@@ -8,30 +8,39 @@ Theory of operation
 Blocking DiLoCo stops training while a round's all-reduce is on the wire. CO2 launches the
 all-reduce of round t's pseudo-gradient and goes straight on with round t+1's inner steps; the
 mean arrives during them and is applied at the end of round t+1. Every replica keeps the shared
-outer state — the outer weights φ, the outer momentum m, and φ' (the outer weights at which the
-pseudo-gradient in flight was taken) — identical on every member. At the end of round t worker
-m:
+outer state — the outer weights φ, the outer momentum m, and φ' (the outer weights when the
+pseudo-gradient in flight was taken) — identical on every member, and its own start point s_m
+(where its current inner phase began). At the end of round t worker m:
 
-1. takes its pseudo-gradient Δ_m^t = φ − θ_m (its phase started at φ) and launches its
-   all-reduce in the strategy's nursery;
+1. takes its pseudo-gradient Δ_m^t = s_m − θ_m and launches its all-reduce in the strategy's
+   nursery;
 2. waits for the mean Δ^{t−1} of the previous round (it had a whole inner phase to arrive)
    and applies it to the shared state (``co2_outer_step``):
 
-   - **staleness gap penalty**: Δ^{t−1} was taken at φ', and φ has moved since by the last
-     outer update. Per tensor ℓ, Λ_ℓ = 1 + λ·‖φ_ℓ − φ'_ℓ‖ / ‖φ'_ℓ‖ (the layer's relative
-     movement while the update was in flight, λ = ``staleness_penalty``) and the update is
-     scaled by 1/Λ_ℓ — the further the weights moved, the less a stale update is trusted;
+   - **staleness gap penalty**: Δ^{t−1} was taken when the shared weights were φ', and φ has
+     moved since by the last outer update. Per tensor ℓ, Λ_ℓ = 1 + λ·‖φ_ℓ − φ'_ℓ‖ / ‖φ'_ℓ‖
+     (the layer's relative movement while the update was in flight, λ =
+     ``staleness_penalty``) and the update is scaled by 1/Λ_ℓ — the further the weights moved,
+     the less a stale update is trusted;
    - outer momentum: m ← μ·m + Δ^{t−1}/Λ;
    - **outer momentum clipping**: every element of m is clipped to [−c, c]
      (c = ``momentum_clip``; None: off), bounding the step a stale update can cause;
-   - φ ← φ − η·m;
+   - φ' ← φ (where Δ^t was taken); φ ← φ − η·m;
 
-3. starts round t+1 from the shared weights: θ_m ← φ. (φ' became the φ of before the step:
-   where the pseudo-gradient launched in 1. was taken.)
+3. starts round t+1 from the step its own fresh Δ_m^t would give if it were the round's mean
+   (``look_ahead``): s_m ← φ − η·clip(μ·m + Δ_m^t), θ_m ← s_m; φ and m are not changed by it.
 
-The first round has nothing to land; the phase after it starts where the first began. ``finish``
-waits for the last mean, applies it and sets θ ← φ, so every worker that finishes holds the
-same weights, every round's pseudo-gradient applied once.
+Why the look-ahead (as in eager DiLoCo, ``eager.py``): starting every phase at the shared φ
+throws away the last round's progress until its mean lands, so every phase restarts one update
+behind and the next pseudo-gradient repeats much of the last one; on the 4-worker benchmark that
+ended 40 % above DiLoCo's loss (docs/strategies.md). The outer step is linear in its gradient,
+so the mean over the workers of their starts is the step the round's mean would give: the
+workers start, on average, where an undelayed outer step would have put them, each off by its
+own share of the round's spread, which the landing of the true mean forgets.
+
+The first round has nothing to land. ``finish`` waits for the last mean, applies it and sets
+θ ← φ, so every worker that finishes holds the same weights, every round's pseudo-gradient
+applied once.
 
 Every quantity in the outer step is shared — the mean, φ, φ' and m — so the step is the same
 deterministic fp32 arithmetic on every member and replicas hold bit-identical outer state after
@@ -138,6 +147,21 @@ def co2_outer_step(
     return factors
 
 
+def look_ahead(
+    outer: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor], fresh_own: Sequence[torch.Tensor],
+    config: CO2Config,
+) -> list[torch.Tensor]:
+    """s = φ − η·clip(μ·m + Δ_m): the outer step this worker's own fresh Δ_m would give if it
+    were the round's mean, without changing φ or m (module docstring)."""
+    starts = []
+    for phi, m, delta in zip(outer, momentum, fresh_own, strict=True):
+        ahead = m.mul(config.outer_momentum).add_(delta.to(device=m.device, dtype=torch.float32))
+        if config.momentum_clip is not None:
+            ahead.clamp_(-config.momentum_clip, config.momentum_clip)
+        starts.append(phi - config.outer_lr * ahead)
+    return starts
+
+
 @dataclass
 class _InFlight:
     """An all-reduce running behind the next inner phase; ``mean`` None when it failed."""
@@ -172,7 +196,8 @@ class CO2(EveryHSteps, AccountedStrategy):
         placement = OuterPlacement(where=self.config.outer_state_device)
         self._names, self._inner, self._outer = outer_copy(model, placement)
         self._momentum = [torch.zeros_like(t) for t in self._outer]
-        self._base = clone_like(self._outer)  # φ': where the pseudo-gradient in flight was taken
+        self._base = clone_like(self._outer)  # φ': the shared weights when the one in flight was taken
+        self._start = clone_like(self._outer)  # s: where this worker's inner phase started
         self._in_flight: _InFlight | None = None
         self._round = 0  # all-reduces launched (the next one's key)
         self._completed = 0  # means landed
@@ -189,7 +214,7 @@ class CO2(EveryHSteps, AccountedStrategy):
 
     @property
     def outer_state_bytes(self) -> int:
-        return tensor_bytes(self._outer) + tensor_bytes(self._momentum) + tensor_bytes(self._base)
+        return sum(tensor_bytes(t) for t in (self._outer, self._momentum, self._base, self._start))
 
     def outer_parameters(self) -> list[torch.Tensor]:
         return self._outer
@@ -199,12 +224,12 @@ class CO2(EveryHSteps, AccountedStrategy):
             raise LocalProtocolError("CO2 needs bind_nursery() before the first round")
         started = time.monotonic()
         self._step = step
-        fresh = host_copies(pseudo_gradient(self._outer, self._inner))
-        previous, self._in_flight = self._in_flight, self._launch(fresh)
+        fresh = pseudo_gradient(self._start, self._inner)
+        previous, self._in_flight = self._in_flight, self._launch(host_copies(fresh))
         report = await self._land(previous, started) if previous is not None else None
         if report is None or report.skipped:  # no outer step: φ' ← φ all the same
             copy_into(self._base, self._outer)
-        self._begin_phase()
+        self._begin_phase(look_ahead(self._outer, self._momentum, fresh, self.config))
         return report or OuterStepReport(
             round=self._in_flight.round, key=self._in_flight.key, group=(), bytes_sent=0, seconds=0.0,
             skipped=True, detail=FIRST_IN_FLIGHT,
@@ -216,7 +241,7 @@ class CO2(EveryHSteps, AccountedStrategy):
         if last is None:
             return []
         report = await self._land(last, time.monotonic())
-        self._begin_phase()
+        self._begin_phase(self._outer)
         return [report]
 
     def _launch(self, fresh: list[torch.Tensor]) -> _InFlight:
@@ -258,9 +283,10 @@ class CO2(EveryHSteps, AccountedStrategy):
             skipped=flight.mean is None, detail=flight.error if flight.mean is None else "",
         )
 
-    def _begin_phase(self) -> None:
-        """The next phase starts at the shared weights: θ ← φ."""
-        copy_into(self._inner, self._outer)
+    def _begin_phase(self, start: Sequence[torch.Tensor]) -> None:
+        """The next inner phase starts at ``start``: s ← start, θ ← start."""
+        copy_into(self._start, start)
+        copy_into(self._inner, self._start)
 
     def outer_state_dict(self) -> dict[str, Any]:
         def named(tensors: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -287,4 +313,4 @@ class CO2(EveryHSteps, AccountedStrategy):
         self._completed = int(state.get("completed_rounds", self._round))
         self._step = int(state.get("step", self._round * self.config.inner_steps))
         self._in_flight = None  # a mean of the replaced state is not landed on the new one
-        copy_into(self._inner, self._outer)
+        self._begin_phase(self._outer)
