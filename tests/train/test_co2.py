@@ -5,7 +5,13 @@ import torch
 import trio
 
 from lattica.config import TrainSettings
-from lattica.train.strategies.co2 import CO2, CO2Config, co2_outer_step, look_ahead, staleness_factors
+from lattica.train.strategies.co2 import (
+    CO2,
+    CO2Config,
+    co2_outer_step,
+    look_ahead,
+    staleness_factors,
+)
 from lattica.train.strategy_settings import strategy_config
 from lattica_lab.collective import FixedGroups, InMemoryCollectiveGroup, scalar_model
 
