@@ -244,7 +244,9 @@ class LocalAdam(EveryHSteps, AccountedStrategy):
         self._round = realigned_round(self.groups, self._round)
         key = f"round/{self._round}"
         self._round += 1
-        due = due_quantities(step // self.config.inner_steps, self.config)
+        # by the key, not the step: a replica that jumped to the swarm's round sends what its
+        # partners of that round send
+        due = due_quantities(self._round, self.config)
         payload = self._payload(due)
         me = self.collective.peer_id
         members = await self.groups.group_for(key)
