@@ -89,8 +89,10 @@ from lattica.train.moe import build_moe_model
 from lattica.train.schedule import ScheduleConfig
 from lattica.train.strategies import STRATEGIES, create_strategy
 from lattica.train.strategies.accounting import optimizer_state_bytes
+from lattica.train.strategies.co2 import CO2Config
 from lattica.train.strategies.ddp import DDPConfig
 from lattica.train.strategies.demo_momentum import DeMoConfig
+from lattica.train.strategies.desloc import DESLOCConfig, LocalAdamConfig
 from lattica.train.strategies.diloco import DiLoCoConfig
 from lattica.train.strategies.eager import EagerDiLoCoConfig
 from lattica.train.strategies.noloco import NoLoCoConfig
@@ -171,6 +173,10 @@ METHODS: dict[str, Method] = {
     # DiLoCo's 10 dense ones, and with only 10 rounds too little of the model ever moves
     "sparseloco": Method(strategy="sparseloco", config=SparseLoCoConfig(inner_steps=SYNC_EVERY // 2)),
     "demo": Method(strategy="demo", config=DeMoConfig(inner_steps=SYNC_EVERY)),  # syncs every step
+    # Local Adam averages x, u and v every H; DES-LOC x every H, u every 3H, v every 6H
+    "local_adam": Method(strategy="local_adam", config=LocalAdamConfig(inner_steps=SYNC_EVERY)),
+    "desloc": Method(strategy="desloc", config=DESLOCConfig(inner_steps=SYNC_EVERY)),
+    "co2": Method(strategy="co2", config=CO2Config(inner_steps=SYNC_EVERY)),
     "moe_diloco": Method(
         strategy="diloco", config=DiLoCoConfig(inner_steps=SYNC_EVERY), build_model=_tiny_moe
     ),
@@ -675,6 +681,8 @@ def summary_json(
         ("streaming_eager", "streaming"),
         ("spes", "moe_diloco"),
         ("sparseloco", "diloco"),
+        ("desloc", "local_adam"),
+        ("co2", "diloco"),
     ):
         if name in results and baseline in results:
             out[f"{name}_vs_{baseline}"] = round(
@@ -688,6 +696,8 @@ def summary_json(
         out["diloco_bytes_vs_sparseloco"] = round(
             results["diloco"]["bytes"] / results["sparseloco"]["bytes"], 2
         )
+    if "desloc" in results and "local_adam" in results and results["desloc"]["bytes"]:
+        out["local_adam_bytes_vs_desloc"] = round(results["local_adam"]["bytes"] / results["desloc"]["bytes"], 3)
     if "spes" in results and "moe_diloco" in results:
         out["spes_optimizer_state_vs_moe_diloco"] = round(
             results["spes"]["optimizer_state_bytes"]

@@ -186,6 +186,12 @@ class TrainSettings:
     # where the DiLoCo family keeps its outer state: "cpu" (pinned memory when training on CUDA)
     # or "same" (the training device)
     outer_state_device: str = "cpu"
+    # DES-LOC / Local Adam: the moments' sync periods in rounds of inner_steps (None: the strategy's)
+    first_moment_rounds: int | None = None
+    second_moment_rounds: int | None = None
+    # CO2: the staleness gap penalty λ and the outer momentum's element-wise bound (0: off)
+    staleness_penalty: float | None = None
+    momentum_clip: float | None = None
 
     def __post_init__(self) -> None:
         positive = {
@@ -239,6 +245,17 @@ class TrainSettings:
             raise ConfigError(f"train.device must be auto, cpu or cuda, got {self.device!r}")
         check_devices_syntax(self.devices)
         self._check_inner_loop()
+        self._check_research_strategies()
+
+    def _check_research_strategies(self) -> None:
+        for name in ("first_moment_rounds", "second_moment_rounds"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value <= 0):
+                raise ConfigError(f"train.{name} must be a positive integer, got {value!r}")
+        for name in ("staleness_penalty", "momentum_clip"):
+            value = getattr(self, name)
+            if value is not None and (not _is_finite(value) or value < 0):
+                raise ConfigError(f"train.{name} must be a finite number >= 0, got {value!r}")
 
     def _check_inner_loop(self) -> None:
         if not (isinstance(self.compile, bool) or self.compile == "auto"):

@@ -15,6 +15,7 @@ from pathlib import Path
 from lattica.cli import data as data_cli
 from lattica.cli import doctor as doctor_cli
 from lattica.cli import export as export_cli
+from lattica.cli import tune as tune_cli
 from lattica.cli.common import resolve_data_dir
 from lattica.config import DEFAULT_INNER_STEPS, DEMO_LONG_ROUNDS, DEMO_ROUNDS
 from lattica.errors import LatticaError, StorageError
@@ -104,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     doctor_cli.add_parser(sub)
     data_cli.add_parser(sub)
     export_cli.add_parser(sub)
+    tune_cli.add_parser(sub)
 
     demo = sub.add_parser("demo", help="train a local swarm of daemons on the built-in corpus")
     demo.add_argument("--nodes", type=int, default=4)
@@ -199,6 +201,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         "doctor": doctor_cli.doctor,
         "data": data_cli.data,
         "export": export_cli.export,
+        "tune": tune_cli.tune,
     }
     return handlers[args.command](args)
 

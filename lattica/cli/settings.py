@@ -36,6 +36,7 @@ _KINDS: dict[object, str] = {
     Path: "path",
     tuple[str, ...]: "list",
     float | None: "float?",
+    int | None: "int?",
     str | None: "str",
     Path | None: "path",
     bool | Literal["auto"]: "bool|auto",
@@ -93,7 +94,9 @@ def _convert(kind: str, value: object) -> SettingValue:
         if not isinstance(value, str | Path) or not str(value):
             raise TypeError
         return Path(value).expanduser()
-    if kind == "int":
+    if kind == "int?" and isinstance(value, str) and value.strip().lower() == "none":
+        return None
+    if kind in ("int", "int?"):
         # TOML 1.5 or an env "1.5" is refused, not truncated
         if isinstance(value, int) and not isinstance(value, bool):
             return value
@@ -128,7 +131,7 @@ def _coerce(key: str, kind: str, value: object, source: str) -> SettingValue:
     except (TypeError, ValueError):
         name = key.rpartition(".")[2].removeprefix("train_")
         optional = "a finite number or 'off'" if name in _OFF_WHEN_NONE else "a finite number, or 'none' for the default"
-        expected = {"int": "an integer", "float": "a finite number", "float?": optional,
+        expected = {"int": "an integer", "int?": "an integer, or 'none' for the default", "float": "a finite number", "float?": optional,
                     "bool|auto": "true, false or 'auto'"}
         raise ConfigError(
             f"{source}: {key} has an invalid value {value!r} (expected {expected.get(kind, kind)})"

@@ -47,13 +47,29 @@ ROUTES: dict[str, Mapping[str, str]] = {
         "averaging": "averaging", "group_size": "group_size", "group_grace_s": "exchange_timeout_s",
     },
     "demo": {"inner_steps": "inner_steps"},  # syncs every step; H: steps per reported round
+    "local_adam": {
+        "inner_steps": "inner_steps", "averaging": "averaging", "group_size": "group_size",
+        "group_grace_s": "exchange_timeout_s", "first_moment_rounds": "first_moment_rounds",
+        "second_moment_rounds": "second_moment_rounds",
+    },
+    "desloc": {
+        "inner_steps": "inner_steps", "averaging": "averaging", "group_size": "group_size",
+        "group_grace_s": "exchange_timeout_s", "first_moment_rounds": "first_moment_rounds",
+        "second_moment_rounds": "second_moment_rounds",
+    },
+    # momentum_clip 0 turns the clip off (``_co2_derived``)
+    "co2": {
+        "inner_steps": "inner_steps", "outer_lr": "outer_lr", "outer_momentum": "outer_momentum",
+        "staleness_penalty": "staleness_penalty", "momentum_clip": "momentum_clip",
+        "outer_state_device": "outer_state_device",
+    },
     "ddp": {},  # averages gradients every step: H only sets the trainer's round length
     "nocomm": {},
 }
 # settings that only a strategy uses; ``inner_steps`` is also the trainer's round length
 STRATEGY_SETTINGS = (
     "inner_steps", "outer_lr", "outer_momentum", "averaging", "group_size", "group_grace_s", "gossip_overlap",
-    "outer_state_device",
+    "outer_state_device", "first_moment_rounds", "second_moment_rounds", "staleness_penalty", "momentum_clip",
 )
 _TRAINER_TOO = ("inner_steps",)
 _SPES_WARMUP_STEPS = 500  # SPES merges similar experts about every 500 steps, a multiple of S
@@ -111,7 +127,14 @@ def _spes_derived(settings: TrainSettings, members: tuple[str, ...]) -> dict[str
     return {"merge_every": h * max(1, round(_SPES_WARMUP_STEPS / h)), "members": members}
 
 
-_DERIVED: dict[str, Callable[[TrainSettings, tuple[str, ...]], dict[str, object]]] = {"spes": _spes_derived}
+def _co2_derived(settings: TrainSettings, members: tuple[str, ...]) -> dict[str, object]:
+    clip = settings.momentum_clip
+    return {} if clip is None else {"momentum_clip": clip or None}
+
+
+_DERIVED: dict[str, Callable[[TrainSettings, tuple[str, ...]], dict[str, object]]] = {
+    "spes": _spes_derived, "co2": _co2_derived,
+}
 
 
 def _routes(strategy: str) -> Mapping[str, str]:

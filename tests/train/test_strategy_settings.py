@@ -22,6 +22,7 @@ from lattica.train.strategy_settings import (
 PROBE = {
     "inner_steps": 24, "outer_lr": 0.31, "outer_momentum": 0.37, "averaging": "gossip", "group_size": 3,
     "group_grace_s": 1.25, "gossip_overlap": True, "outer_state_device": "same",
+    "first_moment_rounds": 2, "second_moment_rounds": 5, "staleness_penalty": 0.4, "momentum_clip": 0.6,
 }
 SETTING_NAMES = {f.name for f in dataclasses.fields(TrainSettings)}
 

@@ -27,6 +27,9 @@ STRATEGIES: dict[str, str] = {
     "spes": "lattica.train.strategies.spes:SPES",
     "sparseloco": "lattica.train.strategies.sparseloco:SparseLoCo",
     "demo": "lattica.train.strategies.demo_momentum:DeMo",
+    "local_adam": "lattica.train.strategies.desloc:LocalAdam",
+    "desloc": "lattica.train.strategies.desloc:DESLOC",
+    "co2": "lattica.train.strategies.co2:CO2",
 }
 
 
