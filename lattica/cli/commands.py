@@ -14,7 +14,7 @@ from lattica.decoding import str_list, str_map
 from lattica.errors import DaemonNotRunningError, LocalProtocolError
 
 if TYPE_CHECKING:
-    from lattica.node import Node
+    from lattica.node.node import Node
 
 
 def join(args: argparse.Namespace) -> int:
@@ -22,9 +22,9 @@ def join(args: argparse.Namespace) -> int:
     from lattica.cli.preflight import check_metrics_host, prepare_data_dir
     from lattica.cli.settings import build_node_config
     from lattica.config import parse_host_port
-    from lattica.daemon import run_until_stopped
     from lattica.net.access import read_secret_file
     from lattica.net.identity import load_or_create_identity
+    from lattica.node.daemon import run_until_stopped
     from lattica.train.settings_check import check_settings
 
     flags = {

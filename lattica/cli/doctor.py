@@ -1,7 +1,7 @@
 """``lattica doctor``: why this node does (not) see the others, and what to do about it.
 
 With a daemon running for ``--data-dir`` the node's facts come from its control socket
-(``lattica.observability.doctor``); without one, ``--peer`` addresses are probed by a
+(``lattica.node.doctor``); without one, ``--peer`` addresses are probed by a
 short-lived host (``lattica.net.probe``) — the check to run on a rented machine before joining.
 This machine's free disk and compute device are read here. ``lattica.diagnostics`` turns
 both into findings. Exit code 0 when no finding is a problem, 1 otherwise.

@@ -13,9 +13,9 @@ import trio
 from trio_typing import TaskStatus
 
 from lattica.config import NodeConfig
-from lattica.daemon import build_node, serve
 from lattica.net.identity import load_or_create_identity
-from lattica.services import NodeContext
+from lattica.node.daemon import build_node, serve
+from lattica.node.services import NodeContext
 
 
 class StuckInAThread:

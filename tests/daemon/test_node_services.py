@@ -1,5 +1,5 @@
 """A node's services: built once bootstrap succeeded, from the ``NodeContext``, started in the
-builder's order, and reached only through the Protocols they implement (``lattica.services``).
+builder's order, and reached only through the Protocols they implement (``lattica.node.services``).
 
 A real node on loopback with a real control socket, asked the way ``lattica status``, ``lattica
 peers`` and ``lattica stop`` ask it.
@@ -18,8 +18,8 @@ from lattica.config import NodeConfig
 from lattica.control.client import call
 from lattica.control.protocol import ControlRequest
 from lattica.errors import LatticaError
-from lattica.node import Node
-from lattica.services import (
+from lattica.node.node import Node
+from lattica.node.services import (
     ControlHandler,
     GracefulStop,
     NodeContext,
@@ -123,4 +123,4 @@ def test_the_node_and_the_composition_root_do_not_probe_their_services() -> None
     """Optional features are declared by Protocols, not discovered with getattr/hasattr."""
     probing = {"getattr", "hasattr", "setattr"}
     for name in ("node.py", "daemon.py", "services.py", "nat_service.py"):
-        assert _calls(PACKAGE / name, probing) == []
+        assert _calls(PACKAGE / "node" / name, probing) == []

@@ -53,7 +53,7 @@ def test_the_cli_entry_point_is_imported_by_no_command() -> None:
 def test_the_network_layer_imports_nothing_above_it() -> None:
     """``net/`` (host, connectivity, NAT traversal, data plane) is built on by the services
     and the composition root; it never reaches up into them (docs/architecture.md)."""
-    above = ("lattica.node", "lattica.daemon", "lattica.services", "lattica.nat_service", "lattica.control",
+    above = ("lattica.node", "lattica.control",
              "lattica.observability", "lattica.crdt", "lattica.dht", "lattica.coordination", "lattica.train",
              "lattica.cli", "lattica.demo", "lattica.progress")
     graph = _graph()
@@ -71,8 +71,8 @@ NET_INTERFACES: frozenset[str] = frozenset()
 NUMERICS = ("lattica.numerics.codecs", "lattica.numerics.sparse", "lattica.numerics.screen")
 # the layers above training: it may not import them (they import it)
 ABOVE_TRAINING = (
-    "lattica.cli", "lattica.daemon", "lattica.node", "lattica.services", "lattica.control",
-    "lattica.observability", "lattica.nat_service", "lattica.training_node", "lattica.demo",
+    "lattica.cli", "lattica.node", "lattica.control", "lattica.observability", "lattica.training_node",
+    "lattica.demo",
 )
 
 

@@ -28,8 +28,8 @@ from lattica.crdt.envelope import Envelope
 from lattica.crdt.liveness import vouches
 from lattica.crdt.replica import Replica
 from lattica.crdt.state import ReplicatedState
-from lattica.daemon import build_node
 from lattica.net.host import build_host
+from lattica.node.daemon import build_node
 from lattica_lab.daemons import DaemonProcess, cli_json
 
 RUN = "default"

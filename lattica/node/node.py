@@ -39,8 +39,7 @@ from lattica.net.host import AnnouncementWatcher, LatticaHost, build_host, stop_
 from lattica.net.identity import peer_id_of
 from lattica.net.peerbook import PeerBook
 from lattica.net.wire import ByteStream
-from lattica.observability import MeteredStream, MetricsServer, NodeMetrics
-from lattica.services import (
+from lattica.node.services import (
     ControlHandler,
     GracefulStop,
     NodeContext,
@@ -49,12 +48,13 @@ from lattica.services import (
     ServiceBuilder,
     StatusSource,
 )
+from lattica.observability import MeteredStream, MetricsServer, NodeMetrics
 
 log = logging.getLogger(__name__)
 
 _METRICS_PORT_SEARCH = 99  # the default metrics port and the next ones, for daemons side by side
 _SERVICE_GOODBYE_S = 1.0
-_GOODBYE_BUDGET_S = 2.5  # with 1 s for the services' own goodbyes: within the 5 s of lattica.daemon
+_GOODBYE_BUDGET_S = 2.5  # with 1 s for the services' own goodbyes: within the 5 s of lattica.node.daemon
 
 
 def _no_services(context: NodeContext) -> Sequence[NodeService]:
@@ -239,7 +239,7 @@ class Node:
             self.request_shutdown()
             return {"stopping": True}
         if request.method == "doctor":  # served here: it must answer while bootstrap still runs
-            from lattica.observability.doctor import node_facts
+            from lattica.node.doctor import node_facts
 
             return await node_facts(self)
         for service in self.services:

@@ -19,8 +19,8 @@ from lattica.net.clock import measure_clocks
 from lattica.net.nat.observations import observations
 
 if TYPE_CHECKING:
-    from lattica.nat_service import NatService
-    from lattica.node import Node
+    from lattica.node.nat_service import NatService
+    from lattica.node.node import Node
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ async def node_facts(node: Node) -> dict[str, object]:
 def _nat_services(node: Node) -> NatService | None:
     if not getattr(node.config, "nat", False):
         return None
-    from lattica.nat_service import NatService
+    from lattica.node.nat_service import NatService
 
     return next((e for e in node.services if isinstance(e, NatService)), None)
 
@@ -96,7 +96,7 @@ def _last_transfers(node: Node) -> dict[str, tuple[int, float]]:
 
 
 def _member_reachability(node: Node) -> dict[str, str]:
-    from lattica.daemon import StateService
+    from lattica.node.daemon import StateService
 
     state = next((e for e in node.services if isinstance(e, StateService)), None)
     if state is None:

@@ -28,9 +28,9 @@ from lattica.coordination.provider import GroupProvider
 from lattica.coordination.rounds import RoundCoordinator
 from lattica.crdt.state import ReplicatedState
 from lattica.net.tensors.transfer import TensorService, TensorServiceConfig
-from lattica.node import Node
+from lattica.node.node import Node
+from lattica.node.services import NodeContext, NodeService
 from lattica.numerics.screen import DEFAULT_SCREEN, ContributionScreen
-from lattica.services import NodeContext, NodeService
 from lattica.train.collective import Collective
 from lattica.train.membership import TRAINER_ROLE, MembershipView
 
@@ -105,9 +105,9 @@ async def open_node(
     """Run a node for ``config`` (its ``train`` settings are not used: the loop is yours) until
     the block ends. The key is ``config.data_dir``'s identity unless ``key_pair`` is given; the
     run secret is read from ``config.secret_file``."""
-    from lattica.daemon import DiscoveryService, StateService
     from lattica.net.access import read_secret_file
     from lattica.net.identity import load_or_create_identity
+    from lattica.node.daemon import DiscoveryService, StateService
 
     if key_pair is None:
         key_pair = load_or_create_identity(config.data_dir)

@@ -27,9 +27,9 @@ from trio_typing import TaskStatus
 from lattica.config import NodeConfig
 from lattica.control.protocol import ControlRequest
 from lattica.net.host import LatticaHost
-from lattica.node import Node
+from lattica.node.node import Node
+from lattica.node.services import NodeContext, NodeService
 from lattica.observability import NodeMetrics
-from lattica.services import NodeContext, NodeService
 
 if TYPE_CHECKING:
     from lattica.crdt.state import ReplicatedState
@@ -225,7 +225,7 @@ def daemon_services(context: NodeContext) -> Sequence[NodeService]:
         services.append(discovery)
     traversal = context.connectivity.nat
     if traversal is not None:
-        from lattica.nat_service import NatService, port_mapper_for
+        from lattica.node.nat_service import NatService, port_mapper_for
 
         services.append(NatService(
             traversal, host=context.host, peers=context.connectivity, state=state.state,
