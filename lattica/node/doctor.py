@@ -96,7 +96,7 @@ def _last_transfers(node: Node) -> dict[str, tuple[int, float]]:
 
 
 def _member_reachability(node: Node) -> dict[str, str]:
-    from lattica.node.daemon import StateService
+    from lattica.node.state_service import StateService
 
     state = next((e for e in node.services if isinstance(e, StateService)), None)
     if state is None:

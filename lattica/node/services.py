@@ -9,7 +9,7 @@ fresh path and RTT figures for ``lattica peers`` (``PeerTableSource``).
 
 Services are built by one function, a ``ServiceBuilder``: it receives the ``NodeContext`` (the
 running host and the node's own parts) and returns the services in the order they start, each
-constructed with the narrow dependencies it needs — see ``lattica.node.daemon.daemon_services``,
+constructed with the narrow dependencies it needs — see ``lattica.node.composition.daemon_services``,
 the composition root of ``lattica join``.
 """
 
@@ -87,3 +87,6 @@ class NodeContext:
 
 
 ServiceBuilder = Callable[[NodeContext], Sequence[NodeService]]
+
+METRICS_INTERVAL_S = 2.0
+"""How often a service copies its figures into the node's metrics."""

@@ -107,7 +107,8 @@ async def open_node(
     run secret is read from ``config.secret_file``."""
     from lattica.net.access import read_secret_file
     from lattica.net.identity import load_or_create_identity
-    from lattica.node.daemon import DiscoveryService, StateService
+    from lattica.node.discovery_service import DiscoveryService
+    from lattica.node.state_service import StateService
 
     if key_pair is None:
         key_pair = load_or_create_identity(config.data_dir)

@@ -14,7 +14,8 @@ from trio_typing import TaskStatus
 
 from lattica.config import NodeConfig
 from lattica.net.identity import load_or_create_identity
-from lattica.node.daemon import build_node, serve
+from lattica.node.composition import build_node
+from lattica.node.daemon import serve
 from lattica.node.services import NodeContext
 
 

@@ -122,5 +122,6 @@ def _calls(path: Path, names: set[str]) -> list[str]:
 def test_the_node_and_the_composition_root_do_not_probe_their_services() -> None:
     """Optional features are declared by Protocols, not discovered with getattr/hasattr."""
     probing = {"getattr", "hasattr", "setattr"}
-    for name in ("node.py", "daemon.py", "services.py", "nat_service.py"):
+    for name in ("node.py", "daemon.py", "composition.py", "state_service.py", "discovery_service.py",
+                 "training_metrics.py", "services.py", "nat_service.py"):
         assert _calls(PACKAGE / "node" / name, probing) == []

@@ -30,7 +30,7 @@ from lattica.net.host import build_host
 from lattica.net.identity import peer_id_of
 from lattica.net.nat import AutoNATConfig, RelayReservations, RelayServer
 from lattica.net.nat.autonat import retry_delay
-from lattica.node.daemon import build_node
+from lattica.node.composition import build_node
 from lattica.node.node import Node
 from lattica_lab.daemons import DaemonProcess, free_port, lattica_command, run_cli, wait_for
 

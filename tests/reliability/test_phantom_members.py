@@ -29,7 +29,7 @@ from lattica.crdt.liveness import vouches
 from lattica.crdt.replica import Replica
 from lattica.crdt.state import ReplicatedState
 from lattica.net.host import build_host
-from lattica.node.daemon import build_node
+from lattica.node.composition import build_node
 from lattica_lab.daemons import DaemonProcess, cli_json
 
 RUN = "default"

@@ -1,0 +1,96 @@
+"""The replicated run state as a daemon service (``lattica state``, membership, the founder's genesis)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import trio
+from libp2p.crypto.keys import KeyPair
+from trio_typing import TaskStatus
+
+from lattica.config import NodeConfig
+from lattica.control.protocol import ControlRequest
+from lattica.net.host import LatticaHost
+from lattica.node.services import METRICS_INTERVAL_S
+from lattica.observability import NodeMetrics
+
+
+class StateService:
+    """The replicated run state as a daemon service: ``lattica state`` and membership."""
+
+    name = "state"
+
+    def __init__(
+        self, host: LatticaHost, key_pair: KeyPair, config: NodeConfig, *,
+        own_addrs: Callable[[], list[str]], metrics: NodeMetrics, role: str | None = None,
+    ) -> None:
+        from lattica.crdt import StateConfig
+        from lattica.crdt.liveness import VouchPolicy
+        from lattica.crdt.state import ReplicatedState
+
+        self.role = role
+        self._own_addrs = own_addrs
+        self._metrics = metrics
+        self.state = ReplicatedState(
+            host, key_pair, data_dir=config.data_dir, run_id=config.run_id,
+            config=StateConfig(
+                admins=config.admins,
+                anchors=() if config.admins else bootstrap_ids(config.peers),
+                vouching=VouchPolicy(admins_only=bool(config.admins)),  # named admins: only they admit
+            ),
+        )
+        self._found_run = not config.admins  # a founder writes the run config's genesis
+
+    async def run(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.state.run)
+            # a restarted node's record still holds the role of its previous life: replace it
+            # with the first write, before the training service gets to it
+            if self.role is not None:
+                await self.state.update_member(addrs=self._own_addrs(), role=self.role)
+            else:
+                await self.state.update_member(addrs=self._own_addrs())
+            await self._write_genesis()
+            task_status.started()
+            nursery.start_soon(self._export_metrics)
+
+    async def _write_genesis(self) -> None:
+        """The founder of a run (admin by default: it joined through nobody) writes the run
+        config's first record, naming itself: its authority is then in every member's state,
+        and in its own log across restarts, with or without ``--peer``."""
+        state = self.state
+        if self._found_run and state.peer_id in state.admins and not state.snapshot()["config"]:
+            await state.set_run_config({FOUNDER_KEY: state.peer_id})
+
+    async def _export_metrics(self) -> None:
+        while True:
+            log_bytes = self.state.counters().get("log_bytes", 0)
+            self._metrics.replicated_state_bytes.set(log_bytes if isinstance(log_bytes, int) else 0)
+            await trio.sleep(METRICS_INTERVAL_S)
+
+    async def on_shutdown(self) -> None:
+        await self.state.leave()
+
+    def status(self) -> dict[str, object]:
+        status: dict[str, object] = {"live_members": len(self.state.live_members()), **_scalars(self.state.counters())}
+        if self.state.log_failing:  # the node runs on; the log is written once space returns
+            status["log"] = f"failing, records held in memory, retrying: {self.state.log_failing}"
+        return {"state": status}
+
+    async def handle_control(self, request: ControlRequest) -> object | None:
+        if request.method == "state":
+            return self.state.dump()
+        return None
+
+
+FOUNDER_KEY = "founder"  # the run config's genesis: {"founder": <peer id>}
+
+
+def bootstrap_ids(peers: Sequence[str]) -> tuple[str, ...]:
+    """The peer ids of ``--peer`` addresses (a relay address names the peer at its end)."""
+    return tuple(dict.fromkeys(p.rsplit("/p2p/", 1)[-1] for p in peers))
+
+
+def _scalars(values: Mapping[str, object]) -> dict[str, object]:
+    return {k: v for k, v in values.items() if isinstance(v, int | float | str)}
+
