@@ -21,7 +21,8 @@ symmetric. Without either the verdict is ``unknown``.
 from __future__ import annotations
 
 import ipaddress
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 Status = Literal["ok", "warn", "problem"]
@@ -71,6 +72,22 @@ class NodeFacts:
     bootstrap_failures: dict[str, str] = field(default_factory=dict)  # address -> why
     bootstrap_plain: tuple[str, ...] = ()  # reached addresses of plain libp2p nodes (relay, DHT)
     bootstrap_tried: int = 0
+
+    def with_last_transfers(self, sent: Mapping[str, tuple[int, float]]) -> NodeFacts:
+        """These facts with the last large tensor message sent to each peer: ``sent`` maps a
+        peer to (bytes, seconds); a message of no measurable duration gives no rate."""
+        rates = {peer: (size, round(size * 8 / seconds / 1e6, 2)) for peer, (size, seconds) in sent.items() if seconds > 0}
+        return replace(self, peers=tuple(
+            replace(p, last_transfer_bytes=rates[p.peer_id][0], last_transfer_mbit_s=rates[p.peer_id][1])
+            if p.peer_id in rates else p
+            for p in self.peers
+        ))
+
+    def with_member_reachability(self, reachability: Mapping[str, str]) -> NodeFacts:
+        """These facts with each peer's reachability as the peer advertises it (run members)."""
+        return replace(self, peers=tuple(
+            replace(p, reachability=reachability[p.peer_id]) if p.peer_id in reachability else p for p in self.peers
+        ))
 
 
 @dataclass(frozen=True)

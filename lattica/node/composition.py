@@ -58,7 +58,7 @@ def daemon_services(context: NodeContext) -> Sequence[NodeService]:
         screen = contribution_screen(config.train)
         tensors = TensorService(context.host, context.key_pair, config=TensorServiceConfig(screen=screen))
         training = TrainingService(context, state.state, config.train, tensors=tensors)
-        services += [training, TrainingMetricsExporter(training, state.state, context.metrics)]
+        services += [training, TrainingMetricsExporter(training, state.view, context.metrics)]
     return services
 
 

@@ -19,6 +19,7 @@ relay) and samples RTTs; the daemon's peer table shows both (``lattica peers``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -29,6 +30,7 @@ from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 from trio_typing import TaskStatus
 
+from lattica.diagnostics import NodeFacts
 from lattica.net.host import LatticaHost
 from lattica.net.nat.addresses import (
     conn_is_relayed,
@@ -43,6 +45,7 @@ from lattica.net.nat.traversal import NatTraversal
 from lattica.net.nat.upnp import PortMapper
 from lattica.net.peerbook import PeerBook
 from lattica.observability import NodeMetrics
+from lattica.train.membership import MembershipView
 
 if TYPE_CHECKING:
     from lattica.crdt.state import ReplicatedState
@@ -84,6 +87,7 @@ class NatService:
     ) -> None:
         self.peers = peers
         self.state = state
+        self.members = MembershipView(state, peer_id=host.get_id().to_base58()) if state is not None else None
         self.on_reachability = on_reachability
         self.reachability = traversal.reachability
         self.relay_server = traversal.relay_server
@@ -105,8 +109,8 @@ class NatService:
             nursery.start_soon(self._follow_reachability, nursery)
             nursery.start_soon(self._reserve_early, nursery)
             nursery.start_soon(self._copy_paths)
-            if self.state is not None:
-                nursery.start_soon(self._follow_members, nursery, self.state)
+            if self.members is not None:
+                nursery.start_soon(self._follow_members, nursery, self.members)
 
     async def _follow_reachability(self, nursery: trio.Nursery) -> None:
         while True:
@@ -195,11 +199,11 @@ class NatService:
 
     # -- run members: their advertised addresses, and dialing those not connected yet ---------
 
-    async def _follow_members(self, nursery: trio.Nursery, state: ReplicatedState) -> None:
+    async def _follow_members(self, nursery: trio.Nursery, view: MembershipView) -> None:
         me, dial = self._me, self._dial_members
         while True:
-            members = state.snapshot().get("members", {})
-            live = set(state.live_members())
+            members = view.members()
+            live = set(view.live())
             connected = {p.to_base58() for p in self._host.get_connected_peers()}
             now = time.monotonic()
             for peer_id, record in members.items():
@@ -248,6 +252,16 @@ class NatService:
             if conn_is_relayed(conn) and (relay := relay_of(conn, me)) is not None:
                 return relay
         return None
+
+    def doctor_facts(self, facts: NodeFacts) -> NodeFacts:
+        """``facts`` with the AutoNAT verdict and dial-backs, the relay addresses (advertised
+        too) and whether this node serves as a relay."""
+        relay_addrs = tuple(str(a) for a in self.relay_addrs())
+        return dataclasses.replace(
+            facts, advertised=(*facts.advertised, *relay_addrs), reachability=self._reachability_text(),
+            dialback=dict(self.reachability.verdicts), relay_addrs=relay_addrs,
+            relay_serving=bool(self.relay_server.serving),
+        )
 
     def status(self) -> dict[str, object]:
         return {

@@ -15,6 +15,7 @@ no bootstrap peer answers within ``bootstrap_timeout_s``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -39,6 +40,7 @@ from lattica.net.host import AnnouncementWatcher, LatticaHost, build_host, stop_
 from lattica.net.identity import peer_id_of
 from lattica.net.peerbook import PeerBook
 from lattica.net.wire import ByteStream
+from lattica.node.doctor import node_facts
 from lattica.node.services import (
     ControlHandler,
     GracefulStop,
@@ -239,9 +241,8 @@ class Node:
             self.request_shutdown()
             return {"stopping": True}
         if request.method == "doctor":  # served here: it must answer while bootstrap still runs
-            from lattica.node.doctor import node_facts
-
-            return await node_facts(self)
+            facts = await node_facts(self.running_host, self.running_connectivity, self.config, self.services)
+            return dataclasses.asdict(facts)
         for service in self.services:
             if isinstance(service, ControlHandler):
                 result = await service.handle_control(request)

@@ -5,7 +5,8 @@ node's nursery once the host runs and connectivity has bootstrapped (``NodeServi
 service adds beyond that it declares by implementing one of the small Protocols below, which
 the node checks with ``isinstance``: a part of ``lattica status`` (``StatusSource``), control
 requests (``ControlHandler``), a goodbye before the nursery is cancelled (``GracefulStop``),
-fresh path and RTT figures for ``lattica peers`` (``PeerTableSource``).
+fresh path and RTT figures for ``lattica peers`` (``PeerTableSource``), what it knows for
+``lattica doctor`` (``DoctorSource``).
 
 Services are built by one function, a ``ServiceBuilder``: it receives the ``NodeContext`` (the
 running host and the node's own parts) and returns the services in the order they start, each
@@ -26,6 +27,7 @@ from trio_typing import TaskStatus
 
 from lattica.config import NodeConfig
 from lattica.control.protocol import ControlRequest
+from lattica.diagnostics import NodeFacts
 from lattica.net.connectivity import Connectivity
 from lattica.net.host import LatticaHost
 from lattica.net.peerbook import PeerBook
@@ -68,6 +70,15 @@ class PeerTableSource(Protocol):
     """Copies fresh per-peer figures (path, relay, RTT) into the peer book on demand."""
 
     def refresh_peer_table(self) -> None: ...
+
+
+@runtime_checkable
+class DoctorSource(Protocol):
+    """Adds what the service knows to the node's ``doctor`` answer (``lattica doctor``)."""
+
+    def doctor_facts(self, facts: NodeFacts) -> NodeFacts:
+        """``facts`` with this service's part filled in."""
+        ...
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,11 @@ from trio_typing import TaskStatus
 
 from lattica.config import NodeConfig
 from lattica.control.protocol import ControlRequest
+from lattica.diagnostics import NodeFacts
 from lattica.net.host import LatticaHost
 from lattica.node.services import METRICS_INTERVAL_S
 from lattica.observability import NodeMetrics
+from lattica.train.membership import MembershipView
 
 
 class StateService:
@@ -39,6 +41,7 @@ class StateService:
                 vouching=VouchPolicy(admins_only=bool(config.admins)),  # named admins: only they admit
             ),
         )
+        self.view = MembershipView(self.state, peer_id=self.state.peer_id)
         self._found_run = not config.admins  # a founder writes the run config's genesis
 
     async def run(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -59,8 +62,8 @@ class StateService:
         config's first record, naming itself: its authority is then in every member's state,
         and in its own log across restarts, with or without ``--peer``."""
         state = self.state
-        if self._found_run and state.peer_id in state.admins and not state.snapshot()["config"]:
-            await state.set_run_config({FOUNDER_KEY: state.peer_id})
+        if self._found_run and state.peer_id in state.admins and not self.view.run_config():
+            await self.view.publish_run_config({FOUNDER_KEY: state.peer_id})
 
     async def _export_metrics(self) -> None:
         while True:
@@ -70,6 +73,10 @@ class StateService:
 
     async def on_shutdown(self) -> None:
         await self.state.leave()
+
+    def doctor_facts(self, facts: NodeFacts) -> NodeFacts:
+        """``facts`` with the reachability each member advertises."""
+        return facts.with_member_reachability(self.view.advertised_reachability())
 
     def status(self) -> dict[str, object]:
         status: dict[str, object] = {"live_members": len(self.state.live_members()), **_scalars(self.state.counters())}

@@ -10,7 +10,7 @@ from trio_typing import TaskStatus
 from lattica.observability import NodeMetrics
 
 if TYPE_CHECKING:
-    from lattica.crdt.state import ReplicatedState
+    from lattica.train.membership import MembershipView
     from lattica.train.service import TrainingService
 
 
@@ -19,8 +19,8 @@ class TrainingMetricsExporter:
 
     name = "training-metrics"
 
-    def __init__(self, training: TrainingService, state: ReplicatedState, metrics: NodeMetrics) -> None:
-        self.training, self.state, self.metrics = training, state, metrics
+    def __init__(self, training: TrainingService, members: MembershipView, metrics: NodeMetrics) -> None:
+        self.training, self.members, self.metrics = training, members, metrics
 
     async def run(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         metrics = self.metrics
@@ -50,9 +50,7 @@ class TrainingMetricsExporter:
             metrics.rejected_contributions.inc(max(0, refused - rejected))
             rejected = max(rejected, refused)
             metrics.avoided_partners.set(len(info.get("avoided_partners") or ()))
-            progress = self.state.snapshot().get("progress", {})
-            newest = max((r for p in progress.values() if isinstance(r := p.get("round"), int)), default=0)
-            metrics.staleness_rounds.set(max(0, newest - rounds))
+            metrics.staleness_rounds.set(max(0, self.members.newest_published_round() - rounds))
             figures = self.training.accounting()
             if figures:
                 metrics.set_accounting(figures, previous=accounted)

@@ -105,6 +105,10 @@ class MembershipView:
         """Live members whose training stopped on an error (their daemons still run)."""
         return self.live_with_role(FAILED_ROLE)
 
+    def advertised_reachability(self) -> dict[str, str]:
+        """peer -> the reachability each member advertises (its own claim: public, private, unknown)."""
+        return {peer: text for peer, record in self.members().items() if isinstance(text := record.get("reachability"), str)}
+
     def heartbeat(self, peer: str) -> int | None:
         """The counter ``peer`` bumps with every lease renewal (None: no record)."""
         record = self.members().get(peer)

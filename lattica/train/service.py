@@ -48,6 +48,7 @@ from lattica.config import NodeConfig, TrainSettings
 from lattica.coordination.gossip import GossipGroups
 from lattica.coordination.provider import GroupProvider
 from lattica.coordination.rounds import RoundCoordinator
+from lattica.diagnostics import NodeFacts
 from lattica.errors import LatticaError
 from lattica.numerics.screen import Rejection
 from lattica.train import trainer_factory
@@ -457,6 +458,10 @@ class TrainingService:
         if self.summary:
             info["summary"] = self.summary
         return {"training": info}
+
+    def doctor_facts(self, facts: NodeFacts) -> NodeFacts:
+        """``facts`` with the last large tensor message sent to each peer (``lattica doctor``)."""
+        return facts.with_last_transfers(self.tensors.stats.last_sent)
 
     def accounting(self) -> dict[str, int]:
         """The strategy's traffic and memory figures (empty before it is built)."""

@@ -142,3 +142,8 @@ def test_an_unservable_claim_is_distrusted_until_served_and_retried_after_a_doub
     assert claims.trusted_progress(progress, now=28.0) == progress
     with pytest.raises(ValueError, match="base_s"):
         UnservableClaims(base_s=0)
+
+
+def test_the_reachability_members_advertise_is_read_from_their_records() -> None:
+    members = {"a": {"reachability": "private"}, "b": {"reachability": "public"}, "c": {"reachability": None}, "d": {}}
+    assert _view(members, live=["a"]).advertised_reachability() == {"a": "private", "b": "public"}
