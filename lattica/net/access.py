@@ -41,7 +41,7 @@ import logging
 import re
 import secrets
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -294,12 +294,22 @@ class AccessGate:
                 del self._answering[peer_id]
             await _close_quietly(stream)
 
+    def statistics(self) -> AccessStatus:
+        return AccessStatus(mode=_mode(self.access), verified_peers=self.verified, denied_streams=dict(self.denied))
+
     def status(self) -> dict[str, object]:
-        return {
-            "mode": _mode(self.access),
-            "verified_peers": self.verified,
-            "denied_streams": dict(self.denied),
-        }
+        """The ``access`` part of ``lattica status``."""
+        return self.statistics().as_json()
+
+
+@dataclass(frozen=True)
+class AccessStatus:
+    mode: str  # open, allowlist, secret or allowlist+secret
+    verified_peers: int  # connections that proved membership
+    denied_streams: Mapping[str, int]  # protocol -> streams refused
+
+    def as_json(self) -> dict[str, object]:
+        return {"mode": self.mode, "verified_peers": self.verified_peers, "denied_streams": dict(self.denied_streams)}
 
 
 def _mode(access: RunAccess) -> str:

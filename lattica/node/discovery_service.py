@@ -13,7 +13,7 @@ from lattica.node.services import METRICS_INTERVAL_S
 from lattica.observability import NodeMetrics
 
 if TYPE_CHECKING:
-    from lattica.dht.discovery import RunDiscovery
+    from lattica.dht.discovery import DhtStatus, RunDiscovery
     from lattica.net.connectivity import Connectivity
 
 
@@ -51,6 +51,9 @@ class DiscoveryService:
     async def set_reachability(self, public: bool) -> None:
         await self.discovery.set_reachability(public)
 
+    def statistics(self) -> DhtStatus:
+        return self.discovery.statistics()
+
     def status(self) -> dict[str, object]:
-        return {"dht": self.discovery.status()}
+        return {"dht": self.statistics().as_json()}
 

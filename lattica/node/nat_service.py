@@ -23,6 +23,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import trio
@@ -263,12 +264,31 @@ class NatService:
             relay_serving=bool(self.relay_server.serving),
         )
 
+    def statistics(self) -> NatStatus:
+        return NatStatus(
+            reachability=self._reachability_text(),
+            relay_serving=self.relay_server.serving,
+            relay_addrs=tuple(str(a) for a in self.relay_addrs()),
+            upnp="off" if self.port_mapper is None else (self.mapped_addrs() or ["no gateway"])[0],
+        )
+
     def status(self) -> dict[str, object]:
+        return self.statistics().as_json()
+
+
+@dataclass(frozen=True)
+class NatStatus:
+    """The NAT service's part of ``lattica status``: top-level keys, beside the node's own."""
+
+    reachability: str  # AutoNAT's verdict: public, private or unknown
+    relay_serving: bool  # this node relays for others
+    relay_addrs: tuple[str, ...]  # the /p2p-circuit addresses of its reservations
+    upnp: str  # off, no gateway, or the mapped address
+
+    def as_json(self) -> dict[str, object]:
         return {
-            "reachability": self._reachability_text(),
-            "relay_serving": self.relay_server.serving,
-            "relay_addrs": [str(a) for a in self.relay_addrs()],
-            "upnp": "off" if self.port_mapper is None else (self.mapped_addrs() or ["no gateway"])[0],
+            "reachability": self.reachability, "relay_serving": self.relay_serving,
+            "relay_addrs": list(self.relay_addrs), "upnp": self.upnp,
         }
 
 

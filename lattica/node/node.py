@@ -15,12 +15,12 @@ no bootstrap peer answers within ``bootstrap_timeout_s``.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import socket
 import time
 from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 
 import multiaddr
 import trio
@@ -33,7 +33,7 @@ from lattica.config import DEFAULT_METRICS_ADDR, NodeConfig, parse_host_port, pa
 from lattica.control.protocol import ControlRequest
 from lattica.control.server import ControlServer, ensure_no_daemon
 from lattica.errors import ConfigError, LocalProtocolError
-from lattica.net.access import AccessGate, RunAccess
+from lattica.net.access import AccessGate, AccessStatus, RunAccess
 from lattica.net.clock import CLOCK_PROTOCOL, answer_clock
 from lattica.net.connectivity import Connectivity, JoinOutcome
 from lattica.net.host import AnnouncementWatcher, LatticaHost, build_host, stop_auto_connector
@@ -207,21 +207,25 @@ class Node:
 
     # -- control API ---------------------------------------------------------------------
 
+    def statistics(self) -> NodeStatus:
+        """The node's own part of ``lattica status`` (the services add theirs: ``StatusSource``)."""
+        return NodeStatus(
+            peer_id=self.peer_id.to_base58(),
+            version=__version__,
+            run_id=self.config.run_id,
+            pid=os.getpid(),
+            uptime_s=round(time.time() - self.started_at, 1),
+            addrs=tuple(self.dialable_addrs()),
+            connected_peers=len(self.peer_book.connected_ids()),
+            known_peers=len(self.peer_book.records()),
+            joined=self.join_summary(),
+            metrics_addr=self.metrics_addr,
+            access=self.access.statistics(),
+        )
+
     def status(self) -> dict[str, object]:
-        connected = self.peer_book.connected_ids()
-        status: dict[str, object] = {
-            "peer_id": self.peer_id.to_base58(),
-            "version": __version__,
-            "run_id": self.config.run_id,
-            "pid": os.getpid(),
-            "uptime_s": round(time.time() - self.started_at, 1),
-            "addrs": self.dialable_addrs(),
-            "connected_peers": len(connected),
-            "known_peers": len(self.peer_book.records()),
-            "joined": self.join_summary(),
-            "metrics_addr": self.metrics_addr,
-            "access": self.access.status(),
-        }
+        """``lattica status``: the node's own keys, then each ``StatusSource`` service's."""
+        status = self.statistics().as_json()
         for service in self.services:
             if isinstance(service, StatusSource):
                 status.update(service.status())
@@ -242,13 +246,36 @@ class Node:
             return {"stopping": True}
         if request.method == "doctor":  # served here: it must answer while bootstrap still runs
             facts = await node_facts(self.running_host, self.running_connectivity, self.config, self.services)
-            return dataclasses.asdict(facts)
+            return asdict(facts)
         for service in self.services:
             if isinstance(service, ControlHandler):
                 result = await service.handle_control(request)
                 if result is not None:
                     return result
         raise LocalProtocolError(f"this daemon does not serve {request.method!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeStatus:
+    peer_id: str
+    version: str
+    run_id: str
+    pid: int
+    uptime_s: float
+    addrs: tuple[str, ...]  # where others can join through this node
+    connected_peers: int
+    known_peers: int
+    joined: str  # what start-up joined, in one line
+    metrics_addr: str | None  # HOST:PORT of the metrics exporter, None when off
+    access: AccessStatus
+
+    def as_json(self) -> dict[str, object]:
+        return {
+            "peer_id": self.peer_id, "version": self.version, "run_id": self.run_id, "pid": self.pid,
+            "uptime_s": self.uptime_s, "addrs": list(self.addrs), "connected_peers": self.connected_peers,
+            "known_peers": self.known_peers, "joined": self.joined, "metrics_addr": self.metrics_addr,
+            "access": self.access.as_json(),
+        }
 
 
 def _check_ports_free(listen: list[multiaddr.Multiaddr]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
 
 import trio
 from libp2p.crypto.keys import KeyPair
@@ -67,8 +68,7 @@ class StateService:
 
     async def _export_metrics(self) -> None:
         while True:
-            log_bytes = self.state.counters().get("log_bytes", 0)
-            self._metrics.replicated_state_bytes.set(log_bytes if isinstance(log_bytes, int) else 0)
+            self._metrics.replicated_state_bytes.set(self.statistics().log_bytes)
             await trio.sleep(METRICS_INTERVAL_S)
 
     async def on_shutdown(self) -> None:
@@ -78,11 +78,11 @@ class StateService:
         """``facts`` with the reachability each member advertises."""
         return facts.with_member_reachability(self.view.advertised_reachability())
 
+    def statistics(self) -> StateStatus:
+        return StateStatus.of(len(self.state.live_members()), self.state.counters(), log_failing=self.state.log_failing)
+
     def status(self) -> dict[str, object]:
-        status: dict[str, object] = {"live_members": len(self.state.live_members()), **_scalars(self.state.counters())}
-        if self.state.log_failing:  # the node runs on; the log is written once space returns
-            status["log"] = f"failing, records held in memory, retrying: {self.state.log_failing}"
-        return {"state": status}
+        return {"state": self.statistics().as_json()}
 
     async def handle_control(self, request: ControlRequest) -> object | None:
         if request.method == "state":
@@ -98,6 +98,47 @@ def bootstrap_ids(peers: Sequence[str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(p.rsplit("/p2p/", 1)[-1] for p in peers))
 
 
-def _scalars(values: Mapping[str, object]) -> dict[str, object]:
-    return {k: v for k, v in values.items() if isinstance(v, int | float | str)}
+@dataclass(frozen=True, kw_only=True)
+class StateStatus:
+    """The ``state`` part of ``lattica status``: the replica's and its log's counters."""
+
+    live_members: int
+    updates_accepted: int
+    state_bytes: int
+    streams: int  # per-writer streams held
+    pending: int  # records waiting for their predecessors
+    banned_writers: int  # writers that signed two different histories
+    evicted_writers: int
+    superseded_own: int
+    log_bytes: int
+    log_held_records: int  # records not yet written to the log (it is failing)
+    sync_answers_busy: int
+    sync_answer_bytes: int
+    log_failing: str | None = None  # why the log cannot be written now: the node runs on, retrying
+
+    @classmethod
+    def of(
+        cls, live_members: int, counters: Mapping[str, int | Mapping[str, int]], *, log_failing: str | None,
+    ) -> StateStatus:
+        """From ``ReplicatedState.counters()``: its counts by name."""
+
+        def count(name: str) -> int:
+            value = counters.get(name, 0)
+            return value if isinstance(value, int) else 0
+
+        return cls(
+            live_members=live_members, updates_accepted=count("updates_accepted"),
+            state_bytes=count("state_bytes"), streams=count("streams"), pending=count("pending"),
+            banned_writers=count("banned_writers"), evicted_writers=count("evicted_writers"),
+            superseded_own=count("superseded_own"), log_bytes=count("log_bytes"),
+            log_held_records=count("log_held_records"), sync_answers_busy=count("sync_answers_busy"),
+            sync_answer_bytes=count("sync_answer_bytes"), log_failing=log_failing,
+        )
+
+    def as_json(self) -> dict[str, object]:
+        info: dict[str, object] = asdict(self)
+        del info["log_failing"]
+        if self.log_failing:
+            info["log"] = f"failing, records held in memory, retrying: {self.log_failing}"
+        return info
 

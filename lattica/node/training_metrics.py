@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import trio
+from prometheus_client import Gauge
 from trio_typing import TaskStatus
 
 from lattica.observability import NodeMetrics
@@ -29,31 +31,39 @@ class TrainingMetricsExporter:
         accounted: dict[str, int] = {}
         rejected = 0
         while True:
-            info = self.training.status()["training"]
+            status = self.training.statistics()
             now = trio.current_time()
-            rounds = int(info.get("rounds_completed") or 0)
+            rounds = status.rounds_completed
             if rounds > last_round:
                 metrics.rounds_completed.inc(rounds - last_round)
                 metrics.round_seconds.observe((now - last_round_at) / (rounds - last_round))
                 last_round, last_round_at = rounds, now
             metrics.outer_round.set(rounds)
-            step = int(info.get("step") or 0)
+            progress, gossip = status.progress, status.gossip
+            step = progress.step if progress is not None else 0
             if step > last_step:
                 metrics.inner_steps_per_second.set((step - last_step) / max(now - last_step_at, 1e-9))
                 last_step, last_step_at = step, now
-            for name, gauge in (("loss", metrics.train_loss), ("val_loss", metrics.validation_loss),
-                                ("tokens_per_s", metrics.tokens_per_second),
-                                ("consensus_distance", metrics.consensus_distance)):
-                if info.get(name) is not None:
-                    gauge.set(info[name])
-            refused = sum((info.get("rejected_contributions") or {}).values())
+            if progress is not None:
+                _set_known(((metrics.train_loss, progress.loss), (metrics.validation_loss, progress.val_loss),
+                            (metrics.tokens_per_second, progress.tokens_per_s)))
+            if gossip is not None:
+                _set_known(((metrics.consensus_distance, gossip.consensus_distance),))
+            refused = sum(status.rejected_contributions.values())
             metrics.rejected_contributions.inc(max(0, refused - rejected))
             rejected = max(rejected, refused)
-            metrics.avoided_partners.set(len(info.get("avoided_partners") or ()))
-            metrics.staleness_rounds.set(max(0, self.members.newest_published_round() - rounds))
+            metrics.avoided_partners.set(len(gossip.avoided_partners) if gossip is not None else 0)
+            metrics.set_staleness(own_round=rounds, max_seen_round=self.members.newest_published_round())
             figures = self.training.accounting()
             if figures:
                 metrics.set_accounting(figures, previous=accounted)
                 accounted = figures
             await trio.sleep(1.0)
 
+
+
+def _set_known(values: Iterable[tuple[Gauge, float | None]]) -> None:
+    """Set each gauge whose figure is known; an unknown one keeps its last value."""
+    for gauge, value in values:
+        if value is not None:
+            gauge.set(value)

@@ -36,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 import trio
@@ -65,6 +65,7 @@ from lattica.train.membership import (
 from lattica.train.outer_sync import CatchingUpStrategy, KeepingUpStrategy, OuterStateSync
 from lattica.train.ownership import ReplicatedOwnership
 from lattica.train.run_config import agree_run_config
+from lattica.train.status import GossipFigures, ProgressFigures, TrainingStatus
 from lattica.train.strategies.base import OuterStrategy
 from lattica.train.trainer import Progress, RoundCompleted, Trainer
 
@@ -155,7 +156,7 @@ class TrainingService:
         self.peer_id = node.peer_id.to_base58()
         self.view = MembershipView(state, peer_id=self.peer_id)
         self.phase = "starting"
-        self.progress: dict[str, float | int | None] = {}
+        self.figures: ProgressFigures | None = None  # the last progress record
         self.summary: dict[str, object] | None = None
         self.error: str | None = None
         self.trainer: Trainer | None = None
@@ -393,14 +394,12 @@ class TrainingService:
     # -- progress ----------------------------------------------------------------------------
 
     def _on_progress(self, progress: Progress) -> None:
-        self.progress = {
-            "step": progress.step,
-            "round": progress.round,
-            "loss": round(progress.loss, 4),
-            "tokens_per_s": round(progress.tokens_per_s, 1),
-            "lr": progress.lr,
-            "val_loss": None if progress.val_loss is None else round(progress.val_loss, 4),
-        }
+        self.figures = ProgressFigures.of(progress)
+
+    @property
+    def progress(self) -> dict[str, float | int | None]:
+        """The last progress record as ``lattica status`` shows it (empty before the first)."""
+        return self.figures.as_json() if self.figures is not None else {}
 
     def _on_round(self, event: RoundCompleted) -> None:
         report = event.report
@@ -417,47 +416,40 @@ class TrainingService:
 
     # -- control API ---------------------------------------------------------------------------
 
-    def status(self) -> dict[str, Any]:
-        """``{"training": {...}}``: JSON for ``lattica status`` and the metrics exporter."""
+    def statistics(self) -> TrainingStatus:
+        """Where training stands: read by the node's metrics exporter, shown by ``lattica status``."""
         strategy = self.strategy
-        info: dict[str, Any] = {
-            "phase": self.phase,
-            "strategy": self.settings.strategy,
-            "replicas_agree": bool(strategy is not None and strategy.replicas_agree),
-            "rounds_target": self.settings.rounds,
-            "rounds_completed": strategy.completed_rounds if strategy is not None else 0,
-            "bytes_sent": self._bytes_sent,
-            # tensor-plane bytes this node received (syncs and state fetches), as counted on the wire
-            "bytes_received": self.tensors.stats.total_received(),
-            "device": self.trainer.device.describe() if self.trainer is not None else None,
-            **self.progress,
-        }
-        rejected = {p: n for p, n in self.tensors.stats.rejected_contributions.items() if n}
-        if rejected:  # peer -> contributions refused (screened out of all-reduces and exchanges)
-            info["rejected_contributions"] = dict(sorted(rejected.items()))
-        if self._gossips:
-            info["averaging"] = "gossip"
-            if isinstance(self.groups, GossipGroups) and (avoided := self.groups.avoided()):
-                info["avoided_partners"] = avoided  # left out of this peer's group draws for now
-            if self.settings.gossip_overlap:
-                info["gossip_overlap"] = True  # each round's exchange overlaps the next inner phase
-            spread = strategy.consensus_distance if strategy is not None else None
-            if spread is not None:  # replicas' spread: distance to the group's mean / its norm
-                info["consensus_distance"] = round(spread, 6)
-        if self.error:
-            info["error"] = self.error
         writer = self.trainer.checkpoint_writer if self.trainer is not None else None
-        if writer is not None and writer.failing:  # training goes on; checkpoints are retried
-            info["checkpoints"] = f"failing, retrying: {writer.failing}"
-        failed = [p for p in self.view.failed() if p != self.peer_id]
-        if failed:  # live members whose training stopped on an error: no round waits for them
-            info["failed_members"] = sorted(failed)
-        refused = self.outer_sync.refused_states()
-        if refused:  # members that served us outer states failing the checks (``adoption.py``)
-            info["refused_states"] = refused
-        if self.summary:
-            info["summary"] = self.summary
-        return {"training": info}
+        return TrainingStatus(
+            phase=self.phase,
+            strategy=self.settings.strategy,
+            replicas_agree=bool(strategy is not None and strategy.replicas_agree),
+            rounds_target=self.settings.rounds,
+            rounds_completed=strategy.completed_rounds if strategy is not None else 0,
+            bytes_sent=self._bytes_sent,
+            bytes_received=self.tensors.stats.total_received(),
+            device=self.trainer.device.describe() if self.trainer is not None else None,
+            progress=self.figures,
+            rejected_contributions={p: n for p, n in self.tensors.stats.rejected_contributions.items() if n},
+            gossip=self._gossip_figures() if self._gossips else None,
+            error=self.error,
+            checkpoints_failing=writer.failing if writer is not None else None,
+            failed_members=tuple(p for p in self.view.failed() if p != self.peer_id),
+            refused_states=self.outer_sync.refused_states(),
+            summary=self.summary,
+        )
+
+    def _gossip_figures(self) -> GossipFigures:
+        groups, strategy = self.groups, self.strategy
+        return GossipFigures(
+            avoided_partners=tuple(groups.avoided()) if isinstance(groups, GossipGroups) else (),
+            overlap=self.settings.gossip_overlap,
+            consensus_distance=_rounded(strategy.consensus_distance if strategy is not None else None, 6),
+        )
+
+    def status(self) -> dict[str, object]:
+        """``{"training": ...}``: this service's part of ``lattica status``."""
+        return {"training": self.statistics().as_json()}
 
     def doctor_facts(self, facts: NodeFacts) -> NodeFacts:
         """``facts`` with the last large tensor message sent to each peer (``lattica doctor``)."""
@@ -469,9 +461,12 @@ class TrainingService:
 
     async def handle_control(self, request: ControlRequest) -> object | None:
         if request.method == "train":
-            training: object = self.status()["training"]
-            return training
+            return self.statistics().as_json()
         return None
+
+
+def _rounded(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
 
 
 def _averages_in_groups(settings: TrainSettings) -> bool:
