@@ -240,7 +240,7 @@ def stop(args: argparse.Namespace) -> int:
 
 
 def demo(args: argparse.Namespace) -> int:
-    from lattica.demo import run_demo
+    from lattica.cli.demo import run_demo
 
     return run_demo(args)
 

@@ -131,7 +131,8 @@ class _Reachable:
 
 async def test_the_doctor_request_asks_every_doctor_source(tmp_path) -> None:
     """The node's own facts first, then each ``DoctorSource`` adds its part, in start order."""
-    assert isinstance(_Reachable(), DoctorSource) and not isinstance(_Plain([]), DoctorSource)
+    assert isinstance(_Reachable(), DoctorSource)
+    assert not isinstance(_Plain([]), DoctorSource)
     config = NodeConfig(data_dir=tmp_path / "n", listen=("/ip4/127.0.0.1/tcp/0",), metrics_addr=None,
                         nat=False, dht=False)
     node = Node(config, create_new_key_pair(), services=lambda context: [_Plain([]), _Reachable()])

@@ -45,8 +45,9 @@ def test_a_training_status_shows_every_part_in_the_order_of_lattica_status() -> 
 def test_the_state_status_keeps_the_scalar_counters_and_says_when_the_log_fails() -> None:
     counters = {"updates_accepted": 3, "updates_rejected": {"bad-signature": 1}, "state_bytes": 10, "log_bytes": 7}
     fine = StateStatus.of(2, counters, log_failing=None).as_json()
-    assert fine["live_members"] == 2 and fine["updates_accepted"] == 3 and fine["log_bytes"] == 7
-    assert "updates_rejected" not in fine and "log" not in fine
+    assert (fine["live_members"], fine["updates_accepted"], fine["log_bytes"]) == (2, 3, 7)
+    assert "updates_rejected" not in fine
+    assert "log" not in fine
     failing = StateStatus.of(2, counters, log_failing="No space left on device").as_json()
     assert failing["log"] == "failing, records held in memory, retrying: No space left on device"
 

@@ -26,11 +26,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
 
+from lattica.cli.progress import ProgressDisplay, render_summary
 from lattica.config import DEMO_LONG_ROUNDS, DEMO_ROUNDS
 from lattica.control import client
 from lattica.decoding import exact_int, finite_float, str_list, str_map
 from lattica.errors import ConfigError, LatticaError
-from lattica.progress import ProgressDisplay, render_summary
 
 _POLL_S = 1.0
 _START_TIMEOUT_S = 120.0
