@@ -75,6 +75,7 @@ from lattica.crdt.log import AppendLog, HeldRecordsLog
 from lattica.crdt.replica import Replica
 from lattica.errors import BrokenError, LocalProtocolError, RemoteError, RemoteProtocolError
 from lattica.net.serving_budget import ServingBudget
+from lattica.net.streams import close_quietly, reset_quietly
 
 log = logging.getLogger(__name__)
 
@@ -542,7 +543,7 @@ class ReplicatedState:
                 try:
                     await sync.initiate(stream, self, peer_id=peer)
                 finally:
-                    await _close_quietly(stream)
+                    await close_quietly(stream)
             self._mark_proven(peer, stream)
             await self._settle_own_streams()
         except RemoteProtocolError as exc:
@@ -559,12 +560,12 @@ class ReplicatedState:
     async def _handle_stream(self, stream: INetStream) -> None:
         peer = stream.muxed_conn.peer_id.to_base58()
         if self._nursery is None or trio.current_time() < self._penalized_until.get(peer, 0.0):
-            await _reset_quietly(stream)
+            await reset_quietly(stream)
             return
         if not self._start_answer(peer):
             with contextlib.suppress(BrokenError):
                 await sync.refuse_busy(stream, peer_id=peer)
-            await _close_quietly(stream)
+            await close_quietly(stream)
             return
         self._ensure_peer(peer)
         try:
@@ -576,13 +577,13 @@ class ReplicatedState:
         except RemoteProtocolError as exc:
             log.warning("state sync: dropping bad input from %s: %s", peer, exc)
             self._penalized_until[peer] = trio.current_time() + self.config.max_backoff
-            await _reset_quietly(stream)
+            await reset_quietly(stream)
         except (BrokenError, RemoteError, trio.TooSlowError) as exc:
             log.debug("state sync from %s failed: %s", peer, exc)
-            await _reset_quietly(stream)
+            await reset_quietly(stream)
         finally:
             self._end_answer(peer)
-            await _close_quietly(stream)
+            await close_quietly(stream)
 
     def _start_answer(self, peer: str) -> bool:
         """Room to answer ``peer``'s session: its own share, then the node's budget."""
@@ -624,15 +625,3 @@ def _observed_origin(stream: INetStream) -> str | None:
         return None
     host = remote[0] if remote else None
     return network_origin(host if isinstance(host, str) else None, relayed=relayed)
-
-
-async def _close_quietly(stream: INetStream) -> None:
-    # best effort on a stream that may be gone; libp2p raises many kinds
-    with contextlib.suppress(Exception):
-        await stream.close()
-
-
-async def _reset_quietly(stream: INetStream) -> None:
-    # best effort on a stream that may be gone; libp2p raises many kinds
-    with contextlib.suppress(Exception):
-        await stream.reset()

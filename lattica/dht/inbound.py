@@ -25,6 +25,7 @@ from libp2p.kad_dht.pb.kademlia_pb2 import Message
 from lattica.dht.quota import Refusal
 from lattica.dht.screen import FrameDecoder, RecordValidator, encode_varint, screen_request
 from lattica.errors import RemoteProtocolError
+from lattica.net.streams import reset_quietly
 
 logger = logging.getLogger(__name__)
 _READ_CHUNK = 16 * 1024
@@ -107,7 +108,7 @@ async def guarded_handler(
     """Serve one inbound DHT stream; never raises, whatever the peer sends."""
     peer_id = str(stream.muxed_conn.peer_id)
     if is_banned(peer_id):
-        await _reset(stream)
+        await reset_quietly(stream)
         return
     screened = ScreenedStream(
         stream, validator=validator, max_frame=max_frame, peer_id=peer_id,
@@ -121,15 +122,9 @@ async def guarded_handler(
     finally:
         _serving.reset(token)
     if screened.rejection is not None:
-        await _reset(stream)
+        await reset_quietly(stream)
         await on_reject(screened.rejection)
     elif screened.refusal is not None:
         on_refuse(peer_id, screened.refusal)
-        await _reset(stream)
+        await reset_quietly(stream)
 
-
-async def _reset(stream: INetStream) -> None:
-    try:
-        await stream.reset()
-    except Exception:  # best effort on a stream that may be gone; libp2p raises many kinds
-        logger.debug("resetting a DHT stream failed", exc_info=True)

@@ -44,6 +44,7 @@ from lattica.net.access import AccessGate
 from lattica.net.addrs import dialable_addrs, peer_info_from_addr
 from lattica.net.dialing import dial_addrs_for, short_reason
 from lattica.net.host import circuit_addr_for, peer_may_support
+from lattica.net.libp2p_compat import unblock_peer
 from lattica.net.nat.circuit import dial_circuit
 from lattica.net.nat.dialer import Dialer
 from lattica.net.nat.traversal import NatTraversal
@@ -324,9 +325,7 @@ class Connectivity:
         self._dialing[key] = relayed
         # our own backoff decides when to redial; py-libp2p's negative dial cache would
         # otherwise refuse a peer that came back on the same address
-        unblock = getattr(self._host.get_network(), "unblock_peer", None)
-        if unblock is not None:
-            unblock(info.peer_id)
+        unblock_peer(self._host, info.peer_id)
         try:
             if self._dialer is not None:
                 with trio.fail_after(_PATH_DIAL_TIMEOUT_S):

@@ -44,6 +44,7 @@ from multiaddr.exceptions import Error as MultiaddrError
 from trio_typing import TaskStatus
 
 from lattica.net.identify_push import push_identify
+from lattica.net.libp2p_compat import hop_stream_handler
 from lattica.net.nat.addresses import conn_is_relayed, is_circuit
 from lattica.net.nat.autonat import Reachability, ReachabilityService
 
@@ -114,7 +115,7 @@ class RelayServer:
         if on == self.serving:
             return False
         if on:
-            self._host.set_stream_handler(HOP_PROTOCOL_ID, self.protocol._handle_hop_stream)
+            self._host.set_stream_handler(HOP_PROTOCOL_ID, hop_stream_handler(self.protocol))
         else:
             self._host.remove_stream_handler(HOP_PROTOCOL_ID)
         self.serving = on

@@ -52,6 +52,7 @@ from lattica.errors import (
     RemoteProtocolError,
 )
 from lattica.net.identity import peer_id_of
+from lattica.net.streams import close_quietly, reset_quietly
 from lattica.net.tensors import collectives, fast_setup, fastpath, frames
 from lattica.net.tensors.limits import (
     FetchAnswer,
@@ -62,7 +63,7 @@ from lattica.net.tensors.limits import (
 )
 from lattica.net.tensors.mailbox import Key, Mailbox
 from lattica.net.tensors.stats import TrafficStats
-from lattica.net.tensors.streams import StreamChannel, close_quietly, reset_quietly
+from lattica.net.tensors.streams import StreamChannel
 from lattica.net.wire import read_message, write_message
 from lattica.numerics import codecs
 from lattica.numerics.screen import DEFAULT_SCREEN, ContributionScreen, Rejection
