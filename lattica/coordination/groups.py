@@ -63,7 +63,6 @@ import re
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from lattica.errors import RemoteProtocolError
 
@@ -174,8 +173,8 @@ def confirmed_group(
 
 def handshake_request(
     run_id: str, key: str, proposal: Sequence[str], *, hold_s: float | None = None
-) -> dict[str, Any]:
-    message: dict[str, Any] = {"run": run_id, "key": key, "group": list(proposal)}
+) -> dict[str, object]:
+    message: dict[str, object] = {"run": run_id, "key": key, "group": list(proposal)}
     if hold_s is not None:
         message["hold"] = float(hold_s)
     return message
@@ -422,9 +421,9 @@ class GroupHandshakes:
                 self.decline(key, partner)
         return group
 
-    def answer(self, key: str, proposal: Sequence[str], verdict: Verdict, *, asker: str) -> dict[str, Any]:
+    def answer(self, key: str, proposal: Sequence[str], verdict: Verdict, *, asker: str) -> dict[str, object]:
         """The reply for a final verdict (``late`` declines the asker for the key)."""
-        message: dict[str, Any] = {}
+        message: dict[str, object] = {}
         if verdict.kind == GONE:
             message["gone"] = True
         elif verdict.kind == LATE:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextvars
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import cast
 
 from libp2p.abc import INetStream
 from libp2p.kad_dht.pb.kademlia_pb2 import Message
@@ -95,9 +95,7 @@ class ScreenedStream:
 async def guarded_handler(
     stream: INetStream,
     *,
-    # Any: py-libp2p's Kademlia handler is declared for INetStream and given the ScreenedStream,
-    # which forwards everything but ``read`` to the real stream (not an INetStream subclass)
-    inner: Callable[[Any], Awaitable[None]],
+    inner: Callable[[INetStream], Awaitable[None]],
     validator: RecordValidator,
     max_frame: int,
     is_banned: Callable[[str], bool],
@@ -116,7 +114,9 @@ async def guarded_handler(
     )
     token = _serving.set(peer_id)
     try:
-        await inner(screened)
+        # the library's handler is declared for INetStream and given the ScreenedStream, which
+        # forwards everything but ``read`` to the real stream (it is no INetStream subclass)
+        await inner(cast("INetStream", screened))
     except Exception as exc:  # noqa: BLE001 - the library's handler is not ours; whatever it raises ends this stream only
         logger.debug("DHT handler for %s failed: %r", peer_id, exc)
     finally:

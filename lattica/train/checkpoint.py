@@ -46,6 +46,10 @@ _NAME = re.compile(r"^step-(\d{9,})\.pt$")
 _TMP_NAME = re.compile(r"^\.step-\d{9,}\.pt\.(\d+)\.tmp$")
 STALE_TMP_S = 3600.0
 
+StateDict = dict[str, Any]
+"""A state as ``state_dict()`` returns it and ``torch.save`` writes it: tensors, numbers and
+nested dicts and lists of them, by name (a trainer's checkpoint, a strategy's outer state)."""
+
 
 def weights_hash(state: Mapping[str, torch.Tensor]) -> str:
     """sha256 hex digest over names, dtypes, shapes and raw bytes, independent of dict order."""
@@ -124,7 +128,7 @@ class CheckpointStore:
     def _entries(self) -> list[Path]:
         return list(self.directory.iterdir()) if self.directory.is_dir() else []
 
-    def save(self, step: int, state: dict[str, Any]) -> Path:
+    def save(self, step: int, state: StateDict) -> Path:
         """Write ``step-<n>.pt`` and prune the oldest. A write that fails (a full disk) raises
         ``StorageError`` naming the file and the space left, removes its temporary and leaves
         every older checkpoint as it was."""
@@ -152,7 +156,7 @@ class CheckpointStore:
                 path.unlink(missing_ok=True)
         _fsync_dir(self.directory)
 
-    def load(self, path: Path) -> dict[str, Any]:
+    def load(self, path: Path) -> StateDict:
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as exc:  # noqa: BLE001 - torch raises many types for a truncated or foreign file
@@ -161,7 +165,7 @@ class CheckpointStore:
             raise ConfigError(f"checkpoint {path} does not hold a dict")
         return state
 
-    def load_latest(self) -> dict[str, Any] | None:
+    def load_latest(self) -> StateDict | None:
         """The newest readable checkpoint, or None when there is none."""
         for _, path in reversed(self.checkpoints()):
             try:
@@ -171,7 +175,7 @@ class CheckpointStore:
         return None
 
 
-def _write_synced(path: Path, state: dict[str, Any]) -> None:
+def _write_synced(path: Path, state: StateDict) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as f:
         out = _WriteErrorKept(f)

@@ -22,13 +22,12 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import trio
 
 from lattica.errors import StorageError
 from lattica.files import WriteRetry
-from lattica.train.checkpoint import CheckpointStore
+from lattica.train.checkpoint import CheckpointStore, StateDict
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +53,7 @@ class CheckpointWriter:
         """Seconds until the next write is due (0 when it is)."""
         return self._retry.wait_s(self._clock())
 
-    async def save(self, state: Callable[[], dict[str, Any]]) -> Path | None:
+    async def save(self, state: Callable[[], StateDict]) -> Path | None:
         """Write ``state()`` (a trainer's, with its ``step``) as a checkpoint; its path, or None
         when it was not written (the disk failed now, or before and no attempt is due yet)."""
         async with self._lock:
@@ -71,7 +70,7 @@ class CheckpointWriter:
                 log.info("checkpoints written again: %s", path)
             return path
 
-    async def until_written(self, state: Callable[[], dict[str, Any]]) -> None:
+    async def until_written(self, state: Callable[[], StateDict]) -> None:
         """While writes fail, try again whenever the backoff is over, until one succeeds."""
         while self.failing is not None:
             await trio.sleep(self.wait_s())

@@ -30,13 +30,13 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 import trio
 
 from lattica.errors import BrokenError, PeerUnavailableError, RemoteError, RemoteProtocolError
-from lattica.train.checkpoint import weights_hash
+from lattica.train.checkpoint import StateDict, weights_hash
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,15 @@ def flatten_outer_state(state: Mapping[str, object]) -> dict[str, torch.Tensor]:
     return flat
 
 
-def read_manifest(flat: Mapping[str, torch.Tensor], *, peer_id: str | None = None) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Manifest:
+    """The JSON part of a flat outer state: its tensors' names and its plain values."""
+
+    names: list[str]  # "<group>/<parameter>"
+    values: dict[str, object]  # every other entry of the outer state
+
+
+def read_manifest(flat: Mapping[str, torch.Tensor], *, peer_id: str | None = None) -> Manifest:
     """The JSON part of a flat outer state, validated (it comes from a peer)."""
     blob = flat.get(MANIFEST)
     if not isinstance(blob, torch.Tensor) or blob.dtype != torch.uint8 or blob.dim() != 1:
@@ -74,25 +82,26 @@ def read_manifest(flat: Mapping[str, torch.Tensor], *, peer_id: str | None = Non
     if blob.numel() > _MAX_MANIFEST_BYTES:
         raise RemoteProtocolError("outer-state manifest too large", peer_id=peer_id)
     try:
-        meta: dict[str, Any] = json.loads(bytes(blob.tolist()).decode("utf-8"))
+        meta: object = json.loads(bytes(blob.tolist()).decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError):
         raise RemoteProtocolError("outer-state manifest is not JSON", peer_id=peer_id) from None
     names = meta.get("tensors") if isinstance(meta, dict) else None
-    if not isinstance(names, list) or len(names) > _MAX_TENSORS or not all(
+    if not isinstance(meta, dict) or not isinstance(names, list) or len(names) > _MAX_TENSORS or not all(
         isinstance(n, str) and "/" in n and n != MANIFEST and len(n) <= 512 for n in names
     ):
         raise RemoteProtocolError("outer-state manifest has a bad tensor list", peer_id=peer_id)
-    return meta
+    values = {key: value for key, value in meta.items() if key != "tensors"}  # JSON object keys are strings
+    return Manifest(names=names, values=values)
 
 
-def unflatten_outer_state(flat: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+def unflatten_outer_state(flat: Mapping[str, torch.Tensor]) -> StateDict:
     """Rebuild the ``outer_state_dict`` that ``flatten_outer_state`` flattened."""
-    meta = read_manifest(flat)
-    names = meta.pop("tensors")
+    manifest = read_manifest(flat)
+    names = manifest.names
     unexpected = set(flat) - set(names) - {MANIFEST}
     if unexpected:
         raise RemoteProtocolError(f"unexpected tensor {sorted(unexpected)[0]!r} in fetched outer state")
-    state: dict[str, Any] = dict(meta)
+    state: StateDict = dict(manifest.values)
     for key in names:
         group, _, name = key.partition("/")
         if key not in flat:
@@ -118,7 +127,7 @@ async def fetch_outer_state(
     for holder in holders:
         try:
             manifest = await _fetch_checked(holder, [MANIFEST], fetch)
-            names = list(read_manifest(manifest, peer_id=holder)["tensors"])
+            names = read_manifest(manifest, peer_id=holder).names
             break
         except _FETCH_ERRORS as exc:
             last = exc

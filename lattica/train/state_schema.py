@@ -30,11 +30,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
 from lattica.errors import RemoteProtocolError
+from lattica.train.checkpoint import StateDict
 from lattica.train.join import MANIFEST, read_manifest, unflatten_outer_state
 
 Kind = Literal["count", "counts", "mapping", "text", "flag", "number", "nothing"]
@@ -112,12 +113,12 @@ def _kind_of(key: str, value: object) -> Kind:
 
 def check_outer_state(
     flat: Mapping[str, torch.Tensor], schema: OuterStateSchema, *, peer_id: str | None = None,
-) -> dict[str, Any]:
+) -> StateDict:
     """The ``outer_state_dict`` of ``flat`` when it fits ``schema``; else ``RemoteProtocolError``."""
-    meta = read_manifest(flat, peer_id=peer_id)
-    names = meta.pop("tensors")
+    manifest = read_manifest(flat, peer_id=peer_id)
+    names = manifest.names
     _check_names(names, flat, schema, peer_id)
-    _check_meta(meta, names, schema, peer_id)
+    _check_meta(manifest.values, names, schema, peer_id)
     for name in names:
         _check_tensor(name, flat[name], schema, peer_id)
     return unflatten_outer_state(flat)

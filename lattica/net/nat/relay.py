@@ -25,10 +25,10 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import trio
-from libp2p.abc import IHost
+from libp2p.abc import IHost, INetConn
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 from libp2p.peer.peerstore import PeerStoreError
@@ -272,7 +272,7 @@ class RelayReservations:
         return tuple(addrs)
 
 
-def _as_list(conns: object) -> list[Any]:
+def _as_list(conns: INetConn | list[INetConn] | None) -> list[INetConn]:
     if not conns:
         return []
     return conns if isinstance(conns, list) else [conns]
