@@ -200,7 +200,9 @@ class TrainSettings:
         if self.outer_momentum is not None and not (_is_finite(self.outer_momentum) and 0 <= self.outer_momentum < 1):
             raise ConfigError(f"train.outer_momentum must be in [0, 1), got {self.outer_momentum!r}")
         if self.max_norm_ratio is not None and not (_is_finite(self.max_norm_ratio) and self.max_norm_ratio >= 1):
-            raise ConfigError(f"train.max_norm_ratio must be a finite number >= 1 (or off), got {self.max_norm_ratio!r}")
+            raise ConfigError(
+                f"train.max_norm_ratio must be a finite number >= 1 (or off), got {self.max_norm_ratio!r}",
+            )
         if self.aggregation not in AGGREGATIONS:
             raise ConfigError(f"train.aggregation must be one of {', '.join(AGGREGATIONS)}, got {self.aggregation!r}")
         if self.aggregation == "trimmed_mean" and self.min_peers <= 2 * self.trim:

@@ -23,7 +23,9 @@ _MARKS = {"ok": "ok     ", "warn": "WARN   ", "problem": "PROBLEM"}
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    doctor = sub.add_parser("doctor", help="diagnose connectivity (NAT, relays, peers, bootstrap), clock, disk and device")
+    doctor = sub.add_parser(
+        "doctor", help="diagnose connectivity (NAT, relays, peers, bootstrap), clock, disk and device",
+    )
     doctor.add_argument("--data-dir", type=Path, help="node data dir (default: $XDG_DATA_HOME/lattica)")
     doctor.add_argument("--config", type=Path, help="TOML config file (listen/announce for a probe)")
     doctor.add_argument("--peer", action="append", dest="peers", metavar="MULTIADDR",

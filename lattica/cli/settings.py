@@ -123,7 +123,9 @@ def _coerce(key: str, kind: str, value: object, source: str) -> SettingValue:
         return _convert(kind, value)
     except (TypeError, ValueError):
         name = key.rpartition(".")[2].removeprefix("train_")
-        optional = "a finite number or 'off'" if name in _OFF_WHEN_NONE else "a finite number, or 'none' for the default"
+        optional = (
+            "a finite number or 'off'" if name in _OFF_WHEN_NONE else "a finite number, or 'none' for the default"
+        )
         expected = {"int": "an integer", "float": "a finite number", "float?": optional}
         raise ConfigError(
             f"{source}: {key} has an invalid value {value!r} (expected {expected.get(kind, kind)})"

@@ -55,7 +55,9 @@ def offline_dump(data_dir: Path, run_id: str | None = None) -> dict[str, object]
     runs = stored_runs(data_dir)
     if run_id is None:
         if len(runs) > 1:
-            raise ConfigError(f"data dir {data_dir} holds the state of runs {', '.join(runs)}; choose one with --run-id")
+            raise ConfigError(
+                f"data dir {data_dir} holds the state of runs {', '.join(runs)}; choose one with --run-id",
+            )
         run_id = runs[0] if runs else None
     if run_id is None or run_id not in runs:
         return None

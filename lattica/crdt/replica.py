@@ -408,7 +408,9 @@ class Replica:
         if other is None or other == env:
             return
         if self._superseded(env, other):
-            raise RejectedUpdate("superseded", f"seq {env.seq} of {env.writer} is healed by a snapshot", peer_id=from_peer)
+            raise RejectedUpdate(
+                "superseded", f"seq {env.seq} of {env.writer} is healed by a snapshot", peer_id=from_peer,
+            )
         self._ban(env.writer, (other, env))
         raise RejectedUpdate(
             "equivocation", f"{env.writer} signed two different updates for seq {env.seq}", peer_id=from_peer

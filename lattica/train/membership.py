@@ -107,7 +107,8 @@ class MembershipView:
 
     def advertised_reachability(self) -> dict[str, str]:
         """peer -> the reachability each member advertises (its own claim: public, private, unknown)."""
-        return {peer: text for peer, record in self.members().items() if isinstance(text := record.get("reachability"), str)}
+        members = self.members()
+        return {peer: text for peer, record in members.items() if isinstance(text := record.get("reachability"), str)}
 
     def heartbeat(self, peer: str) -> int | None:
         """The counter ``peer`` bumps with every lease renewal (None: no record)."""

@@ -178,5 +178,6 @@ def repair_target(
 
 
 __all__ = [
-    "ProbedManifests", "ServedRounds", "agreed_round", "fetch_of_round", "repair_target", "round_prefix", "serve_outer_state",
+    "ProbedManifests", "ServedRounds", "agreed_round", "fetch_of_round", "repair_target", "round_prefix",
+    "serve_outer_state",
 ]

@@ -15,8 +15,9 @@ training member looks at it:
 
 The other settings (data, task, device, batch size, checkpoints, aggregation, deadline,
 ``min_peers``) stay each member's own. Members read the config when their training starts: a
-member already training keeps the values it started with. A config that does not validate (``TrainSettings``, ``check_settings``) fails the
-member's training with that error, visible in ``lattica status``.
+member already training keeps the values it started with. A config that does not validate
+(``TrainSettings``, ``check_settings``) fails the member's training with that error, visible in
+``lattica status``.
 """
 
 from __future__ import annotations

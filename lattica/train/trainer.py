@@ -24,7 +24,8 @@ network during training, and an overlapping strategy's communication runs while 
 thread trains. Running the steps between two syncs in one thread call matters for overlap: a
 hand-off to the event loop after every step costs a thread wake-up, which on a busy machine is
 milliseconds per step — time in which no inner step runs. The worker checks for cancellation
-between steps, so stopping the node never waits for more than one step. The learning rate is a pure function of the step (warmup + cosine), so
+between steps, so stopping the node never waits for more than one step. The learning rate is a pure
+function of the step (warmup + cosine), so
 a resumed or joining peer only needs the step number. Every completed round triggers
 ``on_round`` (with the content hash of the outer weights, for the replicated state) and a local
 checkpoint (``checkpoint_writer``: a full disk delays checkpoints, never training); periodic

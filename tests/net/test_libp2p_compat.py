@@ -70,7 +70,9 @@ def test_the_installed_py_libp2p_is_the_version_the_compat_module_was_checked_ag
 
 @pytest.mark.parametrize(("owner", "name", "parameters"), PRIVATE_CALLABLES,
                          ids=[f"{o.__name__}.{n}" for o, n, _ in PRIVATE_CALLABLES])
-def test_every_private_hook_and_function_exists_with_its_parameters(owner: object, name: str, parameters: list[str]) -> None:
+def test_every_private_hook_and_function_exists_with_its_parameters(
+    owner: object, name: str, parameters: list[str],
+) -> None:
     found = getattr(owner, name, None)
     assert found is not None, f"py-libp2p no longer has {getattr(owner, '__name__', owner)}.{name}"
     assert list(inspect.signature(found).parameters) == parameters, f"{name} changed its parameters"
@@ -155,7 +157,8 @@ def _private_uses(path: Path, private: set[str], hooks: set[str]) -> list[str]:
             text = node.args[1].value if len(node.args) > 1 and isinstance(node.args[1], ast.Constant) else None
             names = [text] if isinstance(text, str) and text in private else []
         elif isinstance(node, ast.ClassDef) and {b.id for b in node.bases if isinstance(b, ast.Name)} & from_libp2p:
-            names = [f.name for f in node.body if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef) and f.name in hooks]
+            methods = [f for f in node.body if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)]
+            names = [f.name for f in methods if f.name in hooks]
         found += [f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {name}" for name in names]
     return found
 
@@ -180,7 +183,8 @@ def test_nothing_but_the_compat_module_touches_a_private_name_of_py_libp2p() -> 
     compat = PACKAGE / "net" / "libp2p_compat.py"
     hooks = _libp2p_private_names()
     private = hooks - _own_names(skip=compat)
-    assert len(_private_uses(compat, private, hooks)) >= len(PRIVATE_CALLABLES), "the scan misses the compat module's uses"
+    found = _private_uses(compat, private, hooks)
+    assert len(found) >= len(PRIVATE_CALLABLES), "the scan misses the compat module's uses"
     elsewhere = [use for path in sorted(PACKAGE.rglob("*.py")) if path != compat
                  for use in _private_uses(path, private, hooks)]
     assert elsewhere == []

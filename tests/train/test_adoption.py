@@ -234,7 +234,9 @@ class _Holder:
     def unserve(self, name: str) -> None: ...
 
 
-def _sync_serving(trainer: Trainer, rnd: int, state: dict[str, Any]) -> tuple[OuterStateSync, tuple[int, str, list[str]]]:
+def _sync_serving(
+    trainer: Trainer, rnd: int, state: dict[str, Any],
+) -> tuple[OuterStateSync, tuple[int, str, list[str]]]:
     digest = outer_state_hash(state)
     snapshot = {
         "members": {"me": {"role": "trainer"}, "a": {"role": "trainer"}},
@@ -267,7 +269,8 @@ def _claimed(trainer: Trainer, rnd: int, **changes: Any) -> dict[str, Any]:
 async def test_a_bad_state_is_refused_without_stopping_the_trainer(changes: dict[str, Any], words: str) -> None:
     trainer = _trainer()
     if changes.get("params", 0) is None:
-        changes["params"] = {n: torch.full_like(t, float("nan")) for n, t in trainer.strategy.outer_state_dict()["params"].items()}
+        params = trainer.strategy.outer_state_dict()["params"]
+        changes["params"] = {n: torch.full_like(t, float("nan")) for n, t in params.items()}
     sync, agreed = _sync_serving(trainer, 2, _claimed(trainer, 2, **changes))
     assert sync.agreed() == agreed
     before = _snapshot(trainer)

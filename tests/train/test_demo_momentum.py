@@ -300,7 +300,9 @@ async def test_a_hostile_payload_fails_the_exchange_and_the_retry_drops_its_send
     a, b, _ = _replicas(network, config, groups)
     layout = a.layout
     hostile = [
-        demo_codec.encode(sparse.top_k_per_chunk(torch.ones(n * layout.chunks[n]), chunk=n, k=layout.k[n]), codec="int8")
+        demo_codec.encode(
+            sparse.top_k_per_chunk(torch.ones(n * layout.chunks[n]), chunk=n, k=layout.k[n]), codec="int8",
+        )
         for n in layout.sizes
     ]
     hostile[0][16:20] = torch.tensor([float("nan")], dtype=torch.float32).view(torch.uint8)  # a NaN scale

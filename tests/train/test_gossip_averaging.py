@@ -121,7 +121,9 @@ def test_averaging_is_validated() -> None:
 
 
 def test_allreduce_stays_the_default_and_agrees() -> None:
-    strategy = DiLoCo(scalar_model(0.0), collective=InMemoryCollectiveGroup(["a"]).member("a"), groups=FixedGroups(["a"]))
+    strategy = DiLoCo(
+        scalar_model(0.0), collective=InMemoryCollectiveGroup(["a"]).member("a"), groups=FixedGroups(["a"]),
+    )
     assert strategy.config.averaging == "allreduce"
     assert strategy.replicas_agree
 

@@ -300,7 +300,9 @@ async def test_gossip_pairs_whose_payloads_differ_in_length_still_average():
     strategies = _gossip_replicas(network, config, pair, leading={1})
     lengths = []
     for strategy in strategies:
-        delta = flatten([o - q.detach() for o, q in zip(strategy.outer_parameters(), strategy.model.parameters(), strict=True)])
+        delta = flatten(
+            [o - q.detach() for o, q in zip(strategy.outer_parameters(), strategy.model.parameters(), strict=True)],
+        )
         sent, _ = compress_with_feedback(strategy.error, delta, decay=config.error_decay, chunk=256, k=config.k,
                                          value_codec="2bit")
         lengths.append(sparse.encode(sent, value_codec="2bit", scheme=sparse.smallest_scheme_for(sent)).numel())

@@ -127,7 +127,8 @@ async def test_a_strategy_built_by_the_factory_syncs_through_what_it_is_given(tm
     settings = TrainSettings(strategy="diloco", model="tiny", data=text_data.source, inner_steps=2, rounds=1,
                              device="cpu", warmup_steps=1)
     parts = trainer_factory.TrainerParts(
-        peer_id="me", collective=group.member("me"), groups=FixedGroups(["me"]), checkpoint_dir=tmp_path / "checkpoints",
+        peer_id="me", collective=group.member("me"), groups=FixedGroups(["me"]),
+        checkpoint_dir=tmp_path / "checkpoints",
     )
     trainer = trainer_factory.build_trainer(settings, parts, wrap=wrap)
     assert isinstance(trainer.strategy, WrappedStrategy)

@@ -92,6 +92,7 @@ def test_one_default_h_everywhere():
 
 def test_aggregation_settings_map_to_the_screen():
     assert contribution_screen(TrainSettings()) == ContributionScreen(max_norm_ratio=10.0)
-    assert contribution_screen(TrainSettings(aggregation="median", max_norm_ratio=None)) == ContributionScreen(median=True)
+    median = contribution_screen(TrainSettings(aggregation="median", max_norm_ratio=None))
+    assert median == ContributionScreen(median=True)
     trimmed = contribution_screen(TrainSettings(aggregation="trimmed_mean", trim=2, min_peers=5))
     assert trimmed == ContributionScreen(max_norm_ratio=10.0, trim=2)

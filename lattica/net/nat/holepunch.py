@@ -10,10 +10,11 @@ open. Through port-preserving NATs this yields a direct connection; through a sy
 the peers stay relayed. After success the relayed connection is closed after a grace period.
 
 We use py-libp2p 0.8.1's ``DCUtRProtocol`` for the message exchange and the dials, with three
-changes made in a subclass (through the hooks ``lattica.net.libp2p_compat.DCUtRHooks`` opens): no background "auto-drive" loop (the ``Dialer`` decides when to
-punch, so two sides never start competing sessions); no "unilateral" direct dial before the
-exchange (the dialer has just tried that, and its timeout would delay the punch); and a
-bounded number of short rounds (``rounds`` x ``round_timeout``) instead of 3 x 5 s + pauses.
+changes made in a subclass (through the hooks ``lattica.net.libp2p_compat.DCUtRHooks`` opens): no
+background "auto-drive" loop (the ``Dialer`` decides when to punch, so two sides never start
+competing sessions); no "unilateral" direct dial before the exchange (the dialer has just tried
+that, and its timeout would delay the punch); and a bounded number of short rounds (``rounds`` x
+``round_timeout``) instead of 3 x 5 s + pauses.
 """
 
 from __future__ import annotations
@@ -63,7 +64,9 @@ class _BoundedDCUtR(DCUtRHooks):
         for round_no in range(self._rounds):
             async with trio.open_nursery() as nursery:
                 for addr in targets:
-                    nursery.start_soon(functools.partial(self.dial_from, peer_id, addr, source, as_responder=as_responder))
+                    nursery.start_soon(
+                        functools.partial(self.dial_from, peer_id, addr, source, as_responder=as_responder),
+                    )
                 with trio.move_on_after(self._round_timeout):
                     while not await self.connected_directly(peer_id):
                         await trio.sleep(0.05)

@@ -371,7 +371,10 @@ class DeMo(AccountedStrategy):
             "round": self._rounds,
             "step": self._step,
             "completed_rounds": self._rounds,
-            "params": {n: p.detach().to("cpu", torch.float32, copy=True) for n, p in zip(self._names, self._params, strict=True)},
+            "params": {
+                n: p.detach().to("cpu", torch.float32, copy=True)
+                for n, p in zip(self._names, self._params, strict=True)
+            },
         }
 
     def load_outer_state_dict(self, state: dict[str, Any]) -> None:

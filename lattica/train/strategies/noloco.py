@@ -17,7 +17,8 @@ So is a partner whose ``[φ, Δ]`` the screen refuses (``gossip.screen_answers``
 a norm far above this worker's own).
 No one waits on anyone outside their stripe, so a dead peer stalls at most its partners, and
 those only until the deadline. A worker that fell behind the swarm (frozen, slow) jumps its
-round keys to the swarm's next step (``gossip.realigned_round``) and pairs again there. Replicas are not identical: φ differs between workers.
+round keys to the swarm's next step (``gossip.realigned_round``) and pairs again there. Replicas are
+not identical: φ differs between workers.
 """
 
 from __future__ import annotations
