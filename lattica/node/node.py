@@ -34,8 +34,9 @@ from lattica.control.protocol import ControlRequest
 from lattica.control.server import ControlServer, ensure_no_daemon
 from lattica.errors import ConfigError, LocalProtocolError
 from lattica.net.access import AccessGate, AccessStatus, RunAccess
+from lattica.net.bootstrap import JoinOutcome
 from lattica.net.clock import CLOCK_PROTOCOL, answer_clock
-from lattica.net.connectivity import Connectivity, JoinOutcome
+from lattica.net.connectivity import Connectivity
 from lattica.net.host import AnnouncementWatcher, LatticaHost, build_host, stop_auto_connector
 from lattica.net.identity import peer_id_of
 from lattica.net.peerbook import PeerBook
