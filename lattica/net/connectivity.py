@@ -3,8 +3,8 @@
 Theory of operation: ``Connectivity.run`` serves peer exchange (``PX_PROTOCOL``) and goodbyes
 (``BYE_PROTOCOL``), watches the host's connections into the peer book, dials the bootstrap
 peers (``--peer``) until one answers within ``bootstrap_timeout_s`` — with a run secret, until
-one proved membership (``lattica.net.bootstrap``) — or, without ``--peer``, gives the members saved by its previous life a
-moment to answer. Then its ``Reconnector`` (``lattica.net.reconnect``) keeps the bootstrap
+one proved membership (``lattica.net.bootstrap``) — or, without ``--peer``, gives the members
+saved by its previous life a moment to answer. Then its ``Reconnector`` (``lattica.net.reconnect``) keeps the bootstrap
 peers and known members connected with backoff, also those that said goodbye, and saves them
 in the data dir; and every two seconds it asks connected peers whom they know (peer exchange),
 dialing the verified run members among them within ``PxDialBudget``. Start-up fails with
