@@ -15,10 +15,10 @@ from pathlib import Path
 from libp2p.crypto.ed25519 import create_new_key_pair
 
 from lattica.crdt.documents import Snapshot
+from lattica.crdt.durable import state_log_path
 from lattica.crdt.envelope import RejectedUpdate
 from lattica.crdt.log import read_records
 from lattica.crdt.replica import Replica
-from lattica.crdt.state import state_log_path
 from lattica.errors import ConfigError
 
 _LOG_PREFIX, _LOG_SUFFIX = "state-", ".log"
