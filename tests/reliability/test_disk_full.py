@@ -27,8 +27,8 @@ import torch
 import trio
 
 from lattica.cli import main as cli_main
-from lattica.crdt.log import AppendLog, HeldRecordsLog, read_records
 from lattica.crdt.durable import state_log_path
+from lattica.crdt.log import AppendLog, HeldRecordsLog, read_records
 from lattica.errors import StorageError
 from lattica.files import WriteRetry
 from lattica.train.checkpoint import CheckpointStore
