@@ -28,6 +28,11 @@ Measured (from outside: the daemons' control sockets and ``lattica state``):
 - ``final_loss`` / ``undisturbed_loss``: validation loss of the final model (the mean over the
   replicas; identical replicas give identical values), and their ratio ``loss_ratio``.
 - ``replicas_identical``: every replica's published record is at round R with one hash.
+- ``contributions`` / ``undisturbed_contributions``: the members whose pseudo-gradients each
+  round averaged, summed over the rounds (read from the daemons' ``sync round/N done with K
+  member(s)`` log lines), and ``contributions_ratio``: how much of the undisturbed run's data the
+  disturbed run trained on — a killed member misses every round until it trains again, so the
+  loss ratio is to be read beside it.
 
 Needs root (network namespaces). Last line: one JSON object.
 
@@ -45,6 +50,7 @@ import argparse
 import json
 import math
 import random
+import re
 import shutil
 import sys
 import tempfile
@@ -271,6 +277,17 @@ class _Chaos:
 
 
 _STARTED = time.monotonic()
+_SYNC_DONE = re.compile(r"sync round/(\d+) done with (\d+) member")
+
+
+def contributions(phase_dir: Path) -> int:
+    """Members averaged per round, summed over the rounds any daemon of ``phase_dir`` logged."""
+    members: dict[int, int] = {}
+    for log in phase_dir.glob("n*/daemon.log"):
+        for match in _SYNC_DONE.finditer(log.read_text(errors="replace")):
+            rnd, k = int(match[1]), int(match[2])
+            members[rnd] = max(members.get(rnd, 0), k)
+    return sum(members.values())
 
 
 def _say(line: str) -> None:
@@ -317,7 +334,7 @@ def run_chaos(root: Path, args: argparse.Namespace) -> dict[str, Any]:
                 "rounds_reached": slowest,
                 "lost_rounds": chaos.lost, "max_stall_s": round(chaos.stall, 2),
                 "deadline_s": args.deadline_s, "final_loss": round(final_loss, 4),
-                "replicas_identical": identical,
+                "replicas_identical": identical, "contributions": contributions(root / "chaos"),
             }
         finally:
             swarm.stop()
@@ -370,6 +387,10 @@ def main() -> None:
             if not args.skip_undisturbed:
                 result["undisturbed_loss"] = round(run_undisturbed(root, args), 4)
                 result["loss_ratio"] = round(result["final_loss"] / result["undisturbed_loss"], 4)
+                result["undisturbed_contributions"] = contributions(root / "calm")
+                result["contributions_ratio"] = round(
+                    result["contributions"] / max(result["undisturbed_contributions"], 1), 4
+                )
         except PhaseUnfinished as exc:
             print(f"chaos benchmark failed: {exc}", file=sys.stderr)
             sys.exit(1)

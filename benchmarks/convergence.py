@@ -10,13 +10,21 @@ collective, whose per-worker byte counter counts what a butterfly all-reduce rea
 (2 (N-1)/N of the fp32 payload per sync). Validation loss is in nats per byte: the mean over the
 workers' replicas, evaluated on each strategy's evaluation weights.
 
+``--model`` trains another built-in preset instead of the byte-level ``tiny`` (``llama-tiny`` …;
+the MoE methods keep ``tiny-moe``); its vocabulary is the data's — with ``--data`` a folder from
+``lattica data prepare``, whose tokens are memory-mapped. The JSON line then also carries
+``<name>_bpb``: the validation loss in bits per UTF-8 byte, comparable across tokenizers (for
+byte-level data, nats / ln 2), and ``<name>_vs_nocomm`` when ``nocomm`` ran.
+
 Adding a method: register its strategy in ``lattica.train.strategies.STRATEGIES`` and add a
 ``Method`` to ``METHODS`` (its own model builder and config if it needs them); the JSON line
 then carries ``<name>_loss``, ``<name>_bytes`` and ``<name>_vs_ddp``.
 
-    python benchmarks/convergence.py [--data PATH] [--strategies ddp,nocomm,diloco|all] [--seed N]
+    python benchmarks/convergence.py [--data PATH] [--model tiny|llama-tiny|…] [--strategies ddp,nocomm,diloco|all]
+        [--seed N]
         [--steps 500] [--batch-size 8] [--context 128] [--lr 3e-3] [--warmup 50]
         [--outer-lr 0.7] [--outer-momentum 0.9] [--warm-start-steps 0] [--workers 4]
+        [--device cpu|cuda] [--compile auto|true|false]
 
 ``diloco_gossip`` is DiLoCo with gossip averaging (groups of 2 redrawn every round, no
 all-reduce); like NoLoCo its replicas differ, so it also reports the loss of their averaged
@@ -33,6 +41,13 @@ without a finite validation loss) fails the run: exit status 1, one line on stde
 Every method gets the same inner hyperparameters (AdamW, warmup + cosine over ``--steps``).
 ``--outer-lr`` / ``--outer-momentum`` change only the two DiLoCo runs (``diloco``,
 ``moe_diloco``), for sweeps; without them DiLoCo runs with its defaults η 0.7, μ 0.9.
+
+``--device cuda`` trains the workers on one GPU (CPU stays the default): each worker's inner
+steps run in its own thread on its own CUDA stream (the trainer's), so the workers' steps
+overlap on the device; the model is compiled there (``--compile``, default auto: on CUDA); DDP
+averages its gradients on the device (``DDPConfig.reduce_on_device``: the in-memory collective
+sums them where they are) instead of copying them to the host every step. DiLoCo's outer
+state stays on the host, pinned, as in the product.
 
 ``--measure-memory`` runs each method in a forked child process and reports
 ``<name>_peak_memory_bytes``: the child's peak resident memory (``VmHWM``, reset through
@@ -52,7 +67,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -70,10 +85,12 @@ from lattica.train.data import (
 )
 from lattica.train.device import select_device
 from lattica.train.model import build_model, lm_loss
+from lattica.train.model_spec import model_names, resolve_model
 from lattica.train.moe import build_moe_model
 from lattica.train.schedule import ScheduleConfig
 from lattica.train.strategies import STRATEGIES, create_strategy
 from lattica.train.strategies.accounting import optimizer_state_bytes
+from lattica.train.strategies.ddp import DDPConfig
 from lattica.train.strategies.demo_momentum import DeMoConfig
 from lattica.train.strategies.diloco import DiLoCoConfig
 from lattica.train.strategies.eager import EagerDiLoCoConfig
@@ -83,6 +100,7 @@ from lattica.train.strategies.spes import SPESConfig
 from lattica.train.strategies.streaming import StreamingDiLoCoConfig
 from lattica.train.strategies.streaming_eager import StreamingEagerConfig
 from lattica.train.task import Task
+from lattica.train.tokenized import bits_per_byte
 from lattica.train.trainer import Trainer, TrainerConfig
 from lattica_lab.collective import InMemoryCollectiveGroup
 
@@ -96,15 +114,17 @@ WARM_SEED_OFFSET = 7919  # the pretraining draws its own batches, not worker 0's
 SCRATCH_METHODS = ("ddp", "diloco")  # also compared from the seed's fresh weights
 
 
+def _tiny(seed: int) -> torch.nn.Module:
+    return build_model("tiny", seed=seed)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Method:
     """One benchmarked method: a registered strategy, its config and (optionally) its model."""
 
     strategy: str
     config: Any = None
-    build_model: Callable[[int], torch.nn.Module] = field(
-        default=lambda seed: build_model("tiny", seed=seed)
-    )
+    build_model: Callable[[int], torch.nn.Module] = _tiny
     evaluate_average: bool = False  # also report the loss of the replicas' averaged weights
 
 
@@ -175,6 +195,22 @@ def all_methods(workers: int = WORKERS) -> dict[str, Method]:
     return methods
 
 
+def with_model(methods: dict[str, Method], model: str, vocab_size: int, context: int) -> dict[str, Method]:
+    """``methods`` training the preset ``model`` (sized for the data) where they train ``tiny``."""
+    if model == "tiny":
+        return methods
+    spec = resolve_model(model, vocab_size=vocab_size, seq_len=context)
+    if spec.context < context:
+        raise ConfigError(f"model {model} has a context of {spec.context}, shorter than --context {context}")
+
+    def build(seed: int) -> torch.nn.Module:
+        return spec.build(seed=seed)
+
+    return {
+        name: dataclasses.replace(m, build_model=build) if m.build_model is _tiny else m for name, m in methods.items()
+    }
+
+
 def peers_of(workers: int) -> tuple[str, ...]:
     return tuple(f"worker-{i}" for i in range(workers))
 
@@ -208,6 +244,8 @@ class Budget:
     lr: float = 3e-3
     warmup: int = 50
     eval_batches: int = 16
+    device: str = "cpu"  # where the workers train: cpu or cuda
+    compile: bool | str = "auto"  # the trainers' torch.compile setting (auto: on CUDA)
 
 
 class FixedGroups:
@@ -234,6 +272,8 @@ async def warm_start(
             batch_size=budget.batch_size, context=budget.context, seed=seed + WARM_SEED_OFFSET
         ),
     )
+    device = select_device(budget.device)
+    model.to(device.device)
     task = Task(model=model, train_batches=iter(sampler), val_batches=[], sampler=sampler)
     strategy = create_strategy(
         "nocomm", model, collective=InMemoryCollectiveGroup(("warm",)).member("warm"),
@@ -244,9 +284,10 @@ async def warm_start(
         eval_every=0,
         log_every=steps,
         schedule=ScheduleConfig(lr=budget.lr, warmup_steps=budget.warmup, total_steps=steps),
+        compile=budget.compile,  # type: ignore[arg-type]
     )
-    await Trainer(task, strategy, config, device=select_device("cpu")).run()
-    return {name: t.detach().clone() for name, t in model.state_dict().items()}
+    await Trainer(task, strategy, config, device=device).run()
+    return {name: t.detach().to("cpu", copy=True) for name, t in model.state_dict().items()}
 
 
 async def run_method(
@@ -268,6 +309,10 @@ async def run_method(
         context=budget.context,
         max_batches=budget.eval_batches,
     )
+    device = select_device(budget.device)
+    config_of_method = method.config
+    if method.strategy == "ddp" and device.device.type != "cpu":  # gradients averaged on the device
+        config_of_method = DDPConfig(reduce_on_device=True)
     trainers = []
     for i, peer in enumerate(peers):
         sampler = BatchSampler(
@@ -283,13 +328,14 @@ async def run_method(
         model = method.build_model(seed)
         if initial is not None:
             model.load_state_dict(initial)
+        model.to(device.device)  # before the strategy: it places its outer state for this device
         task = Task(model=model, train_batches=iter(sampler), val_batches=val, sampler=sampler)
         strategy = create_strategy(
             method.strategy,
             model,
             collective=network.member(peer),
             groups=FixedGroups(peers),
-            config=method.config,
+            config=config_of_method,
         )
         config = TrainerConfig(
             total_steps=budget.steps,
@@ -298,13 +344,14 @@ async def run_method(
             schedule=ScheduleConfig(
                 lr=budget.lr, warmup_steps=budget.warmup, total_steps=budget.steps
             ),
+            compile=budget.compile,  # type: ignore[arg-type]
         )
 
         def track_peak(event, i=i) -> None:
             peaks[i] = max(peaks[i], event.report.bytes_sent)
 
         trainers.append(
-            Trainer(task, strategy, config, device=select_device("cpu"), on_round=track_peak)
+            Trainer(task, strategy, config, device=device, on_round=track_peak)
         )
     summaries = {}
 
@@ -354,7 +401,8 @@ def _averaged_weights_loss(models: list[torch.nn.Module], val) -> float:
         for params in zip(*(m.parameters() for m in models), strict=True):
             params[0].copy_(torch.stack([p.detach() for p in params]).mean(dim=0))
         average.eval()
-        losses = [float(lm_loss(average(x), y)) for x, y in val]
+        device = next(average.parameters()).device
+        losses = [float(lm_loss(average(x.to(device)), y.to(device))) for x, y in val]
     return statistics.fmean(losses)
 
 
@@ -368,6 +416,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default="ddp,nocomm,diloco",
         help=f"comma-separated, from {sorted(all_methods())}, or 'all'",
     )
+    parser.add_argument("--model", default="tiny", choices=model_names(),
+                        help="built-in preset (default tiny; llama-* take the data's vocabulary)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=Budget.steps, help="inner steps per worker")
     parser.add_argument("--batch-size", type=int, default=Budget.batch_size)
@@ -395,6 +445,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "e.g. --set demo.topk=64 --set sparseloco.error_decay=0.9",
     )
     parser.add_argument(
+        "--device", default="cpu", choices=("cpu", "cuda"), help="where the workers train (default cpu)"
+    )
+    parser.add_argument("--compile", default="auto", choices=("auto", "true", "false"),
+                        help="torch.compile the workers' models (default auto: on CUDA)")
+    parser.add_argument(
         "--measure-memory", action="store_true",
         help="each method in a forked child: peak resident memory per worker (<name>_peak_memory_bytes)",
     )
@@ -419,7 +474,15 @@ def main(argv: list[str] | None = None) -> int:
             f"error: --steps must be a multiple of {SYNC_EVERY} (the sync period)", file=sys.stderr
         )
         return 2
+    if args.measure_memory and args.device != "cpu":
+        print("error: --measure-memory forks a child per method: CPU only", file=sys.stderr)
+        return 2
     torch.set_num_threads(args.threads)
+    try:
+        select_device(args.device)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     budget = Budget(
         steps=args.steps,
         batch_size=args.batch_size,
@@ -427,6 +490,8 @@ def main(argv: list[str] | None = None) -> int:
         lr=args.lr,
         warmup=args.warmup,
         eval_batches=args.eval_batches,
+        device=args.device,
+        compile={"true": True, "false": False}.get(args.compile, "auto"),
     )
     try:
         corpus = load_corpus(DataConfig(source=args.data))
@@ -434,15 +499,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     tokens = args.workers * budget.steps * budget.batch_size * budget.context
-    print(f"data: {corpus.description} (sha256 {corpus.content_hash[:12]})")
+    print(f"data: {corpus.description} (sha256 {corpus.content_hash[:12]}), model {args.model}")
     print(
         f"{args.workers} workers x {budget.steps} steps x {budget.batch_size}x{budget.context} "
-        f"tokens = {tokens} tokens per method, seed {args.seed}"
+        f"tokens = {tokens} tokens per method, seed {args.seed}, on {select_device(args.device).describe()}"
     )
     methods = _with_outer(known, args.outer_lr, args.outer_momentum)
     try:
-        methods = with_overrides(methods, args.overrides)
-    except ValueError as exc:
+        methods = with_model(with_overrides(methods, args.overrides), args.model, corpus.vocab_size, budget.context)
+    except (ValueError, ConfigError) as exc:
         print(f"error: --set: {exc}", file=sys.stderr)
         return 2
     initial: dict[Callable[[int], torch.nn.Module], dict[str, torch.Tensor]] = {}
@@ -481,6 +546,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     summary = summary_json(results, args.seed, tokens, args.workers)
     summary["warm_start_steps"] = args.warm_start_steps
+    summary["model"] = args.model
+    summary["device"] = select_device(args.device).describe()
+    summary.update(bits_per_byte_json(results, corpus.bytes_per_token))
     print(json.dumps(summary))
     return 0
 
@@ -571,6 +639,18 @@ def with_overrides(methods: dict[str, Method], overrides: list[str]) -> dict[str
         value: Any = raw.lower() in ("1", "true", "yes") if isinstance(current, bool) else type(current)(raw)
         methods[name] = dataclasses.replace(methods[name], config=dataclasses.replace(config, **{key: value}))
     return methods
+
+
+def bits_per_byte_json(results: dict[str, dict[str, float]], bytes_per_token: float) -> dict[str, Any]:
+    """``<name>_bpb`` for every method, and ``<name>_vs_nocomm`` when ``nocomm`` ran."""
+    out: dict[str, Any] = {"bytes_per_token": round(bytes_per_token, 5)}
+    for name, r in results.items():
+        out[f"{name}_bpb"] = round(bits_per_byte(r["loss"], bytes_per_token), 5)
+    nocomm = results.get("nocomm")
+    for name, r in results.items():
+        if nocomm is not None and name != "nocomm" and not name.startswith("scratch_"):
+            out[f"{name}_vs_nocomm"] = round(r["loss"] / nocomm["loss"], 5)
+    return out
 
 
 def summary_json(

@@ -11,6 +11,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import multiaddr
 from multiaddr.exceptions import Error as MultiaddrError
@@ -27,6 +28,7 @@ DEMO_ROUNDS = 3
 DEMO_LONG_ROUNDS = 20
 AGGREGATIONS = ("mean", "trimmed_mean", "median")
 AVERAGINGS = ("allreduce", "gossip")
+OUTER_STATE_DEVICES = ("cpu", "same")
 # sockaddr_un.sun_path holds 108 bytes on Linux, including the terminating NUL
 MAX_UNIX_SOCKET_PATH = 107
 _LISTEN_HOSTS = ("ip4", "ip6", "dns", "dns4", "dns6")
@@ -146,7 +148,8 @@ class TrainSettings:
     """
 
     strategy: str = "diloco"
-    model: str = "tiny"
+    model: str = "tiny"  # a GPT or Llama preset, or hf:<local dir> (``train/model_spec.py``)
+    init: str = "seed"  # hf: models: "seed" (fresh weights from the seed) or "weights" (the dir's)
     data: str = "stdlib"
     task: str | None = None
     inner_steps: int = DEFAULT_INNER_STEPS
@@ -173,6 +176,13 @@ class TrainSettings:
     group_grace_s: float = 5.0  # how long a group partner is waited for (handshake, exchange)
     # DiLoCo with gossip: each round's exchange runs during the next inner phase (one round late)
     gossip_overlap: bool = False
+    # the inner loop on this node's hardware (each member's own, not run-wide; docs/training.md)
+    compile: bool | Literal["auto"] = "auto"  # torch.compile the model; auto: on CUDA, not on the CPU
+    micro_batches: int = 1  # gradient accumulation: each step's batch in this many parts
+    activation_checkpointing: bool = False  # recompute each layer's activations in backward
+    # where the DiLoCo family keeps its outer state: "cpu" (pinned memory when training on CUDA)
+    # or "same" (the training device)
+    outer_state_device: str = "cpu"
 
     def __post_init__(self) -> None:
         positive = {
@@ -183,6 +193,7 @@ class TrainSettings:
             "min_peers": self.min_peers,
             "keep_checkpoints": self.keep_checkpoints,
             "trim": self.trim,
+            "micro_batches": self.micro_batches,
         }
         for name, value in positive.items():
             if not _is_int(value) or value <= 0:
@@ -221,8 +232,28 @@ class TrainSettings:
         if self.gossip_overlap and self.averaging != "gossip":
             raise ConfigError("train.gossip_overlap needs train.averaging = \"gossip\" (the overlapped "
                               "all-reduce is strategy \"eager\")")
+        if self.init not in ("seed", "weights"):
+            raise ConfigError(f"train.init must be seed or weights, got {self.init!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"train.device must be auto, cpu or cuda, got {self.device!r}")
+        self._check_inner_loop()
+
+    def _check_inner_loop(self) -> None:
+        if not (isinstance(self.compile, bool) or self.compile == "auto"):
+            raise ConfigError(f"train.compile must be true, false or \"auto\", got {self.compile!r}")
+        if self.micro_batches > self.batch_size:
+            raise ConfigError(
+                f"train.micro_batches ({self.micro_batches}) must be at most train.batch_size ({self.batch_size})"
+            )
+        if not isinstance(self.activation_checkpointing, bool):
+            raise ConfigError(
+                f"train.activation_checkpointing must be true or false, got {self.activation_checkpointing!r}"
+            )
+        if self.outer_state_device not in OUTER_STATE_DEVICES:
+            raise ConfigError(
+                f"train.outer_state_device must be one of {', '.join(OUTER_STATE_DEVICES)}, "
+                f"got {self.outer_state_device!r}"
+            )
 
 
 def _is_int(value: object) -> bool:

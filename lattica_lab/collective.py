@@ -15,6 +15,10 @@ excluded ones are listed in ``rejections``. ``PoisonedCollective`` makes a membe
 partner (its exchanges send NaN, or anything else a test gives it). ``fail(peer)`` simulates a peer
 that died: every pending or later operation that involves it raises ``PeerUnavailableError`` naming
 it.
+
+Tensors on an accelerator (the convergence harness on CUDA with DDP's ``reduce_on_device``)
+are averaged where they are: fp32 only, summed in group order and divided, without screening
+(the harness's workers are honest) — the real data plane never sees such tensors.
 """
 
 from __future__ import annotations
@@ -115,6 +119,8 @@ class InMemoryCollective:
 
         def combine(deposits: dict[str, list[torch.Tensor]]) -> dict[str, list[torch.Tensor]]:
             _check_shapes(deposits)
+            if any(t.device.type != "cpu" for t in deposits[self._peer_id]):
+                return _mean_on_device(deposits, group, codec)
             means = []
             for i, ref in enumerate(deposits[self._peer_id]):
                 parts = [codecs.roundtrip(deposits[m][i], codec).to(torch.float32).reshape(-1) for m in group]
@@ -183,6 +189,21 @@ class PoisonedCollective:
         self, tensors: Sequence[torch.Tensor], *, peer: str, tag: str, codec: str = "fp32"
     ) -> list[torch.Tensor]:
         return await self.inner.exchange([self.poison(t) for t in tensors], peer=peer, tag=tag, codec=codec)
+
+
+def _mean_on_device(
+    deposits: dict[str, list[torch.Tensor]], group: Sequence[str], codec: str,
+) -> dict[str, list[torch.Tensor]]:
+    """The fp32 mean of accelerator tensors, on their device (module docstring)."""
+    if codec != "fp32":
+        raise LocalProtocolError(f"tensors on an accelerator are averaged in fp32 only, not {codec}")
+    means = []
+    for i in range(len(deposits[group[0]])):
+        total = deposits[group[0]][i].to(torch.float32, copy=True)
+        for member in group[1:]:
+            total += deposits[member][i]
+        means.append(total.div_(len(group)))
+    return {p: [m.clone() for m in means] for p in deposits}
 
 
 def nan_like(tensor: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Create .venv with Lattica and its test tools. Torch is pinned to the CPU build first so that
 # no multi-GB CUDA wheel is pulled in by accident; on a GPU machine install your CUDA torch
-# into the venv before running this script and it is kept.
+# into the venv before running this script and it is kept. The hf extra (transformers,
+# tokenizers, safetensors, pyarrow, datasets) is installed too: the tests of prepared data,
+# hf: models and export use it; its torch requirement is met by the pinned one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
@@ -9,5 +11,5 @@ python3 -m venv .venv
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     .venv/bin/python -m pip install -q "torch==2.13.0"
 fi
-.venv/bin/python -m pip install -q -e '.[dev]'
+.venv/bin/python -m pip install -q -e '.[dev,hf]'
 echo "setup done: .venv/bin/lattica --help"

@@ -25,7 +25,6 @@ def join(args: argparse.Namespace) -> int:
     from lattica.net.access import read_secret_file
     from lattica.net.identity import load_or_create_identity
     from lattica.node.daemon import run_until_stopped
-    from lattica.train.settings_check import check_settings
 
     flags = {
         "data_dir": args.data_dir,
@@ -44,6 +43,7 @@ def join(args: argparse.Namespace) -> int:
     train_flags = {
         "strategy": args.strategy,
         "model": args.model,
+        "init": args.init,
         "data": args.data,
         "task": args.task,
         "inner_steps": args.inner_steps,
@@ -54,6 +54,10 @@ def join(args: argparse.Namespace) -> int:
         "averaging": args.averaging,
         "group_size": args.group_size,
         "gossip_overlap": args.gossip_overlap,
+        "compile": {"true": True, "false": False}.get(args.compile, args.compile),
+        "micro_batches": args.micro_batches,
+        "activation_checkpointing": args.activation_checkpointing,
+        "outer_state_device": args.outer_state_device,
     }
     config = build_node_config(
         flags=flags,
@@ -66,7 +70,9 @@ def join(args: argparse.Namespace) -> int:
     prepare_data_dir(config.data_dir)
     if config.metrics_addr is not None:
         check_metrics_host(parse_host_port(config.metrics_addr, what="--metrics-addr")[0])
-    if config.train is not None:
+    if config.train is not None:  # the training stack (torch) is imported by trainers only
+        from lattica.train.settings_check import check_settings
+
         check_settings(config.train)
     secret = read_secret_file(config.secret_file) if config.secret_file is not None else None
     configure_logging(config.log_level)

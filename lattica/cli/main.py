@@ -12,7 +12,9 @@ import sys
 import traceback
 from pathlib import Path
 
+from lattica.cli import data as data_cli
 from lattica.cli import doctor as doctor_cli
+from lattica.cli import export as export_cli
 from lattica.cli.common import resolve_data_dir
 from lattica.config import DEFAULT_INNER_STEPS, DEMO_LONG_ROUNDS, DEMO_ROUNDS
 from lattica.errors import LatticaError, StorageError
@@ -20,6 +22,13 @@ from lattica.files import DISK_FULL_ERRNOS, append_private, storage_error
 
 EXIT_ERROR = 1
 EXIT_INTERNAL = 2
+# ``model_spec.preset_help()`` as text (a test keeps them equal): ``lattica --help`` needs no torch
+MODEL_HELP = (
+    "GPT presets (byte vocabulary): tiny (125k), mini (859k), small (4.9M), medium (25.6M), gpt2-124m (86.0M), "
+    "gpt-125m (121.5M), gpt-350m (303.6M); "
+    "Llama presets (parameters at a 32k vocabulary; the vocabulary is the data's): "
+    "llama-tiny (2.1M), llama-20m (21.7M), llama-150m (144.1M), llama-1b (1.10B); or hf:<local dir>"
+)
 
 
 def _add_data_dir(p: argparse.ArgumentParser) -> None:
@@ -68,8 +77,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--train", action="store_true", help="take part in training (default config unless [train] is set)",
     )
     join.add_argument("--strategy", help="outer strategy: diloco, eager, streaming, streaming_eager, noloco, spes")
-    join.add_argument("--model", help="built-in model preset (e.g. tiny)")
-    join.add_argument("--data", help="'stdlib' (default corpus), a text file or folder, .jsonl, .bin, or hf:NAME")
+    join.add_argument("--model", help=MODEL_HELP.replace("%", "%%"))
+    join.add_argument(
+        "--init", choices=("seed", "weights"),
+        help="hf: models: fresh weights from the seed (default) or the dir's weights",
+    )
+    join.add_argument(
+        "--data",
+        help="'stdlib' (default corpus), a folder from 'lattica data prepare', a text file or folder, .jsonl, .bin,"
+        " or hf:NAME",
+    )
     join.add_argument("--task", help="user task entry point package.module:function")
     join.add_argument("--inner-steps", type=int, help=f"inner steps per outer round (H, default {DEFAULT_INNER_STEPS})")
     join.add_argument("--rounds", type=int, help="outer rounds to train")
@@ -83,6 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--group-size", type=int, help="gossip averaging and NoLoCo: members per group (default 2)")
     join.add_argument("--gossip-overlap", action="store_const", const=True, default=None,
                       help="DiLoCo with gossip: each round's exchange runs during the next inner phase")
+    join.add_argument("--compile", choices=("auto", "true", "false"),
+                      help="torch.compile the model (default auto: on CUDA, not on the CPU)")
+    join.add_argument("--micro-batches", type=int, help="gradient accumulation: each step's batch in this many parts")
+    join.add_argument("--activation-checkpointing", action="store_const", const=True, default=None,
+                      help="recompute each layer's activations in backward (less memory, more compute)")
+    join.add_argument("--outer-state-device", choices=("cpu", "same"),
+                      help="where DiLoCo/eager keep their outer state (default cpu: pinned host memory on CUDA)")
 
     ident = sub.add_parser("id", help="print this node's peer id and the addresses others can join")
     _add_data_dir(ident)
@@ -104,6 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--run-id", help="with no daemon running: which run's stored state to show")
 
     doctor_cli.add_parser(sub)
+    data_cli.add_parser(sub)
+    export_cli.add_parser(sub)
 
     demo = sub.add_parser("demo", help="train a local swarm of daemons on the built-in corpus")
     demo.add_argument("--nodes", type=int, default=4)
@@ -202,6 +228,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         "stop": commands.stop,
         "demo": commands.demo,
         "doctor": doctor_cli.doctor,
+        "data": data_cli.data,
+        "export": export_cli.export,
     }
     return handlers[args.command](args)
 

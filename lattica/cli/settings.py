@@ -13,7 +13,7 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import fields
 from pathlib import Path
-from typing import get_type_hints
+from typing import Literal, get_type_hints
 
 from lattica.config import DEFAULT_PORT, NodeConfig, TrainSettings
 from lattica.decoding import build, str_map
@@ -25,8 +25,9 @@ MAX_CONFIG_BYTES = 1 << 20
 MAX_PEERS_FILE_BYTES = 1 << 20
 
 # key -> kind; "list" values come from TOML arrays, repeated flags, or comma-separated env vars;
-# "float?" also takes "off"/"none" for None. Derived from the config dataclasses, so a field
-# cannot be missing here; ``peers_file`` is the CLI's own (its lines are added to ``peers``).
+# "float?" also takes "off"/"none" for None; "bool|auto" is a bool or the word "auto". Derived
+# from the config dataclasses, so a field cannot be missing here; ``peers_file`` is the CLI's own
+# (its lines are added to ``peers``).
 _KINDS: dict[object, str] = {
     int: "int",
     float: "float",
@@ -37,6 +38,7 @@ _KINDS: dict[object, str] = {
     float | None: "float?",
     str | None: "str",
     Path | None: "path",
+    bool | Literal["auto"]: "bool|auto",
 }
 _CLI_ONLY_KEYS = {"peers_file": "path"}
 # what ``_coerce`` turns a value of each kind into
@@ -107,7 +109,9 @@ def _convert(kind: str, value: object) -> SettingValue:
         if not math.isfinite(number):
             raise ValueError
         return number
-    if kind == "bool":
+    if kind == "bool|auto" and isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    if kind in ("bool", "bool|auto"):
         if isinstance(value, bool):
             return value
         if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
@@ -126,7 +130,8 @@ def _coerce(key: str, kind: str, value: object, source: str) -> SettingValue:
         optional = (
             "a finite number or 'off'" if name in _OFF_WHEN_NONE else "a finite number, or 'none' for the default"
         )
-        expected = {"int": "an integer", "float": "a finite number", "float?": optional}
+        expected = {"int": "an integer", "float": "a finite number", "float?": optional,
+                    "bool|auto": "true, false or 'auto'"}
         raise ConfigError(
             f"{source}: {key} has an invalid value {value!r} (expected {expected.get(kind, kind)})"
         ) from None

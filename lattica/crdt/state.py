@@ -39,7 +39,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
+from functools import partial
 from pathlib import Path
 
 import trio
@@ -186,15 +187,11 @@ class ReplicatedState:
         self._left = True
         self._heartbeat += 1
         beat = self._heartbeat
-        await self._write(
-            self.peer_id, lambda doc: documents.write_lease(doc, lease_expires_ms=0, heartbeat=beat, left=True),
-        )
+        await self._write(self.peer_id, partial(documents.write_lease, lease_expires_ms=0, heartbeat=beat, left=True))
         await self.flush()
 
     async def set_progress(self, round: int, weights_hash: str) -> None:
-        await self._write(
-            self.peer_id, lambda doc: documents.write_progress(doc, round=round, weights_hash=weights_hash),
-        )
+        await self._write(self.peer_id, partial(documents.write_progress, round=round, weights_hash=weights_hash))
 
     async def set_run_config(self, config: Mapping[str, object]) -> None:
         """Replace the run config (admins only; raises ``LocalProtocolError`` otherwise)."""
@@ -204,10 +201,7 @@ class ReplicatedState:
 
     async def add_checkpoint(self, round: int, hashes: list[str], holder: str | None = None) -> None:
         holder = holder or self.peer_id
-        await self._write(
-            self.peer_id,
-            lambda doc: documents.write_checkpoint(doc, round=round, hashes=hashes, holder=holder),
-        )
+        await self._write(self.peer_id, partial(documents.write_checkpoint, round=round, hashes=hashes, holder=holder))
 
     async def set_expert_owner(self, expert: str, owned: bool = True) -> None:
         await self._write(self.peer_id, lambda doc: documents.write_expert(doc, expert=expert, owned=owned))
@@ -291,8 +285,8 @@ class ReplicatedState:
 
     def _mark_proven(self, peer: str, stream: INetStream) -> None:
         fresh = self._proven.mark(peer, sync.observed_origin(stream), time.monotonic())
-        if fresh and self._nursery is not None:  # others may be waiting for our word on it
-            self._nursery.start_soon(self._refresh_vouches)
+        if fresh:  # others may be waiting for our word on it
+            self._spawn(self._refresh_vouches)
 
     async def _refresh_vouches(self) -> None:
         vouched = sorted(self.proven_peers())[:MAX_VOUCHES]
@@ -394,8 +388,19 @@ class ReplicatedState:
             return
         if not sync.serves_sync(self.host, peer):  # e.g. a plain libp2p relay or DHT server
             return
-        self._peers.add(peer)
-        self._nursery.start_soon(self._peer_loop, peer)
+        if self._spawn(self._peer_loop, peer):
+            self._peers.add(peer)
+
+    def _spawn(self, fn: Callable[..., Awaitable[object]], *args: object) -> bool:
+        """Start ``fn`` in the service's nursery; False once the service is closing (a stream
+        handler can run after the nursery has closed and before ``run`` has cleared it)."""
+        if self._nursery is None:
+            return False
+        try:
+            self._nursery.start_soon(fn, *args)
+        except RuntimeError:  # "Nursery is closed to new arrivals"
+            return False
+        return True
 
     async def _watch_peers_loop(self) -> None:
         while True:

@@ -15,7 +15,6 @@ from lattica.diagnostics import NodeFacts
 from lattica.net.host import LatticaHost
 from lattica.node.services import METRICS_INTERVAL_S
 from lattica.observability import NodeMetrics
-from lattica.train.membership import MembershipView
 
 
 class StateService:
@@ -30,6 +29,7 @@ class StateService:
         from lattica.crdt import StateConfig
         from lattica.crdt.liveness import VouchPolicy
         from lattica.crdt.state import ReplicatedState
+        from lattica.train.membership import MembershipView  # pure: no training stack
 
         self.role = role
         self._own_addrs = own_addrs

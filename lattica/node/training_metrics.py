@@ -46,7 +46,7 @@ class TrainingMetricsExporter:
                 last_step, last_step_at = step, now
             if progress is not None:
                 _set_known(((metrics.train_loss, progress.loss), (metrics.validation_loss, progress.val_loss),
-                            (metrics.tokens_per_second, progress.tokens_per_s)))
+                            (metrics.tokens_per_second, progress.tokens_per_s), (metrics.mfu, progress.mfu)))
             if gossip is not None:
                 _set_known(((metrics.consensus_distance, gossip.consensus_distance),))
             refused = sum(status.rejected_contributions.values())
@@ -59,7 +59,6 @@ class TrainingMetricsExporter:
                 metrics.set_accounting(figures, previous=accounted)
                 accounted = figures
             await trio.sleep(1.0)
-
 
 
 def _set_known(values: Iterable[tuple[Gauge, float | None]]) -> None:

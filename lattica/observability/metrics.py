@@ -194,6 +194,14 @@ class NodeMetrics:
             "tokens_per_second", "Training tokens per second (recent average)."
         )
         """``lattica_tokens_per_second``."""
+        self.mfu = self._gauge(
+            "model_flops_utilization",
+            "Model FLOPs utilisation of the inner steps: model FLOPs per token x tokens/s / the device's "
+            "dense bf16 peak (CUDA devices of known peak, the built-in GPT).",
+        )
+        """``lattica_model_flops_utilization``: a fraction; NaN where it is not known (the CPU, an
+        unknown device, a model whose FLOPs are not counted)."""
+        self.mfu.set(math.nan)
         self.train_loss = self._gauge("train_loss", "Most recent training loss.")
         """``lattica_train_loss``."""
         self.validation_loss = self._gauge("validation_loss", "Most recent validation loss.")

@@ -15,7 +15,10 @@ when:
 2. it is implausibly far ahead: more than ``max_rounds_ahead`` rounds beyond the newest round
    published by a live, verified member that trains (or finished) and does not hold it — when
    there is such a member (ourselves excluded: a replica that was stopped or restarted is behind
-   the run, and must still be able to adopt its state);
+   the run, and must still be able to adopt its state). Where the replicas agree and the claim's
+   verified holders outnumber those other members, the holders' own word carries it: several
+   members restarted at once lag the run together, and their stale rounds must not keep the
+   others' agreed state from them;
 3. the replicas of the run agree (all-reduce), the run has more than two live members, the claim
    is ahead of this replica's round, and only one verified member holds it: moving forward takes
    the word of two (a lone holder is followed only at or below our round — the tie-break that
@@ -99,7 +102,8 @@ def refusal_before_fetch(
     if run.rounds is not None and rnd > run.rounds:
         return Refusal(claim, holders, f"beyond the run's {run.rounds} rounds", "beyond")
     others = [r for peer, r in reports.items() if peer not in holders and peer != run.me]
-    if others and rnd > max(others) + limits.max_rounds_ahead:
+    outvoted = run.replicas_agree and len(holders) >= 2 and len(holders) > len(others)
+    if others and not outvoted and rnd > max(others) + limits.max_rounds_ahead:
         return Refusal(
             claim, holders,
             f"{rnd - max(others)} rounds beyond any other member's round {max(others)} "

@@ -14,7 +14,10 @@ Sources (``DataConfig.source``):
 - a text file, or a folder of text files (binary files are skipped);
 - a JSONL file (one object per line, text in ``text_field``);
 - a nanoGPT-style ``.bin`` file of little-endian uint16 token ids (split by position);
-- ``"hf:<name or saved dataset folder>"``: Hugging Face ``datasets`` (optional extra).
+- ``"hf:<name or saved dataset folder>"``: Hugging Face ``datasets`` (optional extra);
+- a folder written by ``lattica data prepare`` (``manifest.json`` inside): tokens of the user's
+  tokenizer, memory-mapped and never loaded whole (``train/tokenized.py``); its content hash is
+  the manifest's sha256.
 
 Each peer samples random ``(x, y)`` windows from its own contiguous shard of the train stream
 with its own seed (``BatchConfig``); the sampler state is checkpointable.
@@ -35,6 +38,10 @@ from pathlib import Path
 import torch
 
 from lattica.errors import ConfigError
+from lattica.train.tokenized import MappedTokens, is_prepared, open_prepared
+
+# a flat token stream: a tensor in memory, or the memory-mapped shards of a prepared corpus
+TokenStream = torch.Tensor | MappedTokens
 
 FORMATS = ("auto", "text", "jsonl", "bin", "hf")
 _STDLIB_SKIP_DIRS = frozenset(
@@ -71,6 +78,7 @@ class DataConfig:
     text_field: str = "text"
     hf_split: str = "train"
     val_fraction: float = 0.05
+    verify: bool = True  # a prepared corpus: check every shard's sha256 when opening it
 
     def __post_init__(self) -> None:
         if not isinstance(self.source, str) or not self.source:
@@ -107,14 +115,16 @@ class BatchConfig:
 
 @dataclass(frozen=True)
 class Corpus:
-    """Flat token streams (1-D integer tensors) and the content hash of the whole corpus."""
+    """Flat token streams and the content hash of the whole corpus."""
 
-    train: torch.Tensor
-    val: torch.Tensor
+    train: TokenStream
+    val: TokenStream
     vocab_size: int
     content_hash: str
     description: str
     num_documents: int
+    bytes_per_token: float = 1.0  # of the validation split: bits per byte = nats / ln 2 / this
+    tokenizer: Path | None = None  # the tokenizer of a prepared corpus
 
 
 # --------------------------------------------------------------------------- loading
@@ -130,6 +140,8 @@ def load_corpus(config: DataConfig) -> Corpus:
     path = Path(source).expanduser()
     if not path.exists():
         raise ConfigError(f"data source {source!r} does not exist")
+    if fmt == "auto" and is_prepared(path):
+        return _from_prepared(path, verify=config.verify)
     if fmt == "auto":
         fmt = _guess_format(path)
     if fmt == "bin":
@@ -139,6 +151,21 @@ def load_corpus(config: DataConfig) -> Corpus:
     if path.is_dir():
         return _from_documents(_folder_documents(path), config, str(path))
     return _from_single_text(path, config)
+
+
+def _from_prepared(path: Path, *, verify: bool) -> Corpus:
+    prepared = open_prepared(path, verify=verify)
+    splits = prepared.manifest.splits
+    return Corpus(
+        train=prepared.train,
+        val=prepared.val,
+        vocab_size=prepared.manifest.vocab_size,
+        content_hash=prepared.manifest_hash,
+        description=f"{path}: {splits['train'].tokens} + {splits['val'].tokens} tokens (prepared)",
+        num_documents=splits["train"].documents + splits["val"].documents,
+        bytes_per_token=prepared.bytes_per_token,
+        tokenizer=path / "tokenizer.json",
+    )
 
 
 def _guess_format(path: Path) -> str:
@@ -243,6 +270,12 @@ def _hf_documents(name: str, config: DataConfig) -> list[tuple[str, bytes]]:
 # --------------------------------------------------------------------------- splitting
 
 
+def is_validation_document(name: str, fraction: float) -> bool:
+    """Whether the document called ``name`` belongs to the validation split: a hash of the name,
+    so the split is the same on every machine and stable when documents are added."""
+    return _is_validation(name, fraction)
+
+
 def _is_validation(name: str, fraction: float) -> bool:
     digest = hashlib.sha256(name.encode("utf-8")).digest()
     return int.from_bytes(digest[:8], "big") / 2**64 < fraction
@@ -326,7 +359,7 @@ def _bytes_tensor(data: bytes) -> torch.Tensor:
 class BatchSampler:
     """Random ``(x, y)`` windows from this peer's shard; ``y`` is ``x`` shifted by one token."""
 
-    def __init__(self, tokens: torch.Tensor, config: BatchConfig) -> None:
+    def __init__(self, tokens: TokenStream, config: BatchConfig) -> None:
         shard = len(tokens) // config.num_shards
         start = config.shard_index * shard
         self.tokens = tokens[start : start + shard]
@@ -361,7 +394,7 @@ class BatchSampler:
 
 
 def validation_batches(
-    tokens: torch.Tensor, *, batch_size: int, context: int, max_batches: int
+    tokens: TokenStream, *, batch_size: int, context: int, max_batches: int
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Evenly spaced windows over the validation stream: the same on every peer."""
     available = len(tokens) - context - 1
@@ -375,7 +408,7 @@ def validation_batches(
 
 
 def _windows(
-    tokens: torch.Tensor, starts: torch.Tensor, context: int
+    tokens: TokenStream, starts: torch.Tensor, context: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     offsets = torch.arange(context + 1)
     chunk = tokens[starts[:, None] + offsets[None, :]].to(torch.int64)

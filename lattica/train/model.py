@@ -4,7 +4,8 @@ The vocabulary is the 256 byte values, so no tokenizer files are needed anywhere
 architecture follows GPT-2: learned positions, pre-norm blocks of causal self-attention and a
 4x MLP, tied input/output embeddings. Presets span ~100k parameters ("tiny", trains visibly on a
 laptop CPU in a minute) to the GPT-2 small shape ("gpt2-124m"; with a 256-symbol vocabulary the
-embedding is smaller than GPT-2's, so it holds ~86M parameters) and "gpt-125m" (~125M).
+embedding is smaller than GPT-2's, so it holds ~86M parameters), "gpt-125m" (~125M) and
+"gpt-350m" (the GPT-2 medium shape, ~302M).
 
 Initialisation is seeded explicitly (``build_model(config, seed=...)``) so that every replica of
 a run can start from identical weights without shipping them.
@@ -53,6 +54,7 @@ PRESETS: dict[str, GPTConfig] = {
     "medium": GPTConfig(n_layer=8, d_model=512, n_head=8, context=512),
     "gpt2-124m": GPTConfig(n_layer=12, d_model=768, n_head=12, context=1024),
     "gpt-125m": GPTConfig(n_layer=17, d_model=768, n_head=12, context=1024),
+    "gpt-350m": GPTConfig(n_layer=24, d_model=1024, n_head=16, context=1024),
 }
 
 

@@ -64,9 +64,10 @@ from lattica.train.membership import (
 )
 from lattica.train.outer_sync import CatchingUpStrategy, KeepingUpStrategy, OuterStateSync
 from lattica.train.ownership import ReplicatedOwnership
-from lattica.train.run_config import agree_run_config
+from lattica.train.run_config import agree_run_config, agree_run_identity
 from lattica.train.status import GossipFigures, ProgressFigures, TrainingStatus
 from lattica.train.strategies.base import OuterStrategy
+from lattica.train.tokenized import bits_per_byte
 from lattica.train.trainer import Progress, RoundCompleted, Trainer
 
 log = logging.getLogger(__name__)
@@ -261,6 +262,10 @@ class TrainingService:
             await self._start_gossip_groups()
         self.phase = "loading"
         trainer = await self._build_trainer()
+        # the same model and data as the run, or no training (``run_config.py``)
+        await agree_run_identity(
+            self.view, self.settings, trainer_factory.run_identity(trainer.task), wait_s=self.settings.round_deadline_s,
+        )
         self.trainer, self.strategy = trainer, trainer.strategy
         self.outer_sync.bind(trainer)
         await self.view.set_device(trainer.device.describe())
@@ -394,7 +399,11 @@ class TrainingService:
     # -- progress ----------------------------------------------------------------------------
 
     def _on_progress(self, progress: Progress) -> None:
-        self.figures = ProgressFigures.of(progress)
+        per_token = self.trainer.task.bytes_per_token if self.trainer is not None else None
+        val_bpb = None  # comparable across tokenizers
+        if progress.val_loss is not None and per_token:
+            val_bpb = bits_per_byte(progress.val_loss, per_token)
+        self.figures = ProgressFigures.of(progress, val_bpb=val_bpb)
 
     @property
     def progress(self) -> dict[str, float | int | None]:
@@ -429,6 +438,7 @@ class TrainingService:
             bytes_sent=self._bytes_sent,
             bytes_received=self.tensors.stats.total_received(),
             device=self.trainer.device.describe() if self.trainer is not None else None,
+            compiled=self.trainer.forward.compiled if self.trainer is not None else None,
             progress=self.figures,
             rejected_contributions={p: n for p, n in self.tensors.stats.rejected_contributions.items() if n},
             gossip=self._gossip_figures() if self._gossips else None,
@@ -477,7 +487,9 @@ def _averages_in_groups(settings: TrainSettings) -> bool:
 
 
 def check_settings(settings: TrainSettings) -> None:
-    """Fail at start-up, as one line, on settings that cannot run (see ``settings_check``)."""
+    """Fail at start-up, as one line, on settings that cannot run (see ``settings_check``).
+    A prepared corpus's shards are not hashed again here: ``lattica join`` did that before it
+    built the node (the building trainer still checks every shard's size)."""
     from lattica.train.settings_check import check_settings as check
 
-    check(settings)
+    check(settings, verify_shards=False)

@@ -26,20 +26,29 @@ class ProgressFigures:
     tokens_per_s: float
     lr: float
     val_loss: float | None
+    val_bpb: float | None = None  # validation bits per byte: comparable across tokenizers
+    mfu: float | None = None  # model FLOPs utilisation (CUDA, a device of known peak, the built-in GPT)
 
     @classmethod
-    def of(cls, progress: Progress) -> ProgressFigures:
+    def of(cls, progress: Progress, *, val_bpb: float | None = None) -> ProgressFigures:
         return cls(
             step=progress.step, round=progress.round, loss=round(progress.loss, 4),
             tokens_per_s=round(progress.tokens_per_s, 1), lr=progress.lr,
             val_loss=None if progress.val_loss is None else round(progress.val_loss, 4),
+            val_bpb=None if val_bpb is None else round(val_bpb, 4),
+            mfu=None if progress.mfu is None else round(progress.mfu, 4),
         )
 
     def as_json(self) -> dict[str, float | int | None]:
-        return {
+        info: dict[str, float | int | None] = {
             "step": self.step, "round": self.round, "loss": self.loss, "tokens_per_s": self.tokens_per_s,
             "lr": self.lr, "val_loss": self.val_loss,
         }
+        if self.val_bpb is not None:
+            info["val_bpb"] = self.val_bpb
+        if self.mfu is not None:
+            info["mfu"] = self.mfu
+        return info
 
 
 @dataclass(frozen=True)
@@ -71,6 +80,7 @@ class TrainingStatus:
     bytes_sent: int
     bytes_received: int  # tensor-plane bytes received (syncs and state fetches), counted on the wire
     device: str | None  # None until the trainer is built
+    compiled: bool | None = None  # whether the forward pass runs compiled; None until the trainer is built
     progress: ProgressFigures | None = None  # None before the first progress record
     rejected_contributions: Mapping[str, int] = field(default_factory=dict)  # peer -> refused
     gossip: GossipFigures | None = None  # None unless the strategy averages in gossip groups
@@ -90,6 +100,7 @@ class TrainingStatus:
             "bytes_sent": self.bytes_sent,
             "bytes_received": self.bytes_received,
             "device": self.device,
+            "compiled": self.compiled,
         }
         if self.progress is not None:
             info.update(self.progress.as_json())

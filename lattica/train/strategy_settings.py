@@ -23,9 +23,12 @@ ROUTES: dict[str, Mapping[str, str]] = {
     "diloco": {
         "inner_steps": "inner_steps", "outer_lr": "outer_lr", "outer_momentum": "outer_momentum",
         "averaging": "averaging", "group_size": "group_size", "group_grace_s": "exchange_timeout_s",
-        "gossip_overlap": "overlap",
+        "gossip_overlap": "overlap", "outer_state_device": "outer_state_device",
     },
-    "eager": {"inner_steps": "inner_steps", "outer_lr": "outer_lr", "outer_momentum": "outer_momentum"},
+    "eager": {
+        "inner_steps": "inner_steps", "outer_lr": "outer_lr", "outer_momentum": "outer_momentum",
+        "outer_state_device": "outer_state_device",
+    },
     "streaming": {"inner_steps": "inner_steps", "outer_lr": "outer_lr", "outer_momentum": "outer_momentum"},
     "streaming_eager": {
         "inner_steps": "inner_steps", "outer_lr": "outer_lr", "outer_momentum": "outer_momentum",
@@ -50,6 +53,7 @@ ROUTES: dict[str, Mapping[str, str]] = {
 # settings that only a strategy uses; ``inner_steps`` is also the trainer's round length
 STRATEGY_SETTINGS = (
     "inner_steps", "outer_lr", "outer_momentum", "averaging", "group_size", "group_grace_s", "gossip_overlap",
+    "outer_state_device",
 )
 _TRAINER_TOO = ("inner_steps",)
 _SPES_WARMUP_STEPS = 500  # SPES merges similar experts about every 500 steps, a multiple of S

@@ -12,6 +12,8 @@ import importlib
 import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,7 +26,9 @@ from lattica.train.data import (
     load_corpus,
     validation_batches,
 )
-from lattica.train.model import GPTConfig, build_model, lm_loss, preset
+from lattica.train.llama import LlamaConfig, build_llama
+from lattica.train.model import GPTConfig, build_model, lm_loss
+from lattica.train.model_spec import resolve_model
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -58,44 +62,71 @@ class Task:
     description: str = ""
     data_hash: str = ""
     sampler: BatchSampler | None = field(default=None, repr=False)
+    # built-in tasks: what identifies the model (``model_spec``), its sha256, and the data's
+    # UTF-8 bytes per token (validation bits per byte) and tokenizer file
+    model_description: dict[str, Any] | None = None
+    model_hash: str = ""
+    bytes_per_token: float | None = None
+    tokenizer: Path | None = None
 
 
 def builtin_task(
     *,
-    model: GPTConfig | str = "tiny",
+    model: GPTConfig | LlamaConfig | str = "tiny",
     data: DataConfig | None = None,
     batch_size: int = 8,
     context: TaskContext | None = None,
     model_seed: int = 0,
     eval_batches: int = 8,
+    seq_len: int | None = None,
+    init: str = "seed",
 ) -> Task:
-    """The built-in byte-level GPT on a corpus (default: the Python standard library)."""
-    gpt = preset(model) if isinstance(model, str) else model
+    """A built-in language model on a corpus (default: the byte-level GPT ``tiny`` on the Python
+    standard library). ``model`` is a config, or a preset name or ``hf:<dir>`` resolved for the
+    data's vocabulary and ``seq_len`` (``model_spec``)."""
     ctx = context or TaskContext()
     corpus = load_corpus(data or DataConfig())
-    if corpus.vocab_size > gpt.vocab_size:
-        gpt = GPTConfig(**{**gpt.__dict__, "vocab_size": corpus.vocab_size})
+    if isinstance(model, str):
+        spec = resolve_model(model, vocab_size=corpus.vocab_size, seq_len=seq_len or 1 << 30, init=init)
+        network, length = spec.build(seed=model_seed), spec.context
+        description, model_hash, loss_fn = spec.description(), spec.model_hash(), spec.loss_fn
+    else:
+        network, length = _native_model(model, corpus.vocab_size, model_seed), model.context
+        description, model_hash, loss_fn = None, "", language_model_loss
     sampler = BatchSampler(
         corpus.train,
         BatchConfig(
             batch_size=batch_size,
-            context=gpt.context,
+            context=length,
             seed=ctx.seed,
             shard_index=ctx.shard_index,
             num_shards=ctx.num_shards,
         ),
     )
     val = validation_batches(
-        corpus.val, batch_size=batch_size, context=gpt.context, max_batches=eval_batches
+        corpus.val, batch_size=batch_size, context=length, max_batches=eval_batches
     )
     return Task(
-        model=build_model(gpt, seed=model_seed),
+        model=network,
         train_batches=iter(sampler),
+        loss_fn=loss_fn,
         val_batches=val,
         description=corpus.description,
         data_hash=corpus.content_hash,
         sampler=sampler,
+        model_description=description,
+        model_hash=model_hash,
+        bytes_per_token=corpus.bytes_per_token,
+        tokenizer=corpus.tokenizer,
     )
+
+
+def _native_model(config: GPTConfig | LlamaConfig, vocab_size: int, seed: int) -> nn.Module:
+    if isinstance(config, LlamaConfig):
+        return build_llama(config.with_vocab(vocab_size), seed=seed)
+    if vocab_size > config.vocab_size:
+        config = GPTConfig(**{**config.__dict__, "vocab_size": vocab_size})
+    return build_model(config, seed=seed)
 
 
 def load_task(spec: str, context: TaskContext) -> Task:

@@ -12,12 +12,14 @@ what to wrap the strategy in; this module decides *what* is built:
   settings onto, talking to the network only through the ``Collective`` and ``GroupProvider``
   it is given, and judging what partners send with the run's ``max_norm_ratio``
   (``numerics.partner_screen``; refusals go to ``on_refused``);
-- the trainer's schedule: ``rounds × inner_steps`` steps, warm-up, a validation every round.
+- the trainer's schedule: ``rounds × inner_steps`` steps, warm-up, a validation every round;
+  and how its inner loop runs on this node's hardware (``compile``, ``micro_batches``,
+  ``activation_checkpointing``). The model is on the training device before the strategy is
+  built, so the strategy places its outer state for that device (``outer_placement``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,7 +33,6 @@ from lattica.train.checkpoint import CheckpointStore
 from lattica.train.collective import Collective
 from lattica.train.data import DataConfig
 from lattica.train.device import select_device
-from lattica.train.model import GPTConfig, preset
 from lattica.train.moe import MOE_PRESETS, build_moe_model
 from lattica.train.schedule import ScheduleConfig
 from lattica.train.strategies import strategy_class
@@ -80,7 +81,9 @@ def build_trainer(
     implements the same interface (the daemon's outer-state sync). Blocking: model building
     and data loading, so call it in a worker thread."""
     s = settings
+    device = select_device(s.device)
     task = build_task(s, peer_id=parts.peer_id)
+    task.model.to(device.device)
     handles = StrategyHandles(
         ownership=parts.ownership, partner_screen=PartnerScreen(s.max_norm_ratio, on_refused=parts.on_refused),
     )
@@ -94,14 +97,36 @@ def build_trainer(
         schedule=ScheduleConfig(lr=s.inner_lr, warmup_steps=min(s.warmup_steps, total - 1), total_steps=total),
         eval_every=s.inner_steps,
         log_every=max(1, min(10, s.inner_steps // 2)),
+        compile=s.compile,
+        micro_batches=s.micro_batches,
+        activation_checkpointing=s.activation_checkpointing,
     )
-    return Trainer(
+    trainer = Trainer(
         task, wrap(strategy), trainer_config,
-        device=select_device(s.device),
+        device=device,
         checkpoints=CheckpointStore(parts.checkpoint_dir, keep=s.keep_checkpoints),
         on_progress=parts.on_progress,
         on_round=parts.on_round,
     )
+    trainer.annotations.update(export_annotations(task))
+    return trainer
+
+
+def run_identity(task: Task) -> dict[str, str]:
+    """The hashes the run agrees on (``run_config.agree_run_identity``): the model's, and a
+    prepared corpus's manifest (a byte-level corpus stays each member's own)."""
+    return {"model_hash": task.model_hash, "data_hash": task.data_hash if task.tokenizer is not None else ""}
+
+
+def export_annotations(task: Task) -> dict[str, object]:
+    """What ``lattica export`` needs beside the weights, kept with every checkpoint: the model's
+    description and the tokenizer of the data."""
+    annotations: dict[str, object] = {}
+    if task.model_description is not None:
+        annotations["model"] = task.model_description
+    if task.tokenizer is not None:
+        annotations["tokenizer"] = str(task.tokenizer.resolve())
+    return annotations
 
 
 def build_task(settings: TrainSettings, *, peer_id: str) -> Task:
@@ -111,19 +136,15 @@ def build_task(settings: TrainSettings, *, peer_id: str) -> Task:
     context = TaskContext(seed=s.seed * 1_000_003 + zlib.crc32(peer_id.encode()))
     if s.task:
         return load_task(s.task, context)
+    # the shards' sha256s were checked at start-up (``settings_check``): here sizes only
     task = builtin_task(
-        model=model_config(s), data=DataConfig(source=s.data), batch_size=s.batch_size,
-        context=context, model_seed=s.seed,
+        model=s.model, data=DataConfig(source=s.data, verify=False), batch_size=s.batch_size,
+        context=context, model_seed=s.seed, seq_len=s.seq_len, init=s.init,
     )
     if strategy_class(s.strategy).trains_experts:
         task.model = build_moe_model(moe_preset(s.model), seed=s.seed)
+        task.model_description = None  # not the dense preset's: export knows no MoE model
     return task
-
-
-def model_config(settings: TrainSettings) -> GPTConfig:
-    """The preset, trained on sequences of ``seq_len`` tokens (at most the preset's context)."""
-    gpt = preset(settings.model)
-    return dataclasses.replace(gpt, context=min(settings.seq_len, gpt.context))
 
 
 def moe_preset(model: str) -> str:

@@ -36,6 +36,8 @@ _SAMPLES: dict[str, Any] = {
     "device": "cpu",
     "aggregation": "median",
     "averaging": "gossip",
+    "compile": True,
+    "outer_state_device": "same",
 }
 
 

@@ -14,6 +14,7 @@ from lattica.train.status import GossipFigures, ProgressFigures, TrainingStatus
 BASE = {
     "phase": "training", "strategy": "diloco", "replicas_agree": True, "rounds_target": 10,
     "rounds_completed": 2, "bytes_sent": 100, "bytes_received": 200, "device": "cpu (fp32)",
+    "compiled": False,
 }
 
 
@@ -24,7 +25,9 @@ def test_a_training_status_shows_only_what_applies() -> None:
 def test_a_training_status_shows_every_part_in_the_order_of_lattica_status() -> None:
     status = TrainingStatus(
         **BASE,  # type: ignore[arg-type]
-        progress=ProgressFigures(step=40, round=2, loss=2.5, tokens_per_s=1000.0, lr=0.001, val_loss=None),
+        progress=ProgressFigures(
+            step=40, round=2, loss=2.5, tokens_per_s=1000.0, lr=0.001, val_loss=2.0, val_bpb=1.25, mfu=0.4,
+        ),
         rejected_contributions={"b": 1, "a": 2},
         gossip=GossipFigures(avoided_partners=("c",), overlap=True, consensus_distance=0.125),
         error="boom", checkpoints_failing="disk full", failed_members=("z", "y"),
@@ -32,7 +35,7 @@ def test_a_training_status_shows_every_part_in_the_order_of_lattica_status() -> 
     )
     info = status.as_json()
     assert list(info) == [
-        *BASE, "step", "round", "loss", "tokens_per_s", "lr", "val_loss", "rejected_contributions",
+        *BASE, "step", "round", "loss", "tokens_per_s", "lr", "val_loss", "val_bpb", "mfu", "rejected_contributions",
         "averaging", "avoided_partners", "gossip_overlap", "consensus_distance", "error", "checkpoints",
         "failed_members", "refused_states", "summary",
     ]
@@ -72,7 +75,7 @@ async def test_the_training_metrics_exporter_reads_the_status_fields(autojump_cl
     first = TrainingStatus(**BASE, rejected_contributions={"p": 2})  # type: ignore[arg-type]
     later = TrainingStatus(
         **{**BASE, "rounds_completed": 3},  # type: ignore[arg-type]
-        progress=ProgressFigures(step=60, round=3, loss=2.25, tokens_per_s=500.0, lr=0.001, val_loss=2.5),
+        progress=ProgressFigures(step=60, round=3, loss=2.25, tokens_per_s=500.0, lr=0.001, val_loss=2.5, mfu=0.25),
         rejected_contributions={"p": 3, "q": 1},
         gossip=GossipFigures(avoided_partners=("q",), consensus_distance=0.5),
     )
@@ -85,6 +88,7 @@ async def test_the_training_metrics_exporter_reads_the_status_fields(autojump_cl
     assert value("lattica_rounds_completed_total") == 3
     assert (value("lattica_train_loss"), value("lattica_validation_loss")) == (2.25, 2.5)
     assert (value("lattica_tokens_per_second"), value("lattica_consensus_distance")) == (500.0, 0.5)
+    assert value("lattica_model_flops_utilization") == 0.25
     assert value("lattica_rejected_contributions_total") == 4
     assert value("lattica_avoided_partners") == 1
     assert value("lattica_staleness_rounds") == 2

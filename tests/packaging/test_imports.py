@@ -161,7 +161,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 PUBLIC_REEXPORTS = ("lattica.training_node",)  # documented import paths kept for users (``open_node``)
 MAX_LINES = 500
 # split with the training package's restructuring (engine, swarm, settings)
-LONG_TRAINING_MODULES = frozenset({"lattica/train/strategies/streaming.py"})
+LONG_TRAINING_MODULES = frozenset({"lattica/train/strategies/streaming.py", "lattica/train/trainer.py"})
 
 
 def _runtime_targets(path: Path, known: set[str]) -> set[str]:
@@ -323,3 +323,89 @@ def test_no_module_is_over_500_lines() -> None:
     long = sorted(name for name, lines in lengths.items() if lines > MAX_LINES)
     assert [name for name in long if name not in LONG_TRAINING_MODULES] == []
     assert sorted(LONG_TRAINING_MODULES - set(long)) == []  # the waiting list names only modules still long
+
+
+# -- a daemon that does not train does not load torch ------------------------------------------
+
+# The modules ``lattica join`` runs through whether or not it trains. What they import at module
+# level is loaded by every daemon; the training stack (torch, ``lattica.train``, the tensor data
+# plane) only inside the functions that build a trainer. The real-process check of this is
+# ``tests/daemon/test_idle_without_torch.py``; this one names the import that broke it.
+IDLE_DAEMON_ROOTS = ("lattica.cli.main", "lattica.cli.commands", "lattica.node.daemon")
+TRAINING_STACK = ("torch", "numpy", "lattica.train", "lattica.net.tensors", "lattica.numerics.screen",
+                  "lattica.numerics.codecs", "lattica.numerics.sparse", "lattica.numerics.partner_screen")
+
+
+def _module_level_targets(path: Path, known: set[str]) -> set[str]:
+    """What ``path`` imports when it is imported: module-level statements (``if``/``try``
+    blocks included), not function bodies nor ``if TYPE_CHECKING:`` blocks."""
+    targets: set[str] = set()
+
+    def visit(statements: list[ast.stmt]) -> None:
+        for node in statements:
+            if isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                for alias in node.names:
+                    name = f"{node.module}.{alias.name}"
+                    targets.add(name if name in known else node.module)
+            elif isinstance(node, ast.If):
+                if not (isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"):
+                    visit(node.body)
+                visit(node.orelse)
+            elif isinstance(node, ast.Try):
+                visit(node.body)
+                for handler in node.handlers:
+                    visit(handler.body)
+
+    visit(ast.parse(path.read_text(), filename=str(path)).body)
+    return targets
+
+
+def _loaded_at_import(roots: Iterable[str], package: Path = PACKAGE) -> dict[str, str]:
+    """Every module imported by importing ``roots`` -> the package module that imports it."""
+    def path_of(name: str) -> Path | None:
+        base = package.parent / name.replace(".", "/")
+        for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+            if candidate.exists():
+                return candidate
+        return None
+
+    def name_of(path: Path) -> str:
+        parts = path.relative_to(package.parent).with_suffix("").parts
+        return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+    known = {name_of(f) for f in package.rglob("*.py")}
+    by: dict[str, str] = {}
+    todo = list(roots)
+    while todo:
+        module = todo.pop()
+        path = path_of(module)
+        if path is None:
+            continue
+        parents = [".".join(module.split(".")[:i]) for i in range(2, module.count(".") + 1)]
+        for target in sorted(_module_level_targets(path, known) | set(parents)):
+            if target not in by:
+                by[target] = module
+                if _within(target, ("lattica",)):
+                    todo.append(target)
+    return by
+
+
+def test_the_idle_daemon_path_imports_no_training_stack() -> None:
+    loaded = _loaded_at_import(IDLE_DAEMON_ROOTS)
+    assert sorted(f"{by} imports {t}" for t, by in loaded.items() if _within(t, TRAINING_STACK)) == []
+
+
+def test_the_idle_daemon_scan_follows_module_level_imports_only(tmp_path: Path) -> None:
+    package = tmp_path / "lattica"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text(
+        "from typing import TYPE_CHECKING\nimport lattica.b\nif TYPE_CHECKING:\n    import torch\n"
+        "def f():\n    import numpy\n"
+    )
+    (package / "b.py").write_text("try:\n    import torch\nexcept ImportError:\n    pass\n")
+    loaded = _loaded_at_import(("lattica.a",), package=package)
+    assert loaded.get("torch") == "lattica.b"
+    assert "numpy" not in loaded

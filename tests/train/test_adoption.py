@@ -62,6 +62,14 @@ def test_the_holders_and_this_replica_do_not_report_on_a_claim() -> None:
     assert _rule((60, "h"), ["a"], {"a": 60, "me": 60, "b": 10}) == "ahead"
 
 
+def test_where_replicas_agree_a_majority_of_holders_outweighs_members_behind() -> None:
+    """Several members restarted at once lag together; the agreed state stays theirs to adopt."""
+    run = replace(ALLREDUCE, live=("me", "a", "b", "c", "d"), reporters=("me", "a", "b", "c", "d"), members=5)
+    assert _rule((60, "h"), ["a", "b", "c"], {"a": 60, "b": 60, "c": 60, "d": 43, "me": 40}, run) is None
+    assert _rule((60, "h"), ["a", "b"], {"a": 60, "b": 60, "c": 43, "d": 43}, run) == "ahead"  # two against two
+    assert _rule((60, "h"), ["a", "b", "c"], {"a": 60, "b": 60, "c": 60, "d": 43}, GOSSIP) == "ahead"
+
+
 def test_before_the_runs_config_is_agreed_its_rounds_bound_nothing() -> None:
     """A joiner's own ``rounds`` may not be the run's yet: the claim is probed, not refused."""
     assert _rule((500, "h"), ["a"], {"a": 500, "b": 499}, replace(GOSSIP, rounds=None)) is None

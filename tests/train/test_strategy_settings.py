@@ -21,7 +21,7 @@ from lattica.train.strategy_settings import (
 # a distinct, valid, non-default value for every strategy setting
 PROBE = {
     "inner_steps": 24, "outer_lr": 0.31, "outer_momentum": 0.37, "averaging": "gossip", "group_size": 3,
-    "group_grace_s": 1.25, "gossip_overlap": True,
+    "group_grace_s": 1.25, "gossip_overlap": True, "outer_state_device": "same",
 }
 SETTING_NAMES = {f.name for f in dataclasses.fields(TrainSettings)}
 

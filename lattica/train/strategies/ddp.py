@@ -3,6 +3,10 @@
 Equivalent to DDP with the global batch split across the members: each member computes its
 gradient, the mean replaces it before ``optimizer.step()``, so replicas never diverge. It sends
 one full all-reduce per step — the yardstick DiLoCo's communication is compared with.
+
+The gradients go to the collective as fp32 host copies, which the data plane sends; with
+``reduce_on_device`` (a collective that averages accelerator tensors where they are, as the
+convergence harness's in-memory one does on CUDA) they stay on the device.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from lattica.train.strategies.traffic import allreduce_bytes
 @dataclass(frozen=True, kw_only=True)
 class DDPConfig:
     codec: str = "fp32"
+    reduce_on_device: bool = False  # hand the collective the gradients where they are
 
 
 class DDP(AccountedStrategy):
@@ -47,11 +52,12 @@ class DDP(AccountedStrategy):
 
     async def before_optimizer_step(self, step: int) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params]
-        cpu_grads = [g.detach().to("cpu", torch.float32) for g in grads]
+        where = None if self.config.reduce_on_device else "cpu"
+        sent = [g.detach().to(device=where, dtype=torch.float32) for g in grads]
         group = tuple(await self.groups.group_for(f"step/{step}"))
-        self.traffic.record_sync(allreduce_bytes(cpu_grads, len(group), self.config.codec))
+        self.traffic.record_sync(allreduce_bytes(sent, len(group), self.config.codec))
         mean = await self.collective.allreduce(
-            cpu_grads, group=group, tag=f"ddp/step/{step}", codec=self.config.codec
+            sent, group=group, tag=f"ddp/step/{step}", codec=self.config.codec
         )
         with torch.no_grad():
             for param, averaged in zip(self._params, mean, strict=True):

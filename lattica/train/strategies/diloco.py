@@ -2,8 +2,9 @@
 
 Theory of operation
 -------------------
-Every replica holds the shared outer weights φ (fp32, on the CPU) and trains its own copy θ
-with the inner optimizer. After every ``inner_steps`` (H) inner steps:
+Every replica holds the shared outer weights φ (fp32; on the CPU — pinned when training on
+CUDA — or with ``outer_state_device = "same"`` on the training device, ``outer_placement.py``)
+and trains its own copy θ with the inner optimizer. After every ``inner_steps`` (H) inner steps:
 
 1. Δ_m = φ − θ_m, the pseudo-gradient of this replica (``pseudo_gradient``);
 2. Δ = mean of Δ_m over the members of the round (one all-reduce through the ``Collective``);
@@ -12,10 +13,11 @@ with the inner optimizer. After every ``inner_steps`` (H) inner steps:
 4. θ ← φ. The inner optimizer state (AdamW moments) is kept, never averaged or reset.
 
 Invariant: every member of a completed round receives the same Δ and starts from the same φ and
-b, and the outer step is deterministic CPU fp32 math, so all replicas hold bit-identical φ
-afterwards. Failure: if the all-reduce breaks because a peer vanished, the round is retried with
-a fresh group (the provider leaves the dead peer out); if every attempt fails the round is
-skipped — φ stays, θ keeps training, and the next round's Δ covers both rounds.
+b, and the outer step is deterministic fp32 math on the CPU (or on the same kind of device
+everywhere), so all replicas hold bit-identical φ afterwards. Failure: if the all-reduce breaks
+because a peer vanished, the round is retried with a fresh group (the provider leaves the dead
+peer out); if every attempt fails the round is skipped — φ stays, θ keeps training, and the next
+round's Δ covers both rounds.
 
 Gossip averaging (``averaging = "gossip"``, see ``gossip.py``): instead of one all-reduce over
 the round's members, each replica exchanges ``[φ_m, Δ_m]`` with the partners of its small group
@@ -55,6 +57,14 @@ from lattica.config import DEFAULT_INNER_STEPS
 from lattica.coordination.groups import proposed_group
 from lattica.errors import BrokenError, LocalProtocolError, PeerUnavailableError
 from lattica.train.collective import Collective
+from lattica.train.outer_placement import (
+    OuterPlacement,
+    clone_like,
+    copy_into,
+    host_clone,
+    host_copies,
+)
+from lattica.train.outer_placement import pseudo_gradient as placed_pseudo_gradient
 from lattica.train.strategies.accounting import AccountedStrategy, tensor_bytes
 from lattica.train.strategies.base import EveryHSteps, GroupProvider, OuterStepReport
 from lattica.train.strategies.gossip import (
@@ -88,6 +98,7 @@ class DiLoCoConfig:
     group_size: int = 2  # gossip: members per group
     exchange_timeout_s: float = 5.0  # gossip: the grace a partner has (the run setting group_grace_s)
     overlap: bool = False  # gossip: round t's exchange runs during round t+1's inner phase
+    outer_state_device: str = "cpu"  # or "same": the training device (outer_placement.py)
 
     @property
     def momentum(self) -> float:
@@ -114,16 +125,15 @@ class DiLoCoConfig:
             )
         if self.max_attempts < 1:
             raise ValueError(f"DiLoCoConfig.max_attempts must be >= 1, got {self.max_attempts}")
+        OuterPlacement(where=self.outer_state_device)  # validates it
 
 
 def pseudo_gradient(
     outer: Sequence[torch.Tensor], inner: Sequence[torch.Tensor]
 ) -> list[torch.Tensor]:
-    """Δ = φ − θ per tensor, in the dtype and on the device of the outer weights."""
-    return [
-        o.detach() - i.detach().to(device=o.device, dtype=o.dtype)
-        for o, i in zip(outer, inner, strict=True)
-    ]
+    """Δ = φ − θ per tensor, in the dtype and on the device of the outer weights (θ streamed
+    to the host in chunks when φ is there and θ on CUDA: ``outer_placement``)."""
+    return placed_pseudo_gradient(outer, inner)
 
 
 def nesterov_outer_step(
@@ -165,11 +175,14 @@ def eager_start(
     return starts
 
 
-def outer_copy(model: torch.nn.Module) -> tuple[list[str], list[torch.Tensor], list[torch.Tensor]]:
-    """Parameter names, the live (inner) parameters, and an fp32 CPU copy: the outer weights φ."""
+def outer_copy(
+    model: torch.nn.Module, placement: OuterPlacement | None = None,
+) -> tuple[list[str], list[torch.Tensor], list[torch.Tensor]]:
+    """Parameter names, the live (inner) parameters, and an fp32 copy where ``placement`` keeps
+    the outer state (default: the CPU): the outer weights φ."""
     named = list(model.named_parameters())
     inner: list[torch.Tensor] = [p for _, p in named]
-    return [n for n, _ in named], inner, [p.detach().to("cpu", torch.float32, copy=True) for p in inner]
+    return [n for n, _ in named], inner, (placement or OuterPlacement()).copy(inner)
 
 
 def nesterov_sgd(outer: list[torch.Tensor], lr: float, momentum: float) -> torch.optim.SGD:
@@ -215,7 +228,8 @@ class DiLoCo(EveryHSteps, AccountedStrategy):
     ) -> None:
         super().__init__(model, collective=collective, groups=groups)
         self.config = config or DiLoCoConfig()
-        self._names, self._inner, self._outer = outer_copy(model)
+        placement = OuterPlacement(where=self.config.outer_state_device)
+        self._names, self._inner, self._outer = outer_copy(model, placement)
         self.outer_optimizer = nesterov_sgd(self._outer, self.config.outer_lr, self.config.momentum)
         self._round = 0  # index of the next sync; advances even when a round is skipped
         self._completed = 0
@@ -224,7 +238,7 @@ class DiLoCo(EveryHSteps, AccountedStrategy):
         self.replicas_agree = self.config.averaging == "allreduce"
         self.consensus_distance: float | None = None
         # overlapped gossip: where this inner phase started, and the exchange in flight
-        self._start = [t.clone() for t in self._outer] if self.config.overlap else self._outer
+        self._start = clone_like(self._outer) if self.config.overlap else self._outer
         self._in_flight: _GossipFlight | None = None
 
     @property
@@ -260,7 +274,7 @@ class DiLoCo(EveryHSteps, AccountedStrategy):
             return await self._gossip_sync()
         key, started = f"round/{self._round}", time.monotonic()
         self._round += 1
-        deltas = pseudo_gradient(self._outer, self._inner)
+        deltas = host_copies(pseudo_gradient(self._outer, self._inner))  # what crosses the network
         sent, failure = 0, ""
         for attempt in range(self.config.max_attempts):
             group = tuple(
@@ -299,7 +313,7 @@ class DiLoCo(EveryHSteps, AccountedStrategy):
     async def _gossip_sync(self) -> OuterStepReport:
         """Average ``[φ, Δ]`` with this round's group, then step on the group's mean Δ."""
         started = time.monotonic()
-        flight = self._next_flight(self._outer + pseudo_gradient(self._outer, self._inner))
+        flight = self._next_flight(host_copies(self._outer + pseudo_gradient(self._outer, self._inner)))
         await self._exchange(flight)
         report = self._land(flight, started)
         self._copy_outer_to_model()
@@ -318,7 +332,7 @@ class DiLoCo(EveryHSteps, AccountedStrategy):
         else:
             await previous.done.wait()
             report = self._land(previous, started)
-        flight = self._next_flight([*(t.clone() for t in self._outer), *fresh])
+        flight = self._next_flight([*(host_clone(t) for t in self._outer), *host_copies(fresh)])
         self._in_flight = flight
         self.nursery.start_soon(self._exchange, flight)
         momentum = [self.outer_optimizer.state.get(p, {}).get("momentum_buffer") for p in self._outer]
@@ -393,34 +407,30 @@ class DiLoCo(EveryHSteps, AccountedStrategy):
     def _apply(self, mean: Sequence[torch.Tensor]) -> None:
         """The Nesterov outer step on ``mean``; the caller sets where θ goes next."""
         for outer, delta in zip(self._outer, mean, strict=True):
-            outer.grad = delta.to(torch.float32)
+            outer.grad = delta.to(device=outer.device, dtype=torch.float32)
         self.outer_optimizer.step()
         self.outer_optimizer.zero_grad(set_to_none=True)
         self._completed += 1
 
     def _copy_outer_to_model(self) -> None:
-        with torch.no_grad():
-            for inner, outer in zip(self._inner, self._outer, strict=True):
-                inner.copy_(outer)
+        copy_into(self._inner, self._outer)
 
     def _begin_phase(self, start: Sequence[torch.Tensor]) -> None:
         """Overlapped gossip: the next inner phase starts at ``start`` (s ← start, θ ← start)."""
-        with torch.no_grad():
-            for s, inner, value in zip(self._start, self._inner, start, strict=True):
-                s.copy_(value)
-                inner.copy_(value)
+        copy_into(self._start, start)
+        copy_into(self._inner, self._start)
 
     def outer_state_dict(self) -> dict[str, Any]:
         momentum = {}
         for name, param in zip(self._names, self._outer, strict=True):
             buf = self.outer_optimizer.state.get(param, {}).get("momentum_buffer")
             if buf is not None:
-                momentum[name] = buf.clone()
+                momentum[name] = host_clone(buf)
         return {
             "round": self._round,
             "step": self._step,
             "completed_rounds": self._completed,
-            "params": {n: p.clone() for n, p in zip(self._names, self._outer, strict=True)},
+            "params": {n: host_clone(p) for n, p in zip(self._names, self._outer, strict=True)},
             "momentum": momentum,
         }
 
@@ -433,7 +443,7 @@ class DiLoCo(EveryHSteps, AccountedStrategy):
                 outer.copy_(params[name])
                 if name in momentum:
                     self.outer_optimizer.state[outer]["momentum_buffer"] = (
-                        momentum[name].to(torch.float32).clone()
+                        momentum[name].to(device=outer.device, dtype=torch.float32, copy=True)
                     )
                 else:
                     self.outer_optimizer.state.pop(outer, None)

@@ -44,6 +44,13 @@ import trio
 from lattica.config import DEFAULT_INNER_STEPS
 from lattica.errors import BrokenError, LocalProtocolError, PeerUnavailableError
 from lattica.train.collective import Collective
+from lattica.train.outer_placement import (
+    OuterPlacement,
+    clone_like,
+    copy_into,
+    host_clone,
+    host_copies,
+)
 from lattica.train.strategies.accounting import AccountedStrategy, tensor_bytes
 from lattica.train.strategies.base import GroupProvider, OuterStepReport
 from lattica.train.strategies.diloco import eager_start, nesterov_sgd, outer_copy, pseudo_gradient
@@ -62,8 +69,10 @@ class EagerDiLoCoConfig:
     outer_lr: float = DEFAULT_EAGER_OUTER_LR
     outer_momentum: float = 0.9
     codec: str = "fp32"
+    outer_state_device: str = "cpu"  # or "same": the training device (outer_placement.py)
 
     def __post_init__(self) -> None:
+        OuterPlacement(where=self.outer_state_device)  # validates it
         if self.inner_steps < 1:
             raise ValueError(f"inner_steps must be >= 1, got {self.inner_steps}")
         if self.outer_lr <= 0:
@@ -100,8 +109,9 @@ class EagerDiLoCo(AccountedStrategy):
     ) -> None:
         super().__init__(model, collective=collective, groups=groups)
         self.config = config or EagerDiLoCoConfig()
-        self._names, self._inner, self._outer = outer_copy(model)
-        self._start = [t.clone() for t in self._outer]  # s: where this inner phase started
+        placement = OuterPlacement(where=self.config.outer_state_device)
+        self._names, self._inner, self._outer = outer_copy(model, placement)
+        self._start = clone_like(self._outer)  # s: where this inner phase started
         self.outer_optimizer = nesterov_sgd(self._outer, self.config.outer_lr, self.config.outer_momentum)
         self._in_flight: _InFlight | None = None
         self._completed = 0
@@ -148,7 +158,7 @@ class EagerDiLoCo(AccountedStrategy):
     def _launch(self, round_number: int, fresh: list[torch.Tensor]) -> _InFlight:
         if self.nursery is None:
             raise LocalProtocolError("EagerDiLoCo needs bind_nursery() before the first round")
-        flight = _InFlight(round=round_number, key=f"round/{round_number}", own=fresh)
+        flight = _InFlight(round=round_number, key=f"round/{round_number}", own=host_copies(fresh))
         # agreeing on the group waits for the others to reach this round: in the background too
         self.nursery.start_soon(self._reduce, flight)
         return flight
@@ -173,7 +183,7 @@ class EagerDiLoCo(AccountedStrategy):
         await flight.done.wait()
         gradient = flight.mean if flight.mean is not None else flight.own
         for outer, g in zip(self._outer, gradient, strict=True):
-            outer.grad = g.to(torch.float32)
+            outer.grad = g.to(device=outer.device, dtype=torch.float32)
         self.outer_optimizer.step()
         self.outer_optimizer.zero_grad(set_to_none=True)
         self._completed += 1
@@ -189,22 +199,20 @@ class EagerDiLoCo(AccountedStrategy):
 
     def _begin_phase(self, start: Sequence[torch.Tensor]) -> None:
         """The next inner phase starts at ``start``: s ← start, θ ← start."""
-        with torch.no_grad():
-            for s, inner, value in zip(self._start, self._inner, start, strict=True):
-                s.copy_(value)
-                inner.copy_(value)
+        copy_into(self._start, start)
+        copy_into(self._inner, self._start)
 
     def _momentum(self) -> list[torch.Tensor | None]:
         return [self.outer_optimizer.state.get(p, {}).get("momentum_buffer") for p in self._outer]
 
     def outer_state_dict(self) -> dict[str, Any]:
         momentum = {
-            n: buf.clone()
+            n: host_clone(buf)
             for n, buf in zip(self._names, self._momentum(), strict=True)
             if buf is not None
         }
         return {
-            "params": {n: p.clone() for n, p in zip(self._names, self._outer, strict=True)},
+            "params": {n: host_clone(p) for n, p in zip(self._names, self._outer, strict=True)},
             "momentum": momentum,
             "completed_rounds": self._completed,
         }
@@ -214,7 +222,7 @@ class EagerDiLoCo(AccountedStrategy):
             for name, outer in zip(self._names, self._outer, strict=True):
                 outer.copy_(state["params"][name])
                 if name in state["momentum"]:
-                    buffer = state["momentum"][name].to(torch.float32).clone()
+                    buffer = state["momentum"][name].to(device=outer.device, dtype=torch.float32, copy=True)
                     self.outer_optimizer.state[outer]["momentum_buffer"] = buffer
         self._begin_phase(self._outer)
         self._completed = int(state["completed_rounds"])

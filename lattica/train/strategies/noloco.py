@@ -34,6 +34,7 @@ import torch
 
 from lattica.config import DEFAULT_INNER_STEPS
 from lattica.train.collective import Collective
+from lattica.train.outer_placement import OuterPlacement, copy_into, pseudo_gradient
 from lattica.train.strategies.accounting import AccountedStrategy, tensor_bytes
 from lattica.train.strategies.base import EveryHSteps, GroupProvider, OuterStepReport
 from lattica.train.strategies.gossip import (
@@ -129,8 +130,9 @@ class NoLoCo(EveryHSteps, AccountedStrategy):
         self._names = [n for n, _ in named]
         params = [p for _, p in named]
         self._params = params
-        self._phi = [p.detach().clone() for p in params]
-        self._velocity = [torch.zeros_like(p) for p in params]
+        # on the host (pinned for a model on CUDA): what the exchanges send, and the outer math
+        self._phi = OuterPlacement().copy(params)
+        self._velocity = [torch.zeros(p.shape, dtype=torch.float32) for p in params]
         self._rounds = 0
         self._round_offset = 0  # round keys minus step // H, after jumps to the swarm's step
 
@@ -161,7 +163,7 @@ class NoLoCo(EveryHSteps, AccountedStrategy):
         stripes = draw_groups(members, round_number=round_number, group_size=self.config.group_size)
         stripe = next(s for s in stripes if me in s)
         with torch.no_grad():
-            delta = [phi - p.detach() for phi, p in zip(self._phi, self._params, strict=True)]
+            delta = pseudo_gradient(self._phi, self._params)
         partners = [q for q in stripe if q != me]
         answers, missing = await exchange_with_partners(
             self.collective, partners, self._phi + delta, tag=f"noloco/{key}",
@@ -184,9 +186,7 @@ class NoLoCo(EveryHSteps, AccountedStrategy):
             momentum=self.config.momentum,
             gamma=self.config.gamma,
         )
-        with torch.no_grad():
-            for p, phi in zip(self._params, self._phi, strict=True):
-                p.copy_(phi)
+        copy_into(self._params, self._phi)
         self._rounds += 1
         sent = payload_bytes(self._phi + delta, self.config.codec) * (len(stripe) - 1)
         self.traffic.record_sync(sent)
@@ -213,7 +213,6 @@ class NoLoCo(EveryHSteps, AccountedStrategy):
             for name, phi, velocity in zip(self._names, self._phi, self._velocity, strict=True):
                 phi.copy_(state["params"][name])
                 velocity.copy_(state["velocity"][name])
-            for p, phi in zip(self._params, self._phi, strict=True):
-                p.copy_(phi)
+        copy_into(self._params, self._phi)
         self._rounds = int(state["rounds"])
         self._round_offset = int(state.get("round_offset", 0))

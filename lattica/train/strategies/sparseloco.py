@@ -51,6 +51,7 @@ from lattica.errors import RemoteProtocolError
 from lattica.numerics import sparse
 from lattica.numerics.screen import Rejection
 from lattica.train.collective import Collective
+from lattica.train.outer_placement import copy_into
 from lattica.train.strategies.accounting import AccountedStrategy, tensor_bytes
 from lattica.train.strategies.base import EveryHSteps, GroupProvider, OuterStepReport
 from lattica.train.strategies.diloco import _check_tensors, outer_copy, pseudo_gradient
@@ -277,9 +278,7 @@ class SparseLoCo(EveryHSteps, AccountedStrategy):
         self._completed += 1
 
     def _copy_outer_to_model(self) -> None:
-        with torch.no_grad():
-            for inner, outer in zip(self._inner, self._outer, strict=True):
-                inner.copy_(outer)
+        copy_into(self._inner, self._outer)
 
     def outer_state_dict(self) -> dict[str, Any]:
         """The shared state only: θ and the round counters (e is private, see the module doc)."""
