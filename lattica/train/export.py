@@ -47,9 +47,9 @@ from lattica.crdt.offline import read_snapshot, stored_runs
 from lattica.errors import ConfigError
 from lattica.train import hf
 from lattica.train.checkpoint import CheckpointStore, weights_hash
-from lattica.train.join import outer_state_hash
 from lattica.train.llama import LlamaConfig, build_llama
 from lattica.train.model import GPTConfig, build_model
+from lattica.train.outer_state import outer_state_hash
 from lattica.train.prepare import replace_folder
 
 FORMATS = ("safetensors", "hf")

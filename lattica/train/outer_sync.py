@@ -38,12 +38,7 @@ from lattica.config import TrainSettings
 from lattica.crdt.documents import ProgressRecord
 from lattica.errors import LatticaError
 from lattica.train.adoption import ClaimScreen, RunPicture
-from lattica.train.join import (
-    MANIFEST,
-    fetch_outer_state,
-    outer_state_hash,
-    read_manifest,
-)
+from lattica.train.join import fetch_outer_state
 from lattica.train.membership import (
     DONE_ROLE,
     TRAINER_ROLE,
@@ -51,6 +46,7 @@ from lattica.train.membership import (
     MembershipView,
     UnservableClaims,
 )
+from lattica.train.outer_state import MANIFEST, outer_state_hash, read_manifest
 from lattica.train.outer_transfer import (
     ProbedManifests,
     ServedRounds,

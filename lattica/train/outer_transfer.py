@@ -21,7 +21,8 @@ from typing import Protocol
 import torch
 
 from lattica.crdt.documents import ProgressRecord
-from lattica.train.join import MANIFEST, Fetch, flatten_outer_state
+from lattica.train.join import Fetch
+from lattica.train.outer_state import MANIFEST, flatten_outer_state
 
 
 class TensorStore(Protocol):

@@ -6,7 +6,7 @@ A fetched state hashes to the value its holders published, which proves only tha
 they claimed — not that it is a state of this run. ``OuterStateSchema.of`` describes this
 replica's own ``outer_state_dict`` (same model, same strategy): its tensors by parameter name
 with their shapes and dtypes, which groups of tensors it has, and the kind of every plain value
-in the manifest. ``check_outer_state`` then holds a fetched flat state (``join.flatten_outer_state``)
+in the manifest. ``check_outer_state`` then holds a fetched flat state (``outer_state.flatten_outer_state``)
 to that description, before anything of it is loaded:
 
 - the manifest is a JSON object with exactly our keys besides the tensor list; every value of
@@ -36,7 +36,7 @@ import torch
 
 from lattica.errors import RemoteProtocolError
 from lattica.train.checkpoint import StateDict
-from lattica.train.join import MANIFEST, read_manifest, unflatten_outer_state
+from lattica.train.outer_state import MANIFEST, read_manifest, unflatten_outer_state
 
 Kind = Literal["count", "counts", "mapping", "text", "flag", "number", "nothing"]
 REQUIRED_GROUP = "params"  # every strategy with weights loads all of them from this group
@@ -44,7 +44,7 @@ REQUIRED_GROUP = "params"  # every strategy with weights loads all of them from 
 
 @dataclass(frozen=True, kw_only=True)
 class SchemaLimits:
-    """Sizes of the plain values of a manifest (its bytes are bounded in ``join.read_manifest``)."""
+    """Sizes of the plain values of a manifest (its bytes are bounded in ``outer_state.read_manifest``)."""
 
     max_items: int = 4096  # entries of one list or mapping (SPES: one per expert)
     max_chars: int = 512  # one string, a key of a mapping included

@@ -70,7 +70,7 @@ from lattica.train.compiled_model import ForwardModule, compile_enabled
 from lattica.train.device import DeviceInfo, autocast, select_device
 from lattica.train.inner_optimizer import build_adamw
 from lattica.train.inner_step import WorkerStream, accumulate_gradients
-from lattica.train.join import outer_state_hash
+from lattica.train.outer_state import outer_state_hash
 from lattica.train.schedule import ScheduleConfig, lr_multiplier
 from lattica.train.strategies.base import OuterStepReport, OuterStrategy
 from lattica.train.task import Batch, Task

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from lattica.cli.main import main as lattica_main
-from lattica.train.join import outer_state_hash
+from lattica.train.outer_state import outer_state_hash
 from lattica.train.outer_sync import OuterStateSync
 from lattica.train.outer_transfer import ServedRounds
 

@@ -14,9 +14,9 @@ from lattica.config import TrainSettings
 from lattica.crdt.liveness import LeasePolicy
 from lattica.train.adoption import AdoptionLimits, ClaimScreen, RunPicture, refusal_before_fetch
 from lattica.train.device import select_device
-from lattica.train.join import flatten_outer_state, outer_state_hash
 from lattica.train.membership import MembershipView
 from lattica.train.model import GPTConfig, build_model
+from lattica.train.outer_state import flatten_outer_state, outer_state_hash
 from lattica.train.outer_sync import OuterStateSync
 from lattica.train.outer_transfer import round_prefix
 from lattica.train.schedule import ScheduleConfig

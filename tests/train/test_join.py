@@ -4,13 +4,9 @@ import trio
 import trio.lowlevel
 
 from lattica.errors import PeerUnavailableError, RemoteProtocolError
-from lattica.train.join import (
-    fetch_outer_state,
-    flatten_outer_state,
-    outer_state_hash,
-    unflatten_outer_state,
-)
+from lattica.train.join import fetch_outer_state
 from lattica.train.model import GPTConfig, build_model
+from lattica.train.outer_state import flatten_outer_state, outer_state_hash, unflatten_outer_state
 from lattica.train.strategies.diloco import DiLoCo, DiLoCoConfig
 from lattica_lab.collective import InMemoryCollectiveGroup
 

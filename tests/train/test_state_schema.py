@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 
 from lattica.errors import RemoteProtocolError
 from lattica.train.device import select_device
-from lattica.train.join import MANIFEST, flatten_outer_state, outer_state_hash
 from lattica.train.model import GPTConfig, build_model
 from lattica.train.moe import MoEConfig, build_moe_model
+from lattica.train.outer_state import MANIFEST, flatten_outer_state, outer_state_hash
 from lattica.train.schedule import ScheduleConfig
 from lattica.train.state_schema import OuterStateSchema, SchemaLimits, check_outer_state
 from lattica.train.strategies import STRATEGIES, strategy_class
