@@ -76,18 +76,21 @@ import torch
 import trio
 
 from lattica.errors import ConfigError
-from lattica.train.data import (
+from lattica.train.engine.data import (
     BatchConfig,
     BatchSampler,
     DataConfig,
     load_corpus,
     validation_batches,
 )
-from lattica.train.device import select_device
-from lattica.train.model import build_model, lm_loss
-from lattica.train.model_spec import model_names, resolve_model
-from lattica.train.moe import build_moe_model
-from lattica.train.schedule import ScheduleConfig
+from lattica.train.engine.device import select_device
+from lattica.train.engine.model import build_model, lm_loss
+from lattica.train.engine.model_spec import model_names, resolve_model
+from lattica.train.engine.moe import build_moe_model
+from lattica.train.engine.schedule import ScheduleConfig
+from lattica.train.engine.task import Task
+from lattica.train.engine.tokenized import bits_per_byte
+from lattica.train.engine.trainer import Trainer, TrainerConfig
 from lattica.train.strategies import STRATEGIES, create_strategy
 from lattica.train.strategies.accounting import optimizer_state_bytes
 from lattica.train.strategies.ddp import DDPConfig
@@ -99,9 +102,6 @@ from lattica.train.strategies.sparseloco import SparseLoCoConfig
 from lattica.train.strategies.spes import SPESConfig
 from lattica.train.strategies.streaming import StreamingDiLoCoConfig
 from lattica.train.strategies.streaming_eager import StreamingEagerConfig
-from lattica.train.task import Task
-from lattica.train.tokenized import bits_per_byte
-from lattica.train.trainer import Trainer, TrainerConfig
 from lattica_lab.collective import InMemoryCollectiveGroup
 
 WORKERS = 4  # the default of --workers

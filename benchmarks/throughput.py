@@ -16,7 +16,7 @@ still does). Each chunk ends by waiting for the device (the trainer's
 report reads its loss; the plain loop reads its last loss). Tokens per second are each side's
 median over the reps.
 
-Also per preset: ``mfu`` (model FLOPs utilisation of the trainer, ``lattica.train.utilization``;
+Also per preset: ``mfu`` (model FLOPs utilisation of the trainer, ``lattica.train.engine.utilization``;
 null on the CPU and on devices of unknown peak), ``peak_memory_bytes`` (CUDA: the allocator's
 peak during the trainer's timed chunks; CPU: the process's peak resident memory then — both
 include the plain loop's resident model) and ``outer_extra_device_bytes``: the device memory a
@@ -51,16 +51,16 @@ import _checkout  # noqa: F401  (the checkout root on sys.path: lattica_lab)
 import torch
 import trio
 
-from lattica.train.compiled_model import compile_enabled
-from lattica.train.device import DeviceInfo, autocast, select_device
-from lattica.train.inner_optimizer import BETAS, adamw_implementation
-from lattica.train.model import GPTConfig, build_model, lm_loss, preset
-from lattica.train.schedule import ScheduleConfig
+from lattica.train.engine.compiled_model import compile_enabled
+from lattica.train.engine.device import DeviceInfo, autocast, select_device
+from lattica.train.engine.inner_optimizer import BETAS, adamw_implementation
+from lattica.train.engine.model import GPTConfig, build_model, lm_loss, preset
+from lattica.train.engine.schedule import ScheduleConfig
+from lattica.train.engine.task import Task
+from lattica.train.engine.trainer import Progress, Trainer, TrainerConfig
+from lattica.train.engine.utilization import device_peak_flops, mfu, model_flops_per_token
 from lattica.train.strategies import create_strategy
 from lattica.train.strategies.diloco import DiLoCo, DiLoCoConfig
-from lattica.train.task import Task
-from lattica.train.trainer import Progress, Trainer, TrainerConfig
-from lattica.train.utilization import device_peak_flops, mfu, model_flops_per_token
 from lattica_lab.collective import InMemoryCollectiveGroup
 
 # batch x sequence length per preset (the shapes for the GPU presets)

@@ -141,14 +141,14 @@ class TrainSettings:
     """What a training member of a run does.
 
     Every field reaches the trainer, the data plane or the chosen strategy
-    (``lattica.train.strategy_settings``); a strategy setting left ``None`` keeps that strategy's
+    (``lattica.train.settings.strategy_settings``); a strategy setting left ``None`` keeps that strategy's
     own default, and one set for a strategy that does not use it is refused there. The run-wide
     fields follow the run config an admin published in the replicated state
-    (``lattica.train.run_config``).
+    (``lattica.train.swarm.run_config``).
     """
 
     strategy: str = "diloco"
-    model: str = "tiny"  # a GPT or Llama preset, or hf:<local dir> (``train/model_spec.py``)
+    model: str = "tiny"  # a GPT or Llama preset, or hf:<local dir> (``train/engine/model_spec.py``)
     init: str = "seed"  # hf: models: "seed" (fresh weights from the seed) or "weights" (the dir's)
     data: str = "stdlib"
     task: str | None = None

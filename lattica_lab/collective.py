@@ -32,7 +32,7 @@ import trio
 from lattica.errors import LocalProtocolError, PeerUnavailableError
 from lattica.numerics import codecs
 from lattica.numerics.screen import DEFAULT_SCREEN, ContributionScreen, Rejection, reduce_parts
-from lattica.train.collective import Collective
+from lattica.train.engine.collective import Collective
 
 
 @dataclass

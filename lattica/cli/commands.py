@@ -71,7 +71,7 @@ def join(args: argparse.Namespace) -> int:
     if config.metrics_addr is not None:
         check_metrics_host(parse_host_port(config.metrics_addr, what="--metrics-addr")[0])
     if config.train is not None:  # the training stack (torch) is imported by trainers only
-        from lattica.train.settings_check import check_settings
+        from lattica.train.settings.settings_check import check_settings
 
         check_settings(config.train)
     secret = read_secret_file(config.secret_file) if config.secret_file is not None else None

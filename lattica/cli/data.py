@@ -1,4 +1,4 @@
-"""``lattica data prepare``: tokenize a corpus into memory-mappable shards (``train/prepare.py``).
+"""``lattica data prepare``: tokenize a corpus into memory-mappable shards (``train/engine/prepare.py``).
 
 Progress goes to stderr, the summary to stdout; every error is one line and leaves nothing
 half-written. The parser imports nothing of ``lattica.train``: ``lattica status`` and the other
@@ -33,7 +33,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def data(args: argparse.Namespace) -> int:
-    from lattica.train.prepare import DEFAULT_SHARD_TOKENS, PrepareConfig, prepare
+    from lattica.train.engine.prepare import DEFAULT_SHARD_TOKENS, PrepareConfig, prepare
 
     config = PrepareConfig(
         inputs=tuple(args.inputs), tokenizer=args.tokenizer, out=args.out, text_field=args.text_field,

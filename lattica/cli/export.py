@@ -1,4 +1,4 @@
-"""``lattica export``: write the weights the swarm agreed on (``train/export.py``)."""
+"""``lattica export``: write the weights the swarm agreed on (``train/swarm/export.py``)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def export(args: argparse.Namespace) -> int:
     from lattica.cli.common import resolve_data_dir
-    from lattica.train.export import export as write_export
+    from lattica.train.swarm.export import export as write_export
 
     agreed, notes = write_export(
         resolve_data_dir(args), args.out, fmt=args.format, run_id=args.run_id, force=args.force,

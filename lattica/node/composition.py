@@ -52,7 +52,7 @@ def daemon_services(context: NodeContext) -> Sequence[NodeService]:
     if config.train is not None:
         from lattica.net.tensors.transfer import TensorService, TensorServiceConfig
         from lattica.train.service import TrainingService
-        from lattica.train.strategy_settings import contribution_screen
+        from lattica.train.settings.strategy_settings import contribution_screen
 
         # the tensor data plane: the Collective training syncs through, and where it serves its state
         screen = contribution_screen(config.train)

@@ -46,7 +46,7 @@ from lattica.net.nat.traversal import NatTraversal
 from lattica.net.nat.upnp import PortMapper
 from lattica.net.peerbook import PeerBook
 from lattica.observability import NodeMetrics
-from lattica.train.membership import MembershipView
+from lattica.train.swarm.membership import MembershipView
 
 if TYPE_CHECKING:
     from lattica.crdt.state import ReplicatedState

@@ -29,7 +29,7 @@ class StateService:
         from lattica.crdt import StateConfig
         from lattica.crdt.liveness import VouchPolicy
         from lattica.crdt.state import ReplicatedState
-        from lattica.train.membership import MembershipView  # pure: no training stack
+        from lattica.train.swarm.membership import MembershipView  # pure: no training stack
 
         self.role = role
         self._own_addrs = own_addrs

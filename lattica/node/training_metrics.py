@@ -12,8 +12,8 @@ from trio_typing import TaskStatus
 from lattica.observability import NodeMetrics
 
 if TYPE_CHECKING:
-    from lattica.train.membership import MembershipView
     from lattica.train.service import TrainingService
+    from lattica.train.swarm.membership import MembershipView
 
 
 class TrainingMetricsExporter:

@@ -31,8 +31,8 @@ from lattica.net.tensors.transfer import TensorService, TensorServiceConfig
 from lattica.node.node import Node
 from lattica.node.services import NodeContext, NodeService
 from lattica.numerics.screen import DEFAULT_SCREEN, ContributionScreen
-from lattica.train.collective import Collective
-from lattica.train.membership import TRAINER_ROLE, MembershipView
+from lattica.train.engine.collective import Collective
+from lattica.train.swarm.membership import TRAINER_ROLE, MembershipView
 
 
 class TrainingNode:

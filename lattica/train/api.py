@@ -31,8 +31,8 @@ from typing import Protocol
 import torch
 import trio
 
-from lattica.train.checkpoint import StateDict
-from lattica.train.collective import Collective
+from lattica.train.engine.checkpoint import StateDict
+from lattica.train.engine.collective import Collective
 from lattica.train.strategies import create_strategy
 from lattica.train.strategies.base import GroupProvider, OuterStepReport, OuterStrategy
 

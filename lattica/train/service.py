@@ -51,10 +51,14 @@ from lattica.coordination.rounds import RoundCoordinator
 from lattica.diagnostics import NodeFacts
 from lattica.errors import LatticaError
 from lattica.numerics.screen import Rejection
-from lattica.train import trainer_factory
-from lattica.train.collective import Collective, StallGuardedCollective
-from lattica.train.liveness import PeerLiveness
-from lattica.train.membership import (
+from lattica.train.engine.collective import Collective, StallGuardedCollective
+from lattica.train.engine.tokenized import bits_per_byte
+from lattica.train.engine.trainer import Progress, RoundCompleted, Trainer
+from lattica.train.settings import trainer_factory
+from lattica.train.status import GossipFigures, ProgressFigures, TrainingStatus
+from lattica.train.strategies.base import OuterStrategy
+from lattica.train.swarm.liveness import PeerLiveness
+from lattica.train.swarm.membership import (
     DONE_ROLE,
     FAILED_ROLE,
     JOINING_ROLE,
@@ -62,13 +66,9 @@ from lattica.train.membership import (
     MembershipView,
     RunState,
 )
-from lattica.train.outer_sync import CatchingUpStrategy, KeepingUpStrategy, OuterStateSync
-from lattica.train.ownership import ReplicatedOwnership
-from lattica.train.run_config import agree_run_config, agree_run_identity
-from lattica.train.status import GossipFigures, ProgressFigures, TrainingStatus
-from lattica.train.strategies.base import OuterStrategy
-from lattica.train.tokenized import bits_per_byte
-from lattica.train.trainer import Progress, RoundCompleted, Trainer
+from lattica.train.swarm.outer_sync import CatchingUpStrategy, KeepingUpStrategy, OuterStateSync
+from lattica.train.swarm.ownership import ReplicatedOwnership
+from lattica.train.swarm.run_config import agree_run_config, agree_run_identity
 
 log = logging.getLogger(__name__)
 
@@ -490,6 +490,6 @@ def check_settings(settings: TrainSettings) -> None:
     """Fail at start-up, as one line, on settings that cannot run (see ``settings_check``).
     A prepared corpus's shards are not hashed again here: ``lattica join`` did that before it
     built the node (the building trainer still checks every shard's size)."""
-    from lattica.train.settings_check import check_settings as check
+    from lattica.train.settings.settings_check import check_settings as check
 
     check(settings, verify_shards=False)

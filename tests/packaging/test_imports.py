@@ -135,7 +135,7 @@ def test_the_scan_finds_what_it_forbids(tmp_path: Path) -> None:
     probe.parent.mkdir(parents=True)
     probe.write_text(
         "from lattica.net.tensors import transfer\nfrom lattica.numerics import codecs\n"
-        "from lattica.train.collective import Collective\n\n"
+        "from lattica.train.engine.collective import Collective\n\n"
         "def f():\n    import lattica.cli.main\n"
     )
     assert _violations("train", NET_INTERFACES, ABOVE_TRAINING, package=tmp_path / "lattica") == [
@@ -161,7 +161,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 PUBLIC_REEXPORTS = ("lattica.training_node",)  # documented import paths kept for users (``open_node``)
 MAX_LINES = 500
 # split with the training package's restructuring (engine, swarm, settings)
-LONG_TRAINING_MODULES = frozenset({"lattica/train/strategies/streaming.py", "lattica/train/trainer.py"})
+LONG_TRAINING_MODULES = frozenset({"lattica/train/strategies/streaming.py", "lattica/train/engine/trainer.py"})
 
 
 def _runtime_targets(path: Path, known: set[str]) -> set[str]:
@@ -409,3 +409,66 @@ def test_the_idle_daemon_scan_follows_module_level_imports_only(tmp_path: Path) 
     loaded = _loaded_at_import(("lattica.a",), package=package)
     assert loaded.get("torch") == "lattica.b"
     assert "numpy" not in loaded
+
+
+# -- the training package: engine, strategies, settings, swarm, service ------------------------
+
+ENGINE = ("lattica.train.engine",)
+# what the engine may not reach, directly or through what it imports (annotations included): it
+# trains alone (``lattica.train.api.wrap``, ``benchmarks/convergence.py``), without a node
+NOT_FOR_THE_ENGINE = (
+    "lattica.train.swarm", "lattica.train.settings", "lattica.train.service", "lattica.train.status",
+    "lattica.train.ports", "lattica.node", "lattica.training_node", "lattica.cli", "lattica.control",
+    "lattica.observability", "lattica.net", "lattica.crdt", "lattica.dht",
+)
+
+
+def _reached_from(graph: dict[str, set[str]], roots: Iterable[str]) -> dict[str, str]:
+    """Every package module reached from ``roots`` by imports -> the module that imports it."""
+    by: dict[str, str] = {}
+    todo = sorted(roots)
+    while todo:
+        module = todo.pop()
+        for target in sorted(graph.get(module, ())):
+            if target.startswith("lattica") and target not in by and target not in roots:
+                by[target] = module
+                todo.append(target)
+    return by
+
+
+def test_the_engine_reaches_no_swarm_settings_or_daemon() -> None:
+    graph = _graph()
+    engine = [m for m in graph if _within(m, ENGINE)]
+    assert len(engine) > 10
+    reached = _reached_from(graph, engine)
+    assert sorted(f"{by} imports {t}" for t, by in reached.items() if _within(t, NOT_FOR_THE_ENGINE)) == []
+
+
+def test_the_engine_scan_follows_imports_of_imports() -> None:
+    graph = {"lattica.train.engine.a": {"lattica.train.strategies.b"}, "lattica.train.strategies.b": {"lattica.net.c"}}
+    reached = _reached_from(graph, ["lattica.train.engine.a"])
+    assert reached == {
+        "lattica.train.strategies.b": "lattica.train.engine.a", "lattica.net.c": "lattica.train.strategies.b",
+    }
+
+
+def test_the_training_folders_import_only_downwards() -> None:
+    """engine < strategies < settings < swarm < the service (``service``, ``status``, ``ports``, ``api``):
+    a folder imports its own and those before it (the engine runs the strategies' interface,
+    ``strategies.base``, and the strategies build on the engine's modules: one level, two folders)."""
+    order = ("lattica.train.engine", "lattica.train.strategies", "lattica.train.settings", "lattica.train.swarm")
+    rank = {prefix: index for index, prefix in enumerate(order)}
+
+    def rank_of(module: str) -> int:
+        return next((rank[p] for p in order if _within(module, (p,))), len(order))
+
+    upward = []
+    for module, targets in sorted(_runtime_graph().items()):
+        for target in sorted(targets):
+            if not _within(module, ("lattica.train",)) or not _within(target, ("lattica.train",)):
+                continue
+            if rank_of(target) > rank_of(module) and not (
+                _within(module, ENGINE) and target == "lattica.train.strategies.base"
+            ):
+                upward.append(f"{module} imports {target}")
+    assert upward == []

@@ -31,8 +31,8 @@ from lattica.crdt.durable import state_log_path
 from lattica.crdt.log import AppendLog, HeldRecordsLog, read_records
 from lattica.errors import StorageError
 from lattica.files import WriteRetry
-from lattica.train.checkpoint import CheckpointStore
-from lattica.train.checkpoint_writer import CheckpointWriter
+from lattica.train.engine.checkpoint import CheckpointStore
+from lattica.train.engine.checkpoint_writer import CheckpointWriter
 from lattica_lab.daemons import DaemonProcess, run_cli, wait_for
 from lattica_lab.full_disk import (
     disk_unavailable_reason,

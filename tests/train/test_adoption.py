@@ -12,17 +12,17 @@ import torch
 
 from lattica.config import TrainSettings
 from lattica.crdt.liveness import LeasePolicy
-from lattica.train.adoption import AdoptionLimits, ClaimScreen, RunPicture, refusal_before_fetch
-from lattica.train.device import select_device
-from lattica.train.membership import MembershipView
-from lattica.train.model import GPTConfig, build_model
-from lattica.train.outer_state import flatten_outer_state, outer_state_hash
-from lattica.train.outer_sync import OuterStateSync
-from lattica.train.outer_transfer import round_prefix
-from lattica.train.schedule import ScheduleConfig
+from lattica.train.engine.device import select_device
+from lattica.train.engine.model import GPTConfig, build_model
+from lattica.train.engine.outer_state import flatten_outer_state, outer_state_hash
+from lattica.train.engine.schedule import ScheduleConfig
+from lattica.train.engine.task import Task
+from lattica.train.engine.trainer import Trainer, TrainerConfig
 from lattica.train.strategies.diloco import DiLoCo, DiLoCoConfig
-from lattica.train.task import Task
-from lattica.train.trainer import Trainer, TrainerConfig
+from lattica.train.swarm.adoption import AdoptionLimits, ClaimScreen, RunPicture, refusal_before_fetch
+from lattica.train.swarm.membership import MembershipView
+from lattica.train.swarm.outer_sync import OuterStateSync
+from lattica.train.swarm.outer_transfer import round_prefix
 from lattica_lab.collective import FixedGroups, InMemoryCollectiveGroup
 
 LIMITS = AdoptionLimits(max_rounds_ahead=8, ban_s=60.0)

@@ -2,7 +2,7 @@ import pytest
 import torch
 import trio
 
-from lattica.train.model import GPTConfig, build_model
+from lattica.train.engine.model import GPTConfig, build_model
 from lattica.train.strategies import create_strategy, strategy_class
 from lattica.train.strategies.diloco import (
     DiLoCo,

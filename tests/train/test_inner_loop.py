@@ -13,17 +13,17 @@ import trio
 
 from lattica.config import TrainSettings
 from lattica.errors import ConfigError
-from lattica.train import compiled_model
-from lattica.train import trainer as trainer_module
-from lattica.train.activation_checkpoint import checkpoint_layers
-from lattica.train.batch_prefetch import BatchesEnded, BatchPrefetcher
-from lattica.train.checkpoint import CheckpointStore
-from lattica.train.device import select_device
-from lattica.train.model import GPTConfig, build_model, lm_loss
-from lattica.train.schedule import ScheduleConfig
+from lattica.train.engine import compiled_model
+from lattica.train.engine import trainer as trainer_module
+from lattica.train.engine.activation_checkpoint import checkpoint_layers
+from lattica.train.engine.batch_prefetch import BatchesEnded, BatchPrefetcher
+from lattica.train.engine.checkpoint import CheckpointStore
+from lattica.train.engine.device import select_device
+from lattica.train.engine.model import GPTConfig, build_model, lm_loss
+from lattica.train.engine.schedule import ScheduleConfig
+from lattica.train.engine.task import Task, TaskContext, builtin_task, language_model_loss
+from lattica.train.engine.trainer import Trainer, TrainerConfig
 from lattica.train.strategies import create_strategy
-from lattica.train.task import Task, TaskContext, builtin_task, language_model_loss
-from lattica.train.trainer import Trainer, TrainerConfig
 from lattica_lab.collective import InMemoryCollectiveGroup
 
 MICRO = GPTConfig(n_layer=2, d_model=32, n_head=2, context=32)
@@ -157,7 +157,7 @@ async def test_a_compile_failure_falls_back_to_eager_with_one_warning(text_data,
     await eager.run()
     trainer = _trainer(text_data, steps=6, compile=True)
     assert trainer.forward.compiled
-    with caplog.at_level(logging.WARNING, logger="lattica.train.compiled_model"):
+    with caplog.at_level(logging.WARNING, logger="lattica.train.engine.compiled_model"):
         summary = await trainer.run()
     assert summary.steps == 6
     assert not trainer.forward.compiled

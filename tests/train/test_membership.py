@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from lattica.train.membership import (
+from lattica.train.swarm.membership import (
     FAILED_ROLE,
     JOINING_ROLE,
     TRAINER_ROLE,
@@ -16,7 +16,7 @@ from lattica.train.membership import (
     RecentTrainers,
     UnservableClaims,
 )
-from lattica.train.outer_transfer import agreed_round
+from lattica.train.swarm.outer_transfer import agreed_round
 
 
 def _trainers(*peers: str) -> dict[str, dict[str, object]]:

@@ -8,9 +8,9 @@ import torch
 from lattica.cli.main import MODEL_HELP
 from lattica.config import TrainSettings
 from lattica.errors import ConfigError
-from lattica.train.checkpoint import weights_hash
-from lattica.train.model_spec import check_model, preset_help, resolve_model
-from lattica.train.settings_check import check_settings
+from lattica.train.engine.checkpoint import weights_hash
+from lattica.train.engine.model_spec import check_model, preset_help, resolve_model
+from lattica.train.settings.settings_check import check_settings
 from lattica_lab.daemons import run_cli
 
 transformers = pytest.importorskip("transformers", reason="the hf extra (pip install 'lattica[hf]')")
@@ -127,7 +127,7 @@ def test_the_cli_parser_with_the_new_commands_starts_without_torch():
 
 
 def test_join_refuses_a_tokenizer_larger_than_the_hf_models_vocabulary(tmp_path, bpe_tokenizer):
-    from lattica.train.prepare import PrepareConfig, prepare
+    from lattica.train.engine.prepare import PrepareConfig, prepare
 
     source = tmp_path / "a.jsonl"
     source.write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(30)))

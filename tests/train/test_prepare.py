@@ -10,15 +10,15 @@ import pytest
 import torch
 
 from lattica.errors import ConfigError
-from lattica.train.data import (
+from lattica.train.engine.data import (
     BatchConfig,
     BatchSampler,
     DataConfig,
     load_corpus,
     validation_batches,
 )
-from lattica.train.prepare import PrepareConfig, prepare
-from lattica.train.tokenized import MappedTokens, open_prepared, read_manifest
+from lattica.train.engine.prepare import PrepareConfig, prepare
+from lattica.train.engine.tokenized import MappedTokens, open_prepared, read_manifest
 from lattica_lab.daemons import run_cli
 
 PARAGRAPH = "The quick brown fox jumps over the lazy dog, and the dog sleeps on. "

@@ -11,10 +11,10 @@ import pytest
 from lattica.config import TrainSettings
 from lattica.crdt.liveness import LeasePolicy
 from lattica.errors import PeerUnavailableError
-from lattica.train.liveness import PeerLiveness
-from lattica.train.membership import MembershipView
-from lattica.train.outer_sync import CatchingUpStrategy, OuterStateSync
 from lattica.train.strategies.base import OuterStepReport, OuterStrategy
+from lattica.train.swarm.liveness import PeerLiveness
+from lattica.train.swarm.membership import MembershipView
+from lattica.train.swarm.outer_sync import CatchingUpStrategy, OuterStateSync
 
 
 class _Clock:

@@ -5,8 +5,8 @@ import pytest
 from lattica.config import TrainSettings
 from lattica.crdt.config import StateConfig
 from lattica.errors import ConfigError, LocalProtocolError
-from lattica.train.membership import MembershipView
-from lattica.train.run_config import agree_run_identity, apply_run_config, run_config_of
+from lattica.train.swarm.membership import MembershipView
+from lattica.train.swarm.run_config import agree_run_identity, apply_run_config, run_config_of
 
 MINE = {"model_hash": "a" * 64, "data_hash": "b" * 64}
 

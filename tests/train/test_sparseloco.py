@@ -8,7 +8,8 @@ import trio
 
 from lattica.config import TrainSettings
 from lattica.numerics import sparse
-from lattica.train.model import GPTConfig, build_model
+from lattica.train.engine.model import GPTConfig, build_model
+from lattica.train.settings.strategy_settings import strategy_config
 from lattica.train.strategies import create_strategy, strategy_class
 from lattica.train.strategies.sparseloco import (
     SparseLoCo,
@@ -17,7 +18,6 @@ from lattica.train.strategies.sparseloco import (
     flatten,
     mean_of_sparse,
 )
-from lattica.train.strategy_settings import strategy_config
 from lattica_lab.collective import FixedGroups, InMemoryCollectiveGroup
 
 TINY = GPTConfig(n_layer=1, d_model=16, n_head=2, context=8)

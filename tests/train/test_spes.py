@@ -4,8 +4,9 @@ import trio
 
 from lattica.config import TrainSettings
 from lattica.coordination.groups import draw_step_groups
-from lattica.train.model import lm_loss
-from lattica.train.moe import MoEConfig, build_moe_model, dense_parameters, expert_parameters
+from lattica.train.engine.model import lm_loss
+from lattica.train.engine.moe import MoEConfig, build_moe_model, dense_parameters, expert_parameters
+from lattica.train.settings.strategy_settings import strategy_config
 from lattica.train.strategies.accounting import optimizer_state_bytes
 from lattica.train.strategies.experts import DerivedOwnership, assign_experts
 from lattica.train.strategies.spes import (
@@ -14,7 +15,6 @@ from lattica.train.strategies.spes import (
     merge_alpha_at,
     merge_similar_experts,
 )
-from lattica.train.strategy_settings import strategy_config
 from lattica_lab.collective import InMemoryCollectiveGroup
 
 CFG = MoEConfig(n_layer=1, d_model=8, n_head=2, context=8, num_experts=8, top_k=2, expert_hidden=8)

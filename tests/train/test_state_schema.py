@@ -17,15 +17,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lattica.errors import RemoteProtocolError
-from lattica.train.device import select_device
-from lattica.train.model import GPTConfig, build_model
-from lattica.train.moe import MoEConfig, build_moe_model
-from lattica.train.outer_state import MANIFEST, flatten_outer_state, outer_state_hash
-from lattica.train.schedule import ScheduleConfig
-from lattica.train.state_schema import OuterStateSchema, SchemaLimits, check_outer_state
+from lattica.train.engine.device import select_device
+from lattica.train.engine.model import GPTConfig, build_model
+from lattica.train.engine.moe import MoEConfig, build_moe_model
+from lattica.train.engine.outer_state import MANIFEST, flatten_outer_state, outer_state_hash
+from lattica.train.engine.schedule import ScheduleConfig
+from lattica.train.engine.task import Task
+from lattica.train.engine.trainer import Trainer, TrainerConfig
 from lattica.train.strategies import STRATEGIES, strategy_class
-from lattica.train.task import Task
-from lattica.train.trainer import Trainer, TrainerConfig
+from lattica.train.swarm.state_schema import OuterStateSchema, SchemaLimits, check_outer_state
 from lattica_lab.collective import FixedGroups, InMemoryCollectiveGroup
 
 PEERS = ("a", "b")

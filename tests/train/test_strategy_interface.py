@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from lattica.config import TrainSettings
-from lattica.train import trainer_factory
-from lattica.train.moe import MoEConfig, build_moe_model
+from lattica.train.engine.moe import MoEConfig, build_moe_model
+from lattica.train.settings import trainer_factory
 from lattica.train.strategies import STRATEGIES, strategy_class
 from lattica.train.strategies.base import (
     EveryHSteps,

@@ -10,13 +10,13 @@ from lattica.cli.main import build_parser
 from lattica.config import DEFAULT_INNER_STEPS, TrainSettings
 from lattica.errors import ConfigError
 from lattica.numerics.screen import ContributionScreen
-from lattica.train.strategies import STRATEGIES, strategy_class
-from lattica.train.strategy_settings import (
+from lattica.train.settings.strategy_settings import (
     ROUTES,
     STRATEGY_SETTINGS,
     contribution_screen,
     strategy_config,
 )
+from lattica.train.strategies import STRATEGIES, strategy_class
 
 # a distinct, valid, non-default value for every strategy setting
 PROBE = {

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lattica.train.collective import Collective
+from lattica.train.engine.collective import Collective
 from lattica.train.strategies.base import GroupProvider, OuterStrategy
 
 

@@ -30,7 +30,7 @@ import trio
 
 from lattica.coordination.provider import GroupProvider as GroupProvider
 from lattica.numerics.partner_screen import PartnerScreen
-from lattica.train.collective import Collective
+from lattica.train.engine.collective import Collective
 from lattica.train.strategies.experts import ExpertOwnership
 
 
@@ -238,7 +238,7 @@ class EveryHSteps(OuterStrategy):
 class WrappedStrategy(OuterStrategy):
     """A strategy around another one: forwards every call and capability to ``inner``; a
     subclass overrides only the hooks whose behaviour it adds to (the daemon's outer-state sync
-    in ``train/outer_sync.py``), so the inner strategy is never patched."""
+    in ``train/swarm/outer_sync.py``), so the inner strategy is never patched."""
 
     def __init__(self, inner: OuterStrategy) -> None:
         super().__init__(inner.model, collective=inner.collective, groups=inner.groups)

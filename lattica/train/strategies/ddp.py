@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from lattica.train.collective import Collective
+from lattica.train.engine.collective import Collective
 from lattica.train.strategies.accounting import AccountedStrategy
 from lattica.train.strategies.base import GroupProvider, OuterStepReport
 from lattica.train.strategies.traffic import allreduce_bytes

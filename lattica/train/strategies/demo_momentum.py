@@ -57,7 +57,7 @@ import torch
 from lattica.config import DEFAULT_INNER_STEPS
 from lattica.errors import LocalProtocolError, RemoteProtocolError
 from lattica.numerics import demo_codec, sparse
-from lattica.train.collective import Collective
+from lattica.train.engine.collective import Collective
 from lattica.train.strategies.accounting import AccountedStrategy, tensor_bytes
 from lattica.train.strategies.base import GroupProvider, OuterStepReport
 from lattica.train.strategies.sparse_gather import gather_with_retries, screen_gathered

@@ -56,15 +56,15 @@ import trio
 from lattica.config import DEFAULT_INNER_STEPS
 from lattica.coordination.groups import proposed_group
 from lattica.errors import BrokenError, LocalProtocolError, PeerUnavailableError
-from lattica.train.collective import Collective
-from lattica.train.outer_placement import (
+from lattica.train.engine.collective import Collective
+from lattica.train.engine.outer_placement import (
     OuterPlacement,
     clone_like,
     copy_into,
     host_clone,
     host_copies,
 )
-from lattica.train.outer_placement import pseudo_gradient as placed_pseudo_gradient
+from lattica.train.engine.outer_placement import pseudo_gradient as placed_pseudo_gradient
 from lattica.train.strategies.accounting import AccountedStrategy, tensor_bytes
 from lattica.train.strategies.base import EveryHSteps, GroupProvider, OuterStepReport
 from lattica.train.strategies.gossip import (

@@ -43,8 +43,8 @@ import trio
 
 from lattica.config import DEFAULT_INNER_STEPS
 from lattica.errors import BrokenError, LocalProtocolError, PeerUnavailableError
-from lattica.train.collective import Collective
-from lattica.train.outer_placement import (
+from lattica.train.engine.collective import Collective
+from lattica.train.engine.outer_placement import (
     OuterPlacement,
     clone_like,
     copy_into,

@@ -49,7 +49,7 @@ from lattica.coordination.groups import JUMP_BEHIND
 from lattica.coordination.provider import SwarmStepSource
 from lattica.errors import BrokenError, PeerUnavailableError, RemoteProtocolError
 from lattica.numerics.partner_screen import PartnerScreen, Segments
-from lattica.train.collective import Collective
+from lattica.train.engine.collective import Collective
 
 AVERAGING_MODES = ("allreduce", "gossip")
 # A replica jumps only when its next key is ``JUMP_BEHIND`` (3) rounds or more below the highest round the

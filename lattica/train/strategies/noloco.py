@@ -33,8 +33,8 @@ from typing import Any
 import torch
 
 from lattica.config import DEFAULT_INNER_STEPS
-from lattica.train.collective import Collective
-from lattica.train.outer_placement import OuterPlacement, copy_into, pseudo_gradient
+from lattica.train.engine.collective import Collective
+from lattica.train.engine.outer_placement import OuterPlacement, copy_into, pseudo_gradient
 from lattica.train.strategies.accounting import AccountedStrategy, tensor_bytes
 from lattica.train.strategies.base import EveryHSteps, GroupProvider, OuterStepReport
 from lattica.train.strategies.gossip import (

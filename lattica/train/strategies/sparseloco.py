@@ -50,8 +50,8 @@ from lattica.coordination.groups import proposed_group
 from lattica.errors import RemoteProtocolError
 from lattica.numerics import sparse
 from lattica.numerics.screen import Rejection
-from lattica.train.collective import Collective
-from lattica.train.outer_placement import copy_into
+from lattica.train.engine.collective import Collective
+from lattica.train.engine.outer_placement import copy_into
 from lattica.train.strategies.accounting import AccountedStrategy, tensor_bytes
 from lattica.train.strategies.base import EveryHSteps, GroupProvider, OuterStepReport
 from lattica.train.strategies.diloco import _check_tensors, outer_copy, pseudo_gradient

@@ -64,8 +64,8 @@ from lattica.coordination.groups import proposed_group
 from lattica.errors import BrokenError, PeerUnavailableError, RemoteProtocolError
 from lattica.numerics.partner_screen import Segments, refusal, segment_norm
 from lattica.numerics.screen import Rejection
-from lattica.train.collective import Collective
-from lattica.train.moe import MoEGPT, dense_parameters, expert_parameters
+from lattica.train.engine.collective import Collective
+from lattica.train.engine.moe import MoEGPT, dense_parameters, expert_parameters
 from lattica.train.strategies.accounting import AccountedStrategy
 from lattica.train.strategies.base import GroupProvider, OuterStepReport, StrategyHandles
 from lattica.train.strategies.experts import (

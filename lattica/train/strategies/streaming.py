@@ -62,8 +62,8 @@ from lattica.errors import (
     PeerUnavailableError,
     RemoteProtocolError,
 )
-from lattica.train.collective import Collective
-from lattica.train.quantize import (
+from lattica.train.engine.collective import Collective
+from lattica.train.engine.quantize import (
     DEFAULT_BLOCK_SIZE,
     Quantized4Bit,
     dequantize_4bit,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lattica.train.collective import Collective
+from lattica.train.engine.collective import Collective
 from lattica.train.strategies.base import GroupProvider
 from lattica.train.strategies.streaming import StreamingDiLoCo, StreamingDiLoCoConfig
 

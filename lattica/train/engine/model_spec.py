@@ -1,8 +1,8 @@
 """Which model a run's ``model`` setting means, sized for its data, and its hash.
 
 Three families share one interface (``ModelSpec``): the byte-level GPT presets
-(``train/model.py``: ``tiny`` …), the Llama-style presets (``train/llama.py``: ``llama-tiny`` …)
-and Hugging Face models from a local folder (``hf:<dir>``, ``train/hf.py``). A spec is resolved
+(``train/engine/model.py``: ``tiny`` …), the Llama-style presets (``train/engine/llama.py``: ``llama-tiny`` …)
+and Hugging Face models from a local folder (``hf:<dir>``, ``train/engine/hf.py``). A spec is resolved
 from the setting, the data's vocabulary and the run's ``seq_len``:
 
 - native presets take the vocabulary of the data's tokenizer (a Llama exactly that; a GPT keeps
@@ -30,9 +30,9 @@ import torch
 from torch import nn
 
 from lattica.errors import ConfigError
-from lattica.train import hf
-from lattica.train.llama import LLAMA_PRESETS, LlamaConfig, build_llama, count_llama_parameters
-from lattica.train.model import PRESETS, GPTConfig, build_model, lm_loss
+from lattica.train.engine import hf
+from lattica.train.engine.llama import LLAMA_PRESETS, LlamaConfig, build_llama, count_llama_parameters
+from lattica.train.engine.model import PRESETS, GPTConfig, build_model, lm_loss
 
 LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 

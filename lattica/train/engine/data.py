@@ -16,7 +16,7 @@ Sources (``DataConfig.source``):
 - a nanoGPT-style ``.bin`` file of little-endian uint16 token ids (split by position);
 - ``"hf:<name or saved dataset folder>"``: Hugging Face ``datasets`` (optional extra);
 - a folder written by ``lattica data prepare`` (``manifest.json`` inside): tokens of the user's
-  tokenizer, memory-mapped and never loaded whole (``train/tokenized.py``); its content hash is
+  tokenizer, memory-mapped and never loaded whole (``train/engine/tokenized.py``); its content hash is
   the manifest's sha256.
 
 Each peer samples random ``(x, y)`` windows from its own contiguous shard of the train stream
@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from lattica.errors import ConfigError
-from lattica.train.tokenized import MappedTokens, is_prepared, open_prepared
+from lattica.train.engine.tokenized import MappedTokens, is_prepared, open_prepared
 
 # a flat token stream: a tensor in memory, or the memory-mapped shards of a prepared corpus
 TokenStream = torch.Tensor | MappedTokens

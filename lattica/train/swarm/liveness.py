@@ -21,8 +21,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Collection, Sequence
 
-from lattica.train.membership import MembershipView, RecentTrainers
 from lattica.train.strategies.base import OuterStepReport
+from lattica.train.swarm.membership import MembershipView, RecentTrainers
 
 SILENT_BEATS = 3.5  # heartbeat intervals without a lease renewal: unresponsive
 SETTLE_BEATS = 3.0  # heartbeat intervals a peer seen silent must be heard before it is again

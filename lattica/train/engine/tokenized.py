@@ -2,7 +2,7 @@
 
 Theory of operation
 -------------------
-``lattica data prepare`` (``train/prepare.py``) writes a folder:
+``lattica data prepare`` (``train/engine/prepare.py``) writes a folder:
 
 - ``manifest.json``: the format tag, the token width (``uint16`` when the vocabulary fits,
   else ``uint32``), the tokenizer's vocabulary size, sha256 and end-of-document id, and per

@@ -6,7 +6,7 @@ state and serves the state as named tensors on the data plane, under the round t
 (``outer/<round>/params/<name>``, ``outer/<round>/momentum/<name>``, ``outer/<round>/meta/json``).
 ``agreed_round`` and ``repair_target`` decide, from those records alone and identically on every
 peer, which round and hash to adopt and who holds it; the verified parallel fetch itself is
-``lattica.train.join.fetch_outer_state``.
+``lattica.train.swarm.join.fetch_outer_state``.
 
 Holders move on while a joiner fetches: the published record it read may already be a round
 old. ``ServedRounds`` therefore keeps the states of the last ``keep`` rounds on offer, so a
@@ -21,8 +21,8 @@ from typing import Protocol
 import torch
 
 from lattica.crdt.documents import ProgressRecord
-from lattica.train.join import Fetch
-from lattica.train.outer_state import MANIFEST, flatten_outer_state
+from lattica.train.engine.outer_state import MANIFEST, flatten_outer_state
+from lattica.train.swarm.join import Fetch
 
 
 class TensorStore(Protocol):

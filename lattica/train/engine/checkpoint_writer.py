@@ -27,7 +27,7 @@ import trio
 
 from lattica.errors import StorageError
 from lattica.files import WriteRetry
-from lattica.train.checkpoint import CheckpointStore, StateDict
+from lattica.train.engine.checkpoint import CheckpointStore, StateDict
 
 log = logging.getLogger(__name__)
 

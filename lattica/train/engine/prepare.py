@@ -40,8 +40,8 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from lattica.errors import ConfigError
-from lattica.train.data import is_validation_document
-from lattica.train.tokenized import (
+from lattica.train.engine.data import is_validation_document
+from lattica.train.engine.tokenized import (
     MANIFEST_NAME,
     TOKENIZER_NAME,
     PreparedManifest,

@@ -13,16 +13,16 @@ from pathlib import Path
 
 from lattica.config import TrainSettings
 from lattica.errors import ConfigError
-from lattica.train.strategy_settings import strategy_config
+from lattica.train.settings.strategy_settings import strategy_config
 
 
 def check_settings(settings: TrainSettings, *, verify_shards: bool = True) -> None:
     """Raise ``ConfigError`` on a strategy, model, data source or task that cannot be used.
     ``verify_shards=False`` skips hashing a prepared corpus's shards (seconds per GB): a daemon
     checking a run config on its event loop already verified them at start-up."""
-    from lattica.train.model_spec import check_model
+    from lattica.train.engine.model_spec import check_model
+    from lattica.train.engine.task import resolve_task
     from lattica.train.strategies import strategy_class
-    from lattica.train.task import resolve_task
 
     try:
         strategy = strategy_class(settings.strategy)
@@ -53,7 +53,7 @@ def check_data_source(source: str, *, verify_shards: bool = True) -> None:
         raise ConfigError(f"data source {source!r} is not readable")
     if path.is_file() and path.stat().st_size == 0:
         raise ConfigError(f"data source {source!r} is empty")
-    from lattica.train.tokenized import is_prepared, open_prepared
+    from lattica.train.engine.tokenized import is_prepared, open_prepared
 
     if is_prepared(path):
         open_prepared(path, verify=verify_shards)
@@ -61,8 +61,8 @@ def check_data_source(source: str, *, verify_shards: bool = True) -> None:
 
 def check_vocabulary(model: str, source: str) -> None:
     """An ``hf:`` model's vocabulary must hold every id of a prepared corpus's tokenizer."""
-    from lattica.train import hf
-    from lattica.train.tokenized import is_prepared, read_manifest
+    from lattica.train.engine import hf
+    from lattica.train.engine.tokenized import is_prepared, read_manifest
 
     path = Path(source).expanduser()
     if not hf.is_hf_model(model) or source == "stdlib" or not is_prepared(path):

@@ -28,8 +28,8 @@ import torch
 from torch import nn
 
 from lattica.errors import ConfigError
-from lattica.train.model import lm_loss
-from lattica.train.tokenized import file_sha256
+from lattica.train.engine.model import lm_loss
+from lattica.train.engine.tokenized import file_sha256
 
 PREFIX = "hf:"
 INITS = ("seed", "weights")

@@ -19,7 +19,7 @@ path on each machine), checked instead by the model hash below.
 
 Once its trainer is built, a member also agrees on *what* it trains (``agree_run_identity``):
 the hash of the model's description (``model_spec``: family, full config, vocabulary, init)
-and the manifest hash of a prepared corpus (``train/tokenized.py``; a byte-level corpus stays
+and the manifest hash of a prepared corpus (``train/engine/tokenized.py``; a byte-level corpus stays
 each member's own). An admin adds them to the run config; any other member waits for them
 (as for the config) and refuses to train, with one line naming the difference, when its own
 differ — a member with another model, tokenizer or corpus would otherwise diverge silently.
@@ -38,7 +38,7 @@ import trio
 
 from lattica.config import TrainSettings
 from lattica.errors import ConfigError, LocalProtocolError
-from lattica.train.membership import TRAINING_ROLES, MembershipView
+from lattica.train.swarm.membership import TRAINING_ROLES, MembershipView
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ def published_config(view: MembershipView) -> Mapping[str, object] | None:
 async def agree_run_config(view: MembershipView, settings: TrainSettings, *, wait_s: float) -> TrainSettings:
     """The settings to train with (see the module docstring); ``view.admins`` may write the
     run config."""
-    from lattica.train.settings_check import check_settings
+    from lattica.train.settings.settings_check import check_settings
 
     published = published_config(view)
     if published is not None and _differs(published, settings) and await _publish_as_admin(

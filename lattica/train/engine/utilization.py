@@ -22,8 +22,8 @@ import re
 import torch
 from torch import nn
 
-from lattica.train.device import DeviceInfo
-from lattica.train.model import GPT
+from lattica.train.engine.device import DeviceInfo
+from lattica.train.engine.model import GPT
 
 # (pattern of torch.cuda.get_device_name, dense bf16 TFLOP/s); the first match wins
 PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (

@@ -21,7 +21,7 @@ both without a daemon:
      round, step, hashes) and the data's ``tokenizer.json`` when one was used;
    - ``--format hf``: a folder ``AutoModelForCausalLM.from_pretrained`` loads — a native Llama
      becomes transformers' ``LlamaForCausalLM`` (same parameter names, same arithmetic:
-     ``train/llama.py``), an ``hf:`` model its own type — with ``tokenizer.json`` and a
+     ``train/engine/llama.py``), an ``hf:`` model its own type — with ``tokenizer.json`` and a
      ``tokenizer_config.json`` for ``AutoTokenizer``. The byte-level GPT presets have no
      transformers counterpart here: safetensors only.
 
@@ -45,12 +45,12 @@ from torch import nn
 
 from lattica.crdt.offline import read_snapshot, stored_runs
 from lattica.errors import ConfigError
-from lattica.train import hf
-from lattica.train.checkpoint import CheckpointStore, weights_hash
-from lattica.train.llama import LlamaConfig, build_llama
-from lattica.train.model import GPTConfig, build_model
-from lattica.train.outer_state import outer_state_hash
-from lattica.train.prepare import replace_folder
+from lattica.train.engine import hf
+from lattica.train.engine.checkpoint import CheckpointStore, weights_hash
+from lattica.train.engine.llama import LlamaConfig, build_llama
+from lattica.train.engine.model import GPTConfig, build_model
+from lattica.train.engine.outer_state import outer_state_hash
+from lattica.train.engine.prepare import replace_folder
 
 FORMATS = ("safetensors", "hf")
 DESCRIPTION_NAME = "lattica_model.json"

@@ -9,7 +9,7 @@ no biases, and an output head tied to the input embedding or not.
 Parameter names are those of transformers' ``LlamaForCausalLM`` (``model.layers.0.self_attn.q_proj
 .weight`` …), and the arithmetic follows it (RMSNorm in fp32, the same rotary frequencies), so
 ``lattica export --format hf`` writes the weights unchanged and transformers computes the same
-logits (``lattica.train.export``).
+logits (``lattica.train.swarm.export``).
 
 The vocabulary comes from the data: a preset's ``vocab_size`` is replaced by the tokenizer's
 (``with_vocab``). Initialisation is seeded explicitly, as for the GPT presets: N(0, 0.02), the

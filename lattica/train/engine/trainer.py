@@ -62,19 +62,19 @@ import trio
 from trio_typing import TaskStatus
 
 from lattica.errors import ConfigError
-from lattica.train.activation_checkpoint import checkpoint_layers
-from lattica.train.batch_prefetch import BatchesEnded, BatchPrefetcher
-from lattica.train.checkpoint import CheckpointStore, weights_hash
-from lattica.train.checkpoint_writer import CheckpointWriter
-from lattica.train.compiled_model import ForwardModule, compile_enabled
-from lattica.train.device import DeviceInfo, autocast, select_device
-from lattica.train.inner_optimizer import build_adamw
-from lattica.train.inner_step import WorkerStream, accumulate_gradients
-from lattica.train.outer_state import outer_state_hash
-from lattica.train.schedule import ScheduleConfig, lr_multiplier
+from lattica.train.engine.activation_checkpoint import checkpoint_layers
+from lattica.train.engine.batch_prefetch import BatchesEnded, BatchPrefetcher
+from lattica.train.engine.checkpoint import CheckpointStore, weights_hash
+from lattica.train.engine.checkpoint_writer import CheckpointWriter
+from lattica.train.engine.compiled_model import ForwardModule, compile_enabled
+from lattica.train.engine.device import DeviceInfo, autocast, select_device
+from lattica.train.engine.inner_optimizer import build_adamw
+from lattica.train.engine.inner_step import WorkerStream, accumulate_gradients
+from lattica.train.engine.outer_state import outer_state_hash
+from lattica.train.engine.schedule import ScheduleConfig, lr_multiplier
+from lattica.train.engine.task import Batch, Task
+from lattica.train.engine.utilization import device_peak_flops, mfu, model_flops_per_token
 from lattica.train.strategies.base import OuterStepReport, OuterStrategy
-from lattica.train.task import Batch, Task
-from lattica.train.utilization import device_peak_flops, mfu, model_flops_per_token
 
 log = logging.getLogger(__name__)
 

@@ -37,17 +37,19 @@ import trio
 from lattica.config import TrainSettings
 from lattica.crdt.documents import ProgressRecord
 from lattica.errors import LatticaError
-from lattica.train.adoption import ClaimScreen, RunPicture
-from lattica.train.join import fetch_outer_state
-from lattica.train.membership import (
+from lattica.train.engine.outer_state import MANIFEST, outer_state_hash, read_manifest
+from lattica.train.engine.trainer import Trainer
+from lattica.train.strategies.base import OuterStepReport, OuterStrategy, WrappedStrategy
+from lattica.train.swarm.adoption import ClaimScreen, RunPicture
+from lattica.train.swarm.join import fetch_outer_state
+from lattica.train.swarm.membership import (
     DONE_ROLE,
     TRAINER_ROLE,
     TRAINING_ROLES,
     MembershipView,
     UnservableClaims,
 )
-from lattica.train.outer_state import MANIFEST, outer_state_hash, read_manifest
-from lattica.train.outer_transfer import (
+from lattica.train.swarm.outer_transfer import (
     ProbedManifests,
     ServedRounds,
     TensorStore,
@@ -55,9 +57,7 @@ from lattica.train.outer_transfer import (
     fetch_of_round,
     repair_target,
 )
-from lattica.train.state_schema import OuterStateSchema, check_outer_state
-from lattica.train.strategies.base import OuterStepReport, OuterStrategy, WrappedStrategy
-from lattica.train.trainer import Trainer
+from lattica.train.swarm.state_schema import OuterStateSchema, check_outer_state
 
 log = logging.getLogger(__name__)
 

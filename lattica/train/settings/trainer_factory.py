@@ -29,18 +29,18 @@ from lattica.config import TrainSettings
 from lattica.coordination.provider import GroupProvider
 from lattica.numerics.partner_screen import PartnerScreen
 from lattica.numerics.screen import Rejection
-from lattica.train.checkpoint import CheckpointStore
-from lattica.train.collective import Collective
-from lattica.train.data import DataConfig
-from lattica.train.device import select_device
-from lattica.train.moe import MOE_PRESETS, build_moe_model
-from lattica.train.schedule import ScheduleConfig
+from lattica.train.engine.checkpoint import CheckpointStore
+from lattica.train.engine.collective import Collective
+from lattica.train.engine.data import DataConfig
+from lattica.train.engine.device import select_device
+from lattica.train.engine.moe import MOE_PRESETS, build_moe_model
+from lattica.train.engine.schedule import ScheduleConfig
+from lattica.train.engine.task import Task, TaskContext, builtin_task, load_task
+from lattica.train.engine.trainer import Progress, RoundCompleted, Trainer, TrainerConfig
+from lattica.train.settings.strategy_settings import strategy_config
 from lattica.train.strategies import strategy_class
 from lattica.train.strategies.base import OuterStrategy, StrategyHandles
 from lattica.train.strategies.experts import ExpertOwnership
-from lattica.train.strategy_settings import strategy_config
-from lattica.train.task import Task, TaskContext, builtin_task, load_task
-from lattica.train.trainer import Progress, RoundCompleted, Trainer, TrainerConfig
 
 
 @dataclass(frozen=True, kw_only=True)

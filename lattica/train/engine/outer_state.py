@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from lattica.errors import RemoteProtocolError
-from lattica.train.checkpoint import StateDict, weights_hash
+from lattica.train.engine.checkpoint import StateDict, weights_hash
 
 MANIFEST = "meta/json"
 _MAX_MANIFEST_BYTES = 4 << 20

@@ -26,8 +26,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 
-from lattica.train.membership import MembershipView
 from lattica.train.strategies.experts import assign_experts, experts_of
+from lattica.train.swarm.membership import MembershipView
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from lattica.train.model import GPT, VOCAB_SIZE, CausalSelfAttention, GPTConfig
+from lattica.train.engine.model import GPT, VOCAB_SIZE, CausalSelfAttention, GPTConfig
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -19,16 +19,16 @@ import torch
 from torch import nn
 
 from lattica.errors import ConfigError
-from lattica.train.data import (
+from lattica.train.engine.data import (
     BatchConfig,
     BatchSampler,
     DataConfig,
     load_corpus,
     validation_batches,
 )
-from lattica.train.llama import LlamaConfig, build_llama
-from lattica.train.model import GPTConfig, build_model, lm_loss
-from lattica.train.model_spec import resolve_model
+from lattica.train.engine.llama import LlamaConfig, build_llama
+from lattica.train.engine.model import GPTConfig, build_model, lm_loss
+from lattica.train.engine.model_spec import resolve_model
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -160,7 +160,7 @@ def resolve_task(spec: str) -> Callable[[TaskContext], Task]:
 
 def validate_task(task: object, spec: str = "task") -> Task:
     if not isinstance(task, Task):
-        raise ConfigError(f"{spec} must return lattica.train.task.Task, got {type(task).__name__}")
+        raise ConfigError(f"{spec} must return lattica.train.engine.task.Task, got {type(task).__name__}")
     if not isinstance(task.model, nn.Module):
         raise ConfigError(f"{spec}: Task.model must be a torch.nn.Module")
     if not any(p.requires_grad for p in task.model.parameters()):

@@ -30,8 +30,8 @@ import torch
 import trio
 
 from lattica.errors import BrokenError, PeerUnavailableError, RemoteError, RemoteProtocolError
-from lattica.train.checkpoint import weights_hash
-from lattica.train.outer_state import MANIFEST, read_manifest
+from lattica.train.engine.checkpoint import weights_hash
+from lattica.train.engine.outer_state import MANIFEST, read_manifest
 
 log = logging.getLogger(__name__)
 

@@ -35,8 +35,8 @@ from typing import Literal
 import torch
 
 from lattica.errors import RemoteProtocolError
-from lattica.train.checkpoint import StateDict
-from lattica.train.outer_state import MANIFEST, read_manifest, unflatten_outer_state
+from lattica.train.engine.checkpoint import StateDict
+from lattica.train.engine.outer_state import MANIFEST, read_manifest, unflatten_outer_state
 
 Kind = Literal["count", "counts", "mapping", "text", "flag", "number", "nothing"]
 REQUIRED_GROUP = "params"  # every strategy with weights loads all of them from this group
