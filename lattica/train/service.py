@@ -35,25 +35,22 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol
+from collections.abc import Callable
 
-import torch
 import trio
-from libp2p.abc import IHost
-from libp2p.peer.id import ID
 from trio_typing import TaskStatus
 
-from lattica.config import NodeConfig, TrainSettings
+from lattica.config import TrainSettings
 from lattica.coordination.gossip import GossipGroups
 from lattica.coordination.provider import GroupProvider
 from lattica.coordination.rounds import RoundCoordinator
 from lattica.diagnostics import NodeFacts
 from lattica.errors import LatticaError
 from lattica.numerics.screen import Rejection
-from lattica.train.engine.collective import Collective, StallGuardedCollective
+from lattica.train.engine.collective import StallGuardedCollective
 from lattica.train.engine.tokenized import bits_per_byte
 from lattica.train.engine.trainer import Progress, RoundCompleted, Trainer
+from lattica.train.ports import ControlRequest, DataPlane, NodeHandle, RunState
 from lattica.train.settings import trainer_factory
 from lattica.train.status import GossipFigures, ProgressFigures, TrainingStatus
 from lattica.train.strategies.base import OuterStrategy
@@ -64,7 +61,6 @@ from lattica.train.swarm.membership import (
     JOINING_ROLE,
     TRAINER_ROLE,
     MembershipView,
-    RunState,
 )
 from lattica.train.swarm.outer_sync import CatchingUpStrategy, KeepingUpStrategy, OuterStateSync
 from lattica.train.swarm.ownership import ReplicatedOwnership
@@ -73,76 +69,6 @@ from lattica.train.swarm.run_config import agree_run_config, agree_run_identity
 log = logging.getLogger(__name__)
 
 START_WAIT_S = 30.0  # at the start of a run: how long members that are still loading are waited for
-
-
-class Histogram(Protocol):
-    def observe(self, amount: float) -> None: ...
-
-    def labels(self, **labels: str) -> Histogram: ...
-
-
-class TrainingMetrics(Protocol):
-    """The node metrics the training service times (``observability.NodeMetrics``)."""
-
-    @property
-    def collective_seconds(self) -> Histogram: ...
-
-    @property
-    def checkpoint_fetch_seconds(self) -> Histogram: ...
-
-
-class NodeHandle(Protocol):
-    """What the training service needs of its node: identity, host, config and metrics."""
-
-    @property
-    def peer_id(self) -> ID: ...
-
-    @property
-    def host(self) -> IHost: ...
-
-    @property
-    def config(self) -> NodeConfig: ...
-
-    @property
-    def metrics(self) -> TrainingMetrics: ...
-
-
-class ReceivedBytes(Protocol):
-    @property
-    def last_sent(self) -> Mapping[str, tuple[int, float]]:
-        """peer -> (bytes, seconds) of the last large message sent to it (``lattica doctor``)."""
-        ...
-
-    @property
-    def rejected_contributions(self) -> Mapping[str, int]:
-        """peer -> its contributions refused (all-reduce parts, group partners' exchanges)."""
-        ...
-
-    def total_received(self) -> int: ...
-
-
-class DataPlane(Collective, Protocol):
-    """The tensor data plane (``net.tensors.transfer.TensorService``), built by the composition
-    root: the ``Collective`` strategies sync through, and the named tensors joiners fetch."""
-
-    @property
-    def stats(self) -> ReceivedBytes: ...
-
-    def score_down(self, rejection: Rejection) -> None:
-        """Count a refused contribution against its peer (``stats.rejected_contributions``)."""
-
-    async def run(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None: ...
-
-    def serve(self, name: str, tensor: torch.Tensor) -> None: ...
-
-    def unserve(self, name: str) -> None: ...
-
-    async def fetch(self, peer: str, names: Sequence[str]) -> Mapping[str, torch.Tensor]: ...
-
-
-class ControlRequest(Protocol):
-    @property
-    def method(self) -> str: ...
 
 
 class TrainingService:

@@ -453,10 +453,11 @@ def test_the_engine_scan_follows_imports_of_imports() -> None:
 
 
 def test_the_training_folders_import_only_downwards() -> None:
-    """engine < strategies < settings < swarm < the service (``service``, ``status``, ``ports``, ``api``):
+    """engine < strategies < settings < ports < swarm < the service (``service``, ``status``, ``api``):
     a folder imports its own and those before it (the engine runs the strategies' interface,
     ``strategies.base``, and the strategies build on the engine's modules: one level, two folders)."""
-    order = ("lattica.train.engine", "lattica.train.strategies", "lattica.train.settings", "lattica.train.swarm")
+    order = ("lattica.train.engine", "lattica.train.strategies", "lattica.train.settings", "lattica.train.ports",
+             "lattica.train.swarm")
     rank = {prefix: index for index, prefix in enumerate(order)}
 
     def rank_of(module: str) -> int:

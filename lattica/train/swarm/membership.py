@@ -42,37 +42,15 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Mapping
-from typing import Protocol
+from typing import TYPE_CHECKING
 
-from lattica.crdt.config import StateConfig
-from lattica.crdt.documents import MemberRecord, ProgressRecord, Snapshot
+from lattica.crdt.documents import MemberRecord, ProgressRecord
+
+if TYPE_CHECKING:
+    from lattica.train.ports import RunState
 
 JOINING_ROLE, TRAINER_ROLE, DONE_ROLE, FAILED_ROLE = "joining", "trainer", "done", "failed"
 TRAINING_ROLES = (JOINING_ROLE, TRAINER_ROLE, DONE_ROLE)  # a member that trains, or trained to the end
-
-
-class RunState(Protocol):
-    """What training needs of ``ReplicatedState``."""
-
-    @property
-    def config(self) -> StateConfig: ...
-
-    @property
-    def admins(self) -> frozenset[str]: ...
-
-    def snapshot(self) -> Snapshot: ...
-
-    def live_members(self) -> list[str]: ...
-
-    async def wait_changed(self) -> None: ...
-
-    async def update_member(self, **fields: str) -> None: ...
-
-    async def set_progress(self, round: int, weights_hash: str) -> None: ...
-
-    async def set_run_config(self, config: dict[str, object]) -> None: ...
-
-    async def set_owned_experts(self, experts: list[str]) -> None: ...
 
 
 class MembershipView:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol
 
 import torch
 import trio
@@ -39,6 +38,7 @@ from lattica.crdt.documents import ProgressRecord
 from lattica.errors import LatticaError
 from lattica.train.engine.outer_state import MANIFEST, outer_state_hash, read_manifest
 from lattica.train.engine.trainer import Trainer
+from lattica.train.ports import OuterStateStore
 from lattica.train.strategies.base import OuterStepReport, OuterStrategy, WrappedStrategy
 from lattica.train.swarm.adoption import ClaimScreen, RunPicture
 from lattica.train.swarm.join import fetch_outer_state
@@ -52,7 +52,6 @@ from lattica.train.swarm.membership import (
 from lattica.train.swarm.outer_transfer import (
     ProbedManifests,
     ServedRounds,
-    TensorStore,
     agreed_round,
     fetch_of_round,
     repair_target,
@@ -72,12 +71,6 @@ _HISTORY_ROUNDS = 64  # own outer-state hashes remembered per round (see ``repai
 _PROBE_TIMEOUT_S = 10.0  # asking a holder for the manifest of the state it published
 
 Agreed = tuple[int, str, list[str]]  # round, weights hash, holders
-
-
-class OuterStateStore(TensorStore, Protocol):
-    """The data plane as outer-state sync uses it: serve our states, fetch others'."""
-
-    async def fetch(self, peer: str, names: Sequence[str]) -> Mapping[str, torch.Tensor]: ...
 
 
 class OuterStateSync:

@@ -16,19 +16,13 @@ fetch of the round the joiner saw still finds the bytes that hash to the publish
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Protocol
 
 import torch
 
 from lattica.crdt.documents import ProgressRecord
 from lattica.train.engine.outer_state import MANIFEST, flatten_outer_state
+from lattica.train.ports import TensorStore
 from lattica.train.swarm.join import Fetch
-
-
-class TensorStore(Protocol):
-    def serve(self, name: str, tensor: torch.Tensor) -> None: ...
-
-    def unserve(self, name: str) -> None: ...
 
 
 def round_prefix(rnd: int) -> str:
