@@ -94,6 +94,7 @@ class TrainingService:
         self._ownership: ReplicatedOwnership | None = None
         self._nursery: trio.Nursery | None = None
         self._bytes_sent = 0
+        self._consensus_distance: float | None = None  # gossip: the last one a round measured
         self.liveness = PeerLiveness(
             self.view, connected=self._connected, candidates=self._candidates, not_behind=self._not_behind,
         )
@@ -339,6 +340,8 @@ class TrainingService:
     def _on_round(self, event: RoundCompleted) -> None:
         report = event.report
         self._bytes_sent += report.bytes_sent
+        if report.consensus_distance is not None:
+            self._consensus_distance = report.consensus_distance
         if len(report.group) > 1:
             op = "exchange" if self._gossips else "allreduce"
             self.node.metrics.collective_seconds.labels(op=op).observe(report.seconds)
@@ -376,11 +379,11 @@ class TrainingService:
         )
 
     def _gossip_figures(self) -> GossipFigures:
-        groups, strategy = self.groups, self.strategy
+        groups = self.groups
         return GossipFigures(
             avoided_partners=tuple(groups.avoided()) if isinstance(groups, GossipGroups) else (),
             overlap=self.settings.gossip_overlap,
-            consensus_distance=_rounded(strategy.consensus_distance if strategy is not None else None, 6),
+            consensus_distance=_rounded(self._consensus_distance, 6),
         )
 
     def status(self) -> dict[str, object]:

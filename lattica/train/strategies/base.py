@@ -45,6 +45,9 @@ class OuterStepReport:
     seconds: float
     skipped: bool = False
     detail: str = ""
+    # gossip averaging: this replica's distance to its group's mean outer weights, relative to
+    # their norm (``gossip.consensus_distance``); None where replicas agree or no partner answered
+    consensus_distance: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,11 +80,6 @@ class OuterStrategy(ABC):
     """True when every member of a completed sync holds bit-identical outer state (DiLoCo,
     Streaming DiLoCo, SPES); False where replicas differ by design (NoLoCo, eager DiLoCo).
     Only agreeing strategies let a late or new peer adopt the others' state by its hash."""
-
-    consensus_distance: float | None = None
-    """Where replicas differ (gossip averaging): this replica's last measured distance to its
-    group's mean outer weights, relative to their norm (``gossip.consensus_distance``); None
-    where replicas agree or before the first group exchange."""
 
     #: Set by strategies that must see the gradients of every inner step before the inner
     #: optimizer uses them (data-parallel baselines); the trainer then calls
@@ -244,8 +242,7 @@ class WrappedStrategy(OuterStrategy):
         super().__init__(inner.model, collective=inner.collective, groups=inner.groups)
         self.inner = inner
 
-    # the capabilities are the inner strategy's (DiLoCo's ``consensus_distance`` changes with
-    # every gossip round): read and written through
+    # the capabilities are the inner strategy's: read and written through
     @property
     def name(self) -> str:
         return self.inner.name
@@ -261,14 +258,6 @@ class WrappedStrategy(OuterStrategy):
     @replicas_agree.setter
     def replicas_agree(self, value: bool) -> None:
         self.inner.replicas_agree = value
-
-    @property
-    def consensus_distance(self) -> float | None:
-        return self.inner.consensus_distance
-
-    @consensus_distance.setter
-    def consensus_distance(self, value: float | None) -> None:
-        self.inner.consensus_distance = value
 
     @property
     def syncs_gradients(self) -> bool:

@@ -236,7 +236,6 @@ class DiLoCo(EveryHSteps, AccountedStrategy):
         self._step = 0  # inner step at which the last round ran
         # gossip averaging: replicas differ by design, and their spread is measured
         self.replicas_agree = self.config.averaging == "allreduce"
-        self.consensus_distance: float | None = None
         # overlapped gossip: where this inner phase started, and the exchange in flight
         self._start = clone_like(self._outer) if self.config.overlap else self._outer
         self._in_flight: _GossipFlight | None = None
@@ -384,10 +383,11 @@ class DiLoCo(EveryHSteps, AccountedStrategy):
         sent = flight.payload
         answered = [p for p in flight.partners if p not in flight.missing]
         accepted, answers = screen_answers(self.partner_screen, sent, answered, flight.answers, phi_and_delta)
+        spread = None
         if answers:
             contributions = [sent, *answers]
             mean_phi = group_mean([c[:n] for c in contributions])
-            self.consensus_distance = consensus_distance(sent[:n], mean_phi)
+            spread = consensus_distance(sent[:n], mean_phi)
             with torch.no_grad():
                 for outer, mean in zip(self._outer, mean_phi, strict=True):
                     outer.copy_(mean)
@@ -402,6 +402,7 @@ class DiLoCo(EveryHSteps, AccountedStrategy):
             bytes_sent=payload_bytes(sent, self.config.codec) * len(flight.partners),
             seconds=time.monotonic() - started,
             detail=left_out_detail(flight.missing, set(answered) - set(accepted)),
+            consensus_distance=spread,
         )
 
     def _apply(self, mean: Sequence[torch.Tensor]) -> None:

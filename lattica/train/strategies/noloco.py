@@ -175,8 +175,7 @@ class NoLoCo(EveryHSteps, AccountedStrategy):
         contributions = [self._phi + delta, *kept]
         mean_phi = group_mean([c[:n] for c in contributions])
         mean_delta = group_mean([c[n:] for c in contributions])
-        if kept:
-            self.consensus_distance = consensus_distance(self._phi, mean_phi)
+        spread = consensus_distance(self._phi, mean_phi) if kept else None
         noloco_outer_step(
             self._phi,
             self._velocity,
@@ -198,6 +197,7 @@ class NoLoCo(EveryHSteps, AccountedStrategy):
             seconds=time.monotonic() - started,
             skipped=not kept,
             detail=left_out_detail(missing, set(answered) - set(accepted)),
+            consensus_distance=spread,
         )
 
     def outer_state_dict(self) -> dict[str, Any]:

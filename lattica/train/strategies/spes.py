@@ -311,9 +311,10 @@ class SPES(AccountedStrategy):
         kept = [(p, a) for p, a in zip(answered, answers, strict=True) if p in verdict.accepted]
         answered, answers = [p for p, _ in kept], [a for _, a in kept]
         copies: dict[int, list[torch.Tensor]] = {}
+        spread = None
         if answers:
             mean = group_mean([dense, *[a[:n] for a in answers]])
-            self.consensus_distance = consensus_distance(dense, mean)
+            spread = consensus_distance(dense, mean)
             for partner, answer in zip(answered, answers, strict=True):
                 offset = n
                 for e in experts_of(self.owners, partner):
@@ -340,6 +341,7 @@ class SPES(AccountedStrategy):
             bytes_sent=sent,
             seconds=time.monotonic() - started,
             detail=left_out_detail(missing, [r.peer for r in verdict.rejected]),
+            consensus_distance=spread,
         )
 
     def _segments(self, payload: Sequence[torch.Tensor], dense: int, experts: Sequence[int]) -> Segments:
