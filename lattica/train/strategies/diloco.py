@@ -64,7 +64,6 @@ from lattica.train.engine.outer_placement import (
     host_clone,
     host_copies,
 )
-from lattica.train.engine.outer_placement import pseudo_gradient as placed_pseudo_gradient
 from lattica.train.strategies.accounting import AccountedStrategy, tensor_bytes
 from lattica.train.strategies.base import EveryHSteps, GroupProvider, OuterStepReport
 from lattica.train.strategies.gossip import (
@@ -76,6 +75,13 @@ from lattica.train.strategies.gossip import (
     phi_and_delta,
     realigned_round,
     screen_answers,
+)
+from lattica.train.strategies.outer_math import (
+    check_tensors,
+    eager_start,
+    nesterov_sgd,
+    outer_copy,
+    pseudo_gradient,
 )
 from lattica.train.strategies.traffic import allreduce_bytes, payload_bytes
 
@@ -126,72 +132,6 @@ class DiLoCoConfig:
         if self.max_attempts < 1:
             raise ValueError(f"DiLoCoConfig.max_attempts must be >= 1, got {self.max_attempts}")
         OuterPlacement(where=self.outer_state_device)  # validates it
-
-
-def pseudo_gradient(
-    outer: Sequence[torch.Tensor], inner: Sequence[torch.Tensor]
-) -> list[torch.Tensor]:
-    """Δ = φ − θ per tensor, in the dtype and on the device of the outer weights (θ streamed
-    to the host in chunks when φ is there and θ on CUDA: ``outer_placement``)."""
-    return placed_pseudo_gradient(outer, inner)
-
-
-def nesterov_outer_step(
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    buffers: list[torch.Tensor | None],
-    *,
-    lr: float,
-    momentum: float,
-) -> None:
-    """In place: b ← μ·b + Δ (b ← Δ on the first step); φ ← φ − η·(Δ + μ·b).
-
-    The same arithmetic, in the same order, as ``torch.optim.SGD(nesterov=True, dampening=0)``.
-    """
-    with torch.no_grad():
-        for i, (param, grad) in enumerate(zip(params, grads, strict=True)):
-            buf = buffers[i]
-            if buf is None:
-                buf = buffers[i] = grad.clone()
-            else:
-                buf.mul_(momentum).add_(grad)
-            param.add_(grad.add(buf, alpha=momentum), alpha=-lr)
-
-
-def eager_start(
-    outer: Sequence[torch.Tensor],
-    momentum: Sequence[torch.Tensor | None],
-    fresh_own: Sequence[torch.Tensor],
-    *,
-    lr: float,
-    momentum_factor: float,
-) -> list[torch.Tensor]:
-    """s = φ − η·(Δ + μ·b'), b' = μ·b + Δ (b' = Δ before the first step): the Nesterov step
-    ``torch.optim.SGD(nesterov=True)`` would take with gradient Δ, without changing φ or b."""
-    starts = []
-    for phi, buf, delta in zip(outer, momentum, fresh_own, strict=True):
-        ahead = delta.clone() if buf is None else buf.mul(momentum_factor).add_(delta)
-        starts.append(phi - lr * delta.add(ahead, alpha=momentum_factor))
-    return starts
-
-
-def outer_copy(
-    model: torch.nn.Module, placement: OuterPlacement | None = None,
-) -> tuple[list[str], list[torch.Tensor], list[torch.Tensor]]:
-    """Parameter names, the live (inner) parameters, and an fp32 copy where ``placement`` keeps
-    the outer state (default: the CPU): the outer weights φ."""
-    named = list(model.named_parameters())
-    inner: list[torch.Tensor] = [p for _, p in named]
-    return [n for n, _ in named], inner, (placement or OuterPlacement()).copy(inner)
-
-
-def nesterov_sgd(outer: list[torch.Tensor], lr: float, momentum: float) -> torch.optim.SGD:
-    """The DiLoCo outer optimizer: plain SGD with Nesterov momentum (plain SGD at momentum 0)."""
-    return torch.optim.SGD(
-        outer, lr=lr, momentum=momentum,
-        nesterov=momentum > 0,  # torch refuses Nesterov without momentum
-        foreach=False,
-    )
 
 
 @dataclass
@@ -437,8 +377,8 @@ class DiLoCo(EveryHSteps, AccountedStrategy):
 
     def load_outer_state_dict(self, state: dict[str, Any]) -> None:
         params, momentum = state["params"], state.get("momentum", {})
-        _check_tensors("params", params, self._names, self._outer, require_all=True)
-        _check_tensors("momentum", momentum, self._names, self._outer, require_all=False)
+        check_tensors("params", params, self._names, self._outer, require_all=True)
+        check_tensors("momentum", momentum, self._names, self._outer, require_all=False)
         with torch.no_grad():
             for name, outer in zip(self._names, self._outer, strict=True):
                 outer.copy_(params[name])
@@ -456,19 +396,3 @@ class DiLoCo(EveryHSteps, AccountedStrategy):
             self._begin_phase(self._outer)
         else:
             self._copy_outer_to_model()
-
-
-def _check_tensors(
-    what: str, given: Any, names: list[str], reference: list[torch.Tensor], *, require_all: bool
-) -> None:
-    if not isinstance(given, dict):
-        raise ValueError(f"outer state {what} must be a dict of tensors")  # noqa: TRY004 - callers report a ValueError as a checkpoint mismatch
-    known = dict(zip(names, reference, strict=True))
-    unknown = sorted(set(given) - set(known))
-    if unknown:
-        raise ValueError(f"outer state {what} has unknown tensors: {unknown[:5]}")
-    if require_all and set(given) != set(known):
-        raise ValueError(f"outer state {what} lacks tensors: {sorted(set(known) - set(given))[:5]}")
-    for name, tensor in given.items():
-        if not isinstance(tensor, torch.Tensor) or tensor.shape != known[name].shape:
-            raise ValueError(f"outer state {what}[{name!r}] has the wrong type or shape")

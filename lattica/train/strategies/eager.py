@@ -53,7 +53,7 @@ from lattica.train.engine.outer_placement import (
 )
 from lattica.train.strategies.accounting import AccountedStrategy, tensor_bytes
 from lattica.train.strategies.base import GroupProvider, OuterStepReport
-from lattica.train.strategies.diloco import eager_start, nesterov_sgd, outer_copy, pseudo_gradient
+from lattica.train.strategies.outer_math import eager_start, nesterov_sgd, outer_copy, pseudo_gradient
 from lattica.train.strategies.traffic import allreduce_bytes
 
 # η 0.5, not DiLoCo's 0.7: each worker starts its phase η(1+μ)·(Δ_m − Δ) away from the shared

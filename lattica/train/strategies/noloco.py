@@ -34,7 +34,7 @@ import torch
 
 from lattica.config import DEFAULT_INNER_STEPS
 from lattica.train.engine.collective import Collective
-from lattica.train.engine.outer_placement import OuterPlacement, copy_into, pseudo_gradient
+from lattica.train.engine.outer_placement import copy_into
 from lattica.train.strategies.accounting import AccountedStrategy, tensor_bytes
 from lattica.train.strategies.base import EveryHSteps, GroupProvider, OuterStepReport
 from lattica.train.strategies.gossip import (
@@ -46,6 +46,7 @@ from lattica.train.strategies.gossip import (
     realigned_round,
     screen_answers,
 )
+from lattica.train.strategies.outer_math import outer_copy, pseudo_gradient
 from lattica.train.strategies.traffic import payload_bytes
 
 
@@ -126,13 +127,9 @@ class NoLoCo(EveryHSteps, AccountedStrategy):
     ) -> None:
         super().__init__(model, collective=collective, groups=groups)
         self.config = config or NoLoCoConfig()
-        named = list(model.named_parameters())
-        self._names = [n for n, _ in named]
-        params = [p for _, p in named]
-        self._params = params
-        # on the host (pinned for a model on CUDA): what the exchanges send, and the outer math
-        self._phi = OuterPlacement().copy(params)
-        self._velocity = [torch.zeros(p.shape, dtype=torch.float32) for p in params]
+        # φ on the host (pinned for a model on CUDA): what the exchanges send, and the outer math
+        self._names, self._params, self._phi = outer_copy(model)
+        self._velocity = [torch.zeros(p.shape, dtype=torch.float32) for p in self._params]
         self._rounds = 0
         self._round_offset = 0  # round keys minus step // H, after jumps to the swarm's step
 

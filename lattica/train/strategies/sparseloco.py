@@ -54,13 +54,13 @@ from lattica.train.engine.collective import Collective
 from lattica.train.engine.outer_placement import copy_into
 from lattica.train.strategies.accounting import AccountedStrategy, tensor_bytes
 from lattica.train.strategies.base import EveryHSteps, GroupProvider, OuterStepReport
-from lattica.train.strategies.diloco import _check_tensors, outer_copy, pseudo_gradient
 from lattica.train.strategies.gossip import (
     check_averaging,
     exchange_with_partners,
     left_out_detail,
     realigned_round,
 )
+from lattica.train.strategies.outer_math import check_tensors, outer_copy, pseudo_gradient
 from lattica.train.strategies.sparse_gather import gather_with_retries, screen_gathered
 
 
@@ -291,7 +291,7 @@ class SparseLoCo(EveryHSteps, AccountedStrategy):
 
     def load_outer_state_dict(self, state: dict[str, Any]) -> None:
         params = state["params"]
-        _check_tensors("params", params, self._names, self._outer, require_all=True)
+        check_tensors("params", params, self._names, self._outer, require_all=True)
         with torch.no_grad():
             for name, outer in zip(self._names, self._outer, strict=True):
                 outer.copy_(params[name])

@@ -71,7 +71,7 @@ from lattica.train.engine.quantize import (
 )
 from lattica.train.strategies.accounting import AccountedStrategy, tensor_bytes
 from lattica.train.strategies.base import GroupProvider, OuterStepReport
-from lattica.train.strategies.diloco import eager_start, pseudo_gradient
+from lattica.train.strategies.outer_math import eager_start, nesterov_sgd, pseudo_gradient
 from lattica.train.strategies.traffic import allreduce_bytes, payload_bytes
 
 
@@ -180,12 +180,9 @@ class StreamingDiLoCo(AccountedStrategy):
         self._outer = [p.detach().to("cpu", torch.float32, copy=True) for p in self._inner]
         self.fragments = fragment_indices(model, self.config.fragments)
         self.outer_optimizers = [
-            torch.optim.SGD(
+            nesterov_sgd(
                 [self._outer[i] for i in indices] or [torch.zeros(0, requires_grad=True)],
-                lr=self.config.outer_lr,
-                momentum=self.config.outer_momentum,
-                nesterov=True,
-                foreach=False,
+                self.config.outer_lr, self.config.outer_momentum,
             )
             for indices in self.fragments
         ]
