@@ -50,7 +50,7 @@ class Node(Protocol):
 class OuterOptimizer:
     """A user's inner optimizer with an outer strategy around it."""
 
-    def __init__(self, inner: torch.optim.Optimizer, strategy: OuterStrategy) -> None:
+    def __init__(self, inner: torch.optim.Optimizer, strategy: OuterStrategy[object]) -> None:
         self.inner = inner
         self.strategy = strategy
         self.step_count = 0

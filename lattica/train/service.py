@@ -87,7 +87,7 @@ class TrainingService:
         self.summary: dict[str, object] | None = None
         self.error: str | None = None
         self.trainer: Trainer | None = None
-        self.strategy: OuterStrategy | None = None  # as the trainer sees it (wrapped)
+        self.strategy: OuterStrategy[object] | None = None  # as the trainer sees it (wrapped)
         self.groups: GroupProvider | None = None  # GossipGroups where the strategy averages in groups
         self._begin_groups: Callable[[], None] | None = None  # GossipGroups.begin
         self._gossips = _averages_in_groups(settings)
@@ -252,7 +252,7 @@ class TrainingService:
         if isinstance(self.groups, GossipGroups):
             self.groups.avoid(rejection.peer)
 
-    def _wrap(self, strategy: OuterStrategy) -> OuterStrategy:
+    def _wrap(self, strategy: OuterStrategy[object]) -> OuterStrategy[object]:
         """Outer-state sync around the strategy: catch-up and repair where replicas agree,
         keeping up with the newest replica where they average in groups."""
         if strategy.replicas_agree:

@@ -36,7 +36,7 @@ def _interface() -> set[str]:
 def test_the_wrapper_forwards_the_whole_interface() -> None:
     """A hook added to ``OuterStrategy`` must be forwarded too, or a wrapped strategy would
     silently fall back to the default (only class-level capabilities are read off the class)."""
-    class_level = {"averages_in_groups", "trains_experts", "config_class", "build"}
+    class_level = {"averages_in_groups", "trains_experts", "config_class", "build", "default_config"}
     missing = sorted(n for n in _interface() - class_level if n not in vars(WrappedStrategy))
     assert missing == []
 

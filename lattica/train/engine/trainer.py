@@ -161,7 +161,7 @@ class Trainer:
     def __init__(
         self,
         task: Task,
-        strategy: OuterStrategy,
+        strategy: OuterStrategy[object],
         config: TrainerConfig,
         *,
         device: DeviceInfo | None = None,

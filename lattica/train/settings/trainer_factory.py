@@ -75,7 +75,10 @@ def expert_count(settings: TrainSettings) -> int:
 
 
 def build_trainer(
-    settings: TrainSettings, parts: TrainerParts, *, wrap: Callable[[OuterStrategy], OuterStrategy] = lambda s: s,
+    settings: TrainSettings,
+    parts: TrainerParts,
+    *,
+    wrap: Callable[[OuterStrategy[object]], OuterStrategy[object]] = lambda s: s,
 ) -> Trainer:
     """The trainer of ``settings``; ``wrap`` may put the strategy inside another one that
     implements the same interface (the daemon's outer-state sync). Blocking: model building

@@ -23,7 +23,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar, Generic, Self, TypeVar, cast
 
 import torch
 import trio
@@ -32,6 +32,8 @@ from lattica.coordination.provider import GroupProvider as GroupProvider
 from lattica.numerics.partner_screen import PartnerScreen
 from lattica.train.engine.collective import Collective
 from lattica.train.strategies.experts import ExpertOwnership
+
+ConfigT = TypeVar("ConfigT", covariant=True)  # a strategy's frozen config dataclass (None: it has none)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,8 +63,8 @@ class StrategyHandles:
     partner_screen: PartnerScreen | None = None
 
 
-class OuterStrategy(ABC):
-    """Base of DiLoCo, eager/streaming DiLoCo, NoLoCo and SPES.
+class OuterStrategy(ABC, Generic[ConfigT]):
+    """Base of DiLoCo, eager/streaming DiLoCo, NoLoCo and SPES, generic over its config.
 
     Everything the trainer and the training service call is declared here, with a default where
     a strategy may leave it out: hooks (``before_optimizer_step``, ``next_sync_step``,
@@ -74,7 +76,8 @@ class OuterStrategy(ABC):
 
     name: str = "base"
     config_class: ClassVar[type | None] = None
-    """The frozen config dataclass the constructor's ``config`` takes (None: no config)."""
+    """The frozen config dataclass the constructor's ``config`` takes (None: no config); its
+    defaults are the strategy's when no config is given."""
 
     replicas_agree: bool = False
     """True when every member of a completed sync holds bit-identical outer state (DiLoCo,
@@ -107,11 +110,13 @@ class OuterStrategy(ABC):
         groups: GroupProvider,
         config: object | None,
         handles: StrategyHandles,
-    ) -> OuterStrategy:
+    ) -> OuterStrategy[object]:
         """The strategy with ``config`` (an instance of ``config_class``, None: its default),
         given the node's ``handles``. Default: the constructor, which needs none of them; a
         strategy that needs one overrides this and takes it from ``handles``."""
-        return cls(model, collective=collective, groups=groups, config=config).take_handles(handles)
+        # the constructor refuses a config that is not a ``config_class``
+        typed = cast("ConfigT | None", config)
+        return cls(model, collective=collective, groups=groups, config=typed).take_handles(handles)
 
     def __init__(
         self,
@@ -119,15 +124,24 @@ class OuterStrategy(ABC):
         *,
         collective: Collective,
         groups: GroupProvider,
-        config: object | None = None,
+        config: ConfigT | None = None,
     ) -> None:
-        """``config``: each strategy takes its own ``config_class`` and keeps it typed."""
+        """``config``: an instance of ``config_class`` (None: its defaults), kept as ``self.config``."""
+        if config is not None and (self.config_class is None or not isinstance(config, self.config_class)):
+            expected = self.config_class.__name__ if self.config_class is not None else "no config"
+            raise TypeError(f"strategy {self.name!r} takes {expected}, got {type(config).__name__}")
+        self.config: ConfigT = config if config is not None else self.default_config()
         self.model = model
         self.collective = collective
         self.groups = groups
         self.nursery: trio.Nursery | None = None
         # judges what partners send before it is averaged (``numerics.partner_screen``)
         self.partner_screen = PartnerScreen()
+
+    @classmethod
+    def default_config(cls) -> ConfigT:
+        """``config_class`` with its defaults (None for a strategy without a config)."""
+        return cast(ConfigT, cls.config_class() if cls.config_class is not None else None)
 
     def take_handles(self, handles: StrategyHandles) -> Self:
         """Use the node's partner screen when it gives one (``build`` calls this)."""
@@ -207,7 +221,7 @@ def next_multiple(step: int, every: int) -> int:
     return (step // every + 1) * every
 
 
-class EveryHSteps(OuterStrategy):
+class EveryHSteps(OuterStrategy[ConfigT]):
     """The blocking every-H schedule: one sync after inner steps H, 2H, 3H, … and nothing at
     the steps between (``next_sync_step`` lets the trainer run those in one go).
 
@@ -233,12 +247,12 @@ class EveryHSteps(OuterStrategy):
         return [await self.sync_at(step)]
 
 
-class WrappedStrategy(OuterStrategy):
+class WrappedStrategy(OuterStrategy[None]):
     """A strategy around another one: forwards every call and capability to ``inner``; a
     subclass overrides only the hooks whose behaviour it adds to (the daemon's outer-state sync
     in ``train/swarm/outer_sync.py``), so the inner strategy is never patched."""
 
-    def __init__(self, inner: OuterStrategy) -> None:
+    def __init__(self, inner: OuterStrategy[object]) -> None:
         super().__init__(inner.model, collective=inner.collective, groups=inner.groups)
         self.inner = inner
 

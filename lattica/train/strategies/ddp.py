@@ -28,7 +28,7 @@ class DDPConfig:
     reduce_on_device: bool = False  # hand the collective the gradients where they are
 
 
-class DDP(AccountedStrategy):
+class DDP(AccountedStrategy[DDPConfig]):
     name = "ddp"
     config_class = DDPConfig
     syncs_gradients = True
@@ -41,8 +41,7 @@ class DDP(AccountedStrategy):
         groups: GroupProvider,
         config: DDPConfig | None = None,
     ) -> None:
-        super().__init__(model, collective=collective, groups=groups)
-        self.config = config or DDPConfig()
+        super().__init__(model, collective=collective, groups=groups, config=config)
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._synced = 0
 

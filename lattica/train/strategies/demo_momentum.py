@@ -226,7 +226,7 @@ def _values(contribution: dict[int, sparse.SparseChunks]) -> torch.Tensor:
     return torch.cat([c.values.reshape(-1) for _, c in sorted(contribution.items())])
 
 
-class DeMo(AccountedStrategy):
+class DeMo(AccountedStrategy[DeMoConfig]):
     """Every step: exchange the fast DCT components of the momentum, step by the sign of their mean."""
 
     replicas_agree = True
@@ -242,8 +242,7 @@ class DeMo(AccountedStrategy):
         groups: GroupProvider,
         config: DeMoConfig | None = None,
     ) -> None:
-        super().__init__(model, collective=collective, groups=groups)
-        self.config = config or DeMoConfig()
+        super().__init__(model, collective=collective, groups=groups, config=config)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]

@@ -147,7 +147,7 @@ class _GossipFlight:
     missing: set[str] = field(default_factory=set)
 
 
-class DiLoCo(EveryHSteps, AccountedStrategy):
+class DiLoCo(EveryHSteps[DiLoCoConfig], AccountedStrategy[DiLoCoConfig]):
     """Blocking DiLoCo: one all-reduce of the pseudo-gradient every ``inner_steps`` steps."""
 
     replicas_agree = True
@@ -166,8 +166,7 @@ class DiLoCo(EveryHSteps, AccountedStrategy):
         groups: GroupProvider,
         config: DiLoCoConfig | None = None,
     ) -> None:
-        super().__init__(model, collective=collective, groups=groups)
-        self.config = config or DiLoCoConfig()
+        super().__init__(model, collective=collective, groups=groups, config=config)
         placement = OuterPlacement(where=self.config.outer_state_device)
         self._names, self._inner, self._outer = outer_copy(model, placement)
         self.outer_optimizer = nesterov_sgd(self._outer, self.config.outer_lr, self.config.momentum)

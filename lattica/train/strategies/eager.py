@@ -95,7 +95,7 @@ class _InFlight:
     error: str = ""
 
 
-class EagerDiLoCo(AccountedStrategy):
+class EagerDiLoCo(AccountedStrategy[EagerDiLoCoConfig]):
     name = "eager"
     config_class = EagerDiLoCoConfig
 
@@ -107,8 +107,7 @@ class EagerDiLoCo(AccountedStrategy):
         groups: GroupProvider,
         config: EagerDiLoCoConfig | None = None,
     ) -> None:
-        super().__init__(model, collective=collective, groups=groups)
-        self.config = config or EagerDiLoCoConfig()
+        super().__init__(model, collective=collective, groups=groups, config=config)
         placement = OuterPlacement(where=self.config.outer_state_device)
         self._names, self._inner, self._outer = outer_copy(model, placement)
         self._start = clone_like(self._outer)  # s: where this inner phase started

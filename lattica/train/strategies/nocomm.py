@@ -11,7 +11,7 @@ from lattica.train.strategies.accounting import AccountedStrategy
 from lattica.train.strategies.base import GroupProvider, OuterStepReport
 
 
-class NoComm(AccountedStrategy):
+class NoComm(AccountedStrategy[None]):
     name = "nocomm"
     config_class = None
 

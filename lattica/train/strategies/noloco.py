@@ -109,7 +109,7 @@ def noloco_outer_step(
         p.add_(v)
 
 
-class NoLoCo(EveryHSteps, AccountedStrategy):
+class NoLoCo(EveryHSteps[NoLoCoConfig], AccountedStrategy[NoLoCoConfig]):
     name = "noloco"
     config_class = NoLoCoConfig
 
@@ -125,8 +125,7 @@ class NoLoCo(EveryHSteps, AccountedStrategy):
         groups: GroupProvider,
         config: NoLoCoConfig | None = None,
     ) -> None:
-        super().__init__(model, collective=collective, groups=groups)
-        self.config = config or NoLoCoConfig()
+        super().__init__(model, collective=collective, groups=groups, config=config)
         # φ on the host (pinned for a model on CUDA): what the exchanges send, and the outer math
         self._names, self._params, self._phi = outer_copy(model)
         self._velocity = [torch.zeros(p.shape, dtype=torch.float32) for p in self._params]

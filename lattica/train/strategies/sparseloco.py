@@ -134,7 +134,7 @@ def _values(contribution: sparse.SparseChunks) -> torch.Tensor:
     return contribution.values.reshape(-1)
 
 
-class SparseLoCo(EveryHSteps, AccountedStrategy):
+class SparseLoCo(EveryHSteps[SparseLoCoConfig], AccountedStrategy[SparseLoCoConfig]):
     """Every H steps: gather every member's sparse 2-bit ŝ, θ ← θ − α·mean; no outer momentum."""
 
     replicas_agree = True
@@ -153,8 +153,7 @@ class SparseLoCo(EveryHSteps, AccountedStrategy):
         groups: GroupProvider,
         config: SparseLoCoConfig | None = None,
     ) -> None:
-        super().__init__(model, collective=collective, groups=groups)
-        self.config = config or SparseLoCoConfig()
+        super().__init__(model, collective=collective, groups=groups, config=config)
         self._names, self._inner, self._outer = outer_copy(model)
         self._numel = sum(p.numel() for p in self._outer)
         self.error = torch.zeros(self._numel, dtype=torch.float32)

@@ -54,7 +54,7 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import trio
@@ -143,7 +143,7 @@ def merge_similar_experts(
             t.add_(pull.mean(dim=0), alpha=alpha)
 
 
-class SPES(AccountedStrategy):
+class SPES(AccountedStrategy[SPESConfig]):
     replicas_agree = True
     trains_experts = True
 
@@ -159,8 +159,7 @@ class SPES(AccountedStrategy):
         config: SPESConfig | None = None,
         ownership: ExpertOwnership | None = None,
     ) -> None:
-        super().__init__(model, collective=collective, groups=groups)
-        self.config = config or SPESConfig()
+        super().__init__(model, collective=collective, groups=groups, config=config)
         self.num_experts = model.moe_config.num_experts
         if ownership is None:
             if not self.config.members:
@@ -195,10 +194,9 @@ class SPES(AccountedStrategy):
         """With the node's expert ownership (``handles.ownership``) when it keeps one."""
         if not isinstance(model, MoEGPT):
             raise TypeError(f"SPES trains a mixture-of-experts model (MoEGPT), got {type(model).__name__}")
-        if config is not None and not isinstance(config, SPESConfig):
-            raise TypeError(f"SPES takes an SPESConfig, got {type(config).__name__}")
+        typed = cast("SPESConfig | None", config)  # the constructor refuses another kind
         return cls(
-            model, collective=collective, groups=groups, config=config, ownership=handles.ownership,
+            model, collective=collective, groups=groups, config=typed, ownership=handles.ownership,
         ).take_handles(handles)
 
     @property

@@ -158,7 +158,7 @@ class _FragmentSync:
     own: list[torch.Tensor] = field(default_factory=list)  # eager: this worker's Δ_p
 
 
-class StreamingDiLoCo(AccountedStrategy):
+class StreamingDiLoCo(AccountedStrategy[StreamingDiLoCoConfig]):
     replicas_agree = True
 
     name = "streaming"
@@ -172,8 +172,7 @@ class StreamingDiLoCo(AccountedStrategy):
         groups: GroupProvider,
         config: StreamingDiLoCoConfig | None = None,
     ) -> None:
-        super().__init__(model, collective=collective, groups=groups)
-        self.config = config or StreamingDiLoCoConfig()
+        super().__init__(model, collective=collective, groups=groups, config=config)
         named = list(model.named_parameters())
         self._names = [n for n, _ in named]
         self._inner = [p for _, p in named]

@@ -395,7 +395,7 @@ class CatchingUpStrategy(WrappedStrategy):
     skipped — and then stop the inner loop at the next step (the trainer runs the steps up to
     the next sync in one go)."""
 
-    def __init__(self, inner: OuterStrategy, sync: OuterStateSync) -> None:
+    def __init__(self, inner: OuterStrategy[object], sync: OuterStateSync) -> None:
         super().__init__(inner)
         self.sync = sync
 
@@ -417,7 +417,7 @@ class KeepingUpStrategy(WrappedStrategy):
     """Replicas differ (group averaging): adopt the newest published state when two or more
     rounds behind it, before a sync."""
 
-    def __init__(self, inner: OuterStrategy, sync: OuterStateSync) -> None:
+    def __init__(self, inner: OuterStrategy[object], sync: OuterStateSync) -> None:
         super().__init__(inner)
         self.sync = sync
 
