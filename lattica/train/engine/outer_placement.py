@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lattica.config import OUTER_STATE_DEVICES
+from lattica.config import OUTER_STATE_DEVICES, OuterStateDevice
 
 STAGING_CHUNK_BYTES = 16 << 20  # one half of the pinned staging buffer for θ on its way to the host
 
@@ -41,7 +41,7 @@ STAGING_CHUNK_BYTES = 16 << 20  # one half of the pinned staging buffer for θ o
 class OuterPlacement:
     """``where``: ``"cpu"`` or ``"same"`` (module docstring)."""
 
-    where: str = "cpu"
+    where: OuterStateDevice = "cpu"
 
     def __post_init__(self) -> None:
         if self.where not in OUTER_STATE_DEVICES:

@@ -53,7 +53,7 @@ from typing import Any
 import torch
 import trio
 
-from lattica.config import DEFAULT_INNER_STEPS
+from lattica.config import DEFAULT_INNER_STEPS, Averaging, OuterStateDevice, check_averaging
 from lattica.coordination.groups import proposed_group
 from lattica.errors import BrokenError, LocalProtocolError, PeerUnavailableError
 from lattica.train.engine.collective import Collective
@@ -67,7 +67,6 @@ from lattica.train.engine.outer_placement import (
 from lattica.train.strategies.accounting import AccountedStrategy, tensor_bytes
 from lattica.train.strategies.base import EveryHSteps, GroupProvider, OuterStepReport
 from lattica.train.strategies.gossip import (
-    check_averaging,
     consensus_distance,
     exchange_with_partners,
     group_mean,
@@ -100,11 +99,11 @@ class DiLoCoConfig:
     outer_momentum: float | None = None
     codec: str = "fp32"
     max_attempts: int = 3
-    averaging: str = "allreduce"  # or "gossip": average inside small groups redrawn every round
+    averaging: Averaging = "allreduce"  # or "gossip": average inside small groups redrawn every round
     group_size: int = 2  # gossip: members per group
     exchange_timeout_s: float = 5.0  # gossip: the grace a partner has (the run setting group_grace_s)
     overlap: bool = False  # gossip: round t's exchange runs during round t+1's inner phase
-    outer_state_device: str = "cpu"  # or "same": the training device (outer_placement.py)
+    outer_state_device: OuterStateDevice = "cpu"  # or "same": the training device (outer_placement.py)
 
     @property
     def momentum(self) -> float:
@@ -113,12 +112,9 @@ class DiLoCoConfig:
         return self.outer_momentum
 
     def __post_init__(self) -> None:
-        check_averaging(self.averaging, self.group_size)
+        check_averaging(self.averaging, self.group_size, self.overlap, where="DiLoCoConfig.")
         if self.outer_momentum is None:
             object.__setattr__(self, "outer_momentum", 0.5 if self.averaging == "gossip" else 0.9)
-        if self.overlap and self.averaging != "gossip":
-            raise ValueError("DiLoCoConfig.overlap needs averaging = 'gossip' (the overlapped all-reduce is "
-                             "strategy 'eager')")
         if not self.exchange_timeout_s > 0:
             raise ValueError(f"DiLoCoConfig.exchange_timeout_s must be > 0, got {self.exchange_timeout_s}")
         if self.inner_steps < 1:

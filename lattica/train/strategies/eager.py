@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import trio
 
-from lattica.config import DEFAULT_INNER_STEPS
+from lattica.config import DEFAULT_INNER_STEPS, OuterStateDevice
 from lattica.errors import BrokenError, LocalProtocolError, PeerUnavailableError
 from lattica.train.engine.collective import Collective
 from lattica.train.engine.outer_placement import (
@@ -69,7 +69,7 @@ class EagerDiLoCoConfig:
     outer_lr: float = DEFAULT_EAGER_OUTER_LR
     outer_momentum: float = 0.9
     codec: str = "fp32"
-    outer_state_device: str = "cpu"  # or "same": the training device (outer_placement.py)
+    outer_state_device: OuterStateDevice = "cpu"  # or "same": the training device (outer_placement.py)
 
     def __post_init__(self) -> None:
         OuterPlacement(where=self.outer_state_device)  # validates it

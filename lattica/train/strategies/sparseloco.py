@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from lattica.config import DEFAULT_INNER_STEPS
+from lattica.config import DEFAULT_INNER_STEPS, Averaging, check_averaging
 from lattica.coordination.groups import proposed_group
 from lattica.errors import RemoteProtocolError
 from lattica.numerics import sparse
@@ -55,7 +55,6 @@ from lattica.train.engine.outer_placement import copy_into
 from lattica.train.strategies.accounting import AccountedStrategy, tensor_bytes
 from lattica.train.strategies.base import EveryHSteps, GroupProvider, OuterStepReport
 from lattica.train.strategies.gossip import (
-    check_averaging,
     exchange_with_partners,
     left_out_detail,
     realigned_round,
@@ -73,7 +72,7 @@ class SparseLoCoConfig:
     density: float = 0.0159  # k = 65 of every 4096
     value_codec: str = "2bit"
     max_attempts: int = 3
-    averaging: str = "allreduce"  # or "gossip": average the sparse ŝ inside small groups
+    averaging: Averaging = "allreduce"  # or "gossip": average the sparse ŝ inside small groups
     group_size: int = 2  # gossip: members per group
     exchange_timeout_s: float = 5.0  # gossip: the grace a partner has (the run setting group_grace_s)
 
@@ -92,7 +91,7 @@ class SparseLoCoConfig:
             raise ValueError(f"SparseLoCoConfig.value_codec must be one of {sparse.VALUE_CODECS}")
         if self.max_attempts < 1:
             raise ValueError(f"SparseLoCoConfig.max_attempts must be >= 1, got {self.max_attempts}")
-        check_averaging(self.averaging, self.group_size)
+        check_averaging(self.averaging, self.group_size, where="SparseLoCoConfig.")
         if not self.exchange_timeout_s > 0:
             raise ValueError(f"SparseLoCoConfig.exchange_timeout_s must be > 0, got {self.exchange_timeout_s}")
 

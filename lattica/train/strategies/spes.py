@@ -59,7 +59,7 @@ from typing import Any, cast
 import torch
 import trio
 
-from lattica.config import DEFAULT_INNER_STEPS
+from lattica.config import DEFAULT_INNER_STEPS, Averaging, check_averaging
 from lattica.coordination.groups import proposed_group
 from lattica.errors import BrokenError, PeerUnavailableError, RemoteProtocolError
 from lattica.numerics.partner_screen import Segments, refusal, segment_norm
@@ -75,7 +75,6 @@ from lattica.train.strategies.experts import (
     experts_of,
 )
 from lattica.train.strategies.gossip import (
-    check_averaging,
     consensus_distance,
     exchange_with_partners,
     group_mean,
@@ -101,12 +100,12 @@ class SPESConfig:
     codec: str = "fp32"
     members: tuple[str, ...] = field(default=())
     max_attempts: int = 2  # a failed sync is retried once with the group agreed for the retry
-    averaging: str = "allreduce"  # or "gossip": dense mean and owners' experts inside small groups
+    averaging: Averaging = "allreduce"  # or "gossip": dense mean and owners' experts inside small groups
     group_size: int = 2  # gossip: members per group
     exchange_timeout_s: float = 5.0  # gossip: the grace a partner has (the run setting group_grace_s)
 
     def __post_init__(self) -> None:
-        check_averaging(self.averaging, self.group_size)
+        check_averaging(self.averaging, self.group_size, where="SPESConfig.")
         if not self.exchange_timeout_s > 0:
             raise ValueError(f"exchange_timeout_s must be positive, got {self.exchange_timeout_s!r}")
         if self.max_attempts < 1:
