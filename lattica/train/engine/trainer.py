@@ -64,7 +64,7 @@ from trio_typing import TaskStatus
 from lattica.errors import ConfigError
 from lattica.train.engine.activation_checkpoint import checkpoint_layers
 from lattica.train.engine.batch_prefetch import BatchesEnded, BatchPrefetcher
-from lattica.train.engine.checkpoint import CheckpointStore, weights_hash
+from lattica.train.engine.checkpoint import CheckpointStore, StateDict, weights_hash
 from lattica.train.engine.checkpoint_writer import CheckpointWriter
 from lattica.train.engine.compiled_model import ForwardModule, compile_enabled
 from lattica.train.engine.device import DeviceInfo, autocast, select_device
@@ -128,7 +128,7 @@ class RoundCompleted:
 
     step: int
     report: OuterStepReport
-    outer_state: dict[str, Any] | None = field(default=None, repr=False)  # None when skipped
+    outer_state: StateDict | None = field(default=None, repr=False)  # None when skipped
 
     @cached_property
     def weights_hash(self) -> str | None:
@@ -476,9 +476,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ state
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         """Everything a restarted peer needs to resume: weights, optimizers, step, sampler."""
-        state: dict[str, Any] = {
+        state: StateDict = {
             "step": self.step,
             "tokens": self.tokens,
             "model": self.model.state_dict(),
@@ -490,7 +490,7 @@ class Trainer:
             state["sampler"] = self._batches.resume_state
         return state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: StateDict) -> None:
         try:
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
@@ -518,7 +518,7 @@ class Trainer:
         return True
 
     def adopt_outer_state(
-        self, outer: dict[str, Any], *, step: int | None = None, check: Callable[[], None] = lambda: None,
+        self, outer: StateDict, *, step: int | None = None, check: Callable[[], None] = lambda: None,
     ) -> None:
         """Join a running swarm: take the fetched outer state and continue from its step.
 
@@ -541,7 +541,7 @@ class Trainer:
         # validation, or ``revalidate`` once the run has ended, measures these)
         self.last_val_loss = None
 
-    def _put_back(self, outer: dict[str, Any], weights: dict[str, torch.Tensor], step: int) -> None:
+    def _put_back(self, outer: StateDict, weights: dict[str, torch.Tensor], step: int) -> None:
         self.strategy.load_outer_state_dict(outer)
         self.model.load_state_dict(weights)
         self.step = step

@@ -23,13 +23,14 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Generic, Self, TypeVar, cast
+from typing import ClassVar, Generic, Self, TypeVar, cast
 
 import torch
 import trio
 
 from lattica.coordination.provider import GroupProvider as GroupProvider
 from lattica.numerics.partner_screen import PartnerScreen
+from lattica.train.engine.checkpoint import StateDict
 from lattica.train.engine.collective import Collective
 from lattica.train.strategies.experts import ExpertOwnership
 
@@ -199,11 +200,11 @@ class OuterStrategy(ABC, Generic[ConfigT]):
         """Number of outer rounds fully applied on this node."""
 
     @abstractmethod
-    def outer_state_dict(self) -> dict[str, Any]:
+    def outer_state_dict(self) -> StateDict:
         """Outer weights and outer optimizer state, for checkpoints and joiners."""
 
     @abstractmethod
-    def load_outer_state_dict(self, state: dict[str, Any]) -> None:
+    def load_outer_state_dict(self, state: StateDict) -> None:
         """Restore what ``outer_state_dict`` returned (a joiner or a restarted peer)."""
 
     def evaluation_parameters(self) -> Sequence[torch.Tensor] | None:
@@ -311,10 +312,10 @@ class WrappedStrategy(OuterStrategy[None]):
     def completed_rounds(self) -> int:
         return self.inner.completed_rounds
 
-    def outer_state_dict(self) -> dict[str, Any]:
+    def outer_state_dict(self) -> StateDict:
         return self.inner.outer_state_dict()
 
-    def load_outer_state_dict(self, state: dict[str, Any]) -> None:
+    def load_outer_state_dict(self, state: StateDict) -> None:
         self.inner.load_outer_state_dict(state)
 
     def evaluation_parameters(self) -> Sequence[torch.Tensor] | None:

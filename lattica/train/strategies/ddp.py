@@ -12,10 +12,10 @@ convergence harness's in-memory one does on CUDA) they stay on the device.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
+from lattica.train.engine.checkpoint import StateDict
 from lattica.train.engine.collective import Collective
 from lattica.train.strategies.accounting import AccountedStrategy
 from lattica.train.strategies.base import GroupProvider, OuterStepReport
@@ -66,8 +66,8 @@ class DDP(AccountedStrategy[DDPConfig]):
     async def after_inner_step(self, step: int) -> list[OuterStepReport]:
         return []
 
-    def outer_state_dict(self) -> dict[str, Any]:
+    def outer_state_dict(self) -> StateDict:
         return {"round": self._synced}
 
-    def load_outer_state_dict(self, state: dict[str, Any]) -> None:
+    def load_outer_state_dict(self, state: StateDict) -> None:
         self._synced = int(state.get("round", 0))

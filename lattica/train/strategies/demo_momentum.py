@@ -50,13 +50,13 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
-from typing import Any
 
 import torch
 
 from lattica.config import DEFAULT_INNER_STEPS
 from lattica.errors import LocalProtocolError, RemoteProtocolError
 from lattica.numerics import demo_codec, sparse
+from lattica.train.engine.checkpoint import StateDict
 from lattica.train.engine.collective import Collective
 from lattica.train.strategies.accounting import AccountedStrategy, tensor_bytes
 from lattica.train.strategies.base import GroupProvider, OuterStepReport
@@ -364,7 +364,7 @@ class DeMo(AccountedStrategy[DeMoConfig]):
         self._round_bytes, self._round_skips, self._round_started = 0, 0, time.monotonic()
         return [report]
 
-    def outer_state_dict(self) -> dict[str, Any]:
+    def outer_state_dict(self) -> StateDict:
         """The shared state: the parameters (momenta are local, see the module doc)."""
         return {
             "round": self._rounds,
@@ -376,7 +376,7 @@ class DeMo(AccountedStrategy[DeMoConfig]):
             },
         }
 
-    def load_outer_state_dict(self, state: dict[str, Any]) -> None:
+    def load_outer_state_dict(self, state: StateDict) -> None:
         params = state.get("params", {})
         if not isinstance(params, dict) or set(params) != set(self._names):
             raise ValueError("DeMo outer state must hold every trainable parameter")
@@ -389,5 +389,5 @@ class DeMo(AccountedStrategy[DeMoConfig]):
         for m in self.momenta:
             m.zero_()
         self._window, self._window_group = -1, ()  # the next step agrees on a group afresh
-        self._rounds = int(state.get("completed_rounds", state.get("round", 0)))
+        self._rounds = int(state["completed_rounds"] if "completed_rounds" in state else state.get("round", 0))
         self._step = int(state.get("step", self._rounds * self.config.inner_steps))

@@ -48,7 +48,6 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import trio
@@ -56,6 +55,7 @@ import trio
 from lattica.config import DEFAULT_INNER_STEPS, Averaging, OuterStateDevice, check_averaging
 from lattica.coordination.groups import proposed_group
 from lattica.errors import BrokenError, LocalProtocolError, PeerUnavailableError
+from lattica.train.engine.checkpoint import StateDict
 from lattica.train.engine.collective import Collective
 from lattica.train.engine.outer_placement import (
     OuterPlacement,
@@ -356,7 +356,7 @@ class DiLoCo(EveryHSteps[DiLoCoConfig], AccountedStrategy[DiLoCoConfig]):
         copy_into(self._start, start)
         copy_into(self._inner, self._start)
 
-    def outer_state_dict(self) -> dict[str, Any]:
+    def outer_state_dict(self) -> StateDict:
         momentum = {}
         for name, param in zip(self._names, self._outer, strict=True):
             buf = self.outer_optimizer.state.get(param, {}).get("momentum_buffer")
@@ -370,7 +370,7 @@ class DiLoCo(EveryHSteps[DiLoCoConfig], AccountedStrategy[DiLoCoConfig]):
             "momentum": momentum,
         }
 
-    def load_outer_state_dict(self, state: dict[str, Any]) -> None:
+    def load_outer_state_dict(self, state: StateDict) -> None:
         params, momentum = state["params"], state.get("momentum", {})
         check_tensors("params", params, self._names, self._outer, require_all=True)
         check_tensors("momentum", momentum, self._names, self._outer, require_all=False)

@@ -36,13 +36,13 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import trio
 
 from lattica.config import DEFAULT_INNER_STEPS, OuterStateDevice
 from lattica.errors import BrokenError, LocalProtocolError, PeerUnavailableError
+from lattica.train.engine.checkpoint import StateDict
 from lattica.train.engine.collective import Collective
 from lattica.train.engine.outer_placement import (
     OuterPlacement,
@@ -204,7 +204,7 @@ class EagerDiLoCo(AccountedStrategy[EagerDiLoCoConfig]):
     def _momentum(self) -> list[torch.Tensor | None]:
         return [self.outer_optimizer.state.get(p, {}).get("momentum_buffer") for p in self._outer]
 
-    def outer_state_dict(self) -> dict[str, Any]:
+    def outer_state_dict(self) -> StateDict:
         momentum = {
             n: host_clone(buf)
             for n, buf in zip(self._names, self._momentum(), strict=True)
@@ -216,7 +216,7 @@ class EagerDiLoCo(AccountedStrategy[EagerDiLoCoConfig]):
             "completed_rounds": self._completed,
         }
 
-    def load_outer_state_dict(self, state: dict[str, Any]) -> None:
+    def load_outer_state_dict(self, state: StateDict) -> None:
         with torch.no_grad():
             for name, outer in zip(self._names, self._outer, strict=True):
                 outer.copy_(state["params"][name])

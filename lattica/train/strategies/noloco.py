@@ -28,11 +28,11 @@ import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from lattica.config import DEFAULT_INNER_STEPS
+from lattica.train.engine.checkpoint import StateDict
 from lattica.train.engine.collective import Collective
 from lattica.train.engine.outer_placement import copy_into
 from lattica.train.strategies.accounting import AccountedStrategy, tensor_bytes
@@ -196,7 +196,7 @@ class NoLoCo(EveryHSteps[NoLoCoConfig], AccountedStrategy[NoLoCoConfig]):
             consensus_distance=spread,
         )
 
-    def outer_state_dict(self) -> dict[str, Any]:
+    def outer_state_dict(self) -> StateDict:
         return {
             "params": {n: t.clone() for n, t in zip(self._names, self._phi, strict=True)},
             "velocity": {n: t.clone() for n, t in zip(self._names, self._velocity, strict=True)},
@@ -204,7 +204,7 @@ class NoLoCo(EveryHSteps[NoLoCoConfig], AccountedStrategy[NoLoCoConfig]):
             "round_offset": self._round_offset,
         }
 
-    def load_outer_state_dict(self, state: dict[str, Any]) -> None:
+    def load_outer_state_dict(self, state: StateDict) -> None:
         with torch.no_grad():
             for name, phi, velocity in zip(self._names, self._phi, self._velocity, strict=True):
                 phi.copy_(state["params"][name])

@@ -41,7 +41,6 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -50,6 +49,7 @@ from lattica.coordination.groups import proposed_group
 from lattica.errors import RemoteProtocolError
 from lattica.numerics import sparse
 from lattica.numerics.screen import Rejection
+from lattica.train.engine.checkpoint import StateDict
 from lattica.train.engine.collective import Collective
 from lattica.train.engine.outer_placement import copy_into
 from lattica.train.strategies.accounting import AccountedStrategy, tensor_bytes
@@ -278,7 +278,7 @@ class SparseLoCo(EveryHSteps[SparseLoCoConfig], AccountedStrategy[SparseLoCoConf
     def _copy_outer_to_model(self) -> None:
         copy_into(self._inner, self._outer)
 
-    def outer_state_dict(self) -> dict[str, Any]:
+    def outer_state_dict(self) -> StateDict:
         """The shared state only: θ and the round counters (e is private, see the module doc)."""
         return {
             "round": self._round,
@@ -287,7 +287,7 @@ class SparseLoCo(EveryHSteps[SparseLoCoConfig], AccountedStrategy[SparseLoCoConf
             "params": {n: p.clone() for n, p in zip(self._names, self._outer, strict=True)},
         }
 
-    def load_outer_state_dict(self, state: dict[str, Any]) -> None:
+    def load_outer_state_dict(self, state: StateDict) -> None:
         params = state["params"]
         check_tensors("params", params, self._names, self._outer, require_all=True)
         with torch.no_grad():

@@ -54,7 +54,7 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import cast
 
 import torch
 import trio
@@ -64,6 +64,7 @@ from lattica.coordination.groups import proposed_group
 from lattica.errors import BrokenError, PeerUnavailableError, RemoteProtocolError
 from lattica.numerics.partner_screen import Segments, refusal, segment_norm
 from lattica.numerics.screen import Rejection
+from lattica.train.engine.checkpoint import StateDict
 from lattica.train.engine.collective import Collective
 from lattica.train.engine.moe import MoEGPT, dense_parameters, expert_parameters
 from lattica.train.strategies.accounting import AccountedStrategy
@@ -433,14 +434,14 @@ class SPES(AccountedStrategy[SPESConfig]):
                     if optimizer is not None:
                         optimizer.state.pop(p, None)
 
-    def outer_state_dict(self) -> dict[str, Any]:
+    def outer_state_dict(self) -> StateDict:
         return {
             "params": {n: p.detach().clone() for n, p in self.model.named_parameters()},
             "owners": dict(self.owners),
             "completed_rounds": self._completed,
         }
 
-    def load_outer_state_dict(self, state: dict[str, Any]) -> None:
+    def load_outer_state_dict(self, state: StateDict) -> None:
         with torch.no_grad():
             for name, p in self.model.named_parameters():
                 p.copy_(state["params"][name])

@@ -50,7 +50,6 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import trio
@@ -62,6 +61,7 @@ from lattica.errors import (
     PeerUnavailableError,
     RemoteProtocolError,
 )
+from lattica.train.engine.checkpoint import StateDict
 from lattica.train.engine.collective import Collective
 from lattica.train.engine.quantize import (
     DEFAULT_BLOCK_SIZE,
@@ -390,7 +390,7 @@ class StreamingDiLoCo(AccountedStrategy[StreamingDiLoCoConfig]):
             detail=sync.error,
         )
 
-    def outer_state_dict(self) -> dict[str, Any]:
+    def outer_state_dict(self) -> StateDict:
         momentum = {}
         for optimizer in self.outer_optimizers:
             for name, p in zip(self._names, self._outer, strict=True):
@@ -403,7 +403,7 @@ class StreamingDiLoCo(AccountedStrategy[StreamingDiLoCoConfig]):
             "syncs_started": list(self._syncs_started),
         }
 
-    def load_outer_state_dict(self, state: dict[str, Any]) -> None:
+    def load_outer_state_dict(self, state: StateDict) -> None:
         with torch.no_grad():
             for fragment, indices in enumerate(self.fragments):
                 optimizer = self.outer_optimizers[fragment]
