@@ -55,9 +55,10 @@ from lattica.train.engine.compiled_model import compile_enabled
 from lattica.train.engine.device import DeviceInfo, autocast, select_device
 from lattica.train.engine.inner_optimizer import BETAS, adamw_implementation
 from lattica.train.engine.model import GPTConfig, build_model, lm_loss, preset
+from lattica.train.engine.reports import Progress
 from lattica.train.engine.schedule import ScheduleConfig
 from lattica.train.engine.task import Task
-from lattica.train.engine.trainer import Progress, Trainer, TrainerConfig
+from lattica.train.engine.trainer import Trainer, TrainerConfig
 from lattica.train.engine.utilization import device_peak_flops, mfu, model_flops_per_token
 from lattica.train.strategies import create_strategy
 from lattica.train.strategies.diloco import DiLoCo, DiLoCoConfig

@@ -48,8 +48,9 @@ from lattica.diagnostics import NodeFacts
 from lattica.errors import LatticaError
 from lattica.numerics.screen import Rejection
 from lattica.train.engine.collective import StallGuardedCollective
+from lattica.train.engine.reports import Progress, RoundCompleted
 from lattica.train.engine.tokenized import bits_per_byte
-from lattica.train.engine.trainer import Progress, RoundCompleted, Trainer
+from lattica.train.engine.trainer import Trainer
 from lattica.train.ports import ControlRequest, DataPlane, NodeHandle, RunState
 from lattica.train.settings import trainer_factory
 from lattica.train.status import GossipFigures, ProgressFigures, TrainingStatus

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from lattica.train.engine.trainer import Progress
+    from lattica.train.engine.reports import Progress
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import math
 
 import pytest
 
-from lattica.train.engine.trainer import TrainingSummary
+from lattica.train.engine.reports import TrainingSummary
 from lattica.train.strategies import STRATEGIES
 from lattica_lab.benchmark_scripts import load
 

@@ -21,9 +21,10 @@ from lattica.crdt.liveness import LeasePolicy
 from lattica.train.engine.data import DataConfig
 from lattica.train.engine.device import select_device
 from lattica.train.engine.model import GPTConfig
+from lattica.train.engine.reports import Progress, TrainingSummary
 from lattica.train.engine.schedule import ScheduleConfig
 from lattica.train.engine.task import TaskContext, builtin_task
-from lattica.train.engine.trainer import Progress, Trainer, TrainerConfig, TrainingSummary
+from lattica.train.engine.trainer import Trainer, TrainerConfig
 from lattica.train.service import TrainingService
 from lattica.train.strategies import create_strategy
 from lattica.train.strategies.diloco import DiLoCoConfig

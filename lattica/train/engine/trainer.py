@@ -54,7 +54,6 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Any, Literal
 
 import torch
@@ -64,17 +63,18 @@ from trio_typing import TaskStatus
 from lattica.errors import ConfigError
 from lattica.train.engine.activation_checkpoint import checkpoint_layers
 from lattica.train.engine.batch_prefetch import BatchesEnded, BatchPrefetcher
-from lattica.train.engine.checkpoint import CheckpointStore, StateDict, weights_hash
+from lattica.train.engine.checkpoint import CheckpointStore, StateDict
 from lattica.train.engine.checkpoint_writer import CheckpointWriter
 from lattica.train.engine.compiled_model import ForwardModule, compile_enabled
 from lattica.train.engine.device import DeviceInfo, autocast, select_device
 from lattica.train.engine.inner_optimizer import build_adamw
 from lattica.train.engine.inner_step import WorkerStream, accumulate_gradients
-from lattica.train.engine.outer_state import outer_state_hash
+from lattica.train.engine.reports import Progress, RoundCompleted, TrainingSummary
 from lattica.train.engine.schedule import ScheduleConfig, lr_multiplier
 from lattica.train.engine.task import Batch, Task
 from lattica.train.engine.utilization import device_peak_flops, mfu, model_flops_per_token
-from lattica.train.strategies.base import OuterStepReport, OuterStrategy
+from lattica.train.engine.validation import mean_validation_loss
+from lattica.train.strategies.base import OuterStepReport, OuterStrategy, next_multiple
 
 log = logging.getLogger(__name__)
 
@@ -102,57 +102,6 @@ class TrainerConfig:
             raise ValueError(f"TrainerConfig.compile must be True, False or 'auto', got {self.compile!r}")
         if isinstance(self.micro_batches, bool) or not isinstance(self.micro_batches, int) or self.micro_batches < 1:
             raise ValueError(f"TrainerConfig.micro_batches must be an integer >= 1, got {self.micro_batches!r}")
-
-
-@dataclass(frozen=True)
-class Progress:
-    """One progress record (every ``log_every`` steps, after validations and at the end)."""
-
-    step: int
-    round: int
-    loss: float
-    tokens_per_s: float
-    lr: float
-    val_loss: float | None = None
-    mfu: float | None = None  # model FLOPs utilisation (CUDA, a known device, the built-in GPT)
-
-
-@dataclass(frozen=True)
-class RoundCompleted:
-    """An outer round was applied (or skipped) at inner step ``step``.
-
-    The content hashes are computed from the outer state taken at that moment, on first access
-    only: hashing the whole outer state costs milliseconds, and a Streaming run completes a
-    fragment sync every H/P steps while the inner steps wait.
-    """
-
-    step: int
-    report: OuterStepReport
-    outer_state: StateDict | None = field(default=None, repr=False)  # None when skipped
-
-    @cached_property
-    def weights_hash(self) -> str | None:
-        """Of the outer weights: publish with the round number."""
-        params = (self.outer_state or {}).get("params")
-        return weights_hash(params) if params else None
-
-    @cached_property
-    def state_hash(self) -> str | None:
-        """Of weights + outer optimizer state: what joiners verify."""
-        params = (self.outer_state or {}).get("params")
-        return outer_state_hash(self.outer_state) if params and self.outer_state else None
-
-
-@dataclass(frozen=True)
-class TrainingSummary:
-    steps: int
-    rounds: int
-    train_loss: float
-    val_loss: float | None
-    tokens: int
-    seconds: float
-    bytes_sent: int
-    first_loss: float | None = None  # the train loss of the first report since this trainer started
 
 
 class Trainer:
@@ -284,9 +233,9 @@ class Trainer:
         """The next step after which the trainer itself needs the trio thread: a report, a
         validation or the end."""
         step, config = self.step, self.config
-        stops = [config.total_steps, _next_multiple(step, config.log_every)]
+        stops = [config.total_steps, next_multiple(step, config.log_every)]
         if config.eval_every:
-            stops.append(_next_multiple(step, config.eval_every))
+            stops.append(next_multiple(step, config.eval_every))
         return min(stops)
 
     def _inner_steps(self, last: int) -> None:
@@ -431,28 +380,8 @@ class Trainer:
 
     def evaluate(self) -> float:
         """Mean validation loss (blocking; on the strategy's evaluation weights if it has any)."""
-        swap = self.strategy.evaluation_parameters()
-        params = list(self.model.parameters())
-        saved = [p.detach().clone() for p in params] if swap is not None else None
-        self.model.eval()
-        try:
-            with torch.no_grad():
-                if swap is not None:
-                    for p, q in zip(params, swap, strict=True):
-                        p.copy_(q)
-                losses = []
-                for x, y in self.task.val_batches:
-                    with autocast(self.device):
-                        loss = self.task.loss_fn(
-                            self.model, x.to(self.device.device), y.to(self.device.device)
-                        )
-                    losses.append(loss.detach().float())
-        finally:
-            if saved is not None:
-                with torch.no_grad():
-                    for p, s in zip(params, saved, strict=True):
-                        p.copy_(s)
-        return float(torch.stack(losses).double().mean()) if losses else float("nan")
+        weights = self.strategy.evaluation_parameters()
+        return mean_validation_loss(self.model, self.task, self.device, weights=weights)
 
     def _report(self, val_loss: float | None = None) -> None:
         loss = self.last_loss  # waits for the steps queued on the device: the rate counts them
@@ -556,7 +485,3 @@ def _prefetch_depth(device: torch.device) -> int:
     batch of the built-in sampler takes ~0.03 ms against 15-100 ms for a step of ``tiny`` or
     ``mini``, and a producer thread was measured no faster there (docs/training.md)."""
     return 2 if device.type == "cuda" else 0
-
-
-def _next_multiple(step: int, every: int) -> int:
-    return (step // every + 1) * every

@@ -34,9 +34,10 @@ from lattica.train.engine.collective import Collective
 from lattica.train.engine.data import DataConfig
 from lattica.train.engine.device import select_device
 from lattica.train.engine.moe import MOE_PRESETS, build_moe_model
+from lattica.train.engine.reports import Progress, RoundCompleted
 from lattica.train.engine.schedule import ScheduleConfig
 from lattica.train.engine.task import Task, TaskContext, builtin_task, load_task
-from lattica.train.engine.trainer import Progress, RoundCompleted, Trainer, TrainerConfig
+from lattica.train.engine.trainer import Trainer, TrainerConfig
 from lattica.train.settings.strategy_settings import strategy_config
 from lattica.train.strategies import strategy_class
 from lattica.train.strategies.base import OuterStrategy, StrategyHandles
