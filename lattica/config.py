@@ -28,11 +28,16 @@ DEMO_ROUNDS = 3
 DEMO_LONG_ROUNDS = 20
 # the enumerated settings: each a ``Literal`` (what mypy checks) and its values (what a file is
 # checked against)
+# the outer strategies (``lattica.train.strategies.STRATEGIES`` maps each to its class)
+StrategyName = Literal[
+    "diloco", "ddp", "nocomm", "noloco", "eager", "streaming", "streaming_eager", "spes", "sparseloco", "demo",
+]
 Aggregation = Literal["mean", "trimmed_mean", "median"]
 Averaging = Literal["allreduce", "gossip"]
 OuterStateDevice = Literal["cpu", "same"]
 TrainingDevice = Literal["auto", "cpu", "cuda"]
 InitFrom = Literal["seed", "weights"]
+STRATEGY_NAMES: tuple[StrategyName, ...] = get_args(StrategyName)
 AGGREGATIONS: tuple[Aggregation, ...] = get_args(Aggregation)
 AVERAGINGS: tuple[Averaging, ...] = get_args(Averaging)
 OUTER_STATE_DEVICES: tuple[OuterStateDevice, ...] = get_args(OuterStateDevice)
@@ -157,7 +162,7 @@ class TrainSettings:
     (``lattica.train.swarm.run_config``).
     """
 
-    strategy: str = "diloco"
+    strategy: StrategyName = "diloco"
     model: str = "tiny"  # a GPT or Llama preset, or hf:<local dir> (``train/engine/model_spec.py``)
     init: InitFrom = "seed"  # hf: models: "seed" (fresh weights from the seed) or "weights" (the dir's)
     data: str = "stdlib"
@@ -205,6 +210,8 @@ class TrainSettings:
             "trim": self.trim,
             "micro_batches": self.micro_batches,
         }
+        if self.strategy not in STRATEGY_NAMES:
+            raise ConfigError(f"unknown strategy {self.strategy!r}; choose one of {sorted(STRATEGY_NAMES)}")
         for name, value in positive.items():
             if not _is_int(value) or value <= 0:
                 raise ConfigError(f"train.{name} must be a positive integer, got {value!r}")

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from lattica.cli.main import build_parser
-from lattica.config import DEFAULT_INNER_STEPS, TrainSettings
+from lattica.config import DEFAULT_INNER_STEPS, STRATEGY_NAMES, TrainSettings
 from lattica.errors import ConfigError
 from lattica.numerics.screen import ContributionScreen
 from lattica.train.settings.strategy_settings import (
@@ -27,7 +27,7 @@ SETTING_NAMES = {f.name for f in dataclasses.fields(TrainSettings)}
 
 
 def test_every_strategy_has_a_route_table():
-    assert set(ROUTES) == set(STRATEGIES)
+    assert set(ROUTES) == set(STRATEGIES) == set(STRATEGY_NAMES)  # the setting's Literal names them all
     for routes in ROUTES.values():
         assert set(routes) <= set(STRATEGY_SETTINGS) <= SETTING_NAMES
 

@@ -14,12 +14,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 
-from lattica.config import TrainSettings
+from lattica.config import StrategyName, TrainSettings
 from lattica.errors import ConfigError
 from lattica.numerics.screen import ContributionScreen
 
 # run setting -> config field, per strategy
-ROUTES: dict[str, Mapping[str, str]] = {
+ROUTES: dict[StrategyName, Mapping[str, str]] = {
     "diloco": {
         "inner_steps": "inner_steps", "outer_lr": "outer_lr", "outer_momentum": "outer_momentum",
         "averaging": "averaging", "group_size": "group_size", "group_grace_s": "exchange_timeout_s",
@@ -63,7 +63,7 @@ _DEFAULTS: dict[str, object] = {f.name: f.default for f in dataclasses.fields(Tr
 
 def check_strategy_settings(settings: TrainSettings) -> None:
     """Refuse a strategy setting that the chosen strategy would not use."""
-    routes = _routes(settings.strategy)
+    routes = ROUTES[settings.strategy]
     for name in STRATEGY_SETTINGS:
         if name in routes or name in _TRAINER_TOO or getattr(settings, name) == _DEFAULTS[name]:
             continue
@@ -83,7 +83,7 @@ def strategy_config(settings: TrainSettings, *, members: tuple[str, ...] = ()) -
     if config_cls is None:
         return None
     values: dict[str, object] = {}
-    for setting, field_name in _routes(settings.strategy).items():
+    for setting, field_name in ROUTES[settings.strategy].items():
         value = getattr(settings, setting)
         if value is not None:
             values[field_name] = value
@@ -112,10 +112,3 @@ def _spes_derived(settings: TrainSettings, members: tuple[str, ...]) -> dict[str
 
 
 _DERIVED: dict[str, Callable[[TrainSettings, tuple[str, ...]], dict[str, object]]] = {"spes": _spes_derived}
-
-
-def _routes(strategy: str) -> Mapping[str, str]:
-    try:
-        return ROUTES[strategy]
-    except KeyError:
-        raise ConfigError(f"unknown strategy {strategy!r}; choose one of {sorted(ROUTES)}") from None

@@ -12,10 +12,11 @@ import importlib
 
 import torch
 
+from lattica.config import StrategyName
 from lattica.train.engine.collective import Collective
 from lattica.train.strategies.base import GroupProvider, OuterStepReport, OuterStrategy
 
-STRATEGIES: dict[str, str] = {
+STRATEGIES: dict[StrategyName, str] = {
     "diloco": "lattica.train.strategies.diloco:DiLoCo",
     "ddp": "lattica.train.strategies.ddp:DDP",
     "nocomm": "lattica.train.strategies.nocomm:NoComm",
@@ -31,10 +32,9 @@ STRATEGIES: dict[str, str] = {
 
 def strategy_class(name: str) -> type[OuterStrategy[object]]:
     """The class registered under ``name``; ``ValueError`` lists the known names."""
-    try:
-        target = STRATEGIES[name]
-    except KeyError:
-        raise ValueError(f"unknown strategy {name!r}; choose one of {sorted(STRATEGIES)}") from None
+    if name not in STRATEGIES:
+        raise ValueError(f"unknown strategy {name!r}; choose one of {sorted(STRATEGIES)}")
+    target = STRATEGIES[name]
     module_name, _, class_name = target.partition(":")
     cls: type[OuterStrategy[object]] = getattr(importlib.import_module(module_name), class_name)
     return cls
