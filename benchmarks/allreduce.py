@@ -73,7 +73,8 @@ def gloo_seconds(world: int, numel: int, reps: int) -> float:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    code = f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r}); from allreduce import _gloo_worker;"
+    here = str(Path(__file__).resolve().parent)
+    code = f"import sys; sys.path.insert(0, {here!r}); from allreduce import _gloo_worker;"
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", code + f"_gloo_worker({r}, {world}, {port}, {numel}, {reps})"],

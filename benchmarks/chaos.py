@@ -199,9 +199,11 @@ class _Chaos:
     newest: int = 0
     last_advance: float = 0.0
     cut: tuple[int, float] | None = None  # peer, heal time
-    resuming: dict[int, tuple[int, float]] = field(default_factory=dict)  # restarted peer -> (round before the kill, when)
+    # restarted peer -> (round before the kill, when)
+    resuming: dict[int, tuple[int, float]] = field(default_factory=dict)
     unmeasured: dict[int, int] = field(default_factory=dict)  # trains again, no progress yet -> round before
-    progress: dict[int, tuple[int, float, int]] = field(default_factory=dict)  # peer -> (round, since, swarm's newest then)
+    # peer -> (round, since, swarm's newest then)
+    progress: dict[int, tuple[int, float, int]] = field(default_factory=dict)
 
     def watch(self, swarm: Swarm, infos: list[dict[str, Any]], now: float, stuck_s: float) -> None:
         newest = max(_reached(i, swarm.inner_steps) for i in infos)
@@ -229,8 +231,8 @@ class _Chaos:
                 if now - since > stuck_s:
                     raise PhaseUnfinished(
                         f"chaos phase: n{i} is not training {now - since:.0f} s after its restart "
-                        f"(phase {info.get('phase') or 'no answer'}, round {_reached(info, inner_steps)}, round {before} "
-                        f"before the kill; the swarm is at round {self.newest})"
+                        f"(phase {info.get('phase') or 'no answer'}, round {_reached(info, inner_steps)}, "
+                        f"round {before} before the kill; the swarm is at round {self.newest})"
                     )
                 self.progress.pop(i, None)  # watched afresh once it trains again
                 continue
@@ -392,7 +394,8 @@ def main() -> None:
         except PhaseUnfinished as exc:
             print(f"chaos benchmark failed: {exc}", file=sys.stderr)
             sys.exit(1)
-        result["nodes"], result["rounds"], result["wall_s"] = args.nodes, args.rounds, round(time.monotonic() - started, 1)
+        result["nodes"], result["rounds"] = args.nodes, args.rounds
+        result["wall_s"] = round(time.monotonic() - started, 1)
         print(json.dumps(result))
 
 

@@ -130,13 +130,13 @@ class _TimedCollective:
 
 async def _train(service, cmd: dict) -> dict:
     """Train one strategy to completion; report inner-step time, wall time and bytes sent."""
-    from lattica.train.device import select_device
-    from lattica.train.model import build_model
-    from lattica.train.schedule import ScheduleConfig
+    from lattica.train.engine.device import select_device
+    from lattica.train.engine.model import build_model
+    from lattica.train.engine.schedule import ScheduleConfig
+    from lattica.train.engine.task import Task
+    from lattica.train.engine.trainer import Trainer, TrainerConfig
     from lattica.train.strategies import create_strategy
     from lattica.train.strategies.co2 import FIRST_IN_FLIGHT
-    from lattica.train.task import Task
-    from lattica.train.trainer import Trainer, TrainerConfig
 
     steps = cmd["steps"]
     model = build_model("tiny", seed=0)

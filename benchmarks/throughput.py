@@ -16,7 +16,7 @@ still does). Each chunk ends by waiting for the device (the trainer's
 report reads its loss; the plain loop reads its last loss). Tokens per second are each side's
 median over the reps.
 
-Also per preset: ``mfu`` (model FLOPs utilisation of the trainer, ``lattica.train.utilization``;
+Also per preset: ``mfu`` (model FLOPs utilisation of the trainer, ``lattica.train.engine.utilization``;
 null on the CPU and on devices of unknown peak), ``peak_memory_bytes`` (CUDA: the allocator's
 peak during the trainer's timed chunks; CPU: the process's peak resident memory then — both
 include the plain loop's resident model) and ``outer_extra_device_bytes``: the device memory a
@@ -60,16 +60,17 @@ import _checkout  # noqa: F401  (the checkout root on sys.path: lattica_lab)
 import torch
 import trio
 
-from lattica.train.compiled_model import compile_enabled
-from lattica.train.device import DeviceInfo, autocast, select_device
-from lattica.train.inner_optimizer import BETAS, adamw_implementation
-from lattica.train.model import GPTConfig, build_model, lm_loss, preset
-from lattica.train.schedule import ScheduleConfig
+from lattica.train.engine.compiled_model import compile_enabled
+from lattica.train.engine.device import DeviceInfo, autocast, select_device
+from lattica.train.engine.inner_optimizer import BETAS, adamw_implementation
+from lattica.train.engine.model import GPTConfig, build_model, lm_loss, preset
+from lattica.train.engine.reports import Progress
+from lattica.train.engine.schedule import ScheduleConfig
+from lattica.train.engine.task import Task
+from lattica.train.engine.trainer import Trainer, TrainerConfig
+from lattica.train.engine.utilization import device_peak_flops, mfu, model_flops_per_token
 from lattica.train.strategies import create_strategy
 from lattica.train.strategies.diloco import DiLoCo, DiLoCoConfig
-from lattica.train.task import Task
-from lattica.train.trainer import Progress, Trainer, TrainerConfig
-from lattica.train.utilization import device_peak_flops, mfu, model_flops_per_token
 from lattica_lab.collective import InMemoryCollectiveGroup
 
 # batch x sequence length per preset (the issue's shapes for the GPU presets)
@@ -115,7 +116,9 @@ class Timings:
     peak_memory_bytes: int = 0
 
 
-def synthetic_batches(batch: int, seq_len: int, vocab: int, count: int = SYNTHETIC_BATCHES) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def synthetic_batches(
+    batch: int, seq_len: int, vocab: int, count: int = SYNTHETIC_BATCHES
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(SEED)
     out = []
     for _ in range(count):
@@ -254,8 +257,8 @@ async def _interleaved(
 
 def measure_ranks(name: str, batch: int, seq_len: int, devices: str, run: Run) -> dict[str, Any]:
     """``multi_vs_single`` of the preset (module docstring)."""
-    from lattica.train.ranks.devices import resolve_devices
-    from lattica.train.ranks.group import threads_per_rank
+    from lattica.train.engine.ranks.devices import resolve_devices
+    from lattica.train.engine.ranks.group import threads_per_rank
 
     node = resolve_devices(devices, "auto")
     if node.ranks < 2:
@@ -278,7 +281,7 @@ def measure_ranks(name: str, batch: int, seq_len: int, devices: str, run: Run) -
 def _node_tokens_per_s(name: str, batch: int, seq_len: int, devices: str, run: Run) -> float:
     """The median tokens/s of a node's timed chunks, trained as the daemon trains (nocomm)."""
     from lattica.config import TrainSettings
-    from lattica.train import trainer_factory
+    from lattica.train.settings import trainer_factory
 
     chunks = run.warmup_chunks + run.reps
     settings = TrainSettings(
@@ -290,7 +293,8 @@ def _node_tokens_per_s(name: str, batch: int, seq_len: int, devices: str, run: R
     seen: set[int] = set()
 
     def timed(progress: Progress) -> None:
-        if progress.step % run.steps == 0 and progress.step > run.warmup_chunks * run.steps and progress.step not in seen:
+        warm = progress.step > run.warmup_chunks * run.steps
+        if progress.step % run.steps == 0 and warm and progress.step not in seen:
             seen.add(progress.step)
             rates.append(progress.tokens_per_s)
 

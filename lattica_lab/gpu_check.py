@@ -191,7 +191,7 @@ def run(groups: list[list[Phase]]) -> dict[str, dict[str, Any]]:
 def _device_facts(device: str) -> dict[str, Any]:
     import torch
 
-    from lattica.train.device import select_device
+    from lattica.train.engine.device import select_device
 
     facts: dict[str, Any] = {"torch": torch.__version__}
     try:

@@ -17,7 +17,8 @@ from lattica.errors import ConfigError
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     tune = sub.add_parser("tune", help="choose H, codec, overlap, group size and chunk size for measured links")
     tune.add_argument("--step-ms", type=float, required=True, help="one inner step, in milliseconds")
-    tune.add_argument("--model-bytes", type=int, required=True, help="the model's fp32 payload in bytes (4 × parameters)")
+    tune.add_argument("--model-bytes", type=int, required=True,
+                      help="the model's fp32 payload in bytes (4 × parameters)")
     tune.add_argument("--bandwidth-mbit", type=float, required=True, help="to the slowest peer of the group, Mbit/s")
     tune.add_argument("--rtt-ms", type=float, required=True, help="round-trip time to the farthest peer, ms")
     tune.add_argument("--peers", type=int, required=True, help="members of a round")

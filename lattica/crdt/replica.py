@@ -24,22 +24,8 @@ envelopes needed to bring anyone else up to ``have``: either everything from seq
   is evicted, and that writer's envelopes are refused until it becomes trusted, so throwaway
   keys cannot lock real members out, nor make anti-entropy fetch them again and again.
 
-Equivocation
-------------
-Two validly signed envelopes of one writer under the same ``(doc, seq)`` with different content
-are a proof that the writer equivocated (sent different histories to different peers, which
-would otherwise never converge: each replica keeps the first it saw). Whoever sees the pair
-*bans* the writer: every document and stream of it is dropped, its later envelopes are refused
-(``banned``), and the pair is kept as *evidence*. ``missing_for`` sends the evidence to every
-peer whose state vector still lists the writer, which then sees the pair and bans it too — so
-every honest replica ends without the writer's content, whichever history it saw first. The
-evidence is part of ``retained()`` (and so of the durable log): a restart bans again.
-
-A fork is *healed* by a ``full`` snapshot of the writer, signed under a seq above both envelopes
-of the pair, whose content already holds both (applying either to it changes nothing): every
-replica that takes it ends on the same document, whichever fork it held. A replica that holds
-such a snapshot does not ban for an older pair (``superseded``), and one that banned the writer
-takes the snapshot and lifts the ban. This is how a writer repairs the fork below.
+Equivocation (a writer that signed two histories) is caught, banned and healed as
+``lattica.crdt.equivocation`` describes; ``Bans`` holds the banned writers and their evidence.
 
 A writer's own history
 ----------------------
@@ -65,16 +51,15 @@ whatever the delivery order.
 
 from __future__ import annotations
 
-import hashlib
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
 
 from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID
 from pycrdt import Doc, Map
 
-from lattica.crdt.documents import CONFIG_DOC, Snapshot, build_snapshot, reassert
+from lattica.crdt.config import ReplicaLimits
+from lattica.crdt.documents import CONFIG_DOC, Snapshot, build_snapshot, doc_from, reassert
 from lattica.crdt.envelope import (
     Envelope,
     RejectedUpdate,
@@ -82,58 +67,10 @@ from lattica.crdt.envelope import (
     sign_envelope,
     verify_envelope,
 )
+from lattica.crdt.equivocation import Bans, heals
+from lattica.crdt.streams import Stream, StreamKey, digest, parse_state_vector, parse_vector_rows
 from lattica.errors import LocalProtocolError
 
-
-@dataclass(frozen=True, kw_only=True)
-class ReplicaLimits:
-    max_update_bytes: int = 64 * 1024
-    max_snapshot_bytes: int = 1024 * 1024
-    max_stream_bytes: int = 4 * 1024 * 1024
-    max_streams: int = 4096
-    max_pending_per_stream: int = 64
-    max_pending_total: int = 1024
-    pending_ttl: float = 30.0  # seconds an early arrival waits for its predecessors
-    max_banned: int = 1024  # equivocating writers remembered (each needs two signed envelopes)
-    snapshot_every: int = 128
-
-    def __post_init__(self) -> None:
-        for name in ("max_update_bytes", "max_snapshot_bytes", "max_stream_bytes", "max_streams"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive")
-        if self.max_snapshot_bytes < self.max_update_bytes:
-            raise ValueError("max_snapshot_bytes must be >= max_update_bytes")
-        if self.max_stream_bytes < self.max_snapshot_bytes:
-            raise ValueError("max_stream_bytes must be >= max_snapshot_bytes")
-        if self.max_pending_per_stream < 0 or self.max_pending_total < 0:
-            raise ValueError("pending buffer sizes must be >= 0")
-        if not self.pending_ttl > 0:
-            raise ValueError("pending_ttl must be positive")
-        if self.max_banned < 1:
-            raise ValueError("max_banned must be >= 1")
-        if self.snapshot_every < 2:
-            raise ValueError("snapshot_every must be >= 2")
-
-
-@dataclass
-class _Stream:
-    have: int = 0
-    retained: list[Envelope] = field(default_factory=list)
-    pending: dict[int, tuple[Envelope, float]] = field(default_factory=dict)  # seq -> (env, arrival)
-
-    def retained_bytes(self) -> int:
-        return sum(len(env.update) for env in self.retained)
-
-    def find(self, seq: int) -> Envelope | None:
-        for env in self.retained:
-            if env.seq == seq:
-                return env
-        return None
-
-
-StreamKey = tuple[str, str]
-_SeqKey = tuple[str, str, int]  # doc, writer, seq
-_MAX_LOOSE = 256  # envelopes seen but not held, kept to spot an equivocation among them
 _MAX_EVICTED = 16_384  # evicted writers remembered (refused until trusted)
 
 
@@ -166,13 +103,11 @@ class Replica:
         self.accepted = 0
         self.rejected: Counter[str] = Counter()
         self._docs: dict[str, Doc[Map[object]]] = {}
-        self._streams: dict[StreamKey, _Stream] = {}
+        self._streams: dict[StreamKey, Stream] = {}
         self._pending_total = 0  # early arrivals buffered over all streams
         self._now = 0.0  # the owner's clock, as of the last ``tick``
         self._evicted: OrderedDict[str, None] = OrderedDict()  # writers refused until trusted
-        self._banned: OrderedDict[str, tuple[Envelope, Envelope]] = OrderedDict()  # -> evidence
-        self._new_evidence: list[Envelope] = []  # evidence not yet handed to ``take_new_evidence``
-        self._loose: OrderedDict[_SeqKey, Envelope] = OrderedDict()  # seen, not held
+        self._bans = Bans(max_banned=self.limits.max_banned)  # equivocating writers, their evidence
         self._holding = False  # our own streams are not published (see "A writer's own history")
         self._own_seen: dict[StreamKey, int] = {}  # our streams -> highest seq absorbed
         self._this_life: dict[str, Doc[Map[object]]] = {}  # our document as this life wrote it
@@ -201,7 +136,7 @@ class Replica:
         return envelopes
 
     def _sign_and_keep(
-        self, stream: _Stream, doc_name: str, update: bytes, *, full: bool, seq: int | None = None
+        self, stream: Stream, doc_name: str, update: bytes, *, full: bool, seq: int | None = None
     ) -> Envelope:
         cap = self.limits.max_snapshot_bytes if full else self.limits.max_update_bytes
         if len(update) > cap:
@@ -209,7 +144,7 @@ class Replica:
         env = sign_envelope(
             self.key_pair, run=self.run_id, doc=doc_name, seq=seq or stream.have + 1, full=full, update=update
         )
-        self._keep(stream, env)
+        stream.keep(env)
         self.accepted += 1
         return env
 
@@ -246,10 +181,10 @@ class Replica:
             if relayed_admin:  # our own run config, replayed from our state log
                 self.adopt_admin(env.writer)
             return self._receive_own(env, from_peer)
-        if env.writer in self._banned:
-            if not self._heals(env, self._banned[env.writer]):
+        if env.writer in self._bans:
+            if not heals(env, self._bans.evidence(env.writer)):
                 raise RejectedUpdate("banned", f"{env.writer} equivocated", peer_id=from_peer)
-            del self._banned[env.writer]
+            self._bans.lift(env.writer)
         self._check_equivocation(env, from_peer)
         if relayed_admin:
             self.adopt_admin(env.writer)
@@ -267,7 +202,7 @@ class Replica:
         self._pending_total -= before - len(stream.pending)
         return applied
 
-    def _admit(self, env: Envelope, from_peer: str | None) -> _Stream:
+    def _admit(self, env: Envelope, from_peer: str | None) -> Stream:
         """The envelope's stream, making room for a new writer by evicting an untrusted one."""
         stream = self._streams.get(env.stream)
         if stream is not None:
@@ -294,7 +229,7 @@ class Replica:
                 return True
         return False
 
-    def _buffer(self, stream: _Stream, env: Envelope) -> None:
+    def _buffer(self, stream: Stream, env: Envelope) -> None:
         if env.seq in stream.pending:  # the same envelope again (a different one is caught above)
             return
         if (
@@ -304,7 +239,7 @@ class Replica:
             stream.pending[env.seq] = (env, self._now)
             self._pending_total += 1
         else:
-            self._remember_loose(env)
+            self._bans.remember_loose(env)
 
     def adopt_admin(self, writer: str) -> None:
         """``writer`` may write the run config from now on."""
@@ -328,19 +263,19 @@ class Replica:
             return False
         return peer == self.peer_id or peer in self._admin_relays or peer in self.admins
 
-    def _replay(self, stream: _Stream, env: Envelope, from_peer: str | None) -> list[Envelope]:
+    def _replay(self, stream: Stream, env: Envelope, from_peer: str | None) -> list[Envelope]:
         if stream.find(env.seq) is None:
-            self._remember_loose(env)  # compacted away: compare it with the next copy instead
+            self._bans.remember_loose(env)  # compacted away: compare it with the next copy instead
         raise RejectedUpdate("replay", f"seq {env.seq} already applied", peer_id=from_peer)
 
-    def _apply(self, stream: _Stream, env: Envelope, from_peer: str | None) -> Envelope:
+    def _apply(self, stream: Stream, env: Envelope, from_peer: str | None) -> Envelope:
         if not env.full and stream.retained_bytes() + len(env.update) > self.limits.max_stream_bytes:
             raise RejectedUpdate("oversized", "stream exceeds its byte budget", peer_id=from_peer)
         try:
             self._doc(env.doc).apply_update(env.update)
         except Exception as exc:  # noqa: BLE001 - pycrdt (Rust) raises its own kinds for an undecodable update from the wire
             raise RejectedUpdate("bad_update", f"undecodable update: {exc}", peer_id=from_peer) from None
-        self._keep(stream, env)
+        stream.keep(env)
         self.accepted += 1
         return env
 
@@ -382,7 +317,7 @@ class Replica:
             return [self._apply(stream, env, from_peer)]
         return self._absorb(stream, env, from_peer)
 
-    def _absorb(self, stream: _Stream, env: Envelope, from_peer: str | None) -> list[Envelope]:
+    def _absorb(self, stream: Stream, env: Envelope, from_peer: str | None) -> list[Envelope]:
         """Merge another life's envelope of ours into our document, to be superseded."""
         doc = self._doc(env.doc)
         before = doc.get_update()
@@ -394,7 +329,7 @@ class Replica:
         if not changed and env.seq <= stream.have:
             raise RejectedUpdate("replay", f"seq {env.seq} already held", peer_id=from_peer)
         if changed and env.doc != CONFIG_DOC and env.doc not in self._this_life:
-            self._this_life[env.doc] = _doc_from(before)
+            self._this_life[env.doc] = doc_from(before)
         self._own_seen[env.stream] = max(self._own_seen.get(env.stream, 0), env.seq)
         self._holding = True
         return []
@@ -408,7 +343,9 @@ class Replica:
         if other is None or other == env:
             return
         if self._superseded(env, other):
-            raise RejectedUpdate("superseded", f"seq {env.seq} of {env.writer} is healed by a snapshot", peer_id=from_peer)
+            raise RejectedUpdate(
+                "superseded", f"seq {env.seq} of {env.writer} is healed by a snapshot", peer_id=from_peer,
+            )
         self._ban(env.writer, (other, env))
         raise RejectedUpdate(
             "equivocation", f"{env.writer} signed two different updates for seq {env.seq}", peer_id=from_peer
@@ -417,21 +354,7 @@ class Replica:
     def _superseded(self, env: Envelope, other: Envelope) -> bool:
         stream = self._streams.get(env.stream)
         snapshot = stream.retained[0] if stream is not None and stream.retained else None
-        return snapshot is not None and self._heals(snapshot, (env, other))
-
-    @staticmethod
-    def _heals(snapshot: Envelope, fork: tuple[Envelope, Envelope]) -> bool:
-        """Whether ``snapshot`` is a later full snapshot of the fork's document holding both sides."""
-        if not snapshot.full or any(e.doc != snapshot.doc or e.seq >= snapshot.seq for e in fork):
-            return False
-        try:
-            doc = _doc_from(snapshot.update)
-            reference = doc.get_update()
-            for env in fork:
-                doc.apply_update(env.update)
-        except Exception:  # noqa: BLE001 - pycrdt (Rust) raises its own kinds for an undecodable update
-            return False
-        return doc.get_update() == reference
+        return snapshot is not None and heals(snapshot, (env, other))
 
     def _copy_of(self, env: Envelope) -> Envelope | None:
         stream = self._streams.get(env.stream)
@@ -439,21 +362,11 @@ class Replica:
             held = stream.find(env.seq) or (stream.pending.get(env.seq) or (None, 0.0))[0]
             if held is not None:
                 return held
-        return self._loose.get((env.doc, env.writer, env.seq))
-
-    def _remember_loose(self, env: Envelope) -> None:
-        self._loose[(env.doc, env.writer, env.seq)] = env
-        while len(self._loose) > _MAX_LOOSE:
-            self._loose.popitem(last=False)
+        return self._bans.loose_copy(env)
 
     def _ban(self, writer: str, evidence: tuple[Envelope, Envelope]) -> None:
         self._forget_writer(writer)
-        self._loose = OrderedDict((k, e) for k, e in self._loose.items() if k[1] != writer)
-        ordered = tuple(sorted(evidence, key=lambda e: (e.sig, e.update)))  # the same pair everywhere
-        self._banned[writer] = (ordered[0], ordered[1])
-        self._new_evidence.extend(ordered)
-        while len(self._banned) > self.limits.max_banned:
-            self._banned.popitem(last=False)
+        self._bans.ban(writer, evidence)
 
     def _forget_writer(self, writer: str) -> None:
         for key in [k for k in self._streams if k[1] == writer]:
@@ -467,12 +380,11 @@ class Replica:
 
     def banned(self) -> list[str]:
         """Writers banned for equivocating, in the order they were caught."""
-        return list(self._banned)
+        return self._bans.writers()
 
     def take_new_evidence(self) -> list[Envelope]:
         """Evidence envelopes of bans since the last call (the owner persists them)."""
-        evidence, self._new_evidence = self._new_evidence, []
-        return evidence
+        return self._bans.take_new_evidence()
 
     # -- time ----------------------------------------------------------------------------------
 
@@ -499,11 +411,11 @@ class Replica:
         replicas that hold different envelopes under the same seqs (a fork) can tell. Our own
         streams are left out while we hold them: a peer then sends all it holds of them."""
         return [
-            [doc, writer, s.have, _digest(s.retained[-1])]
+            [doc, writer, s.have, digest(s.retained[-1])]
             for (doc, writer), s in self._published_streams() if s.have and s.retained
         ]
 
-    def _published_streams(self) -> list[tuple[StreamKey, _Stream]]:
+    def _published_streams(self) -> list[tuple[StreamKey, Stream]]:
         return [
             (key, stream) for key, stream in sorted(self._streams.items())
             if not (self._holding and key[1] == self.peer_id)
@@ -513,17 +425,17 @@ class Replica:
         """Envelopes a replica whose ``state_vector()`` is ``vector`` lacks (unknown rows ignored),
         our envelope at its head where the two differ (it proves the fork to the other side), and
         the evidence against every banned writer it still holds."""
-        theirs = _parse_rows(vector)
+        theirs = parse_vector_rows(vector)
         missing: list[Envelope] = []
         for key, stream in self._published_streams():
             their_have, their_head = theirs.get(key, (0, None))
             ours_there = stream.find(their_have) if their_head is not None else None
-            if ours_there is not None and _digest(ours_there) != their_head:
+            if ours_there is not None and digest(ours_there) != their_head:
                 missing.append(ours_there)
             if stream.have > their_have:
                 missing.extend(env for env in stream.retained if env.seq > their_have)
-        for writer in sorted({w for (_, w), (have, _) in theirs.items() if have and w in self._banned}):
-            missing.extend(self._banned[writer])
+        for writer in sorted({w for (_, w), (have, _) in theirs.items() if have and w in self._bans}):
+            missing.extend(self._bans.evidence(writer))
         return missing
 
     def wants_from(self, vector: object) -> bool:
@@ -531,7 +443,7 @@ class Replica:
         return any(
             have > (self._streams[key].have if key in self._streams else 0)
             for key, have in parse_state_vector(vector).items()
-            if key[1] not in self._banned and (key[1] not in self._evicted or self._protected(key[1]))
+            if key[1] not in self._bans and (key[1] not in self._evicted or self._protected(key[1]))
         )
 
     # -- reading -------------------------------------------------------------------------------
@@ -539,7 +451,7 @@ class Replica:
     def retained(self) -> list[Envelope]:
         """What a replica needs to rebuild this one: every stream, then the evidence of bans."""
         streams = [env for _, s in sorted(self._streams.items()) for env in s.retained]
-        return streams + [env for pair in self._banned.values() for env in pair]
+        return streams + self._bans.all_evidence()
 
     def state_bytes(self) -> int:
         return sum(s.retained_bytes() for s in self._streams.values())
@@ -562,7 +474,7 @@ class Replica:
             "state_bytes": self.state_bytes(),
             "streams": len(self._streams),
             "pending": self._pending_total,
-            "banned_writers": len(self._banned),
+            "banned_writers": len(self._bans),
             "evicted_writers": len(self._evicted),
             "superseded_own": self.superseded,
         }
@@ -575,50 +487,8 @@ class Replica:
             doc = self._docs[name] = Doc()
         return doc
 
-    def _stream(self, key: StreamKey) -> _Stream:
+    def _stream(self, key: StreamKey) -> Stream:
         stream = self._streams.get(key)
         if stream is None:
-            stream = self._streams[key] = _Stream()
+            stream = self._streams[key] = Stream()
         return stream
-
-    @staticmethod
-    def _keep(stream: _Stream, env: Envelope) -> None:
-        stream.have = env.seq
-        if env.full:
-            stream.retained = [env]
-        else:
-            stream.retained.append(env)
-
-
-def _doc_from(update: bytes) -> Doc[Map[object]]:
-    doc: Doc[Map[object]] = Doc()
-    doc.apply_update(update)
-    return doc
-
-
-def _digest(env: Envelope) -> str:
-    """A short name for an envelope (its Ed25519 signature is deterministic in its content)."""
-    return hashlib.sha256(env.sig).hexdigest()[:16]
-
-
-def parse_state_vector(vector: object, *, max_rows: int = 100_000) -> Mapping[StreamKey, int]:
-    """Untrusted ``[[doc, writer, have(, head)], ...]`` -> mapping; malformed rows are skipped."""
-    return {key: have for key, (have, _) in _parse_rows(vector, max_rows=max_rows).items()}
-
-
-def _parse_rows(vector: object, *, max_rows: int = 100_000) -> dict[StreamKey, tuple[int, str | None]]:
-    result: dict[StreamKey, tuple[int, str | None]] = {}
-    if not isinstance(vector, list | tuple):
-        return result
-    for row in list(vector)[:max_rows]:
-        if (
-            isinstance(row, list | tuple)
-            and len(row) in (3, 4)
-            and isinstance(row[0], str)
-            and isinstance(row[1], str)
-            and type(row[2]) is int
-            and row[2] >= 0
-        ):
-            head = row[3] if len(row) == 4 and isinstance(row[3], str) and len(row[3]) <= 64 else None
-            result[(row[0], row[1])] = (row[2], head)
-    return result

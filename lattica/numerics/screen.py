@@ -104,7 +104,8 @@ def reduce_parts(
         # the common case, on this thread as in ``_plain_mean_into``: finite parts of similar
         # norms give their plain mean; anything else takes the exact path below
         floats = [p.to(torch.float32) for p in parts]
-        no_outlier = screen.max_norm_ratio is None or _no_norm_outlier([_norm(p) for p in floats], screen.max_norm_ratio)
+        ratio = screen.max_norm_ratio
+        no_outlier = ratio is None or _no_norm_outlier([_norm(p) for p in floats], ratio)
         if no_outlier and _plain_mean_into(out, floats):
             return out, []
     accepted, rejected, norms = _screened(parts, peers, screen)

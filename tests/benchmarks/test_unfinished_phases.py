@@ -14,8 +14,8 @@ import math
 
 import pytest
 
+from lattica.train.engine.reports import TrainingSummary
 from lattica.train.strategies import STRATEGIES
-from lattica.train.trainer import TrainingSummary
 from lattica_lab.benchmark_scripts import load
 
 # ---------------------------------------------------------------------------- chaos

@@ -5,6 +5,7 @@ import torch
 import trio
 
 from lattica.config import TrainSettings
+from lattica.train.settings.strategy_settings import strategy_config
 from lattica.train.strategies.co2 import (
     CO2,
     CO2Config,
@@ -12,7 +13,6 @@ from lattica.train.strategies.co2 import (
     look_ahead,
     staleness_factors,
 )
-from lattica.train.strategy_settings import strategy_config
 from lattica_lab.collective import FixedGroups, InMemoryCollectiveGroup, scalar_model
 
 

@@ -6,6 +6,7 @@ import trio
 
 from lattica.config import TrainSettings
 from lattica.errors import ConfigError
+from lattica.train.settings.strategy_settings import strategy_config
 from lattica.train.strategies import create_strategy
 from lattica.train.strategies.desloc import (
     DESLOC,
@@ -15,7 +16,6 @@ from lattica.train.strategies.desloc import (
     bytes_per_steps,
     due_quantities,
 )
-from lattica.train.strategy_settings import strategy_config
 from lattica_lab.collective import FixedGroups, InMemoryCollectiveGroup, scalar_model
 
 
@@ -56,9 +56,16 @@ def _replicas(strategy_cls, config, weights, first, second):
 
 
 async def _sync_all(replicas, step):
+    """Each replica's sync at ``step``; their round reports, in replica order."""
+    reports = [None] * len(replicas)
+
+    async def sync(i, strategy):
+        reports[i] = await strategy.after_inner_step(step)
+
     async with trio.open_nursery() as nursery:
-        for _, _, strategy in replicas:
-            nursery.start_soon(strategy.after_inner_step, step)
+        for i, (_, _, strategy) in enumerate(replicas):
+            nursery.start_soon(sync, i, strategy)
+    return reports
 
 
 def _state(replicas, key):
@@ -172,10 +179,10 @@ async def test_gossip_pairs_average_inside_their_group():
     _, replicas = _replicas(LocalAdam, config, weights=[1.0, 3.0], first=[0.2, 0.4], second=[1.0, 3.0])
     assert not replicas[0][2].replicas_agree
     assert LocalAdam.averages_in_groups(config)
-    await _sync_all(replicas, 1)
+    reports = await _sync_all(replicas, 1)
     assert [m.weight.item() for m, _, _ in replicas] == [2.0, 2.0]
     assert _state(replicas, "exp_avg_sq") == [2.0, 2.0]
-    assert replicas[0][2].consensus_distance == pytest.approx(0.5)
+    assert reports[0][0].consensus_distance == pytest.approx(0.5)
 
 
 def test_run_settings_reach_the_config():

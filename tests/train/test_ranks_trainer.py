@@ -11,10 +11,10 @@ import torch
 import trio
 
 from lattica.config import TrainSettings
-from lattica.train import trainer_factory
-from lattica.train.checkpoint import weights_hash
-from lattica.train.ranks.trainer import RankedTrainer
-from lattica.train.trainer import Trainer
+from lattica.train.engine.checkpoint import weights_hash
+from lattica.train.engine.ranks.trainer import RankedTrainer
+from lattica.train.engine.trainer import Trainer
+from lattica.train.settings import trainer_factory
 from lattica_lab.collective import FixedGroups, InMemoryCollectiveGroup
 
 pytestmark = pytest.mark.timeout(120)

@@ -69,10 +69,10 @@ from typing import Any
 import torch
 import trio
 
-from lattica.config import DEFAULT_INNER_STEPS
+from lattica.config import DEFAULT_INNER_STEPS, OuterStateDevice
 from lattica.errors import BrokenError, LocalProtocolError, PeerUnavailableError
-from lattica.train.collective import Collective
-from lattica.train.outer_placement import (
+from lattica.train.engine.collective import Collective
+from lattica.train.engine.outer_placement import (
     OuterPlacement,
     clone_like,
     copy_into,
@@ -81,7 +81,7 @@ from lattica.train.outer_placement import (
 )
 from lattica.train.strategies.accounting import AccountedStrategy, tensor_bytes
 from lattica.train.strategies.base import EveryHSteps, GroupProvider, OuterStepReport
-from lattica.train.strategies.diloco import outer_copy, pseudo_gradient
+from lattica.train.strategies.outer_math import outer_copy, pseudo_gradient
 from lattica.train.strategies.traffic import allreduce_bytes
 
 log = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ class CO2Config:
     momentum_clip: float | None = 1.0  # c: element-wise bound on the outer momentum; None: off
     codec: str = "fp32"
     max_attempts: int = 3
-    outer_state_device: str = "cpu"  # or "same": the training device (outer_placement.py)
+    outer_state_device: OuterStateDevice = "cpu"  # or "same": the training device (outer_placement.py)
 
     def __post_init__(self) -> None:
         OuterPlacement(where=self.outer_state_device)  # validates it
@@ -176,7 +176,7 @@ class _InFlight:
     error: str = ""
 
 
-class CO2(EveryHSteps, AccountedStrategy):
+class CO2(EveryHSteps[CO2Config], AccountedStrategy[CO2Config]):
     """Overlapped DiLoCo with the outer update applied one round late (module docstring)."""
 
     name = "co2"
@@ -191,8 +191,7 @@ class CO2(EveryHSteps, AccountedStrategy):
         groups: GroupProvider,
         config: CO2Config | None = None,
     ) -> None:
-        super().__init__(model, collective=collective, groups=groups)
-        self.config = config or CO2Config()
+        super().__init__(model, collective=collective, groups=groups, config=config)
         placement = OuterPlacement(where=self.config.outer_state_device)
         self._names, self._inner, self._outer = outer_copy(model, placement)
         self._momentum = [torch.zeros_like(t) for t in self._outer]

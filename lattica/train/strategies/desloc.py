@@ -57,15 +57,14 @@ from typing import Any
 
 import torch
 
-from lattica.config import DEFAULT_INNER_STEPS
+from lattica.config import DEFAULT_INNER_STEPS, Averaging, check_averaging
 from lattica.coordination.groups import proposed_group
 from lattica.errors import BrokenError, PeerUnavailableError
-from lattica.train.collective import Collective
-from lattica.train.outer_placement import host_clone
+from lattica.train.engine.collective import Collective
+from lattica.train.engine.outer_placement import host_clone
 from lattica.train.strategies.accounting import AccountedStrategy, tensor_bytes
 from lattica.train.strategies.base import EveryHSteps, GroupProvider, OuterStepReport
 from lattica.train.strategies.gossip import (
-    check_averaging,
     consensus_distance,
     exchange_with_partners,
     group_mean,
@@ -92,12 +91,12 @@ class LocalAdamConfig:
     second_moment_rounds: int = 1  # K_v = second_moment_rounds · K_x
     codec: str = "fp32"
     max_attempts: int = 3
-    averaging: str = "allreduce"  # or "gossip": average inside small groups redrawn every round
+    averaging: Averaging = "allreduce"  # or "gossip": average inside small groups redrawn every round
     group_size: int = 2
     exchange_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
-        check_averaging(self.averaging, self.group_size)
+        check_averaging(self.averaging, self.group_size, where=f"{type(self).__name__}.")
         for name in ("inner_steps", "first_moment_rounds", "second_moment_rounds", "max_attempts"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -144,7 +143,7 @@ def split_payload(payload: Sequence[torch.Tensor], due: Sequence[str]) -> dict[s
     return {q: list(payload[i * n:(i + 1) * n]) for i, q in enumerate(due)}
 
 
-class LocalAdam(EveryHSteps, AccountedStrategy):
+class LocalAdam(EveryHSteps[LocalAdamConfig], AccountedStrategy[LocalAdamConfig]):
     """Local Adam: x, u and v replaced by their means every H steps (module docstring)."""
 
     name = "local_adam"
@@ -167,13 +166,11 @@ class LocalAdam(EveryHSteps, AccountedStrategy):
         groups: GroupProvider,
         config: LocalAdamConfig | None = None,
     ) -> None:
-        super().__init__(model, collective=collective, groups=groups)
-        self.config = config or self.default_config()
+        super().__init__(model, collective=collective, groups=groups, config=config)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
         self.replicas_agree = self.config.averaging == "allreduce"
-        self.consensus_distance: float | None = None
         self._round = 0  # syncs started (the next one's key); advances when a round is skipped
         self._completed = 0
         self._step = 0  # inner step of the last sync
@@ -265,12 +262,12 @@ class LocalAdam(EveryHSteps, AccountedStrategy):
         accepted, kept = screen_answers(self.partner_screen, payload, answered, answers, segments)
         mean = group_mean([payload, *kept]) if kept else payload
         split = split_payload(mean, due)
-        if kept:
-            self.consensus_distance = consensus_distance(split_payload(payload, due)[PARAMS], split[PARAMS])
+        spread = consensus_distance(split_payload(payload, due)[PARAMS], split[PARAMS]) if kept else None
         self._take(split, step)
         return OuterStepReport(
             round=self._round - 1, key=key, group=tuple(sorted({me, *accepted})), bytes_sent=sent,
             seconds=time.monotonic() - started, detail=left_out_detail(missing, set(answered) - set(accepted)),
+            consensus_distance=spread,
         )
 
     # -- the tensors --------------------------------------------------------------------------
@@ -308,7 +305,9 @@ class LocalAdam(EveryHSteps, AccountedStrategy):
         optimizer = self.inner_optimizer
         if optimizer is None:
             return
-        fused = {id(p): bool(g.get("fused") or g.get("capturable")) for g in optimizer.param_groups for p in g["params"]}
+        fused = {
+            id(p): bool(g.get("fused") or g.get("capturable")) for g in optimizer.param_groups for p in g["params"]
+        }
         with torch.no_grad():
             for param, value in zip(self._params, values, strict=True):
                 state = optimizer.state[param]
