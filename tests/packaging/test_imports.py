@@ -8,6 +8,7 @@ count for the layers and the cycles.
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -469,3 +470,11 @@ def test_the_training_folders_import_only_downwards() -> None:
             ):
                 upward.append(f"{module} imports {target}")
     assert upward == []
+
+
+MAX_ANY = 60  # occurrences of the word ``Any`` in the package: typed messages and states instead
+
+
+def test_the_package_names_any_fewer_than_60_times() -> None:
+    count = sum(len(re.findall(r"\bAny\b", p.read_text())) for p in PACKAGE.rglob("*.py"))
+    assert count < MAX_ANY, f"{count} occurrences of Any in lattica/ (at most {MAX_ANY - 1})"

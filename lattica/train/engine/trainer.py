@@ -228,9 +228,9 @@ class Trainer:
         its rank processes: ``train/engine/ranks/``)."""
         await trio.to_thread.run_sync(self._worker.run, self._inner_steps, last)
 
-    def device_status(self) -> dict[str, Any]:
+    def device_status(self) -> dict[str, object]:
         """``lattica status``'s ``devices``: one entry per rank — here the one device."""
-        entry: dict[str, Any] = {"rank": 0, "device": self.device.describe(), "tokens_per_s": round(self._rate, 1)}
+        entry: dict[str, object] = {"rank": 0, "device": self.device.describe(), "tokens_per_s": round(self._rate, 1)}
         if self.device.device.type == "cuda":
             entry["memory_bytes"] = torch.cuda.max_memory_allocated(self.device.device)
         utilization = mfu(self._flops_per_token, self._rate, self._peak_flops)

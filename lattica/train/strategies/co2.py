@@ -64,13 +64,13 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import trio
 
 from lattica.config import DEFAULT_INNER_STEPS, OuterStateDevice
 from lattica.errors import BrokenError, LocalProtocolError, PeerUnavailableError
+from lattica.train.engine.checkpoint import StateDict
 from lattica.train.engine.collective import Collective
 from lattica.train.engine.outer_placement import (
     OuterPlacement,
@@ -287,7 +287,7 @@ class CO2(EveryHSteps[CO2Config], AccountedStrategy[CO2Config]):
         copy_into(self._start, start)
         copy_into(self._inner, self._start)
 
-    def outer_state_dict(self) -> dict[str, Any]:
+    def outer_state_dict(self) -> StateDict:
         def named(tensors: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
             return {n: host_clone(t) for n, t in zip(self._names, tensors, strict=True)}
 
@@ -296,7 +296,7 @@ class CO2(EveryHSteps[CO2Config], AccountedStrategy[CO2Config]):
             "round": self._round, "step": self._step, "completed_rounds": self._completed,
         }
 
-    def load_outer_state_dict(self, state: dict[str, Any]) -> None:
+    def load_outer_state_dict(self, state: StateDict) -> None:
         for group in ("params", "momentum", "base"):
             given = state.get(group)
             if not isinstance(given, dict) or set(given) != set(self._names):

@@ -53,13 +53,13 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from lattica.config import DEFAULT_INNER_STEPS, Averaging, check_averaging
 from lattica.coordination.groups import proposed_group
 from lattica.errors import BrokenError, PeerUnavailableError
+from lattica.train.engine.checkpoint import StateDict
 from lattica.train.engine.collective import Collective
 from lattica.train.engine.outer_placement import host_clone
 from lattica.train.strategies.accounting import AccountedStrategy, tensor_bytes
@@ -339,15 +339,15 @@ class LocalAdam(EveryHSteps[LocalAdamConfig], AccountedStrategy[LocalAdamConfig]
 
     # -- outer state ----------------------------------------------------------------------------
 
-    def outer_state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {
+    def outer_state_dict(self) -> StateDict:
+        state: StateDict = {
             q: {n: host_clone(t) for n, t in zip(self._names, self._averages[q], strict=True)} for q in QUANTITIES
         }
         state |= {"round": self._round, "step": self._step, "completed_rounds": self._completed,
                   "adam_step": self._adam_step}
         return state
 
-    def load_outer_state_dict(self, state: dict[str, Any]) -> None:
+    def load_outer_state_dict(self, state: StateDict) -> None:
         loaded: dict[str, list[torch.Tensor]] = {}
         for quantity in QUANTITIES:
             given = state.get(quantity)

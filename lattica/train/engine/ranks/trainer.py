@@ -32,7 +32,6 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import trio
@@ -40,7 +39,7 @@ from trio_typing import TaskStatus
 
 from lattica.config import TrainSettings
 from lattica.errors import RankFailedError
-from lattica.train.engine.checkpoint import CheckpointStore
+from lattica.train.engine.checkpoint import CheckpointStore, StateDict
 from lattica.train.engine.device import DeviceInfo
 from lattica.train.engine.ranks.devices import NodeDevices
 from lattica.train.engine.ranks.group import (
@@ -240,24 +239,24 @@ class RankedTrainer(Trainer):
             await self._failed(failure, give_up=False)  # the next phase restarts the ranks
             return await trio.to_thread.run_sync(self.evaluate)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         state = super().state_dict()
         if self.task.sampler is not None:  # the ranks' sampler, as the last phase left it
             state["sampler"] = self.task.sampler.state_dict()
         return state
 
-    def device_status(self) -> dict[str, Any]:
+    def device_status(self) -> dict[str, object]:
         entries = []
         for rank, name in enumerate(self.ranks.devices.names):
             report = self._reports[rank] if rank < len(self._reports) else {}
-            entry: dict[str, Any] = {"rank": rank, "device": report.get("device") or name, "name": name}
+            entry: dict[str, object] = {"rank": rank, "device": report.get("device") or name, "name": name}
             if self._group is not None and rank < len(self._group.procs):
                 entry["pid"] = self._group.procs[rank].pid
             for key in ("tokens_per_s", "memory_bytes", "mfu"):
                 if isinstance(report.get(key), int | float):
                     entry[key] = round(report[key], 4 if key == "mfu" else 1)
             entries.append(entry)
-        status: dict[str, Any] = {"devices": entries, "rank_restarts": self.restarts}
+        status: dict[str, object] = {"devices": entries, "rank_restarts": self.restarts}
         if self.ranks_agree is not None:
             status["ranks_agree"] = self.ranks_agree
         if self.failures:

@@ -45,7 +45,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, BinaryIO, cast
+from typing import BinaryIO, cast
 
 import torch
 import torch.distributed as dist
@@ -254,12 +254,12 @@ class Rank:
         dist.all_reduce(low, op=dist.ReduceOp.MIN)
         return bool(torch.equal(high, low))
 
-    def _figures(self, tokens_per_s: float) -> dict[str, Any]:
+    def _figures(self, tokens_per_s: float) -> dict[str, object]:
         if self.info.device.type == "cuda":
             memory = torch.cuda.max_memory_allocated(self.info.device)
         else:  # the process's peak resident memory (KiB on Linux)
             memory = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        figures: dict[str, Any] = {
+        figures: dict[str, object] = {
             "device": self.info.describe(), "name": self.name, "tokens_per_s": tokens_per_s, "memory_bytes": memory,
             "peak_flops": self._peak, "flops_per_token": self._flops_per_token,
         }
