@@ -261,9 +261,9 @@ class NodeMetrics:
             labels = {"rank": str(entry.get("rank", 0)), "device": str(entry.get("name") or entry.get("device"))}
             for key, gauge in (("tokens_per_s", self.device_tokens_per_second),
                                ("memory_bytes", self.device_memory_bytes), ("mfu", self.device_mfu)):
-                value = entry.get(key)
-                if isinstance(value, int | float) and not isinstance(value, bool):
-                    gauge.labels(**labels).set(value)
+                value = entry.get(key)  # NaN where the device does not know it (the CPU's memory, MFU)
+                known = isinstance(value, int | float) and not isinstance(value, bool)
+                gauge.labels(**labels).set(value if known else math.nan)
 
     def _define_accounting(self) -> None:
         self.strategy_bytes_sent = self._counter(

@@ -45,7 +45,7 @@ TRAIN_ARGS = ("--train", "--model", "tiny", "--inner-steps", "5", "--rounds", "1
 GOSSIP_ROW = "Gossip averaging"
 # Known only on an accelerator of known peak: on the CPU the series is exported as NaN, so the
 # panel's query must find the series, but has no number to show.
-ACCELERATOR_ONLY = frozenset({"Model FLOPs utilisation"})
+ACCELERATOR_ONLY = frozenset({"Model FLOPs utilisation", "Device memory", "Device FLOPs utilisation"})
 
 pytestmark = pytest.mark.skipif(
     shutil.which("prometheus") is None, reason="needs the prometheus binary (apt: prometheus)"

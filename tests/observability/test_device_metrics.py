@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -23,5 +25,9 @@ def test_each_rank_of_the_status_is_a_series_labelled_by_its_device() -> None:
         {"rank": 1, "device": "cpu (fp32)", "name": "cpu:1", "tokens_per_s": 1100.0, "mfu": 0.4},
     ])
     assert _samples(metrics, "lattica_device_tokens_per_second") == {("0", "cpu:0"): 1200.5, ("1", "cpu:1"): 1100.0}
-    assert _samples(metrics, "lattica_device_memory_bytes") == {("0", "cpu:0"): float(2**30)}
-    assert _samples(metrics, "lattica_device_model_flops_utilization") == {("1", "cpu:1"): 0.4}
+    memory = _samples(metrics, "lattica_device_memory_bytes")
+    utilization = _samples(metrics, "lattica_device_model_flops_utilization")
+    assert memory[("0", "cpu:0")] == float(2**30)
+    assert math.isnan(memory[("1", "cpu:1")])
+    assert utilization[("1", "cpu:1")] == 0.4
+    assert math.isnan(utilization[("0", "cpu:0")])
