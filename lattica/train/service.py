@@ -48,7 +48,7 @@ from lattica.config import NodeConfig, TrainSettings
 from lattica.coordination.gossip import GossipGroups
 from lattica.coordination.provider import GroupProvider
 from lattica.coordination.rounds import RoundCoordinator
-from lattica.errors import LatticaError
+from lattica.errors import LatticaError, LocalProtocolError
 from lattica.numerics.screen import Rejection
 from lattica.train import trainer_factory
 from lattica.train.collective import Collective, StallGuardedCollective
@@ -67,6 +67,7 @@ from lattica.train.run_config import agree_run_config, agree_run_identity
 from lattica.train.strategies.base import OuterStrategy
 from lattica.train.tokenized import bits_per_byte
 from lattica.train.trainer import Progress, RoundCompleted, Trainer
+from lattica.train.tuner import RunTuner, measure
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +167,8 @@ class TrainingService:
         self._ownership: ReplicatedOwnership | None = None
         self._nursery: trio.Nursery | None = None
         self._bytes_sent = 0
+        self.tuner: RunTuner | None = None  # ``tune = true``: the tuned schedule, the admin's tuning
+        self._last_group: tuple[str, ...] = ()
         self.liveness = PeerLiveness(
             self.view, connected=self._connected, candidates=self._candidates, not_behind=self._not_behind,
         )
@@ -256,6 +259,8 @@ class TrainingService:
         self.settings = await agree_run_config(self.view, self.settings, wait_s=self.settings.round_deadline_s)
         self.outer_sync.settings = self.settings
         self._gossips = _averages_in_groups(self.settings)
+        if self.settings.tune:
+            self.tuner = RunTuner(self.view, self.settings, host=self.node.host, traffic=self.tensors.stats)
         if self._gossips:
             await self._start_gossip_groups()
         self.phase = "loading"
@@ -325,7 +330,10 @@ class TrainingService:
 
     def _wrap(self, strategy: OuterStrategy) -> OuterStrategy:
         """Outer-state sync around the strategy: catch-up and repair where replicas agree,
-        keeping up with the newest replica where they average in groups."""
+        keeping up with the newest replica where they average in groups; inside them, the tuned
+        sync schedule with ``tune = true``."""
+        if self.tuner is not None:
+            strategy = self.tuner.wrap(strategy)
         if strategy.replicas_agree:
             return CatchingUpStrategy(strategy, self.outer_sync)
         if self._gossips:
@@ -421,6 +429,9 @@ class TrainingService:
             log.info("sync %s skipped: %s", report.key, report.detail)
             return
         log.info("sync %s done with %d member(s) in %.2f s", report.key, len(report.group), report.seconds)
+        self._last_group = report.group
+        if self.tuner is not None and self._nursery is not None and self.trainer is not None:
+            self._nursery.start_soon(self.tuner.after_round, report, self.trainer.step)
         if self.outer_sync.round_completed(report, event.state_hash) and self._nursery is not None:
             self._nursery.start_soon(self.outer_sync.publish_round)
 
@@ -468,6 +479,8 @@ class TrainingService:
             info["refused_states"] = refused
         if self.summary:
             info["summary"] = self.summary
+        if self.tuner is not None:
+            info["tuned"] = self.tuner.status(self.trainer.step if self.trainer is not None else 0)
         return {"training": info}
 
     def accounting(self) -> dict[str, int]:
@@ -478,7 +491,23 @@ class TrainingService:
         if request.method == "train":
             training: object = self.status()["training"]
             return training
+        if request.method == "tune":
+            return await self.measure()
         return None
+
+    async def measure(self) -> dict[str, object]:
+        """The ``tune`` control request: this node's figures for ``lattica tune`` (``tuner.measure``)."""
+        trainer = self.trainer
+        if trainer is None:
+            raise LocalProtocolError("tune: training has not started on this node yet")
+        step_s = self.tuner.strategy.timer.step_s if self.tuner is not None and self.tuner.strategy is not None else None
+        rate = self.progress.get("tokens_per_s")
+        if step_s is None and isinstance(rate, float | int) and rate > 0:  # wall time: syncs included
+            step_s = self.settings.batch_size * self.settings.seq_len / rate
+        return await measure(
+            self.node.host, self.tensors.stats, peer_id=self.peer_id, group=self._last_group or tuple(self.view.trainers()),
+            step_s=step_s, model_bytes=4 * sum(p.numel() for p in trainer.model.parameters()),
+        )
 
 
 def _averages_in_groups(settings: TrainSettings) -> bool:
