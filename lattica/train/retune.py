@@ -5,9 +5,10 @@ Theory of operation
 -------------------
 **Where it is decided.** Only an admin tunes, after a round it took part in: it measures the
 inner step (``PhaseTimer``: the wall time of the inner phase before the round over its steps),
-the fp32 payload, the bandwidth to the round's other members (the data plane times every large
-message it sends: bytes over seconds, the slowest peer's) and the RTT (a clock ping, the
-farthest peer's), and hands them to ``decide``. The first round tunes; a later one re-tunes only
+the fp32 payload, the bandwidth to the round's other members (the lower of the slowest peer's
+last timed message and the round's own bytes over its wall time: ``tuner.measure``) and the
+RTT (a clock ping, the farthest peer's), and hands them to ``decide``. The first round with a
+timed inner phase (the second) tunes; a later one re-tunes only
 when the bandwidth moved by more than ``factor`` (2×) either way since the last tuning
 (``autotune.needs_retune``). Every decision is logged with its numbers.
 

@@ -169,6 +169,7 @@ class TrainingService:
         self._bytes_sent = 0
         self.tuner: RunTuner | None = None  # ``tune = true``: the tuned schedule, the admin's tuning
         self._last_group: tuple[str, ...] = ()
+        self._round_bps: float | None = None  # the last round with peers: its bytes sent over its wall time
         self.liveness = PeerLiveness(
             self.view, connected=self._connected, candidates=self._candidates, not_behind=self._not_behind,
         )
@@ -429,7 +430,8 @@ class TrainingService:
             log.info("sync %s skipped: %s", report.key, report.detail)
             return
         log.info("sync %s done with %d member(s) in %.2f s", report.key, len(report.group), report.seconds)
-        self._last_group = report.group
+        if len(report.group) > 1 and report.seconds > 0:
+            self._last_group, self._round_bps = report.group, report.bytes_sent * 8 / report.seconds
         if self.tuner is not None and self._nursery is not None and self.trainer is not None:
             self._nursery.start_soon(self.tuner.after_round, report, self.trainer.step)
         if self.outer_sync.round_completed(report, event.state_hash) and self._nursery is not None:
@@ -506,7 +508,7 @@ class TrainingService:
             step_s = self.settings.batch_size * self.settings.seq_len / rate
         return await measure(
             self.node.host, self.tensors.stats, peer_id=self.peer_id, group=self._last_group or tuple(self.view.trainers()),
-            step_s=step_s, model_bytes=4 * sum(p.numel() for p in trainer.model.parameters()),
+            step_s=step_s, model_bytes=4 * sum(p.numel() for p in trainer.model.parameters()), round_bps=self._round_bps,
         )
 
 

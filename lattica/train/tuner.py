@@ -4,8 +4,8 @@ A thin shell around ``retune`` (the decision and the schedule, sans-IO) and ``au
 cost model and the search). ``measure`` gathers this node's figures — the inner step (timed per
 inner phase with ``tune = true``; else from the reported throughput, which counts the syncs
 too), the fp32 payload, the last timed transfer to each member of the last round and a clock
-ping to each — for the ``tune`` control request and for the admin's tuning. ``RunTuner`` reads
-the tuned schedule from the run config for the strategy wrapper (``retune.TunedPeriods``) and,
+ping to each, and the last round's own rate — for the ``tune`` control request and for the
+admin's tuning. ``RunTuner`` reads the tuned schedule from the run config for the strategy wrapper (``retune.TunedPeriods``) and,
 on an admin, decides after each round whether to (re-)tune and publishes the new entry.
 """
 
@@ -48,8 +48,14 @@ class Traffic(Protocol):
 
 async def measure(
     host: IHost, traffic: Traffic, *, peer_id: str, group: Sequence[str], step_s: float | None, model_bytes: int,
+    round_bps: float | None,
 ) -> dict[str, object]:
-    """This node's figures for the tuner (module docstring), with each peer's; JSON."""
+    """This node's figures for the tuner (module docstring), with each peer's; JSON.
+
+    The bandwidth is the lower of the slowest peer's last timed message and the last round's
+    own rate (its bytes sent over its wall time): a message that fits in the socket buffers
+    is sent faster than the link carries it, and a round also waits for its last member, so
+    the lower figure is the one a round is held to."""
     peers = [p for p in group if p != peer_id]
     rtts: dict[str, float] = {}
     with trio.move_on_after(CLOCK_PING_S):
@@ -60,7 +66,8 @@ async def measure(
             "mbit_s": round(bps / 1e6, 2) if (bps := slowest_bandwidth_bps(sent, [p])) is not None else None}
         for p in peers
     }
-    bandwidth = slowest_bandwidth_bps(sent, peers)
+    rates = [r for r in (slowest_bandwidth_bps(sent, peers), round_bps) if r is not None]
+    bandwidth = min(rates) if rates else None
     return {
         "step_s": step_s, "model_bytes": model_bytes, "bandwidth_bps": bandwidth,
         "rtt_s": max(rtts.values()) if rtts else None, "peers": len(group), "per_peer": per_peer,
@@ -134,6 +141,8 @@ class RunTuner:
         ``retune.decide`` says so. Never fails the training: a failure is logged."""
         if self.peer_id not in self.view.admins or report.skipped or len(report.group) < 2 or self.strategy is None:
             return
+        if self.strategy.timer.step_s is None or report.seconds <= 0:
+            return  # the first round: no inner phase timed between two syncs yet
         async with self._lock:  # one decision at a time: each builds on the entry in force
             try:
                 await self._tune(report, step)
@@ -145,6 +154,7 @@ class RunTuner:
         figures = await measure(
             self.host, self.traffic, peer_id=self.peer_id, group=report.group,
             step_s=self.strategy.timer.step_s, model_bytes=self.model_bytes(),
+            round_bps=report.bytes_sent * 8 / report.seconds,
         )
         measured = measurements_of(figures)
         s = self.settings
