@@ -172,7 +172,8 @@ class RunTuner:
         self.last_decision = (
             f"{decision.reason}; step {measured.step_s * 1000:.1f} ms, payload {measured.model_bytes / 1e6:.1f} MB, "
             f"RTT {measured.rtt_s * 1000:.1f} ms, {measured.peers} members -> H "
-            f"{decision.applied.config.inner_steps} (predicted utilization {decision.applied.prediction.utilization:.3f})"
+            f"{decision.applied.config.inner_steps} (predicted utilization {decision.applied.prediction.utilization:.3f}, "
+            f"{'meets' if decision.applied.meets_target else 'below'} the target {self.target})"
             + (f" from step {new.from_step}" if new is not None else "")
         )
         log.warning("tune: re-tuned after %s: %s", report.key, self.last_decision)

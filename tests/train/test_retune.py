@@ -136,3 +136,21 @@ def test_tune_without_all_figures_asks_the_daemon_and_says_when_none_runs(tmp_pa
     assert main(["tune", "--data-dir", str(tmp_path), "--peers", "4"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"lattica: error: no daemon running for data dir {tmp_path}"]
+
+
+def test_a_member_keeps_the_last_valid_schedule_when_the_entry_turns_malformed(caplog) -> None:
+    from types import SimpleNamespace
+
+    from lattica.train.tuner import RunTuner
+
+    caplog.set_level("INFO", logger="lattica.train.tuner")
+    config: dict[str, object] = {}
+    view = SimpleNamespace(peer_id="me", run_config=lambda: config)
+    tuner = RunTuner(view, TrainSettings(tune=True), host=None, traffic=None)  # type: ignore[arg-type]
+    assert tuner.periods() == ()
+    config["tuned"] = {"periods": [[10, 25]], "bandwidth_bps": 2e7}
+    assert tuner.periods() == (Period(from_step=10, inner_steps=25),)
+    assert "the run syncs every 25 steps from step 10" in caplog.text
+    config["tuned"] = {"periods": [[10, 25], [5, 400]], "bandwidth_bps": 2e7}
+    assert tuner.periods() == (Period(from_step=10, inner_steps=25),)
+    assert "tuned entry is refused (periods must have increasing from_step)" in caplog.text
