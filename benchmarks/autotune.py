@@ -69,6 +69,7 @@ async def _train(service, corpus, cmd: dict) -> dict:
     from lattica.train.model import build_model
     from lattica.train.schedule import ScheduleConfig
     from lattica.train.strategies import create_strategy
+    from lattica.train.strategies.co2 import FIRST_IN_FLIGHT
     from lattica.train.task import Task
     from lattica.train.trainer import Trainer, TrainerConfig
 
@@ -87,6 +88,8 @@ async def _train(service, corpus, cmd: dict) -> dict:
     rounds = {"done": 0, "skipped": 0}
 
     def count_round(event) -> None:
+        if event.report.detail == FIRST_IN_FLIGHT:  # CO2's first sync: its mean lands at the next
+            return
         rounds["skipped" if event.report.skipped else "done"] += 1
 
     trainer = Trainer(task, strategy, config, device=select_device("cpu"), on_round=count_round)
