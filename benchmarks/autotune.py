@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -164,17 +165,28 @@ def _phase(procs, peers: list[str], name: str, phase: dict, steps: int) -> list[
         rows = [p.wait_for(lambda e: e.get("op") == "train", timeout=PHASE_TIMEOUT_S, fresh=True) for p in procs]
     except (TimeoutError, RuntimeError) as exc:
         raise BenchmarkFailed(f"{name} phase did not finish: {exc}") from None
-    syncs = 0 if phase["strategy"] == "nocomm" else steps // phase["inner_steps"]
-    for i, row in enumerate(rows):
-        if not row.get("ok") or row.get("steps") != steps:
-            raise BenchmarkFailed(f"{name}: peer {i} did not finish: {row.get('error', row)}")
-        if row.get("skipped_syncs") or row.get("syncs", 0) < syncs - (phase["strategy"] == "co2"):
-            raise BenchmarkFailed(f"{name}: peer {i} completed {row.get('syncs')} of {syncs} syncs "
-                                  f"({row.get('skipped_syncs')} skipped)")
+    check_phase(name, rows, steps, phase)
     print(f"{name:<16} wall {statistics.fmean(r['wall_s'] for r in rows):.1f}s  "
           f"step {1000 * statistics.fmean(r['step_s'] for r in rows):.1f} ms  "
           f"val loss {statistics.fmean(r['val_loss'] for r in rows):.4f}", flush=True)
     return rows
+
+
+def check_phase(name: str, rows: list[dict], steps: int, phase: dict) -> None:
+    """Raise ``BenchmarkFailed`` unless every peer trained every step, completed its syncs (CO2:
+    all but the last, whose mean lands after training) and measured a finite loss."""
+    syncs = 0 if phase["strategy"] == "nocomm" else steps // phase["inner_steps"] - (phase["strategy"] == "co2")
+    if len(rows) != WORKERS:
+        raise BenchmarkFailed(f"{name}: {len(rows)} peer reports, not {WORKERS}")
+    for i, row in enumerate(rows):
+        if not row.get("ok") or row.get("steps") != steps:
+            raise BenchmarkFailed(f"{name}: peer {i} did not finish: {row.get('error', row)}")
+        if row.get("skipped_syncs") or row.get("syncs", 0) < syncs:
+            raise BenchmarkFailed(f"{name}: peer {i} completed {row.get('syncs')} of {syncs} syncs "
+                                  f"({row.get('skipped_syncs')} skipped)")
+        loss = row.get("val_loss")
+        if not isinstance(loss, float) or not math.isfinite(loss) or not row.get("wall_s", 0) > 0:
+            raise BenchmarkFailed(f"{name}: peer {i} reported no finite loss or no wall time")
 
 
 def _tuned(rows: list[dict], rate_mbit: float, rtt_ms: float, target: float):
