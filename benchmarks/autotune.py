@@ -15,14 +15,16 @@ over libp2p), each on its own shard, all from the same weights. For each link ra
   average by all-reduce; a gossip group would need the daemon's group coordination).
 
 ``<x>_util_vs_nocomm`` is the ``nocomm`` wall over the phase's wall (the wall from the first
-inner step to the return of the last one's ``after_inner_step``; overlap.py's measure);
+inner step to the return of the last one's ``after_inner_step``; overlap.py's measure), taken
+within each cycle (``--cycles``, default 3: the three phases in turn, so load that drifts hits
+them alike) and reported as the median over the cycles, every cycle's ratio beside it;
 ``tuned_loss_vs_diloco`` is the tuned phase's validation loss (mean over the peers) over the
 default's. Targets: tuned utilization ≥ 0.95 and loss ≤ 1.03 × DiLoCo's at both rates.
 
 A phase that does not finish — a peer that exits or misses its deadline, fewer steps than asked,
 a skipped sync — fails the run: exit status 1 and one line on stderr, no figures.
 
-    python benchmarks/autotune.py [--rates 20,200] [--steps 400] [--rtt-ms 100] [--target 0.95]
+    python benchmarks/autotune.py [--rates 20,200] [--steps 400] [--rtt-ms 100] [--target 0.95] [--cycles 3]
 
 Needs root, ``ip`` and ``/dev/net/tun`` (the WAN lab); without them it says so and exits with
 status 2. The last line printed is one JSON object.
@@ -203,31 +205,46 @@ def _tuned(rows: list[dict], rate_mbit: float, rtt_ms: float, target: float):
 
 
 def _run_rate(lab, procs, peers, args, rate: float) -> dict:
+    """The three phases at ``rate``, ``--cycles`` times in turn; the tuner's choice is made once,
+    from the first ``nocomm`` phase. Each utilization is the median over the cycles of that
+    cycle's ``nocomm`` wall over the phase's (load drifts between cycles and hits a cycle's
+    phases alike; overlap.py's paired ratio)."""
     if lab.links:
         lab.unlink("a", "b")
     lab.link("a", "b", rtt_ms=args.rtt_ms, mbit=rate)
-    nocomm = _phase(procs, peers, f"{rate:g} nocomm", {"strategy": "nocomm", "inner_steps": 1, "codec": "fp32"},
-                    args.steps)
-    default = _phase(procs, peers, f"{rate:g} default", {"strategy": "diloco", "inner_steps": DEFAULT_H,
-                                                         "codec": "fp32"}, args.steps)
-    measured, tuned = _tuned(nocomm, rate, args.rtt_ms, args.target)
+    default = {"strategy": "diloco", "inner_steps": DEFAULT_H, "codec": "fp32"}
+    nocomm = {"strategy": "nocomm", "inner_steps": 1, "codec": "fp32"}
+    rows: dict[str, list[list[dict]]] = {"nocomm": [], "default": [], "tuned": []}
+    first = _phase(procs, peers, f"{rate:g} nocomm 1", nocomm, args.steps)
+    measured, tuned = _tuned(first, rate, args.rtt_ms, args.target)
     c = tuned.config
-    phase = {"strategy": "co2" if c.overlap else "diloco", "inner_steps": c.inner_steps, "codec": c.codec}
-    tuned_rows = _phase(procs, peers, f"{rate:g} tuned", phase, args.steps)
+    tuned_phase = {"strategy": "co2" if c.overlap else "diloco", "inner_steps": c.inner_steps, "codec": c.codec}
+    for cycle in range(args.cycles):
+        rows["nocomm"].append(first if cycle == 0 else _phase(procs, peers, f"{rate:g} nocomm {cycle + 1}", nocomm,
+                                                              args.steps))
+        rows["default"].append(_phase(procs, peers, f"{rate:g} default {cycle + 1}", default, args.steps))
+        rows["tuned"].append(_phase(procs, peers, f"{rate:g} tuned {cycle + 1}", tuned_phase, args.steps))
 
-    def wall(rows: list[dict]) -> float:
-        return statistics.fmean(r["wall_s"] for r in rows)
+    def wall(phase_rows: list[dict]) -> float:
+        return statistics.fmean(r["wall_s"] for r in phase_rows)
 
-    def loss(rows: list[dict]) -> float:
-        return statistics.fmean(r["val_loss"] for r in rows)
+    def util(name: str) -> list[float]:
+        return [round(wall(ref) / wall(x), 4) for ref, x in zip(rows["nocomm"], rows[name], strict=True)]
 
+    def loss(name: str) -> float:
+        return statistics.fmean(r["val_loss"] for cycle in rows[name] for r in cycle)
+
+    utils = {name: util(name) for name in ("default", "tuned")}
+    print(f"{rate:g} Mbit/s per cycle: default util {utils['default']}, tuned util {utils['tuned']}", flush=True)
     return {
-        "tuned_util_vs_nocomm": round(wall(nocomm) / wall(tuned_rows), 4),
-        "default_util_vs_nocomm": round(wall(nocomm) / wall(default), 4),
-        "tuned_loss_vs_diloco": round(loss(tuned_rows) / loss(default), 4),
-        "config": {**phase, "chunk_bytes": c.chunk_bytes, "predicted_util": round(tuned.prediction.utilization, 4),
+        "tuned_util_vs_nocomm": statistics.median(utils["tuned"]),
+        "default_util_vs_nocomm": statistics.median(utils["default"]),
+        "tuned_loss_vs_diloco": round(loss("tuned") / loss("default"), 4),
+        "config": {**tuned_phase, "chunk_bytes": tuned.config.chunk_bytes,
+                   "predicted_util": round(tuned.prediction.utilization, 4),
                    "step_ms": round(1000 * measured.step_s, 1), "model_bytes": measured.model_bytes},
-        "loss": {"nocomm": round(loss(nocomm), 4), "default": round(loss(default), 4), "tuned": round(loss(tuned_rows), 4)},
+        "loss": {name: round(loss(name), 4) for name in rows},
+        "cycles": utils,
     }
 
 
@@ -265,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rtt-ms", type=float, default=100.0)
     parser.add_argument("--steps", type=int, default=400, help="inner steps per phase (a multiple of 400)")
     parser.add_argument("--target", type=float, default=0.95, help="the tuner's utilization target")
+    parser.add_argument("--cycles", type=int, default=3, help="run the three phases in turn this many times")
     parser.add_argument("--log-dir", default="", help="write each peer's stderr here")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.peer:
@@ -289,11 +307,13 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     out = {
         "link": f"WAN lab: 2 sites x 2 hosts, {args.rtt_ms:g} ms RTT", "workers": WORKERS, "steps": args.steps,
+        "cycles_run": args.cycles,
         "default": f"diloco H {DEFAULT_H} fp32 blocking",
         **{key: {rate: r[key] for rate, r in results.items()}
            for key in ("tuned_util_vs_nocomm", "tuned_loss_vs_diloco", "default_util_vs_nocomm")},
         "configs": {rate: r["config"] for rate, r in results.items()},
         "losses": {rate: r["loss"] for rate, r in results.items()},
+        "cycles": {rate: r["cycles"] for rate, r in results.items()},
     }
     print(json.dumps(out))
     return 0
