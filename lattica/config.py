@@ -208,6 +208,8 @@ class TrainSettings:
     # CO2: the staleness gap penalty λ and the outer momentum's element-wise bound (0: off)
     staleness_penalty: float | None = None
     momentum_clip: float | None = None
+    # re-tune H from measured links between rounds (the admin decides; ``train/settings/retune.py``)
+    tune: bool = False
 
     def __post_init__(self) -> None:
         positive = {
@@ -268,6 +270,8 @@ class TrainSettings:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value <= 0):
                 raise ConfigError(f"train.{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.tune, bool):
+            raise ConfigError(f"train.tune must be true or false, got {self.tune!r}")
         for name in ("staleness_penalty", "momentum_clip"):
             value = getattr(self, name)
             if value is not None and (not _is_finite(value) or value < 0):

@@ -103,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--group-size", type=int, help="gossip averaging and NoLoCo: members per group (default 2)")
     join.add_argument("--gossip-overlap", action="store_const", const=True, default=None,
                       help="DiLoCo with gossip: each round's exchange runs during the next inner phase")
+    join.add_argument("--tune", action="store_const", const=True, default=None,
+                      help="re-tune H from measured links between rounds (run-wide; the admin decides)")
     join.add_argument("--compile", choices=("auto", "true", "false"),
                       help="torch.compile the model (default auto: on CUDA, not on the CPU)")
     join.add_argument("--micro-batches", type=int, help="gradient accumulation: each step's batch in this many parts")

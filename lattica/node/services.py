@@ -28,6 +28,7 @@ from trio_typing import TaskStatus
 from lattica.config import NodeConfig
 from lattica.control.protocol import ControlRequest
 from lattica.diagnostics import NodeFacts
+from lattica.net.clock import measure_clocks
 from lattica.net.connectivity import Connectivity
 from lattica.net.host import LatticaHost
 from lattica.net.peerbook import PeerBook
@@ -95,6 +96,10 @@ class NodeContext:
 
     def dialable_addrs(self) -> list[str]:
         return self.connectivity.dialable_addrs()
+
+    async def round_trip_times(self, peers: Sequence[str]) -> dict[str, float]:
+        """Seconds from us to each peer and back, from one clock query each (silent peers left out)."""
+        return {p: 2 * c.error_s for p, c in (await measure_clocks(self.host, list(peers))).items()}
 
 
 ServiceBuilder = Callable[[NodeContext], Sequence[NodeService]]

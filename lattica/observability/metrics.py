@@ -262,8 +262,10 @@ class NodeMetrics:
             for key, gauge in (("tokens_per_s", self.device_tokens_per_second),
                                ("memory_bytes", self.device_memory_bytes), ("mfu", self.device_mfu)):
                 value = entry.get(key)  # NaN where the device does not know it (the CPU's memory, MFU)
-                known = isinstance(value, int | float) and not isinstance(value, bool)
-                gauge.labels(**labels).set(value if known else math.nan)
+                if isinstance(value, int | float) and not isinstance(value, bool):
+                    gauge.labels(**labels).set(value)
+                else:
+                    gauge.labels(**labels).set(math.nan)
 
     def _define_accounting(self) -> None:
         self.strategy_bytes_sent = self._counter(

@@ -132,6 +132,10 @@ class NodeHandle(Protocol):
     @property
     def metrics(self) -> TrainingMetrics: ...
 
+    async def round_trip_times(self, peers: Sequence[str]) -> dict[str, float]:
+        """Seconds to each of ``peers`` and back (the tuner's RTTs); silent peers left out."""
+        ...
+
 
 class ControlRequest(Protocol):
     """A control-socket request (``control.protocol.ControlRequest``) as the service reads it."""

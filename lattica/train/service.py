@@ -45,7 +45,7 @@ from lattica.coordination.gossip import GossipGroups
 from lattica.coordination.provider import GroupProvider
 from lattica.coordination.rounds import RoundCoordinator
 from lattica.diagnostics import NodeFacts
-from lattica.errors import LatticaError
+from lattica.errors import LatticaError, LocalProtocolError
 from lattica.numerics.screen import Rejection
 from lattica.train.engine.collective import StallGuardedCollective
 from lattica.train.engine.reports import Progress, RoundCompleted
@@ -66,6 +66,7 @@ from lattica.train.swarm.membership import (
 from lattica.train.swarm.outer_sync import CatchingUpStrategy, KeepingUpStrategy, OuterStateSync
 from lattica.train.swarm.ownership import ReplicatedOwnership
 from lattica.train.swarm.run_config import agree_run_config, agree_run_identity
+from lattica.train.tuner import RunTuner, measure
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +97,9 @@ class TrainingService:
         self._nursery: trio.Nursery | None = None
         self._bytes_sent = 0
         self._consensus_distance: float | None = None  # gossip: the last one a round measured
+        self.tuner: RunTuner | None = None  # ``tune = true``: the tuned schedule, the admin's tuning
+        self._last_group: tuple[str, ...] = ()
+        self._round_bps: float | None = None  # the last round with peers: its bytes sent over its wall time
         self.liveness = PeerLiveness(
             self.view, connected=self._connected, candidates=self._candidates, not_behind=self._not_behind,
         )
@@ -186,6 +190,10 @@ class TrainingService:
         self.settings = await agree_run_config(self.view, self.settings, wait_s=self.settings.round_deadline_s)
         self.outer_sync.settings = self.settings
         self._gossips = _averages_in_groups(self.settings)
+        if self.settings.tune:
+            self.tuner = RunTuner(
+                self.view, self.settings, round_trip_times=self.node.round_trip_times, traffic=self.tensors.stats
+            )
         if self._gossips:
             await self._start_gossip_groups()
         self.phase = "loading"
@@ -255,7 +263,10 @@ class TrainingService:
 
     def _wrap(self, strategy: OuterStrategy[object]) -> OuterStrategy[object]:
         """Outer-state sync around the strategy: catch-up and repair where replicas agree,
-        keeping up with the newest replica where they average in groups."""
+        keeping up with the newest replica where they average in groups; inside them, the tuned
+        sync schedule with ``tune = true``."""
+        if self.tuner is not None:
+            strategy = self.tuner.wrap(strategy)
         if strategy.replicas_agree:
             return CatchingUpStrategy(strategy, self.outer_sync)
         if self._gossips:
@@ -350,6 +361,10 @@ class TrainingService:
             log.info("sync %s skipped: %s", report.key, report.detail)
             return
         log.info("sync %s done with %d member(s) in %.2f s", report.key, len(report.group), report.seconds)
+        if len(report.group) > 1 and report.seconds > 0:
+            self._last_group, self._round_bps = report.group, report.bytes_sent * 8 / report.seconds
+        if self.tuner is not None and self._nursery is not None and self.trainer is not None:
+            self._nursery.start_soon(self.tuner.after_round, report, self.trainer.step)
         if self.outer_sync.round_completed(report, event.state_hash) and self._nursery is not None:
             self._nursery.start_soon(self.outer_sync.publish_round)
 
@@ -378,6 +393,7 @@ class TrainingService:
             refused_states=self.outer_sync.refused_states(),
             summary=self.summary,
             devices=self.trainer.device_status() if self.trainer is not None else {},
+            tuned=self.tuner.status(self.trainer.step if self.trainer is not None else 0) if self.tuner else None,
         )
 
     def _gossip_figures(self) -> GossipFigures:
@@ -403,7 +419,25 @@ class TrainingService:
     async def handle_control(self, request: ControlRequest) -> object | None:
         if request.method == "train":
             return self.statistics().as_json()
+        if request.method == "tune":
+            return await self.measure()
         return None
+
+    async def measure(self) -> dict[str, object]:
+        """The ``tune`` control request: this node's figures for ``lattica tune`` (``tuner.measure``)."""
+        trainer = self.trainer
+        if trainer is None:
+            raise LocalProtocolError("tune: training has not started on this node yet")
+        timed = self.tuner.strategy if self.tuner is not None else None
+        step_s = timed.timer.step_s if timed is not None else None
+        rate = self.figures.tokens_per_s if self.figures is not None else None
+        if step_s is None and rate is not None and rate > 0:  # wall time: syncs included
+            step_s = self.settings.batch_size * self.settings.seq_len / rate
+        return await measure(
+            self.node.round_trip_times, self.tensors.stats, peer_id=self.peer_id,
+            group=self._last_group or tuple(self.view.trainers()), step_s=step_s,
+            model_bytes=4 * sum(p.numel() for p in trainer.model.parameters()), round_bps=self._round_bps,
+        )
 
 
 def _rounded(value: float | None, digits: int) -> float | None:

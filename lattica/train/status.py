@@ -92,6 +92,7 @@ class TrainingStatus:
     # the trainer's devices: ``devices`` (one entry per rank), and with several ranks
     # ``rank_restarts``, ``ranks_agree`` and ``rank_failures``
     devices: Mapping[str, object] = field(default_factory=dict)
+    tuned: Mapping[str, object] | None = None  # ``tune = true``: the tuned schedule and what was not applied
 
     def as_json(self) -> dict[str, object]:
         info: dict[str, object] = {
@@ -122,4 +123,6 @@ class TrainingStatus:
             info["refused_states"] = dict(self.refused_states)
         if self.summary:
             info["summary"] = dict(self.summary)
+        if self.tuned is not None:
+            info["tuned"] = dict(self.tuned)
         return info

@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from lattica.train.autotune import (
+from lattica.train.settings.autotune import (
     CHUNK_BYTES,
     LOSS_COST,
     PRIORITY,

@@ -30,6 +30,7 @@ def check_settings(settings: TrainSettings, *, verify_shards: bool = True) -> No
     except (ValueError, KeyError) as exc:
         raise ConfigError(str(exc).strip("'\"")) from None
     strategy_config(settings)  # the strategy's own checks (e.g. fragments dividing H)
+    check_tune(settings)
     check_rank_settings(settings)  # the node's devices are there and can share the work
     if settings.task is not None:
         resolve_task(settings.task)
@@ -76,3 +77,12 @@ def check_vocabulary(model: str, source: str) -> None:
             f"the tokenizer of {source} has {tokens} tokens, more than the vocabulary of {model} ({model_vocab}); "
             "prepare the data with the model's own tokenizer"
         )
+
+
+def check_tune(settings: TrainSettings) -> None:
+    """``tune = true`` only for a strategy whose H can change at a round boundary."""
+    from lattica.train.settings.retune import TUNABLE_STRATEGIES
+
+    if settings.tune and settings.strategy not in TUNABLE_STRATEGIES:
+        raise ConfigError(f"train.tune needs a strategy that syncs every H steps ({', '.join(TUNABLE_STRATEGIES)}); "
+                          f"strategy {settings.strategy!r} cannot change H between rounds")

@@ -45,9 +45,10 @@ log = logging.getLogger(__name__)
 RUN_WIDE: tuple[str, ...] = (
     "strategy", "model", "init", "inner_steps", "rounds", "seq_len", "inner_lr", "warmup_steps",
     "outer_lr", "outer_momentum", "seed", "averaging", "group_size", "group_grace_s", "gossip_overlap",
-    "first_moment_rounds", "second_moment_rounds", "staleness_penalty", "momentum_clip",
+    "first_moment_rounds", "second_moment_rounds", "staleness_penalty", "momentum_clip", "tune",
 )
 IDENTITY: tuple[str, ...] = ("model_hash", "data_hash")
+KEPT: tuple[str, ...] = (*IDENTITY, "tuned")  # kept when an admin republishes (the tuned schedule: ``retune``)
 _FIRST_SYNC_S = 5.0
 
 RunConfig = dict[str, object]  # run-wide setting -> value (JSON)
@@ -85,7 +86,7 @@ async def agree_run_config(view: MembershipView, settings: TrainSettings, *, wai
 
     published = published_config(view)
     if published is not None and _differs(published, settings) and await _publish_as_admin(
-        view, {**run_config_of(settings), **{k: published[k] for k in IDENTITY if k in published}}
+        view, {**run_config_of(settings), **{k: published[k] for k in KEPT if k in published}}
     ):
         log.warning("run config updated by this admin: %s (was %s)", run_config_of(settings), published)
         return settings
@@ -125,7 +126,8 @@ async def agree_run_identity(
     wait for the run's and raise ``ConfigError`` naming the first that differs."""
     ours = {name: identity.get(name, "") for name in IDENTITY}
     published = published_config(view) or {}
-    if _identity_of(published) != ours and await _publish_as_admin(view, {**run_config_of(settings), **ours}):
+    kept = {k: published[k] for k in KEPT if k in published}
+    if _identity_of(published) != ours and await _publish_as_admin(view, {**run_config_of(settings), **kept, **ours}):
         if _identity_of(published) != {name: "" for name in IDENTITY}:
             log.warning("run config: model and data hashes updated by this admin: %s", ours)
         return

@@ -37,6 +37,7 @@ explains itself, as OptiCo asks of a configurator (Chen et al., ACL 2026).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 # bits per value on the wire, per codec (a per-block scale is negligible at these sizes)
@@ -151,19 +152,24 @@ class Tuned:
     meets_target: bool
 
 
-def _values(knob: str) -> list[object]:
-    """A knob's values from the cheapest in loss to the dearest (ties: the smaller H first)."""
+def _values(knob: str, fixed: Mapping[str, object]) -> list[object]:
+    """A knob's values from the cheapest in loss to the dearest (ties: the smaller H first);
+    only its value in ``fixed`` when the run cannot change it."""
+    if knob in fixed:
+        if fixed[knob] not in LOSS_COST[knob]:
+            raise ValueError(f"{knob} = {fixed[knob]!r} is not one of {sorted(LOSS_COST[knob], key=str)}")
+        return [fixed[knob]]
     costs = LOSS_COST[knob]
     return sorted(costs, key=lambda v: (costs[v], v if isinstance(v, int) and knob == "inner_steps" else 0))
 
 
-def tune(m: Measurements, *, target: float = DEFAULT_TARGET) -> Tuned:
+def tune(m: Measurements, *, target: float = DEFAULT_TARGET, fixed: Mapping[str, object] | None = None) -> Tuned:
     """The priority search (module docstring): the chunk size first, then one notch at a time on
     the knob that buys the most utilization per unit of loss cost, then back off what the target
-    no longer needs."""
+    no longer needs. ``fixed``: knobs held at a value (those a running swarm cannot change)."""
     if not 0 < target <= 1:
         raise ValueError(f"target must be in (0, 1], got {target!r}")
-    values = {knob: _values(knob) for knob in PRIORITY}
+    values = {knob: _values(knob, fixed or {}) for knob in PRIORITY}
     index = dict.fromkeys(PRIORITY, 0)
 
     def at(idx: dict[str, int], chunk: int) -> Candidate:
