@@ -63,10 +63,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
-import trio
 
 from lattica.config import DEFAULT_INNER_STEPS, OuterStateDevice
 from lattica.errors import BrokenError, LocalProtocolError, PeerUnavailableError
@@ -81,6 +80,7 @@ from lattica.train.engine.outer_placement import (
 )
 from lattica.train.strategies.accounting import AccountedStrategy, tensor_bytes
 from lattica.train.strategies.base import EveryHSteps, GroupProvider, OuterStepReport
+from lattica.train.strategies.eager import InFlight
 from lattica.train.strategies.outer_math import outer_copy, pseudo_gradient
 from lattica.train.strategies.traffic import allreduce_bytes
 
@@ -162,20 +162,6 @@ def look_ahead(
     return starts
 
 
-@dataclass
-class _InFlight:
-    """An all-reduce running behind the next inner phase; ``mean`` None when it failed."""
-
-    round: int
-    key: str
-    own: list[torch.Tensor]
-    group: tuple[str, ...] = ()
-    done: trio.Event = field(default_factory=trio.Event)
-    mean: list[torch.Tensor] | None = None
-    bytes_sent: int = 0
-    error: str = ""
-
-
 class CO2(EveryHSteps[CO2Config], AccountedStrategy[CO2Config]):
     """Overlapped DiLoCo with the outer update applied one round late (module docstring)."""
 
@@ -197,7 +183,7 @@ class CO2(EveryHSteps[CO2Config], AccountedStrategy[CO2Config]):
         self._momentum = [torch.zeros_like(t) for t in self._outer]
         self._base = clone_like(self._outer)  # φ': the shared weights when the one in flight was taken
         self._start = clone_like(self._outer)  # s: where this worker's inner phase started
-        self._in_flight: _InFlight | None = None
+        self._in_flight: InFlight | None = None
         self._round = 0  # all-reduces launched (the next one's key)
         self._completed = 0  # means landed
         self._step = 0
@@ -243,14 +229,14 @@ class CO2(EveryHSteps[CO2Config], AccountedStrategy[CO2Config]):
         self._begin_phase(self._outer)
         return [report]
 
-    def _launch(self, fresh: list[torch.Tensor]) -> _InFlight:
+    def _launch(self, fresh: list[torch.Tensor]) -> InFlight:
         assert self.nursery is not None
-        flight = _InFlight(round=self._round, key=f"round/{self._round}", own=fresh)
+        flight = InFlight(round=self._round, key=f"round/{self._round}", own=fresh)
         self._round += 1
         self.nursery.start_soon(self._reduce, flight)
         return flight
 
-    async def _reduce(self, flight: _InFlight) -> None:
+    async def _reduce(self, flight: InFlight) -> None:
         """The round's all-reduce, retried with a fresh group; ``done`` is set however it ends."""
         try:
             for attempt in range(self.config.max_attempts):
@@ -270,7 +256,7 @@ class CO2(EveryHSteps[CO2Config], AccountedStrategy[CO2Config]):
         finally:
             flight.done.set()
 
-    async def _land(self, flight: _InFlight, started: float) -> OuterStepReport:
+    async def _land(self, flight: InFlight, started: float) -> OuterStepReport:
         """Apply the mean of ``flight`` to the shared state (nothing when it failed)."""
         await flight.done.wait()
         if flight.mean is not None:

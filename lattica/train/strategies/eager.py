@@ -82,8 +82,9 @@ class EagerDiLoCoConfig:
 
 
 @dataclass
-class _InFlight:
-    """A group agreement and all-reduce running in the background; ``mean`` None if it failed."""
+class InFlight:
+    """A group agreement and all-reduce running in the background; ``mean`` None if it failed
+    (eager DiLoCo's and CO2's exchange behind the next inner phase)."""
 
     round: int
     key: str
@@ -112,7 +113,7 @@ class EagerDiLoCo(AccountedStrategy[EagerDiLoCoConfig]):
         self._names, self._inner, self._outer = outer_copy(model, placement)
         self._start = clone_like(self._outer)  # s: where this inner phase started
         self.outer_optimizer = nesterov_sgd(self._outer, self.config.outer_lr, self.config.outer_momentum)
-        self._in_flight: _InFlight | None = None
+        self._in_flight: InFlight | None = None
         self._completed = 0
 
     @property
@@ -154,15 +155,15 @@ class EagerDiLoCo(AccountedStrategy[EagerDiLoCoConfig]):
         self._begin_phase(self._outer)
         return [report]
 
-    def _launch(self, round_number: int, fresh: list[torch.Tensor]) -> _InFlight:
+    def _launch(self, round_number: int, fresh: list[torch.Tensor]) -> InFlight:
         if self.nursery is None:
             raise LocalProtocolError("EagerDiLoCo needs bind_nursery() before the first round")
-        flight = _InFlight(round=round_number, key=f"round/{round_number}", own=host_copies(fresh))
+        flight = InFlight(round=round_number, key=f"round/{round_number}", own=host_copies(fresh))
         # agreeing on the group waits for the others to reach this round: in the background too
         self.nursery.start_soon(self._reduce, flight)
         return flight
 
-    async def _reduce(self, flight: _InFlight) -> None:
+    async def _reduce(self, flight: InFlight) -> None:
         try:
             flight.group = tuple(await self.groups.group_for(flight.key))
             flight.bytes_sent = allreduce_bytes(flight.own, len(flight.group), self.config.codec)
@@ -175,7 +176,7 @@ class EagerDiLoCo(AccountedStrategy[EagerDiLoCoConfig]):
         finally:
             flight.done.set()
 
-    async def _apply(self, flight: _InFlight | None, started: float) -> OuterStepReport:
+    async def _apply(self, flight: InFlight | None, started: float) -> OuterStepReport:
         """DiLoCo's outer step on the shared state with the mean of ``flight`` (own Δ if it failed)."""
         if flight is None:  # the first round: nothing to apply yet
             return OuterStepReport(round=0, key="round/0", group=(), bytes_sent=0, seconds=0.0)
