@@ -105,6 +105,7 @@ class TrainingService:
         )
         self.outer_sync = OuterStateSync(
             self.view, tensors, settings, ran_alone=self.liveness.ran_alone,
+            others_in_rounds=self.liveness.others_in_rounds,
             on_fetched=node.metrics.checkpoint_fetch_seconds.observe,
         )
         self.coordinator = RoundCoordinator(
