@@ -57,6 +57,19 @@ describe a past life: rounds and checkpoints we no longer hold), and one ``full`
 signed under the seq after the highest one seen. It holds both histories, so it heals the fork
 at any replica that saw our other history, and our next writes follow it.
 
+Compaction
+----------
+Yjs keeps every overwritten entry of a document as a tombstone, so a member's document would
+grow by tens of bytes with every lease renewal, for ever. A writer's own stream is therefore
+compacted: once the increments since its last snapshot hold more bytes than it (or after
+``snapshot_every`` envelopes), the writer rebuilds its document from its current content
+(``documents.compacted``) and signs that as the next ``full`` snapshot. A replica that applies a
+writer's snapshot *replaces* its copy of that document with it (the shared run config, written
+by several admins, is merged instead), so every replica holds about twice a member's current
+document at most, whatever its history; a restart replays the snapshot and the increments after
+it. A fork entirely below a writer's snapshot that a replica holds is superseded, not a reason
+to ban: every replica ends on that snapshot.
+
 Anti-entropy is two pure functions: ``state_vector()`` (stream -> have) and
 ``missing_for(vector)`` (the envelopes a peer with that vector lacks). Yjs updates commute
 and are idempotent, so replicas that hold the same envelopes hold identical documents,
@@ -74,7 +87,7 @@ from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID
 from pycrdt import Doc, Map
 
-from lattica.crdt.documents import CONFIG_DOC, Snapshot, build_snapshot, reassert
+from lattica.crdt.documents import CONFIG_DOC, Snapshot, build_snapshot, compacted, reassert
 from lattica.crdt.envelope import (
     Envelope,
     RejectedUpdate,
@@ -196,9 +209,19 @@ class Replica:
             return []
         stream = self._stream((doc_name, self.peer_id))
         envelopes = [self._sign_and_keep(stream, doc_name, update, full=False)]
-        if len(stream.retained) >= self.limits.snapshot_every:
+        if self._snapshot_due(stream):
+            if doc_name != CONFIG_DOC:  # ours alone: rebuilt without the history of overwritten entries
+                doc = self._docs[doc_name] = compacted(doc)
             envelopes.append(self._sign_and_keep(stream, doc_name, doc.get_update(), full=True))
         return envelopes
+
+    def _snapshot_due(self, stream: _Stream) -> bool:
+        """A snapshot after ``snapshot_every`` envelopes, or once the increments since the last
+        snapshot hold more bytes than it (so a stream holds about twice its document at most)."""
+        if len(stream.retained) >= self.limits.snapshot_every:
+            return True
+        head, increments = stream.retained[0], stream.retained[1:]
+        return head.full and sum(env.encoded_size() for env in increments) > head.encoded_size()
 
     def _sign_and_keep(
         self, stream: _Stream, doc_name: str, update: bytes, *, full: bool, seq: int | None = None
@@ -337,7 +360,10 @@ class Replica:
         if not env.full and stream.retained_bytes() + len(env.update) > self.limits.max_stream_bytes:
             raise RejectedUpdate("oversized", "stream exceeds its byte budget", peer_id=from_peer)
         try:
-            self._doc(env.doc).apply_update(env.update)
+            if env.full and env.doc == env.writer:  # a writer's snapshot stands in for its whole document
+                self._docs[env.doc] = _doc_from(env.update)
+            else:
+                self._doc(env.doc).apply_update(env.update)
         except Exception as exc:  # noqa: BLE001 - pycrdt (Rust) raises its own kinds for an undecodable update from the wire
             raise RejectedUpdate("bad_update", f"undecodable update: {exc}", peer_id=from_peer) from None
         self._keep(stream, env)
@@ -417,7 +443,11 @@ class Replica:
     def _superseded(self, env: Envelope, other: Envelope) -> bool:
         stream = self._streams.get(env.stream)
         snapshot = stream.retained[0] if stream is not None and stream.retained else None
-        return snapshot is not None and self._heals(snapshot, (env, other))
+        if snapshot is None:
+            return False
+        if snapshot.full and snapshot.doc == snapshot.writer and all(e.seq < snapshot.seq for e in (env, other)):
+            return True  # every replica replaces the writer's document with that snapshot: both sides are gone
+        return self._heals(snapshot, (env, other))
 
     @staticmethod
     def _heals(snapshot: Envelope, fork: tuple[Envelope, Envelope]) -> bool:
