@@ -67,7 +67,11 @@ compacted: once the increments since its last snapshot hold more bytes than it (
 writer's snapshot *replaces* its copy of that document with it (the shared run config, written
 by several admins, is merged instead), so every replica holds about twice a member's current
 document at most, whatever its history; a restart replays the snapshot and the increments after
-it. A fork entirely below a writer's snapshot that a replica holds is superseded, not a reason
+it. Departed members are forgotten: ``forget_departed`` drops the documents of writers whose lease
+ended long ago (the state service: ``StateConfig.forget_departed_after_s``), so the state holds
+the members of the run, not of its whole history.
+
+A fork entirely below a writer's snapshot that a replica holds is superseded, not a reason
 to ban: every replica ends on that snapshot.
 
 Anti-entropy is two pure functions: ``state_vector()`` (stream -> have) and
@@ -87,7 +91,14 @@ from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID
 from pycrdt import Doc, Map
 
-from lattica.crdt.documents import CONFIG_DOC, Snapshot, build_snapshot, compacted, reassert
+from lattica.crdt.documents import (
+    CONFIG_DOC,
+    MemberRecord,
+    Snapshot,
+    build_snapshot,
+    compacted,
+    reassert,
+)
 from lattica.crdt.envelope import (
     Envelope,
     RejectedUpdate,
@@ -148,6 +159,7 @@ StreamKey = tuple[str, str]
 _SeqKey = tuple[str, str, int]  # doc, writer, seq
 _MAX_LOOSE = 256  # envelopes seen but not held, kept to spot an equivocation among them
 _MAX_EVICTED = 16_384  # evicted writers remembered (refused until trusted)
+_MAX_OWN_SIGNED = 65_536  # our own envelopes recognized after compaction (older ones: superseded again)
 
 
 class Replica:
@@ -183,12 +195,14 @@ class Replica:
         self._pending_total = 0  # early arrivals buffered over all streams
         self._now = 0.0  # the owner's clock, as of the last ``tick``
         self._evicted: OrderedDict[str, None] = OrderedDict()  # writers refused until trusted
+        self._departed: OrderedDict[str, int] = OrderedDict()  # forgotten writers -> the seq we held
         self._banned: OrderedDict[str, tuple[Envelope, Envelope]] = OrderedDict()  # -> evidence
         self._new_evidence: list[Envelope] = []  # evidence not yet handed to ``take_new_evidence``
         self._loose: OrderedDict[_SeqKey, Envelope] = OrderedDict()  # seen, not held
         self._holding = False  # our own streams are not published (see "A writer's own history")
         self._own_seen: dict[StreamKey, int] = {}  # our streams -> highest seq absorbed
         self._this_life: dict[str, Doc[Map[object]]] = {}  # our document as this life wrote it
+        self._own_signed: OrderedDict[str, None] = OrderedDict()  # digests of our envelopes held (``_keep``)
         self.superseded = 0  # snapshots signed to supersede another life's envelopes
 
     # -- local writes --------------------------------------------------------------------------
@@ -295,6 +309,10 @@ class Replica:
         stream = self._streams.get(env.stream)
         if stream is not None:
             return stream
+        if env.writer in self._departed:
+            if env.seq <= self._departed[env.writer]:
+                raise RejectedUpdate("departed", f"{env.writer} left the run", peer_id=from_peer)
+            del self._departed[env.writer]
         if env.writer in self._evicted:
             if not self._protected(env.writer):
                 raise RejectedUpdate("evicted", f"{env.writer} has not proven itself", peer_id=from_peer)
@@ -401,7 +419,7 @@ class Replica:
         """One of our own envelopes: a copy of ours is a replay; the next one of our stream is
         taken while we publish (a replay of our log at start); anything else is another life's."""
         stream = self._stream(env.stream)
-        if stream.find(env.seq) == env:
+        if stream.find(env.seq) == env or _digest(env) in self._own_signed:  # compacted away, still ours
             return self._replay(stream, env, from_peer)
         follows = env.seq == stream.have + 1 or (env.full and env.seq > stream.have)
         if follows and not self._holding:
@@ -504,6 +522,31 @@ class Replica:
         evidence, self._new_evidence = self._new_evidence, []
         return evidence
 
+    # -- departed writers ------------------------------------------------------------------------
+
+    def forget_departed(self, members: Mapping[str, MemberRecord], *, now_ms: int, after_ms: int) -> list[str]:
+        """Drop the documents and streams of writers whose lease ended more than ``after_ms``
+        before ``now_ms`` (one that left cleanly wrote an ended lease); ``members`` are the
+        records of ``snapshot()``. Ourselves and admins are kept. A forgotten writer's envelopes
+        up to the seq we held are refused from then on (``departed``: a peer that has not
+        forgotten it yet offers them again), later ones taken from its next snapshot on (a member
+        that comes back writes one within ``snapshot_every`` envelopes, much sooner once its
+        stream has been compacted). Returns the writers forgotten."""
+        gone = []
+        for writer, record in sorted(members.items()):
+            if writer == self.peer_id or writer in self.admins or writer in self._banned:
+                continue
+            if record["lease_expires_ms"] + after_ms >= now_ms or not (record["left"] or record["lease_expires_ms"]):
+                continue  # live, lately gone, or no lease written yet
+            stream = self._streams.get((writer, writer))
+            self._departed[writer] = stream.have if stream is not None else 0
+            self._departed.move_to_end(writer)
+            self._forget_writer(writer)
+            gone.append(writer)
+        while len(self._departed) > _MAX_EVICTED:
+            self._departed.popitem(last=False)
+        return gone
+
     # -- time ----------------------------------------------------------------------------------
 
     def tick(self, now: float) -> int:
@@ -559,7 +602,7 @@ class Replica:
     def wants_from(self, vector: object) -> bool:
         """Whether a replica with ``vector`` holds something we lack (and would take)."""
         return any(
-            have > (self._streams[key].have if key in self._streams else 0)
+            have > (self._streams[key].have if key in self._streams else self._departed.get(key[1], 0))
             for key, have in parse_state_vector(vector).items()
             if key[1] not in self._banned and (key[1] not in self._evicted or self._protected(key[1]))
         )
@@ -594,6 +637,7 @@ class Replica:
             "pending": self._pending_total,
             "banned_writers": len(self._banned),
             "evicted_writers": len(self._evicted),
+            "departed_writers": len(self._departed),
             "superseded_own": self.superseded,
         }
 
@@ -611,8 +655,11 @@ class Replica:
             stream = self._streams[key] = _Stream()
         return stream
 
-    @staticmethod
-    def _keep(stream: _Stream, env: Envelope) -> None:
+    def _keep(self, stream: _Stream, env: Envelope) -> None:
+        if env.writer == self.peer_id:  # known as ours once a snapshot has compacted it away
+            self._own_signed[_digest(env)] = None
+            while len(self._own_signed) > _MAX_OWN_SIGNED:
+                self._own_signed.popitem(last=False)
         stream.have = env.seq
         if env.full:
             stream.retained = [env]

@@ -79,12 +79,13 @@ from lattica.net.serving_budget import ServingBudget
 log = logging.getLogger(__name__)
 
 # not the relaying peer's fault: an honest peer relays a writer it has not caught or proven yet
-_BENIGN_REJECTIONS = frozenset({"replay", "equivocation", "banned", "evicted", "superseded"})
+_BENIGN_REJECTIONS = frozenset({"replay", "equivocation", "banned", "evicted", "superseded", "departed"})
 # nor a run config record we refuse: who may write it is each node's own decision (its admins,
 # whom it joined through), so such a record is skipped and the rest of the session goes on
 _SKIPPED_IN_SYNC = _BENIGN_REJECTIONS | {"unauthorized"}
 _MAX_PROVEN = 4096
 _MAX_ANSWERS_PER_PEER = 2  # an honest peer runs one session with us at a time
+_FORGET_EVERY_S = 30.0  # how often departed members are looked for
 
 
 def _now_ms() -> int:
@@ -514,11 +515,20 @@ class ReplicatedState:
         return True
 
     async def _watch_peers_loop(self) -> None:
+        forget_at = 0.0
         while True:
             for peer_id in self.host.get_connected_peers():
                 self._ensure_peer(peer_id.to_base58())
             self._replica.tick(time.monotonic())
+            if time.monotonic() >= forget_at:
+                forget_at = time.monotonic() + _FORGET_EVERY_S
+                self._forget_departed()
             await trio.sleep(self.config.peer_poll_interval)
+
+    def _forget_departed(self) -> None:
+        after_ms = int(self.config.forget_departed_after_s * 1000)
+        if self._replica.forget_departed(self.snapshot()["members"], now_ms=_now_ms(), after_ms=after_ms):
+            self._bump()  # the log drops them at its next rewrite
 
     def _connected(self, peer: str) -> bool:
         return any(p.to_base58() == peer for p in self.host.get_connected_peers())

@@ -29,6 +29,7 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from pycrdt import Doc, Map
 
 from lattica.crdt import documents, sync
+from lattica.crdt.config import StateConfig
 from lattica.crdt.envelope import Envelope, RejectedUpdate
 from lattica.crdt.liveness import LeasePolicy, live_members
 from lattica.crdt.replica import Replica, ReplicaLimits
@@ -72,6 +73,7 @@ class StateSwarm:
     limits: ReplicaLimits = field(default_factory=ReplicaLimits)
     degree: int = 64
     observers: int = 4
+    state_config: StateConfig = field(default_factory=StateConfig)
     members: dict[str, Member] = field(default_factory=dict)
     traffic: Traffic = field(default_factory=Traffic)
     now_s: float = 0.0
@@ -170,6 +172,13 @@ class StateSwarm:
         self.reference.tick(self.now_s)
         for watcher in self.watchers:
             self._session(watcher)
+        if int(self.now_s) % 30 == 0:  # as often as the state service looks for departed members
+            for replica in (self.reference, *self.watchers):
+                self.forget_departed(replica)
+
+    def forget_departed(self, replica: Replica) -> None:
+        after_ms = int(self.state_config.forget_departed_after_s * 1000)
+        replica.forget_departed(replica.snapshot()["members"], now_ms=self.now_ms, after_ms=after_ms)
 
     def _session(self, replica: Replica) -> None:
         """One real session of ``replica`` with the reference, and the hellos of its other ones."""
