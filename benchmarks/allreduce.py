@@ -164,7 +164,7 @@ def main() -> None:
         for peers in sizes:
             rows.append(measure(peers, args.mb, args.reps))
     except BenchmarkFailed as exc:
-        print(f"allreduce benchmark failed: {exc}", file=sys.stderr)
+        print(f"allreduce benchmark failed ({sizes[len(rows)]} peers): {exc}", file=sys.stderr)
         sys.exit(1)
     print(f"{'peers':>5}  {'implementation':<28}{'seconds':>10}{'cpu s/peer':>12}")
     for row in rows:
