@@ -76,7 +76,8 @@ def gloo_seconds(world: int, numel: int, reps: int) -> float:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    code = f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r}); from allreduce import _gloo_worker;"
+    here = str(Path(__file__).resolve().parent)
+    code = f"import sys; sys.path.insert(0, {here!r}); from allreduce import _gloo_worker;"
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", code + f"_gloo_worker({r}, {world}, {port}, {numel}, {reps})"],
@@ -168,8 +169,8 @@ def main() -> None:
         sys.exit(1)
     print(f"{'peers':>5}  {'implementation':<28}{'seconds':>10}{'cpu s/peer':>12}")
     for row in rows:
-        print(f"{row['peers']:>5}  {'lattica butterfly (fast)':<28}{row['allreduce_s']:>10.3f}{row['allreduce_cpu_s']:>12.3f}")
-        print(f"{row['peers']:>5}  {'torch.distributed gloo':<28}{row['gloo_s']:>10.3f}{row['gloo_cpu_s']:>12.3f}")
+        for name, key in (("lattica butterfly (fast)", "allreduce"), ("torch.distributed gloo", "gloo")):
+            print(f"{row['peers']:>5}  {name:<28}{row[key + '_s']:>10.3f}{row[key + '_cpu_s']:>12.3f}")
     summary = dict(rows[0])
     if len(rows) > 1:
         summary["rows"] = rows

@@ -20,7 +20,8 @@ Adding a method: register its strategy in ``lattica.train.strategies.STRATEGIES`
 ``Method`` to ``METHODS`` (its own model builder and config if it needs them); the JSON line
 then carries ``<name>_loss``, ``<name>_bytes`` and ``<name>_vs_ddp``.
 
-    python benchmarks/convergence.py [--data PATH] [--model tiny|llama-tiny|…] [--strategies ddp,nocomm,diloco|all] [--seed N]
+    python benchmarks/convergence.py [--data PATH] [--model tiny|llama-tiny|…] [--strategies ddp,nocomm,diloco|all]
+        [--seed N]
         [--steps 500] [--batch-size 8] [--context 128] [--lr 3e-3] [--warmup 50]
         [--outer-lr 0.7] [--outer-momentum 0.9] [--warm-start-steps 0] [--workers 4]
         [--device cpu|cuda] [--compile auto|true|false]
@@ -75,22 +76,27 @@ import torch
 import trio
 
 from lattica.errors import ConfigError
-from lattica.train.data import (
+from lattica.train.engine.data import (
     BatchConfig,
     BatchSampler,
     DataConfig,
     load_corpus,
     validation_batches,
 )
-from lattica.train.device import select_device
-from lattica.train.model import build_model, lm_loss
-from lattica.train.model_spec import model_names, resolve_model
-from lattica.train.moe import build_moe_model
-from lattica.train.schedule import ScheduleConfig
+from lattica.train.engine.device import select_device
+from lattica.train.engine.model import build_model, lm_loss
+from lattica.train.engine.model_spec import model_names, resolve_model
+from lattica.train.engine.moe import build_moe_model
+from lattica.train.engine.schedule import ScheduleConfig
+from lattica.train.engine.task import Task
+from lattica.train.engine.tokenized import bits_per_byte
+from lattica.train.engine.trainer import Trainer, TrainerConfig
 from lattica.train.strategies import STRATEGIES, create_strategy
 from lattica.train.strategies.accounting import optimizer_state_bytes
+from lattica.train.strategies.co2 import CO2Config
 from lattica.train.strategies.ddp import DDPConfig
 from lattica.train.strategies.demo_momentum import DeMoConfig
+from lattica.train.strategies.desloc import DESLOCConfig, LocalAdamConfig
 from lattica.train.strategies.diloco import DiLoCoConfig
 from lattica.train.strategies.eager import EagerDiLoCoConfig
 from lattica.train.strategies.noloco import NoLoCoConfig
@@ -98,9 +104,6 @@ from lattica.train.strategies.sparseloco import SparseLoCoConfig
 from lattica.train.strategies.spes import SPESConfig
 from lattica.train.strategies.streaming import StreamingDiLoCoConfig
 from lattica.train.strategies.streaming_eager import StreamingEagerConfig
-from lattica.train.task import Task
-from lattica.train.tokenized import bits_per_byte
-from lattica.train.trainer import Trainer, TrainerConfig
 from lattica_lab.collective import InMemoryCollectiveGroup
 
 WORKERS = 4  # the default of --workers
@@ -171,6 +174,10 @@ METHODS: dict[str, Method] = {
     # DiLoCo's 10 dense ones, and with only 10 rounds too little of the model ever moves
     "sparseloco": Method(strategy="sparseloco", config=SparseLoCoConfig(inner_steps=SYNC_EVERY // 2)),
     "demo": Method(strategy="demo", config=DeMoConfig(inner_steps=SYNC_EVERY)),  # syncs every step
+    # Local Adam averages x, u and v every H; DES-LOC x every H, u every 3H, v every 6H
+    "local_adam": Method(strategy="local_adam", config=LocalAdamConfig(inner_steps=SYNC_EVERY)),
+    "desloc": Method(strategy="desloc", config=DESLOCConfig(inner_steps=SYNC_EVERY)),
+    "co2": Method(strategy="co2", config=CO2Config(inner_steps=SYNC_EVERY)),
     "moe_diloco": Method(
         strategy="diloco", config=DiLoCoConfig(inner_steps=SYNC_EVERY), build_model=_tiny_moe
     ),
@@ -205,7 +212,9 @@ def with_model(methods: dict[str, Method], model: str, vocab_size: int, context:
     def build(seed: int) -> torch.nn.Module:
         return spec.build(seed=seed)
 
-    return {name: dataclasses.replace(m, build_model=build) if m.build_model is _tiny else m for name, m in methods.items()}
+    return {
+        name: dataclasses.replace(m, build_model=build) if m.build_model is _tiny else m for name, m in methods.items()
+    }
 
 
 def peers_of(workers: int) -> tuple[str, ...]:
@@ -441,7 +450,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="replace one field of a method's strategy config, for sweeps (repeatable), "
         "e.g. --set demo.topk=64 --set sparseloco.error_decay=0.9",
     )
-    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the workers train (default cpu)")
+    parser.add_argument(
+        "--device", default="cpu", choices=("cpu", "cuda"), help="where the workers train (default cpu)"
+    )
     parser.add_argument("--compile", default="auto", choices=("auto", "true", "false"),
                         help="torch.compile the workers' models (default auto: on CUDA)")
     parser.add_argument(
@@ -675,6 +686,8 @@ def summary_json(
         ("streaming_eager", "streaming"),
         ("spes", "moe_diloco"),
         ("sparseloco", "diloco"),
+        ("desloc", "local_adam"),
+        ("co2", "diloco"),
     ):
         if name in results and baseline in results:
             out[f"{name}_vs_{baseline}"] = round(
@@ -688,6 +701,8 @@ def summary_json(
         out["diloco_bytes_vs_sparseloco"] = round(
             results["diloco"]["bytes"] / results["sparseloco"]["bytes"], 2
         )
+    if "desloc" in results and "local_adam" in results and results["desloc"]["bytes"]:
+        out["local_adam_bytes_vs_desloc"] = round(results["local_adam"]["bytes"] / results["desloc"]["bytes"], 3)
     if "spes" in results and "moe_diloco" in results:
         out["spes_optimizer_state_vs_moe_diloco"] = round(
             results["spes"]["optimizer_state_bytes"]

@@ -34,9 +34,9 @@ import torch
 import trio
 
 from lattica.errors import ConfigError
-from lattica.train.checkpoint import weights_hash
-from lattica.train.device import select_device
-from lattica.train.model import build_model
+from lattica.train.engine.checkpoint import weights_hash
+from lattica.train.engine.device import select_device
+from lattica.train.engine.model import build_model
 from lattica.train.strategies.diloco import DiLoCo, DiLoCoConfig
 from lattica_lab.collective import InMemoryCollectiveGroup
 

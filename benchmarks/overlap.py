@@ -1,4 +1,4 @@
-"""Compute utilization of blocking DiLoCo vs eager vs Streaming DiLoCo behind a slow link.
+"""Compute utilization of blocking DiLoCo vs eager, Streaming DiLoCo and CO2 behind a slow link.
 
 Four peer processes, each in its own network namespace of the NAT lab
 (``lattica_lab.netlab``) with a tbf qdisc capping its egress, train the tiny byte-level GPT
@@ -39,7 +39,7 @@ asked, a sync that was skipped or never completed — fails the run: exit status
 stderr naming it, no figures.
 
     python benchmarks/overlap.py [--rate-mbit 20] [--steps 240] [--inner-steps 40] [--overlap-steps 5]
-        [--strategies nocomm,diloco,eager,streaming] [--cycles 1]
+        [--strategies nocomm,diloco,eager,streaming (or co2)] [--cycles 1]
 
 Needs root, ``ip`` and ``nft`` (the lab); without them it says so and exits with status 2.
 The last line printed is one JSON object.
@@ -57,7 +57,7 @@ import time
 import _checkout  # noqa: F401  (the checkout root on sys.path: lattica_lab)
 
 WORKERS = 4
-STRATEGIES = ("nocomm", "diloco", "eager", "streaming")
+STRATEGIES = ("nocomm", "diloco", "eager", "streaming", "co2")
 FRAGMENTS = 2
 PHASE_TIMEOUT_S = 1800.0
 
@@ -67,12 +67,15 @@ class BenchmarkFailed(RuntimeError):
 
 
 def _strategy_config(name: str, inner_steps: int, overlap_steps: int):
+    from lattica.train.strategies.co2 import CO2Config
     from lattica.train.strategies.diloco import DiLoCoConfig
     from lattica.train.strategies.eager import EagerDiLoCoConfig
     from lattica.train.strategies.streaming import StreamingDiLoCoConfig
 
     if name == "nocomm":
         return None
+    if name == "co2":
+        return CO2Config(inner_steps=inner_steps)
     if name == "diloco":
         return DiLoCoConfig(inner_steps=inner_steps)
     if name == "eager":
@@ -127,12 +130,13 @@ class _TimedCollective:
 
 async def _train(service, cmd: dict) -> dict:
     """Train one strategy to completion; report inner-step time, wall time and bytes sent."""
-    from lattica.train.device import select_device
-    from lattica.train.model import build_model
-    from lattica.train.schedule import ScheduleConfig
+    from lattica.train.engine.device import select_device
+    from lattica.train.engine.model import build_model
+    from lattica.train.engine.schedule import ScheduleConfig
+    from lattica.train.engine.task import Task
+    from lattica.train.engine.trainer import Trainer, TrainerConfig
     from lattica.train.strategies import create_strategy
-    from lattica.train.task import Task
-    from lattica.train.trainer import Trainer, TrainerConfig
+    from lattica.train.strategies.co2 import FIRST_IN_FLIGHT
 
     steps = cmd["steps"]
     model = build_model("tiny", seed=0)
@@ -154,6 +158,8 @@ async def _train(service, cmd: dict) -> dict:
     rounds = {"done": 0, "skipped": 0}
 
     def count_round(event) -> None:
+        if event.report.detail == FIRST_IN_FLIGHT:  # CO2's first sync: its mean lands at the next
+            return
         rounds["skipped" if event.report.skipped else "done"] += 1
 
     trainer = Trainer(task, strategy, config, device=select_device("cpu"), on_round=count_round)
@@ -309,7 +315,8 @@ def _run_lab(args: argparse.Namespace) -> dict:
 
 def _window_s(name: str, args: argparse.Namespace, rows: list[dict]) -> float:
     """Inner-step time the strategy lets one sync overlap (none for blocking DiLoCo)."""
-    steps = {"nocomm": 0, "diloco": 0, "eager": args.inner_steps, "streaming": args.overlap_steps}
+    steps = {"nocomm": 0, "diloco": 0, "eager": args.inner_steps, "streaming": args.overlap_steps,
+             "co2": args.inner_steps}
     return steps[name] * statistics.fmean(r["step_s"] for r in rows)
 
 
@@ -425,7 +432,7 @@ def summarize(results: dict[str, list[dict]], args: argparse.Namespace) -> dict:
         # times per inner step the training thread blocked (mostly: waiting for the GIL while
         # the event loop thread runs communication)
         out[f"{name}_step_waits"] = round(statistics.fmean(r["step_waits"] for r in rows), 2)
-        if name in ("eager", "streaming"):
+        if name in ("eager", "streaming", "co2"):
             out[f"{name}_window_s"] = round(_window_s(name, args, rows), 3)
         for key_name, reference, _ in _ratio_names(name, list(results)):
             out[key_name] = round(paired_ratio(results[reference], rows, args.workers), 4)
@@ -444,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=240, help="inner steps per strategy")
     parser.add_argument("--inner-steps", type=int, default=40, help="H")
     parser.add_argument("--overlap-steps", type=int, default=5, help="Streaming's tau")
-    parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    parser.add_argument("--strategies", default="nocomm,diloco,eager,streaming")
     parser.add_argument(
         "--cycles", type=int, default=1,
         help="run the strategies in turn this many times (load from other work hits all alike)",

@@ -25,8 +25,8 @@ from pathlib import Path
 import _checkout  # noqa: F401  (the checkout root on sys.path: lattica_lab)
 
 from lattica.errors import ConfigError
-from lattica.train.data import stdlib_documents
-from lattica.train.prepare import PrepareConfig, prepare
+from lattica.train.engine.data import stdlib_documents
+from lattica.train.engine.prepare import PrepareConfig, prepare
 from lattica_lab.bpe import train_bpe
 
 FORTUNES = Path("/usr/share/games/fortunes")

@@ -18,9 +18,9 @@ a random other one.
 Each peer is a real ``DiLoCo`` strategy (one outer step per inner phase) on a one-tensor model of
 ``--payload-mib`` fp32 (16 MiB: 4,194,304 parameters). The inner phase is simulated: a fixed
 sleep (``--compute-s``, 10 s: longer than a 32 MiB exchange on this machine, as a DiLoCo inner
-phase of hundreds of steps is longer than its exchange), then the weights move by a drift shared by all peers plus a per-peer
-one (± a fixed random direction, 0.1 % of the weights' norm), so replicas do differ. Replicas
-start 10 % apart (relative), as after joins from different published states.
+phase of hundreds of steps is longer than its exchange), then the weights move by a drift shared by
+all peers plus a per-peer one (± a fixed random direction, 0.1 % of the weights' norm), so replicas
+do differ. Replicas start 10 % apart (relative), as after joins from different published states.
 
 Phases, all-reduce and gossip measured the same way (the same warm-up steps, the same number
 of measured steps, the same clock points):
@@ -80,10 +80,10 @@ The last line is one JSON object: ``sizes``, ``allreduce_round_s``, ``gossip_rou
 ``allreduce_bytes_per_peer``, ``gossip_bytes_per_peer`` (lists per N), ``straggler_rate_allreduce``,
 ``straggler_rate_gossip``, ``consensus_distance`` (``value``, ``trend``, ``shrinking``),
 ``kill_any_stall_s``, ``kill_stall_bound_s``, ``kill_outside_max_interval_s``,
-``kill_outside_paused_peers``, ``kill_control_max_interval_s``, ``kill_added_stall_s`` and the settings. A phase that does not finish — a
-worker that exits or misses its deadline, an all-reduce step that fails, a peer short of its
-steps — fails the run: exit status 1 and one line on stderr, no figures. Without root (or without
-the lab's tools) the run exits with status 2 and says why.
+``kill_outside_paused_peers``, ``kill_control_max_interval_s``, ``kill_added_stall_s`` and the
+settings. A phase that does not finish — a worker that exits or misses its deadline, an all-reduce
+step that fails, a peer short of its steps — fails the run: exit status 1 and one line on stderr, no
+figures. Without root (or without the lab's tools) the run exits with status 2 and says why.
 """
 
 from __future__ import annotations
@@ -252,7 +252,9 @@ def measure_size(lab, args, n: int, rng: random.Random, numel: int, straggler_si
             check_steps(f"N={n} {mode} round phase", records, swarm.members, warm + steps,
                         allow_alone=mode == "gossip")
             out[f"{mode}_round_s"], out[f"{mode}_bytes"] = round_figures(records, warm, steps)
-            out[f"{mode}_alone_steps"] = sum(1 for r in records.values() for x in r[warm:warm + steps] if x["group"] == 1)
+            out[f"{mode}_alone_steps"] = sum(
+                (1 for r in records.values() for x in r[warm:warm + steps] if x["group"] == 1),
+            )
             out[f"{mode}_libp2p_bytes"] = sum(x.get("libp2p_bytes", 0) for r in records.values() for x in r)
             if at_straggler and mode == "gossip":
                 out["consensus"] = consensus_trend(records, warm + steps)
@@ -413,8 +415,11 @@ def main() -> None:
         parser.error(f"--sites must be within 2..{len(SITES)}")
     if args.exchange_timeout_s <= 0 or args.grace_s <= 0:
         parser.error("--grace-s and --exchange-timeout-s must be positive")
-    if min(sizes) < 4 or args.steps < 2 or args.round_steps < 2 or args.warmup < 0 or args.payload_mib <= 0 or args.window_s < 5:
-        parser.error("sizes must be >= 4, --steps and --round-steps >= 2, --warmup >= 0, --payload-mib > 0, --window-s >= 5")
+    if (min(sizes) < 4 or args.steps < 2 or args.round_steps < 2 or args.warmup < 0 or args.payload_mib <= 0
+            or args.window_s < 5):
+        parser.error(
+            "sizes must be >= 4, --steps and --round-steps >= 2, --warmup >= 0, --payload-mib > 0, --window-s >= 5",
+        )
     straggler_size = args.straggler_size if args.straggler_size in sizes else sizes[len(sizes) // 2]
 
     reason = wan_unavailable_reason()

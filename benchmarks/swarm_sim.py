@@ -55,31 +55,34 @@ def summarize(sizes: list[int], results: list[dict[str, object]]) -> dict[str, o
     def each(key: str) -> list[object]:
         return [r[key] for r in results]
 
+    def numbers(key: str) -> list[float]:
+        return [float(v) for v in each(key) if isinstance(v, int | float)]
+
     largest = results[-1]
     hops = [h for h in each("dht_hops_p99") if isinstance(h, int)]
+    consensus = largest["gossip_consensus_rounds"]
     summary: dict[str, object] = {
         "sizes": sizes,
         "state_bytes_per_member": each("state_bytes_per_member"),
-        "state_growth_100_vs_10_rounds": max(float(g) for g in each("state_growth_100_vs_10_rounds")),  # type: ignore[arg-type]
+        "state_growth_100_vs_10_rounds": max(numbers("state_growth_100_vs_10_rounds")),
         "state_sync_bytes_per_peer_per_round": each("state_sync_bytes_per_peer_per_round"),
         "state_sync_bytes_per_member_per_peer_per_round": each("state_sync_bytes_per_member_per_peer_per_round"),
         "heartbeat_interval_s": each("heartbeat_interval_s"),
-        "dht_lookup_success": min(float(s) for s in each("dht_lookup_success")),  # type: ignore[arg-type]
+        "dht_lookup_success": min(numbers("dht_lookup_success")),
         "dht_hops_p99": max(hops) if hops else None,
-        "gossip_consensus_rounds": largest["gossip_consensus_rounds"],
+        "gossip_consensus_rounds": consensus,
         "join_state_s": largest["join_state_s"],
-        "wall_s": round(sum(float(w) for w in each("wall_s")), 1),  # type: ignore[arg-type]
+        "wall_s": round(sum(numbers("wall_s")), 1),
     }
-    met = (
-        all(float(v) <= TARGETS["state_sync_bytes_per_member_per_peer_per_round"] for v in summary["state_sync_bytes_per_member_per_peer_per_round"])  # type: ignore[union-attr]
-        and all(float(v) <= TARGETS["state_bytes_per_member"] for v in summary["state_bytes_per_member"])  # type: ignore[union-attr]
-        and float(summary["state_growth_100_vs_10_rounds"]) <= TARGETS["state_growth_100_vs_10_rounds"]  # type: ignore[arg-type]
-        and float(summary["dht_lookup_success"]) >= 0.99  # type: ignore[arg-type]
-        and summary["dht_hops_p99"] is not None and int(summary["dht_hops_p99"]) <= TARGETS["dht_hops_p99"]  # type: ignore[call-overload]
-        and summary["gossip_consensus_rounds"] is not None
-        and int(summary["gossip_consensus_rounds"]) <= TARGETS["gossip_consensus_rounds"]  # type: ignore[call-overload]
+    summary["targets_met"] = (
+        all(v <= TARGETS["state_sync_bytes_per_member_per_peer_per_round"]
+            for v in numbers("state_sync_bytes_per_member_per_peer_per_round"))
+        and all(v <= TARGETS["state_bytes_per_member"] for v in numbers("state_bytes_per_member"))
+        and max(numbers("state_growth_100_vs_10_rounds")) <= TARGETS["state_growth_100_vs_10_rounds"]
+        and min(numbers("dht_lookup_success")) >= 0.99
+        and bool(hops) and max(hops) <= TARGETS["dht_hops_p99"]
+        and isinstance(consensus, int) and consensus <= TARGETS["gossip_consensus_rounds"]
     )
-    summary["targets_met"] = met
     return summary
 
 

@@ -16,7 +16,7 @@ still does). Each chunk ends by waiting for the device (the trainer's
 report reads its loss; the plain loop reads its last loss). Tokens per second are each side's
 median over the reps.
 
-Also per preset: ``mfu`` (model FLOPs utilisation of the trainer, ``lattica.train.utilization``;
+Also per preset: ``mfu`` (model FLOPs utilisation of the trainer, ``lattica.train.engine.utilization``;
 null on the CPU and on devices of unknown peak), ``peak_memory_bytes`` (CUDA: the allocator's
 peak during the trainer's timed chunks; CPU: the process's peak resident memory then — both
 include the plain loop's resident model) and ``outer_extra_device_bytes``: the device memory a
@@ -26,7 +26,15 @@ itself, since there the device's memory is the host's).
 
     python benchmarks/throughput.py [--presets tiny,mini] [--device auto|cpu|cuda]
         [--compile auto|true|false] [--steps 10] [--warmup 20] [--reps 9]
-        [--batch-size N] [--seq-len N]
+        [--batch-size N] [--seq-len N] [--devices cpu:2 | cuda:0,cuda:1 | auto]
+
+``--devices`` adds, per preset, a node of several ranks (``train.devices``: one rank process
+per device, DDP inside, through the daemon's own trainer factory) against a node of one rank
+on the first of those devices, each rank given the preset's batch (the node's batch is N ×
+that): ``multi_vs_single`` = the N-rank node's tokens/s ÷ (N × the one-rank node's), the
+medians of ``--reps`` chunks of ``--steps`` steps after the warm-up. On the CPU a rank is a
+share of the cores (the one-rank node gets the same share), so the figure is bounded by the
+machine's cores; with NCCL on a multi-GPU machine the target is >= 0.9.
 
 Last line: one JSON object ``{"device", "compile", "presets": {name: {...}}, ...}``. A phase that
 did not finish (an error, a trainer that did not train all its steps, a missing rep, a
@@ -42,6 +50,7 @@ import math
 import os
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,16 +60,17 @@ import _checkout  # noqa: F401  (the checkout root on sys.path: lattica_lab)
 import torch
 import trio
 
-from lattica.train.compiled_model import compile_enabled
-from lattica.train.device import DeviceInfo, autocast, select_device
-from lattica.train.inner_optimizer import BETAS, adamw_implementation
-from lattica.train.model import GPTConfig, build_model, lm_loss, preset
-from lattica.train.schedule import ScheduleConfig
+from lattica.train.engine.compiled_model import compile_enabled
+from lattica.train.engine.device import DeviceInfo, autocast, select_device
+from lattica.train.engine.inner_optimizer import BETAS, adamw_implementation
+from lattica.train.engine.model import GPTConfig, build_model, lm_loss, preset
+from lattica.train.engine.reports import Progress
+from lattica.train.engine.schedule import ScheduleConfig
+from lattica.train.engine.task import Task
+from lattica.train.engine.trainer import Trainer, TrainerConfig
+from lattica.train.engine.utilization import device_peak_flops, mfu, model_flops_per_token
 from lattica.train.strategies import create_strategy
 from lattica.train.strategies.diloco import DiLoCo, DiLoCoConfig
-from lattica.train.task import Task
-from lattica.train.trainer import Progress, Trainer, TrainerConfig
-from lattica.train.utilization import device_peak_flops, mfu, model_flops_per_token
 from lattica_lab.collective import InMemoryCollectiveGroup
 
 # batch x sequence length per preset (the issue's shapes for the GPU presets)
@@ -106,7 +116,9 @@ class Timings:
     peak_memory_bytes: int = 0
 
 
-def synthetic_batches(batch: int, seq_len: int, vocab: int, count: int = SYNTHETIC_BATCHES) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def synthetic_batches(
+    batch: int, seq_len: int, vocab: int, count: int = SYNTHETIC_BATCHES
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(SEED)
     out = []
     for _ in range(count):
@@ -243,6 +255,65 @@ async def _interleaved(
     return timings
 
 
+def measure_ranks(name: str, batch: int, seq_len: int, devices: str, run: Run) -> dict[str, Any]:
+    """``multi_vs_single`` of the preset (module docstring)."""
+    from lattica.train.engine.ranks.devices import resolve_devices
+    from lattica.train.engine.ranks.group import threads_per_rank
+
+    node = resolve_devices(devices, "auto")
+    if node.ranks < 2:
+        raise BenchmarkFailed(f"--devices {devices} is one device here: nothing to compare")
+    one = node.names[0] if node.kind == "cuda" else "cpu"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads_per_rank(node.names))  # the one-rank node gets one rank's share
+    try:
+        single = _node_tokens_per_s(name, batch, seq_len, one, run)
+    finally:
+        torch.set_num_threads(threads)
+    multi = _node_tokens_per_s(name, batch * node.ranks, seq_len, devices, run)
+    return {
+        "devices": list(node.names), "ranks": node.ranks, "per_rank_batch": batch, "seq_len": seq_len,
+        "single_tokens_per_s": round(single, 1), "multi_tokens_per_s": round(multi, 1),
+        "multi_vs_single": round(multi / (node.ranks * single), 4),
+    }
+
+
+def _node_tokens_per_s(name: str, batch: int, seq_len: int, devices: str, run: Run) -> float:
+    """The median tokens/s of a node's timed chunks, trained as the daemon trains (nocomm)."""
+    from lattica.config import TrainSettings
+    from lattica.train.settings import trainer_factory
+
+    chunks = run.warmup_chunks + run.reps
+    settings = TrainSettings(
+        strategy="nocomm", model=name, inner_steps=run.steps, rounds=chunks, batch_size=batch, seq_len=seq_len,
+        device="cuda" if devices.startswith("cuda") else "cpu", devices=devices, warmup_steps=0,
+        compile=run.compile,
+    )
+    rates: list[float] = []
+    seen: set[int] = set()
+
+    def timed(progress: Progress) -> None:
+        warm = progress.step > run.warmup_chunks * run.steps
+        if progress.step % run.steps == 0 and warm and progress.step not in seen:
+            seen.add(progress.step)
+            rates.append(progress.tokens_per_s)
+
+    with tempfile.TemporaryDirectory(prefix="lattica-throughput-") as tmp:
+        parts = trainer_factory.TrainerParts(
+            peer_id="me", collective=InMemoryCollectiveGroup(("me",)).member("me"), groups=FixedGroups(("me",)),
+            checkpoint_dir=Path(tmp), on_progress=timed,
+        )
+        trainer = trainer_factory.build_trainer(settings, parts)
+        trainer.checkpoints = trainer.checkpoint_writer = None  # nothing on disk inside the timing
+        trainer.task.val_batches = ()  # no validation inside a timed window
+        summary = trio.run(trainer.run)
+    if summary.steps != chunks * run.steps or len(rates) != run.reps:
+        raise BenchmarkFailed(f"{devices}: {summary.steps} steps, {len(rates)} of {run.reps} timed chunks")
+    if not math.isfinite(summary.train_loss):
+        raise BenchmarkFailed(f"{devices}: the loss is {summary.train_loss}")
+    return statistics.median(rates)
+
+
 def outer_extra_device_bytes(model: torch.nn.Module, device: torch.device) -> int:
     """The device memory a DiLoCo strategy (default placement) adds through one outer round."""
     member = InMemoryCollectiveGroup(("me",)).member("me")
@@ -278,6 +349,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--reps", type=int, default=9, help="timed chunks per side, interleaved")
     parser.add_argument("--batch-size", type=int, help="instead of the preset's (SHAPES)")
     parser.add_argument("--seq-len", type=int, help="instead of the preset's (SHAPES)")
+    parser.add_argument("--devices", help="also a node of these devices against one of them: multi_vs_single")
     return parser.parse_args(argv)
 
 
@@ -305,6 +377,10 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             batch, seq_len = SHAPES[name]
             results[name] = measure_preset(name, args.batch_size or batch, args.seq_len or seq_len, run)
+            if args.devices:
+                results[name]["ranks"] = measure_ranks(
+                    name, args.batch_size or batch, args.seq_len or seq_len, args.devices, run,
+                )
     except BenchmarkFailed as exc:
         print(f"throughput benchmark failed: {exc}", file=sys.stderr)
         return 1
@@ -325,6 +401,10 @@ def main(argv: list[str] | None = None) -> int:
         "torch_threads": torch.get_num_threads(),
         "load_avg_1m": [load_before, _load()],
     }
+    multi = {n: r["ranks"]["multi_vs_single"] for n, r in results.items() if "ranks" in r}
+    if multi:
+        print("multi_vs_single: " + ", ".join(f"{n} {v:.3f}" for n, v in multi.items()))
+        summary["multi_vs_single"] = min(multi.values())
     print(json.dumps(summary))
     return 0
 

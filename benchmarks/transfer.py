@@ -73,8 +73,9 @@ class RawTcp:
     """The reference: plain sockets, same process layout and buffer policy as the tensor paths."""
 
     def __init__(self, nbytes: int, reps: int) -> None:
+        here = str(Path(__file__).resolve().parent)
         code = (
-            f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r}); from transfer import _tcp_receiver;"
+            f"import sys; sys.path.insert(0, {here!r}); from transfer import _tcp_receiver;"
             f"_tcp_receiver(lambda p: print(p, flush=True), {nbytes}, {reps})"
         )
         self._receiver = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)

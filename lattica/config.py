@@ -11,7 +11,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeGuard, get_args
 
 import multiaddr
 from multiaddr.exceptions import Error as MultiaddrError
@@ -26,9 +26,25 @@ DEFAULT_INNER_STEPS = 50  # H: inner steps per outer round, for every strategy, 
 # CPU cores (``benchmarks/demo_time.py``); ``--long`` trains on to a visibly lower loss
 DEMO_ROUNDS = 3
 DEMO_LONG_ROUNDS = 20
-AGGREGATIONS = ("mean", "trimmed_mean", "median")
-AVERAGINGS = ("allreduce", "gossip")
-OUTER_STATE_DEVICES = ("cpu", "same")
+# the enumerated settings: each a ``Literal`` (what mypy checks) and its values (what a file is
+# checked against)
+# the outer strategies (``lattica.train.strategies.STRATEGIES`` maps each to its class)
+StrategyName = Literal[
+    "diloco", "ddp", "nocomm", "noloco", "eager", "streaming", "streaming_eager", "spes", "sparseloco", "demo",
+    "local_adam", "desloc", "co2",
+]
+Aggregation = Literal["mean", "trimmed_mean", "median"]
+Averaging = Literal["allreduce", "gossip"]
+OuterStateDevice = Literal["cpu", "same"]
+TrainingDevice = Literal["auto", "cpu", "cuda"]
+InitFrom = Literal["seed", "weights"]
+STRATEGY_NAMES: tuple[StrategyName, ...] = get_args(StrategyName)
+AGGREGATIONS: tuple[Aggregation, ...] = get_args(Aggregation)
+AVERAGINGS: tuple[Averaging, ...] = get_args(Averaging)
+OUTER_STATE_DEVICES: tuple[OuterStateDevice, ...] = get_args(OuterStateDevice)
+TRAINING_DEVICES: tuple[TrainingDevice, ...] = get_args(TrainingDevice)
+INIT_FROM: tuple[InitFrom, ...] = get_args(InitFrom)
+MAX_GROUP_SIZE = 32
 # sockaddr_un.sun_path holds 108 bytes on Linux, including the terminating NUL
 MAX_UNIX_SOCKET_PATH = 107
 _LISTEN_HOSTS = ("ip4", "ip6", "dns", "dns4", "dns6")
@@ -141,15 +157,15 @@ class TrainSettings:
     """What a training member of a run does.
 
     Every field reaches the trainer, the data plane or the chosen strategy
-    (``lattica.train.strategy_settings``); a strategy setting left ``None`` keeps that strategy's
+    (``lattica.train.settings.strategy_settings``); a strategy setting left ``None`` keeps that strategy's
     own default, and one set for a strategy that does not use it is refused there. The run-wide
     fields follow the run config an admin published in the replicated state
-    (``lattica.train.run_config``).
+    (``lattica.train.swarm.run_config``).
     """
 
-    strategy: str = "diloco"
-    model: str = "tiny"  # a GPT or Llama preset, or hf:<local dir> (``train/model_spec.py``)
-    init: str = "seed"  # hf: models: "seed" (fresh weights from the seed) or "weights" (the dir's)
+    strategy: StrategyName = "diloco"
+    model: str = "tiny"  # a GPT or Llama preset, or hf:<local dir> (``train/engine/model_spec.py``)
+    init: InitFrom = "seed"  # hf: models: "seed" (fresh weights from the seed) or "weights" (the dir's)
     data: str = "stdlib"
     task: str | None = None
     inner_steps: int = DEFAULT_INNER_STEPS
@@ -163,15 +179,18 @@ class TrainSettings:
     round_deadline_s: float = 60.0
     min_peers: int = 1
     seed: int = 0
-    device: str = "auto"
+    device: TrainingDevice = "auto"
+    # the node's accelerators: "auto" (every visible CUDA device, else one CPU), a list such as
+    # "cuda:0,cuda:2", or "cpu:N" (N CPU ranks); several make one rank per device (train/engine/ranks/)
+    devices: str = "auto"
     keep_checkpoints: int = 3
     # how the owner of each part of an all-reduce combines the members' contributions
-    aggregation: str = "mean"
+    aggregation: Aggregation = "mean"
     trim: int = 1  # trimmed_mean: values dropped at each end of every coordinate
     max_norm_ratio: float | None = 10.0  # refuse a contribution above this x the median norm; None: off
     # how the DiLoCo family averages: one all-reduce over the round's members, or gossip inside
     # small groups redrawn every round (no global barrier; replicas then differ slightly)
-    averaging: str = "allreduce"
+    averaging: Averaging = "allreduce"
     group_size: int = 2  # gossip averaging and NoLoCo: members per group
     group_grace_s: float = 5.0  # how long a group partner is waited for (handshake, exchange)
     # DiLoCo with gossip: each round's exchange runs during the next inner phase (one round late)
@@ -182,7 +201,15 @@ class TrainSettings:
     activation_checkpointing: bool = False  # recompute each layer's activations in backward
     # where the DiLoCo family keeps its outer state: "cpu" (pinned memory when training on CUDA)
     # or "same" (the training device)
-    outer_state_device: str = "cpu"
+    outer_state_device: OuterStateDevice = "cpu"
+    # DES-LOC / Local Adam: the moments' sync periods in rounds of inner_steps (None: the strategy's)
+    first_moment_rounds: int | None = None
+    second_moment_rounds: int | None = None
+    # CO2: the staleness gap penalty λ and the outer momentum's element-wise bound (0: off)
+    staleness_penalty: float | None = None
+    momentum_clip: float | None = None
+    # re-tune H from measured links between rounds (the admin decides; ``train/settings/retune.py``)
+    tune: bool = False
 
     def __post_init__(self) -> None:
         positive = {
@@ -195,6 +222,8 @@ class TrainSettings:
             "trim": self.trim,
             "micro_batches": self.micro_batches,
         }
+        if self.strategy not in STRATEGY_NAMES:
+            raise ConfigError(f"unknown strategy {self.strategy!r}; choose one of {sorted(STRATEGY_NAMES)}")
         for name, value in positive.items():
             if not _is_int(value) or value <= 0:
                 raise ConfigError(f"train.{name} must be a positive integer, got {value!r}")
@@ -211,7 +240,9 @@ class TrainSettings:
         if self.outer_momentum is not None and not (_is_finite(self.outer_momentum) and 0 <= self.outer_momentum < 1):
             raise ConfigError(f"train.outer_momentum must be in [0, 1), got {self.outer_momentum!r}")
         if self.max_norm_ratio is not None and not (_is_finite(self.max_norm_ratio) and self.max_norm_ratio >= 1):
-            raise ConfigError(f"train.max_norm_ratio must be a finite number >= 1 (or off), got {self.max_norm_ratio!r}")
+            raise ConfigError(
+                f"train.max_norm_ratio must be a finite number >= 1 (or off), got {self.max_norm_ratio!r}",
+            )
         if self.aggregation not in AGGREGATIONS:
             raise ConfigError(f"train.aggregation must be one of {', '.join(AGGREGATIONS)}, got {self.aggregation!r}")
         if self.aggregation == "trimmed_mean" and self.min_peers <= 2 * self.trim:
@@ -219,22 +250,32 @@ class TrainSettings:
                 f"train.aggregation trimmed_mean with trim = {self.trim} needs at least {2 * self.trim + 1} "
                 f"contributions; set min_peers >= {2 * self.trim + 1} (it is {self.min_peers})"
             )
-        if self.averaging not in AVERAGINGS:
-            raise ConfigError(f"train.averaging must be one of {', '.join(AVERAGINGS)}, got {self.averaging!r}")
-        if not _is_int(self.group_size) or not 2 <= self.group_size <= 32:
-            raise ConfigError(f"train.group_size must be an integer in [2, 32], got {self.group_size!r}")
+        try:
+            check_averaging(self.averaging, self.group_size, self.gossip_overlap, where="train.",
+                            overlap_name="gossip_overlap")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         if not _is_finite(self.group_grace_s) or not self.group_grace_s > 0:
             raise ConfigError(f"train.group_grace_s must be a finite positive number, got {self.group_grace_s!r}")
-        if not isinstance(self.gossip_overlap, bool):
-            raise ConfigError(f"train.gossip_overlap must be true or false, got {self.gossip_overlap!r}")
-        if self.gossip_overlap and self.averaging != "gossip":
-            raise ConfigError("train.gossip_overlap needs train.averaging = \"gossip\" (the overlapped "
-                              "all-reduce is strategy \"eager\")")
-        if self.init not in ("seed", "weights"):
+        if self.init not in INIT_FROM:
             raise ConfigError(f"train.init must be seed or weights, got {self.init!r}")
-        if self.device not in ("auto", "cpu", "cuda"):
+        if self.device not in TRAINING_DEVICES:
             raise ConfigError(f"train.device must be auto, cpu or cuda, got {self.device!r}")
+        check_devices_syntax(self.devices)
         self._check_inner_loop()
+        self._check_research_strategies()
+
+    def _check_research_strategies(self) -> None:
+        for name in ("first_moment_rounds", "second_moment_rounds"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value <= 0):
+                raise ConfigError(f"train.{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.tune, bool):
+            raise ConfigError(f"train.tune must be true or false, got {self.tune!r}")
+        for name in ("staleness_penalty", "momentum_clip"):
+            value = getattr(self, name)
+            if value is not None and (not _is_finite(value) or value < 0):
+                raise ConfigError(f"train.{name} must be a finite number >= 0, got {value!r}")
 
     def _check_inner_loop(self) -> None:
         if not (isinstance(self.compile, bool) or self.compile == "auto"):
@@ -254,7 +295,40 @@ class TrainSettings:
             )
 
 
-def _is_int(value: object) -> bool:
+_DEVICES = re.compile(r"^(auto|cpu(:\d+)?|cuda(:\d+)?(,cuda(:\d+)?)*)$")
+
+
+def check_devices_syntax(devices: object) -> None:
+    """``train.devices`` must read as ``auto``, ``cpu:N`` or a comma-separated list of
+    ``cuda:I``; whether those devices exist is checked where they are opened
+    (``train/engine/ranks/devices.py``)."""
+    if not isinstance(devices, str) or not _DEVICES.match(devices.replace(" ", "")):
+        raise ConfigError(
+            f"train.devices must be auto, cpu:N or a list such as cuda:0,cuda:1, got {devices!r}"
+        )
+    if devices.replace(" ", "") in ("cpu:0",):
+        raise ConfigError("train.devices cpu:N needs N >= 1 (cpu:0 would train on no device)")
+
+
+def check_averaging(
+    averaging: object, group_size: object, overlap: object = False, *, where: str, overlap_name: str = "overlap",
+) -> None:
+    """The rules of averaging, for every config that averages (``TrainSettings``, the DiLoCo
+    family's strategy configs): a known mode, a group of 2 to ``MAX_GROUP_SIZE`` members, and an
+    overlapped exchange only with gossip. ``ValueError`` naming the field behind ``where``
+    (``"train."``, ``"DiLoCoConfig."``)."""
+    if averaging not in AVERAGINGS:
+        raise ValueError(f"{where}averaging must be one of {', '.join(AVERAGINGS)}, got {averaging!r}")
+    if not _is_int(group_size) or not 2 <= group_size <= MAX_GROUP_SIZE:
+        raise ValueError(f"{where}group_size must be an integer in [2, {MAX_GROUP_SIZE}], got {group_size!r}")
+    if not isinstance(overlap, bool):
+        raise ValueError(f"{where}{overlap_name} must be true or false, got {overlap!r}")  # noqa: TRY004 - one line to the user
+    if overlap and averaging != "gossip":
+        raise ValueError(f"{where}{overlap_name} needs {where}averaging = \"gossip\" (the overlapped all-reduce is "
+                         "strategy \"eager\")")
+
+
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

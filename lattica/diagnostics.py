@@ -21,7 +21,8 @@ symmetric. Without either the verdict is ``unknown``.
 from __future__ import annotations
 
 import ipaddress
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 Status = Literal["ok", "warn", "problem"]
@@ -71,6 +72,24 @@ class NodeFacts:
     bootstrap_failures: dict[str, str] = field(default_factory=dict)  # address -> why
     bootstrap_plain: tuple[str, ...] = ()  # reached addresses of plain libp2p nodes (relay, DHT)
     bootstrap_tried: int = 0
+
+    def with_last_transfers(self, sent: Mapping[str, tuple[int, float]]) -> NodeFacts:
+        """These facts with the last large tensor message sent to each peer: ``sent`` maps a
+        peer to (bytes, seconds); a message of no measurable duration gives no rate."""
+        rates = {
+            peer: (size, round(size * 8 / seconds / 1e6, 2)) for peer, (size, seconds) in sent.items() if seconds > 0
+        }
+        return replace(self, peers=tuple(
+            replace(p, last_transfer_bytes=rates[p.peer_id][0], last_transfer_mbit_s=rates[p.peer_id][1])
+            if p.peer_id in rates else p
+            for p in self.peers
+        ))
+
+    def with_member_reachability(self, reachability: Mapping[str, str]) -> NodeFacts:
+        """These facts with each peer's reachability as the peer advertises it (run members)."""
+        return replace(self, peers=tuple(
+            replace(p, reachability=reachability[p.peer_id]) if p.peer_id in reachability else p for p in self.peers
+        ))
 
 
 @dataclass(frozen=True)
@@ -207,7 +226,9 @@ def address_findings(facts: NodeFacts, nat: NatVerdict) -> list[Finding]:
             "dialable", status, f"{failed} peer(s) tried to dial this node back at {shown} and none could", advice,
         ))
     elif reached:
-        findings.append(Finding("dialable", "ok", f"{reached} of {len(facts.dialback)} peer(s) dialed this node back at {shown}"))
+        findings.append(
+            Finding("dialable", "ok", f"{reached} of {len(facts.dialback)} peer(s) dialed this node back at {shown}"),
+        )
     else:
         findings.append(Finding(
             "dialable", "warn", f"no peer has tried to dial this node back yet (advertising {shown})",
@@ -265,7 +286,9 @@ def _peer_finding(peer: PeerFacts, nat: NatVerdict) -> Finding:
     if peer.rtt_ms is not None:
         figures.append(f"RTT {peer.rtt_ms:.1f} ms")
     if peer.last_transfer_mbit_s is not None and peer.last_transfer_bytes:
-        figures.append(f"last transfer {peer.last_transfer_bytes / 1e6:.1f} MB at {peer.last_transfer_mbit_s:.1f} Mbit/s")
+        figures.append(
+            f"last transfer {peer.last_transfer_bytes / 1e6:.1f} MB at {peer.last_transfer_mbit_s:.1f} Mbit/s",
+        )
     path = peer.path or "unknown path"
     if path == "relayed":
         via = f" via {short(peer.relay)}" if peer.relay else ""
@@ -317,7 +340,8 @@ def _bootstrap_advice(why: str) -> str:
         return ("the relay answers but does not lead to the peer: the peer is down or reserved on another "
                 "relay; ask for its current address (`lattica status` on it lists relay_addrs)")
     if "refused" in text:
-        return "nothing listens there: check that the bootstrap daemon runs and the port (and a container's -p mapping) is right"
+        return ("nothing listens there: check that the bootstrap daemon runs and the port (and a container's -p "
+                "mapping) is right")
     if "timed out" in text or "timeout" in text or "unreachable" in text:
         return ("packets get no answer: check the IP (a private address is not reachable from another "
                 "network), firewalls, and that the bootstrap node announces its public address")
@@ -342,8 +366,8 @@ def clock_findings(facts: NodeFacts) -> list[Finding]:
               f"against {short(worst.peer_id)}, over {len(offsets)} peer(s)")
     if skew > CLOCK_WARN_S:
         status: Status = "problem" if skew > CLOCK_PROBLEM_S else "warn"
-        return [Finding("clock", status, detail,
-                        "synchronize the clock with NTP (timedatectl set-ntp true, or chrony) on this node or on that peer")]
+        return [Finding("clock", status, detail, "synchronize the clock with NTP (timedatectl set-ntp true, or "
+                        "chrony) on this node or on that peer")]
     return [Finding("clock", "ok", detail)]
 
 
@@ -370,7 +394,8 @@ def device_finding(machine: MachineFacts) -> Finding:
     if machine.device == "cuda":
         return Finding("device", "ok", f"CUDA: {machine.device_name or 'GPU'}{memory}")
     if machine.gpu_present:
-        return Finding("device", "problem", f"an NVIDIA GPU is present but PyTorch cannot use it; training would run on the CPU{memory}",
+        return Finding("device", "problem",
+                       f"an NVIDIA GPU is present but PyTorch cannot use it; training would run on the CPU{memory}",
                        "start the container with --gpus all, and use a CUDA build of PyTorch matching the driver")
     return Finding("device", "ok", f"CPU{memory} (no GPU found)")
 

@@ -10,6 +10,8 @@
   broke it", as trio distinguishes ``ClosedResourceError`` and ``BrokenResourceError``.
 - ``PeerUnavailableError``: a peer could not be reached or vanished mid-operation;
   ``PeerBusyError``: it answered that it is over its serving budget (try later).
+- ``RankFailedError``: one of this node's own rank processes (one per local device) died,
+  failed or hung; it names the rank, its device and why.
 """
 
 from __future__ import annotations
@@ -67,3 +69,11 @@ class BrokenError(RemoteError):
 
 class DaemonNotRunningError(LatticaError):
     """No daemon answers on the control socket of the given data dir."""
+
+
+class RankFailedError(LatticaError):
+    """A rank process of this node (one per local device) died, failed or stopped answering."""
+
+    def __init__(self, reason: str, *, rank: int, device: str) -> None:
+        super().__init__(f"rank {rank} ({device}): {reason}")
+        self.rank, self.device, self.reason = rank, device, reason

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from lattica.train.data import stdlib_documents
+from lattica.train.engine.data import stdlib_documents
 
 EOS = "<|endoftext|>"
 

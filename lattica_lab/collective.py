@@ -12,8 +12,9 @@ before being handed out), so a strategy sees the same numerics in memory as over
 all-reduce: ``2 (N-1)/N`` of its encoded payload per ``allreduce``, the encoded payload per
 ``exchange``. Contributions are screened like the real reducer does (``screen.py``); the
 excluded ones are listed in ``rejections``. ``PoisonedCollective`` makes a member a hostile
-partner (its exchanges send NaN, or anything else a test gives it). ``fail(peer)`` simulates a peer that died: every pending or later operation that
-involves it raises ``PeerUnavailableError`` naming it.
+partner (its exchanges send NaN, or anything else a test gives it). ``fail(peer)`` simulates a peer
+that died: every pending or later operation that involves it raises ``PeerUnavailableError`` naming
+it.
 
 Tensors on an accelerator (the convergence harness on CUDA with DDP's ``reduce_on_device``)
 are averaged where they are: fp32 only, summed in group order and divided, without screening
@@ -31,7 +32,7 @@ import trio
 from lattica.errors import LocalProtocolError, PeerUnavailableError
 from lattica.numerics import codecs
 from lattica.numerics.screen import DEFAULT_SCREEN, ContributionScreen, Rejection, reduce_parts
-from lattica.train.collective import Collective
+from lattica.train.engine.collective import Collective
 
 
 @dataclass

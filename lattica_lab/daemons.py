@@ -15,8 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from lattica import demo
-from lattica.demo import free_port, lattica_command
+from lattica.cli import demo
+from lattica.cli.demo import free_port, lattica_command
 
 __all__ = ["DaemonProcess", "cli_json", "free_port", "lattica_command", "run_cli", "wait_for"]
 

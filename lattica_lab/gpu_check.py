@@ -15,6 +15,13 @@ counts as failed):
    - ``placement``: ``benchmarks/outer_placement.py``, the outer state on the host and on the
      device, the same bits as a CPU member, round times and device memory.
 
+``--ranks`` checks a node of several devices instead (``train.devices``; a machine with two
+GPUs or more, about four minutes): ``ranks_throughput`` (``benchmarks/throughput.py
+--devices auto`` on ``gpt2-124m``: ``multi_vs_single``, target >= 0.9 with NCCL) alone, then
+``ranks_daemons`` (``lattica demo`` with two daemons, each on every GPU with
+``devices = "auto"``, replicas identical). ``--ranks --device cpu --quick`` is its dry run
+with two CPU ranks per node.
+
 ``--device cpu --quick`` runs the same phases with the smallest settings on the CPU: a dry run
 that shows the check itself works before a GPU is spent on it. The last line printed is one
 JSON object: ``ok``, the device, torch's version, and per phase ``ok``, ``seconds``, the phase's
@@ -49,9 +56,11 @@ class Phase:
     env: dict[str, str] = field(default_factory=dict)
 
 
-def plan(device: str, *, quick: bool) -> list[list[Phase]]:
+def plan(device: str, *, quick: bool, ranks: bool = False) -> list[list[Phase]]:
     """Groups of phases: the groups one after the other, the phases of a group side by side."""
     bench = "benchmarks"
+    if ranks:
+        return ranks_plan(device, quick=quick)
     if quick:
         return [
             [Phase("throughput", (f"{bench}/throughput.py", "--presets", "tiny", "--device", device,
@@ -81,6 +90,25 @@ def plan(device: str, *, quick: bool) -> list[list[Phase]]:
             Phase("placement", (f"{bench}/outer_placement.py", "--preset", "medium", "--device", device,
                                 "--rounds", "3"), 90),
         ],
+    ]
+
+
+def ranks_plan(device: str, *, quick: bool) -> list[list[Phase]]:
+    """The phases of ``--ranks`` (module docstring)."""
+    devices = "cpu:2" if device == "cpu" else "auto"
+    env = {"LATTICA_TRAIN_DEVICE": device, "LATTICA_TRAIN_DEVICES": devices}
+    if quick:
+        return [
+            [Phase("ranks_throughput", ("benchmarks/throughput.py", "--presets", "tiny", "--device", device,
+                                        "--devices", devices, "--steps", "2", "--reps", "1", "--warmup", "2"), 150)],
+            [Phase("ranks_daemons", ("-m", "lattica.cli.main", "demo", "--nodes", "2", "--rounds", "1",
+                                     "--inner-steps", "5", "--model", "tiny", "--json"), 150, env)],
+        ]
+    return [
+        [Phase("ranks_throughput", ("benchmarks/throughput.py", "--presets", "gpt2-124m", "--device", device,
+                                    "--devices", devices, "--steps", "10", "--reps", "3", "--warmup", "10"), 170)],
+        [Phase("ranks_daemons", ("-m", "lattica.cli.main", "demo", "--nodes", "2", "--rounds", "2",
+                                 "--inner-steps", "50", "--model", "small", "--json"), 130, env)],
     ]
 
 
@@ -163,7 +191,7 @@ def run(groups: list[list[Phase]]) -> dict[str, dict[str, Any]]:
 def _device_facts(device: str) -> dict[str, Any]:
     import torch
 
-    from lattica.train.device import select_device
+    from lattica.train.engine.device import select_device
 
     facts: dict[str, Any] = {"torch": torch.__version__}
     try:
@@ -177,15 +205,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--quick", action="store_true", help="the smallest settings: a dry run")
+    parser.add_argument("--ranks", action="store_true", help="a node of several devices (two GPUs or more)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     started = time.monotonic()
     facts = _device_facts(args.device)
     print(f"gpu check on {facts['device']} (torch {facts['torch']}){' quick' if args.quick else ''}", flush=True)
-    records = run(plan(args.device, quick=args.quick))
+    records = run(plan(args.device, quick=args.quick, ranks=args.ranks))
     summary = {
         "ok": all(r["ok"] for r in records.values()),
         **facts,
         "quick": args.quick,
+        "ranks": args.ranks,
         "seconds": round(time.monotonic() - started, 1),
         "phases": records,
     }

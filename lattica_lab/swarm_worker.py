@@ -19,10 +19,10 @@ stdin line, answering each with one JSON line on stdout:
   "end_at"?, "linger"?, "sample"?}`` -> ``done`` with ``records``: per peer, one record per outer step
   (``step``, ``t0``/``t1`` around ``sync()``, ``key``, ``group`` (the size of the group it
   averaged with), ``drawn`` (gossip: the group drawn for the key from every member, whether or
-  not they answered), ``handshake_s`` (gossip: the time spent confirming the group), ``bytes``, ``libp2p_bytes``, ``skipped``, ``detail``, ``sample``);
-  with ``steps`` and ``linger`` the peers step on after ``steps``: ``reached`` when every peer
-  of this worker has done ``steps``, then ``done`` after ``{"cmd": "stop"}`` (this loop reads
-  commands while a phase runs);
+  not they answered), ``handshake_s`` (gossip: the time spent confirming the group), ``bytes``,
+  ``libp2p_bytes``, ``skipped``, ``detail``, ``sample``); with ``steps`` and ``linger`` the peers
+  step on after ``steps``: ``reached`` when every peer of this worker has done ``steps``, then
+  ``done`` after ``{"cmd": "stop"}`` (this loop reads commands while a phase runs);
 - ``{"cmd": "quit"}``.
 
 ``ok``/``error`` in ``connected`` and ``primed`` say whether every dial and every fast channel
@@ -351,9 +351,8 @@ class Worker:
                 # with overlap the first sync lands nothing (its exchange is in flight): a step
                 # all the same, its Δ taken on its own by the look-ahead start
                 first = report.detail == FIRST_IN_FLIGHT
-                if gossip is None:
-                    drawn = members
-                else:
+                drawn = members
+                if gossip is not None:
                     drawn = [p.id] if first else list(gossip.groups.proposal(report.key))
                 record = {"step": step, "t0": t0, "t1": time.time(), "key": report.key,
                           "group": max(1, len(report.group)), "first_in_flight": first, "drawn": drawn,

@@ -5,6 +5,8 @@
 #
 #   bash scripts/gpu_check.sh                        # on a machine with CUDA
 #   bash scripts/gpu_check.sh --device cpu --quick   # a dry run of the check itself, on the CPU
+#   bash scripts/gpu_check.sh --ranks                # a node of several GPUs (train.devices), ~4 min
+#   bash scripts/gpu_check.sh --ranks --device cpu --quick   # its dry run with two CPU ranks
 #
 # The interpreter is $PYTHON, else this checkout's .venv, else python3 (a machine staged with
 # .gpu/install.sh has Lattica's dependencies on python3's path).

@@ -14,7 +14,7 @@ from lattica.decoding import str_list, str_map
 from lattica.errors import DaemonNotRunningError, LocalProtocolError
 
 if TYPE_CHECKING:
-    from lattica.node import Node
+    from lattica.node.node import Node
 
 
 def join(args: argparse.Namespace) -> int:
@@ -22,9 +22,9 @@ def join(args: argparse.Namespace) -> int:
     from lattica.cli.preflight import check_metrics_host, prepare_data_dir
     from lattica.cli.settings import build_node_config
     from lattica.config import parse_host_port
-    from lattica.daemon import run_until_stopped
     from lattica.net.access import read_secret_file
     from lattica.net.identity import load_or_create_identity
+    from lattica.node.daemon import run_until_stopped
 
     flags = {
         "data_dir": args.data_dir,
@@ -50,10 +50,12 @@ def join(args: argparse.Namespace) -> int:
         "rounds": args.rounds,
         "min_peers": args.min_peers,
         "device": args.device,
+        "devices": args.devices,
         "seed": args.seed,
         "averaging": args.averaging,
         "group_size": args.group_size,
         "gossip_overlap": args.gossip_overlap,
+        "tune": args.tune,
         "compile": {"true": True, "false": False}.get(args.compile, args.compile),
         "micro_batches": args.micro_batches,
         "activation_checkpointing": args.activation_checkpointing,
@@ -71,7 +73,7 @@ def join(args: argparse.Namespace) -> int:
     if config.metrics_addr is not None:
         check_metrics_host(parse_host_port(config.metrics_addr, what="--metrics-addr")[0])
     if config.train is not None:  # the training stack (torch) is imported by trainers only
-        from lattica.train.settings_check import check_settings
+        from lattica.train.settings.settings_check import check_settings
 
         check_settings(config.train)
     secret = read_secret_file(config.secret_file) if config.secret_file is not None else None
@@ -246,7 +248,7 @@ def stop(args: argparse.Namespace) -> int:
 
 
 def demo(args: argparse.Namespace) -> int:
-    from lattica.demo import run_demo
+    from lattica.cli.demo import run_demo
 
     return run_demo(args)
 

@@ -1,4 +1,4 @@
-"""``lattica data prepare``: tokenize a corpus into memory-mappable shards (``train/prepare.py``).
+"""``lattica data prepare``: tokenize a corpus into memory-mappable shards (``train/engine/prepare.py``).
 
 Progress goes to stderr, the summary to stdout; every error is one line and leaves nothing
 half-written. The parser imports nothing of ``lattica.train``: ``lattica status`` and the other
@@ -21,15 +21,19 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     prepare.add_argument("inputs", nargs="+", type=Path, metavar="INPUT", help="file or folder (repeatable)")
     prepare.add_argument("--tokenizer", type=Path, required=True, help="a tokenizer.json (tokenizers library)")
     prepare.add_argument("--out", type=Path, required=True, help="folder to write (must not exist, unless --force)")
-    prepare.add_argument("--text-field", default="text", help="JSONL field / parquet column with the text (default: text)")
+    prepare.add_argument(
+        "--text-field", default="text", help="JSONL field / parquet column with the text (default: text)"
+    )
     prepare.add_argument("--val-fraction", type=float, default=0.05, help="share of documents held out (default 0.05)")
     prepare.add_argument("--shard-tokens", type=int, help="tokens per shard file (default 100,000,000)")
-    prepare.add_argument("--eos", help="end-of-document token (default: <|endoftext|>, </s>, … if the tokenizer has one)")
+    prepare.add_argument(
+        "--eos", help="end-of-document token (default: <|endoftext|>, </s>, … if the tokenizer has one)"
+    )
     prepare.add_argument("--force", action="store_true", help="replace --out if it exists")
 
 
 def data(args: argparse.Namespace) -> int:
-    from lattica.train.prepare import DEFAULT_SHARD_TOKENS, PrepareConfig, prepare
+    from lattica.train.engine.prepare import DEFAULT_SHARD_TOKENS, PrepareConfig, prepare
 
     config = PrepareConfig(
         inputs=tuple(args.inputs), tokenizer=args.tokenizer, out=args.out, text_field=args.text_field,

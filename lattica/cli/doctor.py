@@ -1,7 +1,7 @@
 """``lattica doctor``: why this node does (not) see the others, and what to do about it.
 
 With a daemon running for ``--data-dir`` the node's facts come from its control socket
-(``lattica.observability.doctor``); without one, ``--peer`` addresses are probed by a
+(``lattica.node.doctor``); without one, ``--peer`` addresses are probed by a
 short-lived host (``lattica.net.probe``) — the check to run on a rented machine before joining.
 This machine's free disk and compute device are read here. ``lattica.diagnostics`` turns
 both into findings. Exit code 0 when no finding is a problem, 1 otherwise.
@@ -23,7 +23,9 @@ _MARKS = {"ok": "ok     ", "warn": "WARN   ", "problem": "PROBLEM"}
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    doctor = sub.add_parser("doctor", help="diagnose connectivity (NAT, relays, peers, bootstrap), clock, disk and device")
+    doctor = sub.add_parser(
+        "doctor", help="diagnose connectivity (NAT, relays, peers, bootstrap), clock, disk and device",
+    )
     doctor.add_argument("--data-dir", type=Path, help="node data dir (default: $XDG_DATA_HOME/lattica)")
     doctor.add_argument("--config", type=Path, help="TOML config file (listen/announce for a probe)")
     doctor.add_argument("--peer", action="append", dest="peers", metavar="MULTIADDR",

@@ -1,4 +1,4 @@
-"""``lattica export``: write the weights the swarm agreed on (``train/export.py``)."""
+"""``lattica export``: write the weights the swarm agreed on (``train/swarm/export.py``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from pathlib import Path
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     export = sub.add_parser(
-        "export", help="write the newest agreed outer weights of a node's data dir as safetensors or a transformers folder",
+        "export",
+        help="write the newest agreed outer weights of a node's data dir as safetensors or a transformers folder",
     )
     export.add_argument("--data-dir", type=Path, help="node data dir (default: $XDG_DATA_HOME/lattica)")
     export.add_argument("--out", type=Path, required=True, help="folder to write (must not exist, unless --force)")
@@ -21,7 +22,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def export(args: argparse.Namespace) -> int:
     from lattica.cli.common import resolve_data_dir
-    from lattica.train.export import export as write_export
+    from lattica.train.swarm.export import export as write_export
 
     agreed, notes = write_export(
         resolve_data_dir(args), args.out, fmt=args.format, run_id=args.run_id, force=args.force,

@@ -15,6 +15,7 @@ from pathlib import Path
 from lattica.cli import data as data_cli
 from lattica.cli import doctor as doctor_cli
 from lattica.cli import export as export_cli
+from lattica.cli import tune as tune_cli
 from lattica.cli.common import resolve_data_dir
 from lattica.config import DEFAULT_INNER_STEPS, DEMO_LONG_ROUNDS, DEMO_ROUNDS
 from lattica.errors import LatticaError, StorageError
@@ -25,7 +26,8 @@ EXIT_INTERNAL = 2
 # ``model_spec.preset_help()`` as text (a test keeps them equal): ``lattica --help`` needs no torch
 MODEL_HELP = (
     "GPT presets (byte vocabulary): tiny (125k), mini (859k), small (4.9M), medium (25.6M), gpt2-124m (86.0M), "
-    "gpt-125m (121.5M), gpt-350m (303.6M); Llama presets (parameters at a 32k vocabulary; the vocabulary is the data's): "
+    "gpt-125m (121.5M), gpt-350m (303.6M); "
+    "Llama presets (parameters at a 32k vocabulary; the vocabulary is the data's): "
     "llama-tiny (2.1M), llama-20m (21.7M), llama-150m (144.1M), llama-1b (1.10B); or hf:<local dir>"
 )
 
@@ -48,30 +50,61 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--config", type=Path, help="TOML config file")
     join.add_argument("--peer", action="append", dest="peers", metavar="MULTIADDR", help="bootstrap peer (repeatable)")
     join.add_argument("--peers-file", type=Path, help="file with one bootstrap multiaddr per line")
-    join.add_argument("--listen", action="append", metavar="MULTIADDR", help="listen address (repeatable; default all interfaces, port 4001)")
-    join.add_argument("--announce", action="append", metavar="MULTIADDR", help="address to advertise instead (port-mapped containers)")
-    join.add_argument("--upnp", action="store_true", default=None, help="map the listen port on the LAN gateway with UPnP (default off)")
+    join.add_argument(
+        "--listen", action="append", metavar="MULTIADDR",
+        help="listen address (repeatable; default all interfaces, port 4001)",
+    )
+    join.add_argument(
+        "--announce", action="append", metavar="MULTIADDR",
+        help="address to advertise instead (port-mapped containers)",
+    )
+    join.add_argument(
+        "--upnp", action="store_true", default=None,
+        help="map the listen port on the LAN gateway with UPnP (default off)",
+    )
     join.add_argument("--run-id", help="id of the training run (default: 'default')")
     join.add_argument("--metrics-addr", help="HOST:PORT for Prometheus metrics, or 'off' (default 127.0.0.1:9400)")
     join.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
-    join.add_argument("--bootstrap-timeout", type=float, dest="bootstrap_timeout_s", help="seconds to reach a bootstrap peer (default 30)")
+    join.add_argument(
+        "--bootstrap-timeout", type=float, dest="bootstrap_timeout_s",
+        help="seconds to reach a bootstrap peer (default 30)",
+    )
     join.add_argument("--secret-file", type=Path, help="run secret (mode 0600); members must prove they know it")
-    join.add_argument("--allow-peer", action="append", dest="allow_peers", metavar="PEER_ID", help="only these peers may take part (repeatable)")
-    join.add_argument("--train", action="store_true", help="take part in training (default config unless [train] is set)")
+    join.add_argument(
+        "--allow-peer", action="append", dest="allow_peers", metavar="PEER_ID",
+        help="only these peers may take part (repeatable)",
+    )
+    join.add_argument(
+        "--train", action="store_true", help="take part in training (default config unless [train] is set)",
+    )
     join.add_argument("--strategy", help="outer strategy: diloco, eager, streaming, streaming_eager, noloco, spes")
     join.add_argument("--model", help=MODEL_HELP.replace("%", "%%"))
-    join.add_argument("--init", choices=("seed", "weights"), help="hf: models: fresh weights from the seed (default) or the dir's weights")
-    join.add_argument("--data", help="'stdlib' (default corpus), a folder from 'lattica data prepare', a text file or folder, .jsonl, .bin, or hf:NAME")
+    join.add_argument(
+        "--init", choices=("seed", "weights"),
+        help="hf: models: fresh weights from the seed (default) or the dir's weights",
+    )
+    join.add_argument(
+        "--data",
+        help="'stdlib' (default corpus), a folder from 'lattica data prepare', a text file or folder, .jsonl, .bin,"
+        " or hf:NAME",
+    )
     join.add_argument("--task", help="user task entry point package.module:function")
     join.add_argument("--inner-steps", type=int, help=f"inner steps per outer round (H, default {DEFAULT_INNER_STEPS})")
     join.add_argument("--rounds", type=int, help="outer rounds to train")
     join.add_argument("--min-peers", type=int, help="peers (including this one) needed before training starts")
     join.add_argument("--device", choices=("auto", "cpu", "cuda"))
+    join.add_argument("--devices", help="the node's accelerators: auto (every CUDA device, else one CPU; "
+                      "default), a list such as cuda:0,cuda:1, or cpu:N (N CPU ranks)")
     join.add_argument("--seed", type=int)
-    join.add_argument("--averaging", choices=("allreduce", "gossip"), help="DiLoCo: one all-reduce per round (default) or gossip in small groups")
+    join.add_argument(
+        "--averaging", choices=("allreduce", "gossip"),
+        help="DiLoCo: one all-reduce per round (default) or gossip in small groups",
+    )
     join.add_argument("--group-size", type=int, help="gossip averaging and NoLoCo: members per group (default 2)")
     join.add_argument("--gossip-overlap", action="store_const", const=True, default=None,
                       help="DiLoCo with gossip: each round's exchange runs during the next inner phase")
+    join.add_argument("--tune", action="store_const", const=True, default=None,
+                      help="re-tune H from measured links between rounds (run-wide; the admin decides)")
     join.add_argument("--compile", choices=("auto", "true", "false"),
                       help="torch.compile the model (default auto: on CUDA, not on the CPU)")
     join.add_argument("--micro-batches", type=int, help="gradient accumulation: each step's batch in this many parts")
@@ -102,11 +135,17 @@ def build_parser() -> argparse.ArgumentParser:
     doctor_cli.add_parser(sub)
     data_cli.add_parser(sub)
     export_cli.add_parser(sub)
+    tune_cli.add_parser(sub)
 
     demo = sub.add_parser("demo", help="train a local swarm of daemons on the built-in corpus")
     demo.add_argument("--nodes", type=int, default=4)
-    demo.add_argument("--rounds", type=int, help=f"outer rounds (default {DEMO_ROUNDS}; {DEMO_LONG_ROUNDS} with --long)")
-    demo.add_argument("--long", action="store_true", help=f"train {DEMO_LONG_ROUNDS} rounds instead of {DEMO_ROUNDS} (a lower loss; minutes)")
+    demo.add_argument(
+        "--rounds", type=int, help=f"outer rounds (default {DEMO_ROUNDS}; {DEMO_LONG_ROUNDS} with --long)",
+    )
+    demo.add_argument(
+        "--long", action="store_true",
+        help=f"train {DEMO_LONG_ROUNDS} rounds instead of {DEMO_ROUNDS} (a lower loss; minutes)",
+    )
     demo.add_argument("--inner-steps", type=int, default=DEFAULT_INNER_STEPS, help=f"H (default {DEFAULT_INNER_STEPS})")
     demo.add_argument("--strategy", default="diloco")
     demo.add_argument("--model", default="tiny")
@@ -197,6 +236,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         "doctor": doctor_cli.doctor,
         "data": data_cli.data,
         "export": export_cli.export,
+        "tune": tune_cli.tune,
     }
     return handlers[args.command](args)
 

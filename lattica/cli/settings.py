@@ -13,7 +13,7 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import fields
 from pathlib import Path
-from typing import Literal, get_type_hints
+from typing import Literal, get_args, get_origin, get_type_hints
 
 from lattica.config import DEFAULT_PORT, NodeConfig, TrainSettings
 from lattica.decoding import build, str_map
@@ -36,6 +36,7 @@ _KINDS: dict[object, str] = {
     Path: "path",
     tuple[str, ...]: "list",
     float | None: "float?",
+    int | None: "int?",
     str | None: "str",
     Path | None: "path",
     bool | Literal["auto"]: "bool|auto",
@@ -51,11 +52,19 @@ def _keys_of(cls: type, *, skip: tuple[str, ...] = ()) -> dict[str, str]:
     for f in fields(cls):
         if f.name in skip:
             continue
-        kind = _KINDS.get(hints[f.name])
+        kind = _KINDS.get(hints[f.name]) or _choice_kind(hints[f.name])
         if kind is None:
             raise TypeError(f"{cls.__name__}.{f.name}: no config-file kind for {hints[f.name]!r}")
         out[f.name] = kind
     return out
+
+
+def _choice_kind(hint: object) -> str | None:
+    """An enumerated setting (a ``Literal`` of strings) is read as a string; its ``__post_init__``
+    checks the value."""
+    if get_origin(hint) is Literal and all(isinstance(choice, str) for choice in get_args(hint)):
+        return "str"
+    return None
 
 
 NODE_KEYS: dict[str, str] = {**_keys_of(NodeConfig, skip=("train",)), **_CLI_ONLY_KEYS}
@@ -93,7 +102,9 @@ def _convert(kind: str, value: object) -> SettingValue:
         if not isinstance(value, str | Path) or not str(value):
             raise TypeError
         return Path(value).expanduser()
-    if kind == "int":
+    if kind == "int?" and isinstance(value, str) and value.strip().lower() == "none":
+        return None
+    if kind in ("int", "int?"):
         # TOML 1.5 or an env "1.5" is refused, not truncated
         if isinstance(value, int) and not isinstance(value, bool):
             return value
@@ -127,8 +138,11 @@ def _coerce(key: str, kind: str, value: object, source: str) -> SettingValue:
         return _convert(kind, value)
     except (TypeError, ValueError):
         name = key.rpartition(".")[2].removeprefix("train_")
-        optional = "a finite number or 'off'" if name in _OFF_WHEN_NONE else "a finite number, or 'none' for the default"
-        expected = {"int": "an integer", "float": "a finite number", "float?": optional,
+        optional = (
+            "a finite number or 'off'" if name in _OFF_WHEN_NONE else "a finite number, or 'none' for the default"
+        )
+        expected = {"int": "an integer", "int?": "an integer, or 'none' for the default", "float": "a finite number",
+                    "float?": optional,
                     "bool|auto": "true, false or 'auto'"}
         raise ConfigError(
             f"{source}: {key} has an invalid value {value!r} (expected {expected.get(kind, kind)})"

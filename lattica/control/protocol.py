@@ -18,7 +18,7 @@ from lattica.errors import LocalProtocolError
 
 MAX_REQUEST_BYTES = 64 * 1024
 MAX_RESPONSE_BYTES = 64 * 1024 * 1024
-METHOD_NAMES = frozenset({"status", "peers", "state", "train", "id", "shutdown", "doctor"})
+METHOD_NAMES = frozenset({"status", "peers", "state", "train", "id", "shutdown", "doctor", "tune"})
 
 
 @dataclass(frozen=True)

@@ -40,19 +40,20 @@ WAN payload) a peer that averaged alone finishes its step much sooner than one t
 and reaches the next step up to a whole period before its partner; told ``late``, both would
 average alone again, finish sooner again and drift further apart (a peer alone runs ahead, so
 lone steps breed lone steps). Two periods of the longest recent kind cover a partner still in
-a full exchange, while a peer ten times slower than the asker is left out at once. Verdicts agree on both sides: a peer that answered ``late`` leaves the asker out of
-its own group for the key (``decline``), the asker leaves out a partner that answered ``late``,
-and a peer leaves out (declines) every partner it did not confirm, so a ready answer that
-arrives after the asker stopped waiting is not taken as a pair by the answerer alone. A key
-stays open (answered ``ready``) for the hold this peer asked for plus the grace.
+a full exchange, while a peer ten times slower than the asker is left out at once. Verdicts agree on
+both sides: a peer that answered ``late`` leaves the asker out of its own group for the key
+(``decline``), the asker leaves out a partner that answered ``late``, and a peer leaves out
+(declines) every partner it did not confirm, so a ready answer that arrives after the asker stopped
+waiting is not taken as a pair by the answerer alone. A key stays open (answered ``ready``) for the
+hold this peer asked for plus the grace.
 
 Realignment. Every answer carries the answerer's latest opened step, and every request the
 step the asker has reached (its key). A peer learns from them where the swarm is
 (``SwarmStep``: the highest step of the last peers heard that another of them vouches for,
 within two steps, so one peer announcing a far step moves nobody; in a view of at most four
-members, where a peer hears about one partner per step, the highest step heard) and a strategy that fell behind jumps its next key there,
-instead of drawing one group after another for steps its partners have left. A jump lands at
-most one period early; the partners' hold covers that.
+members, where a peer hears about one partner per step, the highest step heard) and a strategy that
+fell behind jumps its next key there, instead of drawing one group after another for steps its
+partners have left. A jump lands at most one period early; the partners' hold covers that.
 """
 
 from __future__ import annotations
@@ -63,7 +64,6 @@ import re
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from lattica.errors import RemoteProtocolError
 
@@ -174,8 +174,8 @@ def confirmed_group(
 
 def handshake_request(
     run_id: str, key: str, proposal: Sequence[str], *, hold_s: float | None = None
-) -> dict[str, Any]:
-    message: dict[str, Any] = {"run": run_id, "key": key, "group": list(proposal)}
+) -> dict[str, object]:
+    message: dict[str, object] = {"run": run_id, "key": key, "group": list(proposal)}
     if hold_s is not None:
         message["hold"] = float(hold_s)
     return message
@@ -273,12 +273,12 @@ class GroupHandshakes:
     Answering: a request is answered with this peer's proposal once this peer has opened the
     key itself (``ready``); ``gone`` when it opened the key longer ago than its hold plus the
     grace (it has averaged and moved on), already opened a later step, or left (``leave``: it
-    steps no more); for a step it has not reached, held up to the asker's hold and then ``late`` — or ``late`` at once when its own
-    expected arrival (last sync plus pace) falls after that hold. One long interval (the peer
-    was frozen or suspended) moves the pace by at most ``_PACE_JUMP`` paces, so a peer back from
-    a freeze is not taken for a straggler for many steps after. Keys that name no step are
-    answered at once. Asking: ``settle`` turns the answers into the group and declines every
-    proposed partner left out, so both sides reach the same verdict.
+    steps no more); for a step it has not reached, held up to the asker's hold and then ``late`` —
+    or ``late`` at once when its own expected arrival (last sync plus pace) falls after that hold.
+    One long interval (the peer was frozen or suspended) moves the pace by at most ``_PACE_JUMP``
+    paces, so a peer back from a freeze is not taken for a straggler for many steps after. Keys that
+    name no step are answered at once. Asking: ``settle`` turns the answers into the group and
+    declines every proposed partner left out, so both sides reach the same verdict.
     """
 
     def __init__(self, config: GossipGroupsConfig) -> None:
@@ -422,9 +422,9 @@ class GroupHandshakes:
                 self.decline(key, partner)
         return group
 
-    def answer(self, key: str, proposal: Sequence[str], verdict: Verdict, *, asker: str) -> dict[str, Any]:
+    def answer(self, key: str, proposal: Sequence[str], verdict: Verdict, *, asker: str) -> dict[str, object]:
         """The reply for a final verdict (``late`` declines the asker for the key)."""
-        message: dict[str, Any] = {}
+        message: dict[str, object] = {}
         if verdict.kind == GONE:
             message["gone"] = True
         elif verdict.kind == LATE:

@@ -9,11 +9,12 @@ sorted group. Only *responsive* candidates are waited for (by default: those we 
 connection to; the daemon also requires a lease renewal seen in the last few seconds): a killed
 peer keeps its lease for a few seconds and a silently cut one even keeps its connection, and
 waiting for either would stall the round up to the deadline. An unresponsive candidate is also
-skipped as coordinator, and an asker stops waiting for a coordinator that turns unresponsive. A peer that arrives after the group is sealed gets the sealed group without
-itself in it and syncs alone; the training service then catches it up by fetching the agreed
-outer weights. If the coordinator cannot be reached within ``_OPEN_TIMEOUT_S``, the next
-candidate by peer id is asked — so the deadline must be well above that, or peers that notice a
-dead coordinator at different times end up in different groups.
+skipped as coordinator, and an asker stops waiting for a coordinator that turns unresponsive. A peer
+that arrives after the group is sealed gets the sealed group without itself in it and syncs alone;
+the training service then catches it up by fetching the agreed outer weights. If the coordinator
+cannot be reached within ``_OPEN_TIMEOUT_S``, the next candidate by peer id is asked — so the
+deadline must be well above that, or peers that notice a dead coordinator at different times end up
+in different groups.
 
 A key ``<base>/retry/<n>`` (DiLoCo's second attempt after a failed all-reduce) is asked for only
 by the members of the attempt before it: when the coordinator knows that group (it sealed or
@@ -428,7 +429,10 @@ class RoundCoordinator:
             with trio.fail_after(self.deadline_s + 10):
                 request = await read_message(stream, max_size=_REQUEST_BYTES, peer_id=peer)
                 key = request.get("key") if isinstance(request, dict) else None
-                if not isinstance(request, dict) or not isinstance(key, str) or len(key) > MAX_KEY_LEN or request.get("run") != self.run_id:
+                if (
+                    not isinstance(request, dict) or not isinstance(key, str) or len(key) > MAX_KEY_LEN
+                    or request.get("run") != self.run_id
+                ):
                     raise RemoteProtocolError("malformed round request", peer_id=peer)  # noqa: TRY301 - logged below like any failed request
                 try:
                     reply: dict[str, object] = {"group": list(await self._join(key, peer))}

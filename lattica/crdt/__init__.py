@@ -4,10 +4,11 @@ Public entry points: ``ReplicatedState`` (the service) and ``StateConfig``; the 
 is ``Replica``. See docs/replicated-state.md.
 """
 
-from lattica.crdt.config import StateConfig
+
+from lattica.crdt.config import ReplicaLimits, StateConfig
 from lattica.crdt.envelope import Envelope, RejectedUpdate
 from lattica.crdt.liveness import LeasePolicy, live_members
-from lattica.crdt.replica import Replica, ReplicaLimits
+from lattica.crdt.replica import Replica
 from lattica.crdt.state import ReplicatedState
 
 __all__ = [

@@ -1,12 +1,41 @@
-"""Settings of the replicated state service."""
+"""Settings of the replicated state: the replica's limits and the service's."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from lattica.crdt.liveness import LeasePolicy, VouchPolicy
-from lattica.crdt.replica import ReplicaLimits
 from lattica.net.serving_budget import ServingLimits
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplicaLimits:
+    max_update_bytes: int = 64 * 1024
+    max_snapshot_bytes: int = 1024 * 1024
+    max_stream_bytes: int = 4 * 1024 * 1024
+    max_streams: int = 4096
+    max_pending_per_stream: int = 64
+    max_pending_total: int = 1024
+    pending_ttl: float = 30.0  # seconds an early arrival waits for its predecessors
+    max_banned: int = 1024  # equivocating writers remembered (each needs two signed envelopes)
+    snapshot_every: int = 128
+
+    def __post_init__(self) -> None:
+        for name in ("max_update_bytes", "max_snapshot_bytes", "max_stream_bytes", "max_streams"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+        if self.max_snapshot_bytes < self.max_update_bytes:
+            raise ValueError("max_snapshot_bytes must be >= max_update_bytes")
+        if self.max_stream_bytes < self.max_snapshot_bytes:
+            raise ValueError("max_stream_bytes must be >= max_snapshot_bytes")
+        if self.max_pending_per_stream < 0 or self.max_pending_total < 0:
+            raise ValueError("pending buffer sizes must be >= 0")
+        if not self.pending_ttl > 0:
+            raise ValueError("pending_ttl must be positive")
+        if self.max_banned < 1:
+            raise ValueError("max_banned must be >= 1")
+        if self.snapshot_every < 2:
+            raise ValueError("snapshot_every must be >= 2")
 
 
 def default_serving() -> ServingLimits:

@@ -357,3 +357,10 @@ def build_snapshot(
         "checkpoints": manifest,
         "experts": dict(sorted(experts.items())),
     }
+
+
+def doc_from(update: bytes) -> Doc[Map[object]]:
+    """A document rebuilt from one update (a snapshot or a document's full state)."""
+    doc: Doc[Map[object]] = Doc()
+    doc.apply_update(update)
+    return doc

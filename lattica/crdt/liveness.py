@@ -139,6 +139,49 @@ class Proof:
     standing_s: float
 
 
+class ProvenPeers:
+    """The peers that proved themselves to us (a completed sync session on a live connection):
+    when last, since when without a break (their standing), and the network origin of the
+    connection — what ``verified_writers`` weighs. At most ``max_peers`` are remembered, the
+    longest unheard forgotten first. Times are the caller's (monotonic seconds)."""
+
+    def __init__(self, *, lease_s: float, max_peers: int = 4096) -> None:
+        self.lease_s, self.max_peers = lease_s, max_peers
+        self._last: dict[str, float] = {}  # peer -> its last completed sync session
+        self._since: dict[str, float] = {}  # peer -> start of its unbroken run of proofs
+        self._origins: dict[str, str | None] = {}  # peer -> network origin of its last proof
+
+    def __contains__(self, peer: str) -> bool:
+        """Whether ``peer`` ever proved itself (and is still remembered)."""
+        return peer in self._last
+
+    def __len__(self) -> int:
+        return len(self._last)
+
+    def current(self, now: float) -> set[str]:
+        """Peers with a completed sync session within the last lease."""
+        since = now - self.lease_s
+        return {peer for peer, at in list(self._last.items()) if at >= since}  # a copy: threads read it
+
+    def proofs(self, now: float) -> dict[str, Proof]:
+        return {peer: Proof(self._origins.get(peer), now - self._since.get(peer, now)) for peer in self.current(now)}
+
+    def mark(self, peer: str, origin: str | None, now: float) -> bool:
+        """``peer`` completed a session now; True when it had no proof within the last lease."""
+        fresh = peer not in self.current(now)
+        self._last.pop(peer, None)
+        self._last[peer] = now
+        if fresh:
+            self._since[peer] = now
+        self._origins[peer] = origin
+        while len(self._last) > self.max_peers:
+            oldest = next(iter(self._last))
+            del self._last[oldest]
+            self._since.pop(oldest, None)
+            self._origins.pop(oldest, None)
+        return fresh
+
+
 def network_origin(host: str | None, *, relayed: bool = False) -> str | None:
     """The /24 (IPv4) or /48 (IPv6) prefix that ``host`` — the address a live connection comes
     from, as we observe it — belongs to; None for a relayed connection or no address."""

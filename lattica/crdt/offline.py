@@ -15,10 +15,10 @@ from pathlib import Path
 from libp2p.crypto.ed25519 import create_new_key_pair
 
 from lattica.crdt.documents import Snapshot
+from lattica.crdt.durable import state_log_path
 from lattica.crdt.envelope import RejectedUpdate
 from lattica.crdt.log import read_records
 from lattica.crdt.replica import Replica
-from lattica.crdt.state import state_log_path
 from lattica.errors import ConfigError
 
 _LOG_PREFIX, _LOG_SUFFIX = "state-", ".log"
@@ -55,7 +55,9 @@ def offline_dump(data_dir: Path, run_id: str | None = None) -> dict[str, object]
     runs = stored_runs(data_dir)
     if run_id is None:
         if len(runs) > 1:
-            raise ConfigError(f"data dir {data_dir} holds the state of runs {', '.join(runs)}; choose one with --run-id")
+            raise ConfigError(
+                f"data dir {data_dir} holds the state of runs {', '.join(runs)}; choose one with --run-id",
+            )
         run_id = runs[0] if runs else None
     if run_id is None or run_id not in runs:
         return None

@@ -4,16 +4,12 @@ Theory of operation
 -------------------
 The service wraps a sans-IO ``Replica`` with three kinds of I/O:
 
-- **Durability.** Every envelope the replica accepts (our own writes and peers') is appended
-  to ``data_dir/state-<run>.log`` and fsync'd in a worker thread. Our own writes return (are
-  *acknowledged*) only after that, and are not offered to peers before it, so a crash can
-  never make us reuse a seq that someone else already holds. At start the log is replayed
-  through the same validation as network input; a torn tail is cut off. When the log holds
-  much more than the replica still needs, it is rewritten (compaction). A full disk does not
-  stop the node: the log holds what it cannot write in memory and writes it, in order, once
-  space returns (``log.HeldRecordsLog``; warned once, shown in ``lattica status``). Writes
-  are then acknowledged and offered to peers before they are durable; a kill meanwhile loses
-  the held records, and the log ends where the disk filled.
+- **Durability** (``durable.DurableLog``). Every envelope the replica accepts (our own writes
+  and peers') is appended to ``data_dir/state-<run>.log`` and fsync'd in a worker thread. Our
+  own writes return (are *acknowledged*) only after that, and are not offered to peers before
+  it. At start the log is replayed through the same validation as network input; a torn tail is
+  cut off. A full disk does not stop the node: the held records are written, in order, once
+  space returns (warned once, shown in ``lattica status``); a kill meanwhile loses them.
 - **Anti-entropy.** One task per connected peer runs a sync session (``sync.initiate``)
   whenever the local state changed since its last session, and at least every
   ``sync_interval`` — the first is the prompt push, the second the repair that makes
@@ -21,19 +17,14 @@ The service wraps a sans-IO ``Replica`` with three kinds of I/O:
   connections (and ``notify_peer_connected``). A peer that misbehaves is backed off.
 - **Liveness.** A heartbeat task renews our lease; ``leave()`` writes ``left`` and pushes it
   to every connected peer at once.
-- **Proof of presence.** A completed sync session proves that its peer is connected under the
-  key it claims (Noise) and was admitted by the access gate (the sync protocol is guarded): the
-  peer is *proven* for a lease. We note the network origin of the connection the session ran on
-  and since when the peer has been proven without a break (its standing). The heartbeat also
-  writes the proven peers into our record (our vouches). ``live_members`` counts only verified
-  writers (``liveness.verified_writers``, under ``config.vouching``), so records signed by
-  throwaway keys that never connected are not members, whatever lease they claim; the replica
-  evicts such writers first when its table is full.
-- **Serving budget.** Answering a session sends whatever the asker lacks (a fresh identity:
-  the whole state). The node answers at most ``StateConfig.serving`` (bytes per second, bursts,
-  sessions at once; ``lattica.net.serving_budget``) all peers together, and at most
-  ``_MAX_ANSWERS_PER_PEER`` sessions of one peer at once; beyond, the session is answered
-  ``busy`` and the asker tries later.
+- **Proof of presence** (``liveness.ProvenPeers``). A completed sync session proves that its
+  peer is connected under the key it claims and was admitted by the access gate: the peer is
+  *proven* for a lease, with the network origin of its connection and its standing. The
+  heartbeat writes the proven peers into our record (our vouches); ``live_members`` counts only
+  verified writers (``liveness.verified_writers``), so throwaway keys are no members.
+- **Serving budget** (``AnswerSlots``, ``lattica.net.serving_budget``). Answering a session
+  sends whatever the asker lacks; beyond ``StateConfig.serving`` for all peers together, or two
+  sessions of one peer at once, a session is answered ``busy`` and the asker tries later.
 - **Equivocation.** A writer caught signing two histories is banned by the replica; the
   evidence is persisted with the log and sent to peers that still hold the writer.
 - **Our own history.** After the log is replayed our own streams are held (``Replica``, "A
@@ -47,14 +38,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from functools import partial
 from pathlib import Path
 
 import trio
 from libp2p.abc import IHost, INetStream
-from libp2p.connection_types import ConnectionType
 from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID
 from pycrdt import Doc, Map
@@ -62,19 +52,20 @@ from trio_typing import TaskStatus
 
 from lattica.crdt import documents, sync
 from lattica.crdt.config import StateConfig
+from lattica.crdt.durable import DurableLog, state_log_path
 from lattica.crdt.envelope import Envelope, RejectedUpdate
 from lattica.crdt.liveness import (
     MAX_VOUCHES,
     Proof,
+    ProvenPeers,
     is_live,
     live_members,
-    network_origin,
     verified_writers,
 )
-from lattica.crdt.log import AppendLog, HeldRecordsLog
 from lattica.crdt.replica import Replica
 from lattica.errors import BrokenError, LocalProtocolError, RemoteError, RemoteProtocolError
-from lattica.net.serving_budget import ServingBudget
+from lattica.net.serving_budget import AnswerSlots, ServingBudget
+from lattica.net.streams import close_quietly, reset_quietly
 
 log = logging.getLogger(__name__)
 
@@ -83,9 +74,7 @@ _BENIGN_REJECTIONS = frozenset({"replay", "equivocation", "banned", "evicted", "
 # nor a run config record we refuse: who may write it is each node's own decision (its admins,
 # whom it joined through), so such a record is skipped and the rest of the session goes on
 _SKIPPED_IN_SYNC = _BENIGN_REJECTIONS | {"unauthorized"}
-_MAX_PROVEN = 4096
 _MAX_ANSWERS_PER_PEER = 2  # an honest peer runs one session with us at a time
-_FORGET_EVERY_S = 30.0  # how often departed members are looked for
 
 
 def _now_ms() -> int:
@@ -113,10 +102,10 @@ class ReplicatedState:
             run_id=run_id, key_pair=key_pair, admins=admins, limits=self.config.limits,
             trusted=self._trusted, admin_relays=None if admins else self.config.anchors,
         )
-        self._log_path = state_log_path(Path(data_dir), run_id)
-        self._log: HeldRecordsLog | None = None
-        self._log_lock = trio.Lock()
-        self._not_durable: set[tuple[str, str, int]] = set()
+        self._log = DurableLog(
+            state_log_path(Path(data_dir), run_id), compact_min_records=self.config.compact_min_records,
+            retained=self._replica.retained,
+        )
         self._changed = trio.Event()
         self._generation = 0
         self._snapshot_cache: tuple[int, documents.Snapshot] | None = None
@@ -124,17 +113,13 @@ class ReplicatedState:
         self._retry_at: dict[str, float] = {}  # outbound sessions that failed
         self._penalized_until: dict[str, float] = {}  # peers that sent bad input
         self._heartbeat = 0
-        self._proven: dict[str, float] = {}  # peer -> monotonic time of its last completed sync session
-        self._proven_since: dict[str, float] = {}  # peer -> start of its unbroken run of proofs
-        self._origins: dict[str, str | None] = {}  # peer -> network origin of its last proof
+        self._proven = ProvenPeers(lease_s=self.config.lease.lease)
         self._vouched: list[str] | None = None  # the proven peers our record lists
         self._verified_cache: tuple[tuple[int, int], set[str]] | None = None  # see ``_trusted``
         self._left = False
-        self._closed = False  # run() has ended and closed the log
         self._nursery: trio.Nursery | None = None
-        self.torn_bytes_at_open = 0
         self.serving = ServingBudget(self.config.serving)
-        self._answering: dict[str, int] = {}  # peer -> sessions we are answering
+        self._answers = AnswerSlots(self.serving, per_peer=_MAX_ANSWERS_PER_PEER)
 
     # -- service -------------------------------------------------------------------------------
 
@@ -147,37 +132,25 @@ class ReplicatedState:
                 await self.heartbeat()
                 nursery.start_soon(self._heartbeat_loop)
                 nursery.start_soon(self._watch_peers_loop)
-                nursery.start_soon(self._retry_held_records_loop)
+                nursery.start_soon(self._log.retry_held_records)
                 task_status.started()
         finally:
             # The handler stays registered: py-libp2p 0.8.1 raises KeyError inside the swarm
             # (taking the host down) if a handler is removed while a stream negotiates it.
             # With no nursery the handler resets every stream.
             self._nursery = None
-            # A write or a received update may be in a worker thread right now: close the log
-            # only between two of them, and let later ones find it closed (``_persist``).
-            with trio.CancelScope(shield=True):
-                async with self._log_lock:
-                    self._closed = True
-                    if self._log is not None:
-                        self._last_attempt_at_shutdown(self._log)
-                        self._log.close()
-                        self._log = None
+            await self._log.close()
 
     async def _open_log(self) -> None:
         self._replica.tick(time.monotonic())
-        opened, records = await trio.to_thread.run_sync(AppendLog.open, self._log_path)
-        self._log = HeldRecordsLog(opened)
-        self.torn_bytes_at_open = opened.torn_bytes
-        if opened.torn_bytes:
-            log.warning("state log %s: cut a torn tail of %d bytes", self._log_path, opened.torn_bytes)
+        records = await self._log.open()
         for record in records:
             try:
                 # relayed by ourselves: the run config we accepted before is accepted again
                 self._replica.receive_wire(record, from_peer=self.peer_id)
             except RejectedUpdate as exc:
                 if exc.reason not in _BENIGN_REJECTIONS:
-                    log.warning("state log %s: skipped a record: %s", self._log_path, exc)
+                    log.warning("state log %s: skipped a record: %s", self._log.path, exc)
         self._replica.take_new_evidence()  # it came from the log
         self._replica.hold_own_streams()
         if not (self.config.admins or self.config.anchors or self._replica.admins):
@@ -214,17 +187,11 @@ class ReplicatedState:
         self._left = True
         self._heartbeat += 1
         beat = self._heartbeat
-        await self._write(
-            self.peer_id,
-            lambda doc: documents.write_lease(doc, lease_expires_ms=0, heartbeat=beat, left=True),
-        )
+        await self._write(self.peer_id, partial(documents.write_lease, lease_expires_ms=0, heartbeat=beat, left=True))
         await self.flush()
 
     async def set_progress(self, round: int, weights_hash: str) -> None:
-        await self._write(
-            self.peer_id,
-            lambda doc: documents.write_progress(doc, round=round, weights_hash=weights_hash),
-        )
+        await self._write(self.peer_id, partial(documents.write_progress, round=round, weights_hash=weights_hash))
 
     async def set_run_config(self, config: Mapping[str, object]) -> None:
         """Replace the run config (admins only; raises ``LocalProtocolError`` otherwise)."""
@@ -234,31 +201,19 @@ class ReplicatedState:
 
     async def add_checkpoint(self, round: int, hashes: list[str], holder: str | None = None) -> None:
         holder = holder or self.peer_id
-        await self._write(
-            self.peer_id,
-            lambda doc: documents.write_checkpoint(doc, round=round, hashes=hashes, holder=holder),
-        )
+        await self._write(self.peer_id, partial(documents.write_checkpoint, round=round, hashes=hashes, holder=holder))
 
     async def set_expert_owner(self, expert: str, owned: bool = True) -> None:
-        await self._write(
-            self.peer_id, lambda doc: documents.write_expert(doc, expert=expert, owned=owned)
-        )
+        await self._write(self.peer_id, lambda doc: documents.write_expert(doc, expert=expert, owned=owned))
 
     async def set_owned_experts(self, experts: list[str]) -> None:
         """Replace the set of experts this node owns (SPES) in one write."""
         await self._write(self.peer_id, lambda doc: documents.write_owned_experts(doc, experts))
 
     async def _write(self, doc_name: str, mutate: Callable[[Doc[Map[object]]], None]) -> None:
-        if self._log is None and not self._closed:
+        if not self._log.started:
             raise LocalProtocolError("ReplicatedState.run() has not started")
-        async with self._log_lock:
-            envelopes = self._replica.local_write(doc_name, mutate)
-            keys = {(e.doc, e.writer, e.seq) for e in envelopes}
-            self._not_durable |= keys
-            try:
-                await self._persist(envelopes)
-            finally:
-                self._not_durable -= keys
+        envelopes = await self._log.write(lambda: self._replica.local_write(doc_name, mutate))
         if envelopes:
             self._bump()
 
@@ -266,62 +221,17 @@ class ReplicatedState:
         """After a completed sync session: publish our own streams (see "Our own history")."""
         if not self._replica.holding:
             return
-        async with self._log_lock:
-            try:
-                snapshots = self._replica.settle()
-            except LocalProtocolError as exc:  # a document past the snapshot cap: stays unpublished
-                log.warning("state: cannot publish this node's own entries: %s", exc)
-                return
-            keys = {(e.doc, e.writer, e.seq) for e in snapshots}
-            self._not_durable |= keys
-            try:
-                await self._persist(snapshots)
-            finally:
-                self._not_durable -= keys
+        try:
+            snapshots = await self._log.write(self._replica.settle)
+        except LocalProtocolError as exc:  # a document past the snapshot cap: stays unpublished
+            log.warning("state: cannot publish this node's own entries: %s", exc)
+            return
         for env in snapshots:
             log.warning(
                 "state: the swarm held entries of this node from an earlier run of its data dir "
                 "(a restored copy?): superseded them with seq %d of %r", env.seq, env.doc,
             )
         self._bump()
-
-    async def _persist(self, envelopes: list[Envelope]) -> None:
-        """Append to the log; called with ``_log_lock`` held.
-
-        After ``run()`` has ended (the daemon is shutting down) the log is closed: the change
-        stays in memory only and is not replicated either, as if it had come a moment later."""
-        if self._log is None:
-            if envelopes:
-                log.debug("state log closed: %d change(s) not persisted at shutdown", len(envelopes))
-            return
-        current = self._log
-        await trio.to_thread.run_sync(current.append, [e.to_wire() for e in envelopes], time.monotonic())
-        limit = max(self.config.compact_min_records, 2 * len(self._replica.retained()))
-        if current.needs_rewrite(limit, time.monotonic()):
-            keep = [e.to_wire() for e in self._replica.retained()]
-            await trio.to_thread.run_sync(current.rewrite, keep, time.monotonic())
-
-    async def _retry_held_records_loop(self) -> None:
-        """While the log cannot be written (a full disk), write the held records once its
-        backoff is over: with no new record to carry them, they would wait for the next one."""
-        while True:
-            current = self._log
-            if current is None or current.failing is None:
-                await trio.sleep(1.0)
-                continue
-            await trio.sleep(max(0.05, current.wait_s(time.monotonic())))
-            async with self._log_lock:
-                await self._persist([])
-
-    def _last_attempt_at_shutdown(self, current: HeldRecordsLog) -> None:
-        """Write what is held once more before the log closes (at the next start it is lost)."""
-        if current.failing is None:
-            return
-        now = float("inf")  # whatever the backoff
-        if not current.append([], now) and current.needs_rewrite(sys.maxsize, now):  # records dropped
-            current.rewrite([e.to_wire() for e in self._replica.retained()], now)
-        if current.failing is not None:
-            log.warning("state log %s: %d record(s) not written at shutdown", self._log_path, current.held)
 
     # -- reads -----------------------------------------------------------------------------------
 
@@ -352,16 +262,11 @@ class ReplicatedState:
 
     def proven_peers(self) -> set[str]:
         """Peers with a completed sync session within the last lease."""
-        since = time.monotonic() - self.config.lease.lease
-        return {peer for peer, at in list(self._proven.items()) if at >= since}  # a copy: threads read it
+        return self._proven.current(time.monotonic())
 
     def proofs(self) -> dict[str, Proof]:
         """The proven peers with the network origin of their connection and their standing."""
-        now = time.monotonic()
-        return {
-            peer: Proof(self._origins.get(peer), now - self._proven_since.get(peer, now))
-            for peer in self.proven_peers()
-        }
+        return self._proven.proofs(time.monotonic())
 
     def _lease_margins(self) -> dict[str, int]:
         lease = self.config.lease
@@ -379,18 +284,7 @@ class ReplicatedState:
         return writer in self._verified_cache[1]
 
     def _mark_proven(self, peer: str, stream: INetStream) -> None:
-        fresh = peer not in self.proven_peers()
-        now = time.monotonic()
-        self._proven.pop(peer, None)
-        self._proven[peer] = now
-        if fresh:
-            self._proven_since[peer] = now
-        self._origins[peer] = _observed_origin(stream)
-        while len(self._proven) > _MAX_PROVEN:
-            oldest = next(iter(self._proven))
-            del self._proven[oldest]
-            self._proven_since.pop(oldest, None)
-            self._origins.pop(oldest, None)
+        fresh = self._proven.mark(peer, sync.observed_origin(stream), time.monotonic())
         if fresh:  # others may be waiting for our word on it
             self._spawn(self._refresh_vouches)
 
@@ -408,8 +302,8 @@ class ReplicatedState:
 
     def counters(self) -> dict[str, int | dict[str, int]]:
         counters = self._replica.counters()
-        counters["log_bytes"] = self._log.log.size_bytes if self._log else 0
-        counters["log_held_records"] = self._log.held if self._log else 0
+        counters["log_bytes"] = self._log.size_bytes
+        counters["log_held_records"] = self._log.held
         counters["sync_answers_busy"] = self.serving.busy
         counters["sync_answer_bytes"] = self.serving.served_bytes
         return counters
@@ -417,7 +311,7 @@ class ReplicatedState:
     @property
     def log_failing(self) -> str | None:
         """Why the state log cannot be written now (a full disk), or None."""
-        return self._log.failing if self._log else None
+        return self._log.failing
 
     def dump(self) -> dict[str, object]:
         """What ``lattica state --json`` prints: the snapshot plus this node's local view."""
@@ -452,10 +346,7 @@ class ReplicatedState:
         return self._replica.state_vector()
 
     def missing_for(self, vector: object) -> list[Envelope]:
-        missing = self._replica.missing_for(vector)
-        if not self._not_durable:
-            return missing
-        return [e for e in missing if (e.doc, e.writer, e.seq) not in self._not_durable]
+        return self._log.only_durable(self._replica.missing_for(vector))
 
     async def accept_batch(self, wire_envelopes: list[object], *, from_peer: str) -> None:
         applied: list[Envelope] = []
@@ -472,8 +363,7 @@ class ReplicatedState:
         if evidence:
             log.warning("state sync: banned %s: signed two different histories", evidence[0].writer)
         if applied or evidence:
-            async with self._log_lock:
-                await self._persist(applied + evidence)
+            await self._log.append(applied + evidence)
             self._bump()
         if failure is not None:
             raise failure
@@ -502,10 +392,8 @@ class ReplicatedState:
             self._peers.add(peer)
 
     def _spawn(self, fn: Callable[..., Awaitable[object]], *args: object) -> bool:
-        """Start ``fn`` in the service's nursery; False once the service is closing.
-
-        A stream handler can run after the nursery has closed and before ``run`` has cleared it.
-        """
+        """Start ``fn`` in the service's nursery; False once the service is closing (a stream
+        handler can run after the nursery has closed and before ``run`` has cleared it)."""
         if self._nursery is None:
             return False
         try:
@@ -515,20 +403,11 @@ class ReplicatedState:
         return True
 
     async def _watch_peers_loop(self) -> None:
-        forget_at = 0.0
         while True:
             for peer_id in self.host.get_connected_peers():
                 self._ensure_peer(peer_id.to_base58())
             self._replica.tick(time.monotonic())
-            if time.monotonic() >= forget_at:
-                forget_at = time.monotonic() + _FORGET_EVERY_S
-                self._forget_departed()
             await trio.sleep(self.config.peer_poll_interval)
-
-    def _forget_departed(self) -> None:
-        after_ms = int(self.config.forget_departed_after_s * 1000)
-        if self._replica.forget_departed(self.snapshot()["members"], now_ms=_now_ms(), after_ms=after_ms):
-            self._bump()  # the log drops them at its next rewrite
 
     def _connected(self, peer: str) -> bool:
         return any(p.to_base58() == peer for p in self.host.get_connected_peers())
@@ -565,7 +444,7 @@ class ReplicatedState:
                 try:
                     await sync.initiate(stream, self, peer_id=peer)
                 finally:
-                    await _close_quietly(stream)
+                    await close_quietly(stream)
             self._mark_proven(peer, stream)
             await self._settle_own_streams()
         except RemoteProtocolError as exc:
@@ -582,12 +461,12 @@ class ReplicatedState:
     async def _handle_stream(self, stream: INetStream) -> None:
         peer = stream.muxed_conn.peer_id.to_base58()
         if self._nursery is None or trio.current_time() < self._penalized_until.get(peer, 0.0):
-            await _reset_quietly(stream)
+            await reset_quietly(stream)
             return
-        if not self._start_answer(peer):
+        if not self._answers.start(peer, trio.current_time()):
             with contextlib.suppress(BrokenError):
                 await sync.refuse_busy(stream, peer_id=peer)
-            await _close_quietly(stream)
+            await close_quietly(stream)
             return
         self._ensure_peer(peer)
         try:
@@ -599,63 +478,23 @@ class ReplicatedState:
         except RemoteProtocolError as exc:
             log.warning("state sync: dropping bad input from %s: %s", peer, exc)
             self._penalized_until[peer] = trio.current_time() + self.config.max_backoff
-            await _reset_quietly(stream)
+            await reset_quietly(stream)
         except (BrokenError, RemoteError, trio.TooSlowError) as exc:
             log.debug("state sync from %s failed: %s", peer, exc)
-            await _reset_quietly(stream)
+            await reset_quietly(stream)
         finally:
-            self._end_answer(peer)
-            await _close_quietly(stream)
-
-    def _start_answer(self, peer: str) -> bool:
-        """Room to answer ``peer``'s session: its own share, then the node's budget."""
-        if self._answering.get(peer, 0) >= _MAX_ANSWERS_PER_PEER:
-            self.serving.busy += 1
-            return False
-        if not self.serving.try_start(trio.current_time()):
-            return False
-        self._answering[peer] = self._answering.get(peer, 0) + 1
-        return True
+            self._answers.end(peer)
+            await close_quietly(stream)
 
     def _take_answer_bytes(self, nbytes: int) -> bool:
-        return self.serving.try_take(nbytes, trio.current_time())
-
-    def _end_answer(self, peer: str) -> None:
-        self.serving.done()
-        remaining = self._answering.pop(peer, 1) - 1
-        if remaining > 0:
-            self._answering[peer] = remaining
+        return self._answers.take(nbytes, trio.current_time())
 
     async def _heartbeat_loop(self) -> None:
         while True:
             await trio.sleep(self.config.lease.heartbeat_interval)
             if not self._left:
                 await self.heartbeat()
+            after_ms = int(self.config.forget_departed_after_s * 1000)  # members long gone are dropped
+            if self._replica.forget_departed(self.snapshot()["members"], now_ms=_now_ms(), after_ms=after_ms):
+                self._bump()  # the log drops them at its next rewrite
 
-
-def state_log_path(data_dir: Path, run_id: str) -> Path:
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in run_id)
-    return data_dir / f"state-{safe}.log"
-
-
-def _observed_origin(stream: INetStream) -> str | None:
-    """The network origin of the connection ``stream`` runs on, as we observe it."""
-    try:
-        relayed = stream.muxed_conn.get_connection_type() is ConnectionType.RELAYED
-        remote = stream.get_remote_address()
-    except Exception:  # noqa: BLE001 - a stream whose connection is gone: no origin
-        return None
-    host = remote[0] if remote else None
-    return network_origin(host if isinstance(host, str) else None, relayed=relayed)
-
-
-async def _close_quietly(stream: INetStream) -> None:
-    # best effort on a stream that may be gone; libp2p raises many kinds
-    with contextlib.suppress(Exception):
-        await stream.close()
-
-
-async def _reset_quietly(stream: INetStream) -> None:
-    # best effort on a stream that may be gone; libp2p raises many kinds
-    with contextlib.suppress(Exception):
-        await stream.reset()

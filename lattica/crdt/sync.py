@@ -35,10 +35,12 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 from libp2p.abc import IHost, INetStream
+from libp2p.connection_types import ConnectionType
 from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 
 from lattica.crdt.envelope import Envelope
+from lattica.crdt.liveness import network_origin
 from lattica.errors import PeerBusyError, RemoteProtocolError
 from lattica.net.host import peer_may_support
 from lattica.net.wire import read_message, write_message
@@ -171,3 +173,14 @@ async def respond(
 async def refuse_busy(stream: INetStream, *, peer_id: str) -> None:
     """Answer a session with ``busy`` (the initiator's hello is left unread)."""
     await write_message(stream, BUSY, peer_id=peer_id)
+
+
+def observed_origin(stream: INetStream) -> str | None:
+    """The network origin of the connection ``stream`` runs on, as we observe it."""
+    try:
+        relayed = stream.muxed_conn.get_connection_type() is ConnectionType.RELAYED
+        remote = stream.get_remote_address()
+    except Exception:  # noqa: BLE001 - a stream whose connection is gone: no origin
+        return None
+    host = remote[0] if remote else None
+    return network_origin(host if isinstance(host, str) else None, relayed=relayed)

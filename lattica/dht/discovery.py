@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass
 
 import trio
 from libp2p.abc import IHost
@@ -71,20 +72,23 @@ class RunDiscovery:
     def rejected_inputs(self) -> int:
         return self.dht.rejected_inputs
 
-    def status(self) -> dict[str, object]:
-        """A JSON-able summary for the daemon's status command."""
+    def statistics(self) -> DhtStatus:
         store = self.dht.store_stats()
-        return {
-            "dht_mode": "server" if self.dht.is_server else "client",
-            "routing_table": self.routing_table_size(),
-            "run_members": len(self._members),
-            "member_lookups": self.lookups_done,
-            "rejected_inputs": self.rejected_inputs,
-            "stored_records": store.records,
-            "stored_bytes": store.bytes,
-            "store_refused": sum(store.refused.values()),
-            "store_evicted": store.evicted,
-        }
+        return DhtStatus(
+            dht_mode="server" if self.dht.is_server else "client",
+            routing_table=self.routing_table_size(),
+            run_members=len(self._members),
+            member_lookups=self.lookups_done,
+            rejected_inputs=self.rejected_inputs,
+            stored_records=store.records,
+            stored_bytes=store.bytes,
+            store_refused=sum(store.refused.values()),
+            store_evicted=store.evicted,
+        )
+
+    def status(self) -> dict[str, object]:
+        """The ``dht`` part of ``lattica status``."""
+        return self.statistics().as_json()
 
     async def set_reachability(self, public: bool) -> None:
         await self.dht.set_reachability(public)
@@ -193,3 +197,19 @@ def lookup_delay(config: DHTConfig, members: int, lookups_alone: int) -> float:
     if members:
         return short
     return min(2.0 ** max(lookups_alone - 1, 0), short)
+
+
+@dataclass(frozen=True)
+class DhtStatus:
+    dht_mode: str  # server (publicly reachable) or client
+    routing_table: int  # peers in the routing table
+    run_members: int  # members of this run found through the DHT
+    member_lookups: int
+    rejected_inputs: int  # malformed or hostile DHT messages refused
+    stored_records: int  # records held for others
+    stored_bytes: int
+    store_refused: int  # records refused by the store's quotas
+    store_evicted: int
+
+    def as_json(self) -> dict[str, object]:
+        return asdict(self)

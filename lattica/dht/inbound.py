@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextvars
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import cast
 
 from libp2p.abc import INetStream
 from libp2p.kad_dht.pb.kademlia_pb2 import Message
@@ -25,6 +25,7 @@ from libp2p.kad_dht.pb.kademlia_pb2 import Message
 from lattica.dht.quota import Refusal
 from lattica.dht.screen import FrameDecoder, RecordValidator, encode_varint, screen_request
 from lattica.errors import RemoteProtocolError
+from lattica.net.streams import reset_quietly
 
 logger = logging.getLogger(__name__)
 _READ_CHUNK = 16 * 1024
@@ -94,9 +95,7 @@ class ScreenedStream:
 async def guarded_handler(
     stream: INetStream,
     *,
-    # Any: py-libp2p's Kademlia handler is declared for INetStream and given the ScreenedStream,
-    # which forwards everything but ``read`` to the real stream (not an INetStream subclass)
-    inner: Callable[[Any], Awaitable[None]],
+    inner: Callable[[INetStream], Awaitable[None]],
     validator: RecordValidator,
     max_frame: int,
     is_banned: Callable[[str], bool],
@@ -107,7 +106,7 @@ async def guarded_handler(
     """Serve one inbound DHT stream; never raises, whatever the peer sends."""
     peer_id = str(stream.muxed_conn.peer_id)
     if is_banned(peer_id):
-        await _reset(stream)
+        await reset_quietly(stream)
         return
     screened = ScreenedStream(
         stream, validator=validator, max_frame=max_frame, peer_id=peer_id,
@@ -115,21 +114,17 @@ async def guarded_handler(
     )
     token = _serving.set(peer_id)
     try:
-        await inner(screened)
+        # the library's handler is declared for INetStream and given the ScreenedStream, which
+        # forwards everything but ``read`` to the real stream (it is no INetStream subclass)
+        await inner(cast("INetStream", screened))
     except Exception as exc:  # noqa: BLE001 - the library's handler is not ours; whatever it raises ends this stream only
         logger.debug("DHT handler for %s failed: %r", peer_id, exc)
     finally:
         _serving.reset(token)
     if screened.rejection is not None:
-        await _reset(stream)
+        await reset_quietly(stream)
         await on_reject(screened.rejection)
     elif screened.refusal is not None:
         on_refuse(peer_id, screened.refusal)
-        await _reset(stream)
+        await reset_quietly(stream)
 
-
-async def _reset(stream: INetStream) -> None:
-    try:
-        await stream.reset()
-    except Exception:  # best effort on a stream that may be gone; libp2p raises many kinds
-        logger.debug("resetting a DHT stream failed", exc_info=True)

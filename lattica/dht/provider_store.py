@@ -76,7 +76,9 @@ class ExpiringProviderStore(ProviderStore):
     def entries(self) -> list[EntryKey]:
         """The ledger entries of the records held now (our own excluded)."""
         local = str(self.local_peer_id)
-        return [provider_entry(key, peer) for key, records in self.providers.items() for peer in records if peer != local]
+        return [
+            provider_entry(key, peer) for key, records in self.providers.items() for peer in records if peer != local
+        ]
 
     def _expire_key(self, key: bytes, now: float) -> None:
         records = self.providers.get(key)

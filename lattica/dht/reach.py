@@ -29,12 +29,13 @@ from collections.abc import Awaitable, Callable
 
 import trio
 from libp2p.abc import IHost
-from libp2p.kad_dht.peer_routing import PeerRouting
 from libp2p.kad_dht.routing_table import RoutingTable
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 from libp2p.peer.peerstore import PeerStoreError
 from multiaddr import Multiaddr
+
+from lattica.net.libp2p_compat import PeerRoutingHooks
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ class PeerReacher:
             return []
 
 
-class ReachingPeerRouting(PeerRouting):
+class ReachingPeerRouting(PeerRoutingHooks):
     """py-libp2p's peer routing with each FIND_NODE query bounded by ``query_timeout`` and
     preceded by a ``PeerReacher`` dial."""
 
@@ -88,10 +89,10 @@ class ReachingPeerRouting(PeerRouting):
         self._reacher = reacher
         self._query_timeout = query_timeout
 
-    async def _query_single_peer_for_closest(self, peer: ID, target_key: bytes, new_peers: list[ID]) -> None:
+    async def query_closest(self, peer: ID, target_key: bytes, new_peers: list[ID]) -> None:
         with trio.move_on_after(self._query_timeout) as scope:
             if await self._reacher(peer):
-                await super()._query_single_peer_for_closest(peer, target_key, new_peers)
+                await super().query_closest(peer, target_key, new_peers)
             else:
                 logger.debug("FIND_NODE: %s not reachable", peer)
         if scope.cancelled_caught:

@@ -10,7 +10,6 @@ we cannot reach or that breaks the stream raises ``PeerUnavailableError``.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import multihash
@@ -25,6 +24,7 @@ from multiaddr.exceptions import Error as MultiaddrError
 
 from lattica.dht.screen import FrameDecoder, encode_varint
 from lattica.errors import PeerUnavailableError, RemoteProtocolError
+from lattica.net.streams import close_quietly
 
 ADDR_TTL = 3600
 
@@ -90,9 +90,7 @@ async def get_providers(host: IHost, peer: ID, key: bytes, *, caps: ResponseCaps
         await stream.write(encode_varint(len(body)) + body)
         raw = await _read_frame(stream, caps.max_message, str(peer))
     finally:
-        # best effort on a stream that may be gone; libp2p raises many kinds
-        with contextlib.suppress(Exception):
-            await stream.close()
+        await close_quietly(stream)
     answer = parse_providers_answer(raw, key=key, caps=caps, peer_id=str(peer))
     store = host.get_peerstore()
     for info in answer.closer:

@@ -34,14 +34,13 @@ new connection — a restarted member — is verified afresh). We answer at most
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import hmac
 import logging
 import re
 import secrets
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,6 +51,7 @@ from libp2p.peer.id import ID
 
 from lattica.errors import ConfigError, PeerUnavailableError, RemoteProtocolError
 from lattica.files import read_capped
+from lattica.net.streams import close_quietly, reset_quietly
 from lattica.net.wire import read_message, write_message
 
 log = logging.getLogger(__name__)
@@ -192,7 +192,7 @@ class AccessGate:
             return True
         self.denied[protocol] += 1
         log.info("denied %s stream of non-member %s", protocol, peer_id)
-        await _reset_quietly(stream)
+        await reset_quietly(stream)
         return False
 
     async def admit(self, peer_id: str, conn: object) -> bool:
@@ -271,7 +271,7 @@ class AccessGate:
                 await write_message(stream, {"run": self.access.run_id, "nonce": nonce}, peer_id=peer_id)
                 reply = await read_message(stream, max_size=_MAX_AUTH_MESSAGE, peer_id=peer_id)
             finally:
-                await _close_quietly(stream)
+                await close_quietly(stream)
         mac = reply.get("mac") if isinstance(reply, dict) else None
         return self.access.check_proof(nonce, mac, verifier=me, prover=peer_id)
 
@@ -279,7 +279,7 @@ class AccessGate:
         peer_id = stream.muxed_conn.peer_id.to_base58()
         if self._answering[peer_id] >= _MAX_ANSWERS_PER_PEER:
             log.debug("too many auth challenges from %s at once", peer_id)
-            await _reset_quietly(stream)
+            await reset_quietly(stream)
             return
         self._answering[peer_id] += 1
         try:
@@ -292,28 +292,26 @@ class AccessGate:
             self._answering[peer_id] -= 1
             if not self._answering[peer_id]:
                 del self._answering[peer_id]
-            await _close_quietly(stream)
+            await close_quietly(stream)
+
+    def statistics(self) -> AccessStatus:
+        return AccessStatus(mode=_mode(self.access), verified_peers=self.verified, denied_streams=dict(self.denied))
 
     def status(self) -> dict[str, object]:
-        return {
-            "mode": _mode(self.access),
-            "verified_peers": self.verified,
-            "denied_streams": dict(self.denied),
-        }
+        """The ``access`` part of ``lattica status``."""
+        return self.statistics().as_json()
+
+
+@dataclass(frozen=True)
+class AccessStatus:
+    mode: str  # open, allowlist, secret or allowlist+secret
+    verified_peers: int  # connections that proved membership
+    denied_streams: Mapping[str, int]  # protocol -> streams refused
+
+    def as_json(self) -> dict[str, object]:
+        return {"mode": self.mode, "verified_peers": self.verified_peers, "denied_streams": dict(self.denied_streams)}
 
 
 def _mode(access: RunAccess) -> str:
     parts = [name for name, on in (("allowlist", access.allow_peers), ("secret", access.secret)) if on]
     return "+".join(parts) or "open"
-
-
-async def _close_quietly(stream: INetStream) -> None:
-    # best effort on a stream that may be gone; libp2p raises many kinds
-    with contextlib.suppress(Exception):
-        await stream.close()
-
-
-async def _reset_quietly(stream: INetStream) -> None:
-    # the stream may already be gone
-    with contextlib.suppress(Exception):
-        await stream.reset()

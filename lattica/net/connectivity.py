@@ -3,8 +3,8 @@
 Theory of operation: ``Connectivity.run`` serves peer exchange (``PX_PROTOCOL``) and goodbyes
 (``BYE_PROTOCOL``), watches the host's connections into the peer book, dials the bootstrap
 peers (``--peer``) until one answers within ``bootstrap_timeout_s`` — with a run secret, until
-one proved membership — or, without ``--peer``, gives the members saved by its previous life a
-moment to answer. Then its ``Reconnector`` (``lattica.net.reconnect``) keeps the bootstrap
+one proved membership (``lattica.net.bootstrap``) — or, without ``--peer``, gives the members
+saved by its previous life a moment to answer. Then its ``Reconnector`` (``lattica.net.reconnect``) keeps the bootstrap
 peers and known members connected with backoff, also those that said goodbye, and saves them
 in the data dir; and every two seconds it asks connected peers whom they know (peer exchange),
 dialing the verified run members among them within ``PxDialBudget``. Start-up fails with
@@ -29,7 +29,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Collection, Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Protocol
 
 import trio
@@ -39,11 +38,13 @@ from libp2p.peer.peerinfo import PeerInfo
 from trio_typing import TaskStatus
 
 from lattica.config import NodeConfig
-from lattica.errors import ConfigError, LatticaError, LocalProtocolError
+from lattica.errors import LatticaError, LocalProtocolError
 from lattica.net.access import AccessGate
 from lattica.net.addrs import dialable_addrs, peer_info_from_addr
+from lattica.net.bootstrap import JoinOutcome, bootstrap_peers, join_through, speaks_lattica
 from lattica.net.dialing import dial_addrs_for, short_reason
 from lattica.net.host import circuit_addr_for, peer_may_support
+from lattica.net.libp2p_compat import unblock_peer
 from lattica.net.nat.circuit import dial_circuit
 from lattica.net.nat.dialer import Dialer
 from lattica.net.nat.traversal import NatTraversal
@@ -67,7 +68,6 @@ _PX_INTERVAL_S = 2.0
 _DIAL_TIMEOUT_S = 5.0
 _PATH_DIAL_TIMEOUT_S = 15.0  # direct (3 s) then up to three relays in turn
 _STREAM_TIMEOUT_S = 5.0
-_IDENTIFY_WAIT_S = 3.0  # for a bootstrap peer's identify, to tell a Lattica node from others
 _REMEMBERED_WAIT_S = 5.0  # without --peer: for one of the members known from before to answer
 _LEFT_MAX_PAUSE_S = 120.0  # the slowest redial of a peer that said goodbye
 
@@ -82,34 +82,6 @@ class PeerMetrics(Protocol):
     """What connectivity reports: the connected peers, by path."""
 
     def set_peers(self, paths: Iterable[str]) -> None: ...
-
-
-PLAIN_PEER = "speaks no Lattica protocol (a plain libp2p node)"
-
-
-@dataclass(frozen=True)
-class JoinOutcome:
-    """What start-up reached, by the bootstrap address given: the members of the run, the
-    plain libp2p nodes (no Lattica protocol: a relay or DHT server, fine without a secret),
-    and why the others are not members."""
-
-    members: tuple[str, ...] = ()
-    plain: tuple[str, ...] = ()
-    refused: dict[str, str] = field(default_factory=dict)
-
-    def not_members(self) -> dict[str, str]:
-        """Every reached bootstrap address that is no member, with why."""
-        return {**dict.fromkeys(self.plain, PLAIN_PEER), **self.refused}
-
-    def summary(self, run_id: str) -> str:
-        others = len(self.plain) + len(self.refused)
-        if self.members:
-            text = f"joined run {run_id!r} through {len(self.members)} member(s)"
-            return text + (f"; {others} bootstrap peer(s) are not members" if others else "")
-        if self.plain:
-            return (f"connected to {len(self.plain)} bootstrap peer(s) that speak no Lattica protocol (a plain "
-                    f"libp2p relay or DHT node); run {run_id!r} members are found through the DHT")
-        return f"joined run {run_id!r}"
 
 
 class Connectivity:
@@ -137,7 +109,7 @@ class Connectivity:
         self.rejoined = 0  # without --peer: members known from before that answered at start
         self.bootstrap_errors: dict[str, str] = {}  # bootstrap address -> why its last dial failed
         self.reconnector = Reconnector(
-            peer_book, dialer=self, data_dir=config.data_dir, bootstrap=_bootstrap_peers(config.peers),
+            peer_book, dialer=self, data_dir=config.data_dir, bootstrap=bootstrap_peers(config.peers),
             policy=RedialPolicy(
                 first_pause_s=min(1.0, config.max_backoff_s), max_pause_s=config.max_backoff_s,
                 left_max_pause_s=max(_LEFT_MAX_PAUSE_S, config.max_backoff_s),
@@ -191,71 +163,11 @@ class Connectivity:
     # -- bootstrap and reconnection ----------------------------------------------------------
 
     async def _bootstrap(self) -> None:
-        """Reach at least one bootstrap peer within the timeout, retrying with backoff.
-
-        Reached means connected to the peer the address names: for a relay address the
-        peer behind the relay, not the relay (which stays connected when it refuses the
-        circuit)."""
-        if not self.config.peers:
-            return
-        targets: set[str] = set()
-        for peer in self.config.peers:
-            try:
-                info = peer_info_from_addr(peer)
-            except ValueError as exc:
-                raise ConfigError(f"--peer: {exc}") from None
-            targets.add(info.peer_id.to_base58())
-            self.peer_book.learn(info.peer_id.to_base58(), [peer], now=time.time(), bootstrap=True)
-        errors: dict[str, str] = {}
-        outcome = JoinOutcome()
-        with trio.move_on_after(self.config.bootstrap_timeout_s):
-            delay = 0.5
-            while True:
-                async with trio.open_nursery() as nursery:
-                    for peer in self.config.peers:
-                        nursery.start_soon(self._try_dial_addr, peer, errors)
-                if targets & self.connected_ids():
-                    outcome = await self._bootstrap_outcome()
-                    # a run with a secret is joined only through a member that proved it
-                    if outcome.members or self.access.access.secret is None:
-                        self.joined = outcome
-                        return
-                await trio.sleep(delay)
-                delay = min(delay * 2, self.config.max_backoff_s)
-        if outcome.not_members():
-            reasons = "; ".join(f"{addr}: {why}" for addr, why in outcome.not_members().items())
-            raise ConfigError(
-                f"no bootstrap peer proved to be a member of run {self.config.run_id!r} within "
-                f"{self.config.bootstrap_timeout_s:g} s ({reasons})"
-            )
-        reasons = "; ".join(f"{addr}: {why}" for addr, why in errors.items()) or "timed out"
-        raise ConfigError(
-            f"could not reach any bootstrap peer within {self.config.bootstrap_timeout_s:g} s ({reasons})"
+        """Reach at least one bootstrap peer (``lattica.net.bootstrap``); what it joined."""
+        self.joined = await join_through(
+            self.config, host=self._host, access=self.access, peer_book=self.peer_book,
+            connected=self.connected_ids, dial=self._try_dial_addr,
         )
-
-    async def _bootstrap_outcome(self) -> JoinOutcome:
-        """Which reached bootstrap addresses lead to members of the run, by what their
-        identify says (a Lattica protocol) and, with a secret or allowlist, the access check."""
-        host = self._host
-        connected = self.connected_ids()
-        reached = {addr: peer_info_from_addr(addr).peer_id.to_base58() for addr in self.config.peers}
-        reached = {addr: peer_id for addr, peer_id in reached.items() if peer_id in connected}
-        with trio.move_on_after(_IDENTIFY_WAIT_S):  # identify runs right after connecting
-            while not all(_identified(host, peer_id) for peer_id in reached.values()):
-                await trio.sleep(0.05)
-        members: list[str] = []
-        plain: list[str] = []
-        refused: dict[str, str] = {}
-        for addr, peer_id in reached.items():
-            if not _speaks_lattica(host, peer_id):
-                plain.append(addr)
-                continue
-            conns = host.get_network().connections.get(ID.from_base58(peer_id)) or []
-            if conns and await self.access.admit(peer_id, conns[0].muxed_conn):
-                members.append(addr)
-            else:
-                refused[addr] = "did not prove membership of the run (secret or allowlist)"
-        return JoinOutcome(members=tuple(members), plain=tuple(plain), refused=refused)
 
     async def _try_dial_addr(self, addr: str, errors: dict[str, str]) -> bool:
         info = peer_info_from_addr(addr)
@@ -324,9 +236,7 @@ class Connectivity:
         self._dialing[key] = relayed
         # our own backoff decides when to redial; py-libp2p's negative dial cache would
         # otherwise refuse a peer that came back on the same address
-        unblock = getattr(self._host.get_network(), "unblock_peer", None)
-        if unblock is not None:
-            unblock(info.peer_id)
+        unblock_peer(self._host, info.peer_id)
         try:
             if self._dialer is not None:
                 with trio.fail_after(_PATH_DIAL_TIMEOUT_S):
@@ -387,7 +297,7 @@ class Connectivity:
         """Connected peers that speak a Lattica protocol are members worth redialing later
         (a plain libp2p relay or DHT node is not)."""
         for record in self.peer_book.records():
-            if record.connected and not record.member and _speaks_lattica(self._host, record.peer_id):
+            if record.connected and not record.member and speaks_lattica(self._host, record.peer_id):
                 record.member = True
 
     def _known_addrs(self, peer_id: str) -> list[str]:
@@ -528,28 +438,3 @@ class Connectivity:
             for peer_id in sorted(self.connected_ids()):
                 nursery.start_soon(bye, peer_id)
 
-
-def _bootstrap_peers(addrs: Sequence[str]) -> dict[str, list[str]]:
-    """Bootstrap peer id -> its ``--peer`` addresses (a malformed one is start-up's to report)."""
-    peers: dict[str, list[str]] = {}
-    for addr in addrs:
-        try:
-            peers.setdefault(peer_info_from_addr(addr).peer_id.to_base58(), []).append(addr)
-        except ValueError:
-            continue
-    return peers
-
-
-def _identified(host: IHost, peer_id: str) -> bool:
-    try:
-        return bool(host.get_peerstore().get_protocols(ID.from_base58(peer_id)))
-    except Exception:  # noqa: BLE001 - not in the peerstore yet
-        return False
-
-
-def _speaks_lattica(host: IHost, peer_id: str) -> bool:
-    try:
-        protocols = host.get_peerstore().get_protocols(ID.from_base58(peer_id))
-    except Exception:  # noqa: BLE001 - not in the peerstore yet
-        return False
-    return any(str(p).startswith("/lattica/") for p in protocols)

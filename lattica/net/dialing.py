@@ -13,6 +13,7 @@ import multiaddr
 import trio
 
 from lattica.net.host import circuit_addr_for
+from lattica.net.libp2p_compat import nested_errors
 
 
 def dial_addrs_for(peer_id: str, addrs: Sequence[str], *, relayed: bool) -> list[multiaddr.Multiaddr]:
@@ -60,17 +61,17 @@ def _root_reasons(exc: BaseException, depth: int = 0) -> list[str]:
     """One line per failure inside ``exc``'s exception groups (``errors`` or ``exceptions``),
     looking through a ``__cause__`` that holds them."""
     for holder in (exc, exc.__cause__):
-        subs = getattr(holder, "errors", None) or getattr(holder, "exceptions", None)
-        if isinstance(subs, list | tuple) and subs and depth < 4:
-            return [r for sub in subs if isinstance(sub, BaseException) for r in _root_reasons(sub, depth + 1)]
+        subs = nested_errors(holder) if holder is not None else []
+        if subs and depth < 4:
+            return [r for sub in subs for r in _root_reasons(sub, depth + 1)]
     if isinstance(exc, trio.TooSlowError):
         return ["timed out"]
     text = _first_line(exc)
     deepest: str | None = None
     inner: BaseException = exc
     for _ in range(6):  # down to the OS error under "fail to open connection to peer …"
-        subs = getattr(inner, "exceptions", None)
-        below = inner.__cause__ if inner.__cause__ is not None else (subs[0] if subs else None)
+        group = inner.exceptions if isinstance(inner, BaseExceptionGroup) else ()
+        below = inner.__cause__ if inner.__cause__ is not None else (group[0] if group else None)
         if below is None:
             break
         inner = below

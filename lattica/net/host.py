@@ -47,6 +47,7 @@ from libp2p.stream_muxer.yamux.yamux import Yamux
 from trio_typing import TaskStatus
 
 from lattica.net.identify_push import push_identify
+from lattica.net.libp2p_compat import auto_connector
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +160,7 @@ async def stop_auto_connector(host: IHost) -> None:
     node. Lattica decides whom to connect to itself (bootstrap peers, peer exchange, the run's
     members from the DHT).
     """
-    connector = getattr(host.get_network(), "auto_connector", None)
+    connector = auto_connector(host)
     if connector is not None:
         await connector.stop()
 

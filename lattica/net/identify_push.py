@@ -22,12 +22,14 @@ import logging
 from collections.abc import Iterable
 
 import trio
-from libp2p.abc import IHost, INetStream
+from libp2p.abc import IHost
 from libp2p.custom_types import TProtocol
-from libp2p.identity.identify.identify import _mk_identify_protobuf
 from libp2p.identity.identify.pb.identify_pb2 import Identify
 from libp2p.peer.id import ID
 from libp2p.utils.varint import encode_uvarint
+
+from lattica.net.libp2p_compat import identify_message
+from lattica.net.streams import reset_quietly
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +39,7 @@ PUSH_CONCURRENCY = 10
 
 def push_message(host: IHost) -> Identify:
     """What we tell peers about ourselves, without an observed address."""
-    message = _mk_identify_protobuf(host, None)
+    message = identify_message(host)
     message.ClearField("observed_addr")
     return message
 
@@ -73,13 +75,6 @@ async def _push_one(host: IHost, peer: ID, frame: bytes, limiter: trio.CapacityL
             await stream.close()
         except Exception as exc:  # noqa: BLE001 - the peer broke the stream: the push is lost, nothing else
             log.debug("identify push to %s failed: %r", peer, exc)
-            await _reset_quietly(stream)
+            await reset_quietly(stream)
             return
         delivered.append(peer)
-
-
-async def _reset_quietly(stream: INetStream) -> None:
-    try:
-        await stream.reset()
-    except Exception:  # the stream is already broken; libp2p raises many kinds
-        log.debug("resetting a broken identify push stream failed", exc_info=True)

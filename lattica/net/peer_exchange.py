@@ -6,7 +6,8 @@ Theory of operation:
   that knows one address thus learns its neighbours' neighbours within a few exchanges, even
   before the DHT has filled its routing table. The round trip doubles as an RTT sample.
 - ``/lattica/bye/1.0.0``: a node shutting down sends ``{"run": <run id>}`` to every connected
-  peer and waits briefly for an ack; the peer marks it as *left* at once instead of waiting for the connection to time out.
+  peer and waits briefly for an ack; the peer marks it as *left* at once instead of waiting for the
+  connection to time out.
 Replies are size-capped and validated; a malformed reply is a ``RemoteProtocolError``.
 """
 

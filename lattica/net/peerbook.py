@@ -15,7 +15,6 @@ peer-exchange budgets (``px_dials``), never passed on to others nor saved, and f
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 MAX_ADDRS_PER_PEER = 16
 MAX_CIRCUITS_PER_PEER = 4
@@ -39,7 +38,7 @@ class PeerRecord:
     member: bool = False  # it spoke a Lattica protocol on a connection (not a plain relay or DHT node)
     heard: dict[str, float] = field(default_factory=dict)  # px address -> when first heard
 
-    def as_json(self) -> dict[str, Any]:
+    def as_json(self) -> dict[str, object]:
         return {
             "peer_id": self.peer_id,
             "addrs": list(self.addrs),

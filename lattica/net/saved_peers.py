@@ -151,7 +151,9 @@ def load_saved_peers(data_dir: Path, *, self_id: str, now: float) -> list[SavedP
         log.warning("saved peer book %s is %s: starting without it", path, exc)
         return []
     if skipped:
-        log.warning("saved peer book %s: skipped %d invalid or stale entr%s", path, skipped, "y" if skipped == 1 else "ies")
+        log.warning(
+            "saved peer book %s: skipped %d invalid or stale entr%s", path, skipped, "y" if skipped == 1 else "ies",
+        )
     return peers
 
 

@@ -14,7 +14,9 @@ identity from asking too often, but identities are free: eight of them got 48 fu
   ``burst_bytes + bytes_per_s * t`` plus one answer.
 
 An answer refused here is a *busy* answer, not a protocol violation: the asker tries later or
-asks another holder. The caller passes the clock (``now``, seconds, monotonic).
+asks another holder. ``AnswerSlots`` adds a share per peer: at most ``per_peer`` of one peer's
+requests answered at once (an honest peer asks one at a time). The caller passes the clock
+(``now``, seconds, monotonic).
 """
 
 from __future__ import annotations
@@ -79,3 +81,33 @@ class ServingBudget:
             self.tokens = min(float(self.limits.burst_bytes), self.tokens + elapsed * self.limits.bytes_per_s)
         if self._refilled_at is None or now > self._refilled_at:
             self._refilled_at = now
+
+
+class AnswerSlots:
+    """The node's ``ServingBudget`` with a share per peer: ``start`` an answer, ``take`` its
+    bytes, ``end`` it."""
+
+    def __init__(self, budget: ServingBudget, *, per_peer: int) -> None:
+        if per_peer < 1:
+            raise ValueError(f"per_peer must be at least 1, got {per_peer!r}")
+        self.budget, self.per_peer = budget, per_peer
+        self._answering: dict[str, int] = {}  # peer -> answers in flight
+
+    def start(self, peer: str, now: float) -> bool:
+        """Room to answer ``peer``: its own share, then the node's budget."""
+        if self._answering.get(peer, 0) >= self.per_peer:
+            self.budget.busy += 1
+            return False
+        if not self.budget.try_start(now):
+            return False
+        self._answering[peer] = self._answering.get(peer, 0) + 1
+        return True
+
+    def take(self, nbytes: int, now: float) -> bool:
+        return self.budget.try_take(nbytes, now)
+
+    def end(self, peer: str) -> None:
+        self.budget.done()
+        remaining = self._answering.pop(peer, 1) - 1
+        if remaining > 0:
+            self._answering[peer] = remaining

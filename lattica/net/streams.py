@@ -1,19 +1,26 @@
-"""Reading libp2p streams so that a busy reader never stalls its sender.
+"""libp2p streams: read so that a busy reader never stalls its sender; closed or reset quietly.
 
 py-libp2p's yamux gives up a ``write`` when the receive window stays closed for 5 s, which is
 what happens when the receiving application is busy (a GPU step, a slow disk) and does not
 read. ``DrainingReader`` runs a pump task that keeps reading the stream into a bounded
 in-memory buffer, independent of when the application consumes it, so windows keep opening.
 The buffer cap bounds memory; a sender that exceeds it is a protocol error, not a stall.
+
+``close_quietly`` and ``reset_quietly`` end a stream as best they can: it may be gone already,
+and libp2p raises many kinds of exception then, none of which matters to the caller.
 """
 
 from __future__ import annotations
+
+import logging
 
 import trio
 from libp2p.abc import INetStream
 from trio_typing import TaskStatus
 
 from lattica.errors import BrokenError, RemoteProtocolError
+
+log = logging.getLogger(__name__)
 
 
 class DrainingReader:
@@ -68,3 +75,17 @@ class DrainingReader:
         out = bytes(self._buffer[:n])
         del self._buffer[:n]
         return out
+
+
+async def close_quietly(stream: INetStream) -> None:
+    try:
+        await stream.close()
+    except Exception as exc:  # noqa: BLE001 - best effort on a stream that may be gone; libp2p raises many kinds
+        log.debug("closing a stream failed: %r", exc)
+
+
+async def reset_quietly(stream: INetStream) -> None:
+    try:
+        await stream.reset()
+    except Exception as exc:  # noqa: BLE001 - best effort on a stream that may be gone; libp2p raises many kinds
+        log.debug("resetting a stream failed: %r", exc)

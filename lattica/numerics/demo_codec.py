@@ -69,10 +69,7 @@ def check_value_codec(codec: str) -> None:
 def quantize_int(values: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``[chunks, k]`` fp32 -> (codes ``[chunks, k]`` int64 in 0 … 2L, scales ``[chunks]`` fp32)."""
     levels = _levels(bits)
-    if values.numel():
-        scales = values.abs().amax(dim=1) / levels
-    else:
-        scales = values.new_zeros(values.shape[0])
+    scales = values.abs().amax(dim=1) / levels if values.numel() else values.new_zeros(values.shape[0])
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     q = torch.round(values / safe[:, None]).clamp_(-levels, levels)
     return (q + levels).long(), scales

@@ -76,7 +76,9 @@ def segment_norm(tensors: Sequence[torch.Tensor]) -> float:
     return math.sqrt(total)
 
 
-def refusal(peer: str, norms: Mapping[str, float], references: Mapping[str, float], ratio: float | None) -> Rejection | None:
+def refusal(
+    peer: str, norms: Mapping[str, float], references: Mapping[str, float], ratio: float | None,
+) -> Rejection | None:
     """Why ``peer``'s contribution (its segments' ``norms``) is refused against ``references``
     (segment -> reference norm), or None when it is accepted (module docstring, rules 1 and 2)."""
     for name, norm in norms.items():

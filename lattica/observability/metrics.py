@@ -202,6 +202,7 @@ class NodeMetrics:
         """``lattica_model_flops_utilization``: a fraction; NaN where it is not known (the CPU, an
         unknown device, a model whose FLOPs are not counted)."""
         self.mfu.set(math.nan)
+        self._define_device_metrics()
         self.train_loss = self._gauge("train_loss", "Most recent training loss.")
         """``lattica_train_loss``."""
         self.validation_loss = self._gauge("validation_loss", "Most recent validation loss.")
@@ -238,6 +239,33 @@ class NodeMetrics:
             "avoided_partners", "Gossip partners left out of this node's group draws after a refusal."
         )
         """``lattica_avoided_partners``."""
+
+    def _define_device_metrics(self) -> None:
+        """One series per rank of the node (one rank per local device, ``train.devices``)."""
+        labels = ("rank", "device")
+        self.device_tokens_per_second = self._gauge(
+            "device_tokens_per_second", "Training tokens per second of one rank (one local device).", labels
+        )
+        """``lattica_device_tokens_per_second{rank, device}``."""
+        self.device_memory_bytes = self._gauge(
+            "device_memory_bytes",
+            "Peak memory of one rank: its CUDA allocator's peak, or its process's peak resident memory.", labels,
+        )
+        """``lattica_device_memory_bytes{rank, device}``."""
+        self.device_mfu = self._gauge("device_model_flops_utilization", "Model FLOPs utilisation of one rank.", labels)
+        """``lattica_device_model_flops_utilization{rank, device}``: where it is known."""
+
+    def set_devices(self, devices: list[dict[str, object]]) -> None:
+        """Copy ``lattica status``'s ``training.devices`` into the per-device gauges."""
+        for entry in devices:
+            labels = {"rank": str(entry.get("rank", 0)), "device": str(entry.get("name") or entry.get("device"))}
+            for key, gauge in (("tokens_per_s", self.device_tokens_per_second),
+                               ("memory_bytes", self.device_memory_bytes), ("mfu", self.device_mfu)):
+                value = entry.get(key)  # NaN where the device does not know it (the CPU's memory, MFU)
+                if isinstance(value, int | float) and not isinstance(value, bool):
+                    gauge.labels(**labels).set(value)
+                else:
+                    gauge.labels(**labels).set(math.nan)
 
     def _define_accounting(self) -> None:
         self.strategy_bytes_sent = self._counter(

@@ -26,12 +26,13 @@ is what the built-in ``Trainer`` does between two inner steps, so a user's loop 
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 import trio
 
-from lattica.train.collective import Collective
+from lattica.train.engine.checkpoint import StateDict
+from lattica.train.engine.collective import Collective
 from lattica.train.strategies import create_strategy
 from lattica.train.strategies.base import GroupProvider, OuterStepReport, OuterStrategy
 
@@ -49,7 +50,7 @@ class Node(Protocol):
 class OuterOptimizer:
     """A user's inner optimizer with an outer strategy around it."""
 
-    def __init__(self, inner: torch.optim.Optimizer, strategy: OuterStrategy) -> None:
+    def __init__(self, inner: torch.optim.Optimizer, strategy: OuterStrategy[object]) -> None:
         self.inner = inner
         self.strategy = strategy
         self.step_count = 0
@@ -76,14 +77,14 @@ class OuterOptimizer:
     def completed_rounds(self) -> int:
         return self.strategy.completed_rounds
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         return {
             "step": self.step_count,
             "inner": self.inner.state_dict(),
             "outer": self.strategy.outer_state_dict(),
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: StateDict) -> None:
         self.inner.load_state_dict(state["inner"])
         self.strategy.load_outer_state_dict(state["outer"])
         self.step_count = int(state["step"])

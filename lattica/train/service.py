@@ -35,112 +35,42 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable
 
-import torch
 import trio
-from libp2p.abc import IHost
-from libp2p.peer.id import ID
 from trio_typing import TaskStatus
 
-from lattica.config import NodeConfig, TrainSettings
+from lattica.config import TrainSettings
 from lattica.coordination.gossip import GossipGroups
 from lattica.coordination.provider import GroupProvider
 from lattica.coordination.rounds import RoundCoordinator
-from lattica.errors import LatticaError
+from lattica.diagnostics import NodeFacts
+from lattica.errors import LatticaError, LocalProtocolError
 from lattica.numerics.screen import Rejection
-from lattica.train import trainer_factory
-from lattica.train.collective import Collective, StallGuardedCollective
-from lattica.train.liveness import PeerLiveness
-from lattica.train.membership import (
+from lattica.train.engine.collective import StallGuardedCollective
+from lattica.train.engine.reports import Progress, RoundCompleted
+from lattica.train.engine.tokenized import bits_per_byte
+from lattica.train.engine.trainer import Trainer
+from lattica.train.ports import ControlRequest, DataPlane, NodeHandle, RunState
+from lattica.train.settings import trainer_factory
+from lattica.train.status import GossipFigures, ProgressFigures, TrainingStatus
+from lattica.train.strategies.base import OuterStrategy
+from lattica.train.swarm.liveness import PeerLiveness
+from lattica.train.swarm.membership import (
     DONE_ROLE,
     FAILED_ROLE,
     JOINING_ROLE,
     TRAINER_ROLE,
     MembershipView,
-    RunState,
 )
-from lattica.train.outer_sync import CatchingUpStrategy, KeepingUpStrategy, OuterStateSync
-from lattica.train.ownership import ReplicatedOwnership
-from lattica.train.run_config import agree_run_config, agree_run_identity
-from lattica.train.strategies.base import OuterStrategy
-from lattica.train.tokenized import bits_per_byte
-from lattica.train.trainer import Progress, RoundCompleted, Trainer
+from lattica.train.swarm.outer_sync import CatchingUpStrategy, KeepingUpStrategy, OuterStateSync
+from lattica.train.swarm.ownership import ReplicatedOwnership
+from lattica.train.swarm.run_config import agree_run_config, agree_run_identity
+from lattica.train.tuner import RunTuner, measure
 
 log = logging.getLogger(__name__)
 
 START_WAIT_S = 30.0  # at the start of a run: how long members that are still loading are waited for
-
-
-class Histogram(Protocol):
-    def observe(self, amount: float) -> None: ...
-
-    def labels(self, **labels: str) -> Histogram: ...
-
-
-class TrainingMetrics(Protocol):
-    """The node metrics the training service times (``observability.NodeMetrics``)."""
-
-    @property
-    def collective_seconds(self) -> Histogram: ...
-
-    @property
-    def checkpoint_fetch_seconds(self) -> Histogram: ...
-
-
-class NodeHandle(Protocol):
-    """What the training service needs of its node: identity, host, config and metrics."""
-
-    @property
-    def peer_id(self) -> ID: ...
-
-    @property
-    def host(self) -> IHost: ...
-
-    @property
-    def config(self) -> NodeConfig: ...
-
-    @property
-    def metrics(self) -> TrainingMetrics: ...
-
-
-class ReceivedBytes(Protocol):
-    @property
-    def last_sent(self) -> Mapping[str, tuple[int, float]]:
-        """peer -> (bytes, seconds) of the last large message sent to it (``lattica doctor``)."""
-        ...
-
-    @property
-    def rejected_contributions(self) -> Mapping[str, int]:
-        """peer -> its contributions refused (all-reduce parts, group partners' exchanges)."""
-        ...
-
-    def total_received(self) -> int: ...
-
-
-class DataPlane(Collective, Protocol):
-    """The tensor data plane (``net.tensors.transfer.TensorService``), built by the composition
-    root: the ``Collective`` strategies sync through, and the named tensors joiners fetch."""
-
-    @property
-    def stats(self) -> ReceivedBytes: ...
-
-    def score_down(self, rejection: Rejection) -> None:
-        """Count a refused contribution against its peer (``stats.rejected_contributions``)."""
-
-    async def run(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None: ...
-
-    def serve(self, name: str, tensor: torch.Tensor) -> None: ...
-
-    def unserve(self, name: str) -> None: ...
-
-    async def fetch(self, peer: str, names: Sequence[str]) -> Mapping[str, torch.Tensor]: ...
-
-
-class ControlRequest(Protocol):
-    @property
-    def method(self) -> str: ...
 
 
 class TrainingService:
@@ -155,17 +85,21 @@ class TrainingService:
         self.peer_id = node.peer_id.to_base58()
         self.view = MembershipView(state, peer_id=self.peer_id)
         self.phase = "starting"
-        self.progress: dict[str, float | int | None] = {}
+        self.figures: ProgressFigures | None = None  # the last progress record
         self.summary: dict[str, object] | None = None
         self.error: str | None = None
         self.trainer: Trainer | None = None
-        self.strategy: OuterStrategy | None = None  # as the trainer sees it (wrapped)
+        self.strategy: OuterStrategy[object] | None = None  # as the trainer sees it (wrapped)
         self.groups: GroupProvider | None = None  # GossipGroups where the strategy averages in groups
         self._begin_groups: Callable[[], None] | None = None  # GossipGroups.begin
         self._gossips = _averages_in_groups(settings)
         self._ownership: ReplicatedOwnership | None = None
         self._nursery: trio.Nursery | None = None
         self._bytes_sent = 0
+        self._consensus_distance: float | None = None  # gossip: the last one a round measured
+        self.tuner: RunTuner | None = None  # ``tune = true``: the tuned schedule, the admin's tuning
+        self._last_group: tuple[str, ...] = ()
+        self._round_bps: float | None = None  # the last round with peers: its bytes sent over its wall time
         self.liveness = PeerLiveness(
             self.view, connected=self._connected, candidates=self._candidates, not_behind=self._not_behind,
         )
@@ -256,6 +190,10 @@ class TrainingService:
         self.settings = await agree_run_config(self.view, self.settings, wait_s=self.settings.round_deadline_s)
         self.outer_sync.settings = self.settings
         self._gossips = _averages_in_groups(self.settings)
+        if self.settings.tune:
+            self.tuner = RunTuner(
+                self.view, self.settings, round_trip_times=self.node.round_trip_times, traffic=self.tensors.stats
+            )
         if self._gossips:
             await self._start_gossip_groups()
         self.phase = "loading"
@@ -323,9 +261,12 @@ class TrainingService:
         if isinstance(self.groups, GossipGroups):
             self.groups.avoid(rejection.peer)
 
-    def _wrap(self, strategy: OuterStrategy) -> OuterStrategy:
+    def _wrap(self, strategy: OuterStrategy[object]) -> OuterStrategy[object]:
         """Outer-state sync around the strategy: catch-up and repair where replicas agree,
-        keeping up with the newest replica where they average in groups."""
+        keeping up with the newest replica where they average in groups; inside them, the tuned
+        sync schedule with ``tune = true``."""
+        if self.tuner is not None:
+            strategy = self.tuner.wrap(strategy)
         if strategy.replicas_agree:
             return CatchingUpStrategy(strategy, self.outer_sync)
         if self._gossips:
@@ -398,22 +339,21 @@ class TrainingService:
 
     def _on_progress(self, progress: Progress) -> None:
         per_token = self.trainer.task.bytes_per_token if self.trainer is not None else None
-        self.progress = {
-            "step": progress.step,
-            "round": progress.round,
-            "loss": round(progress.loss, 4),
-            "tokens_per_s": round(progress.tokens_per_s, 1),
-            "lr": progress.lr,
-            "val_loss": None if progress.val_loss is None else round(progress.val_loss, 4),
-        }
-        if progress.val_loss is not None and per_token:  # comparable across tokenizers
-            self.progress["val_bpb"] = round(bits_per_byte(progress.val_loss, per_token), 4)
-        if progress.mfu is not None:  # CUDA, a device of known peak, the built-in GPT
-            self.progress["mfu"] = round(progress.mfu, 4)
+        val_bpb = None  # comparable across tokenizers
+        if progress.val_loss is not None and per_token:
+            val_bpb = bits_per_byte(progress.val_loss, per_token)
+        self.figures = ProgressFigures.of(progress, val_bpb=val_bpb)
+
+    @property
+    def progress(self) -> dict[str, float | int | None]:
+        """The last progress record as ``lattica status`` shows it (empty before the first)."""
+        return self.figures.as_json() if self.figures is not None else {}
 
     def _on_round(self, event: RoundCompleted) -> None:
         report = event.report
         self._bytes_sent += report.bytes_sent
+        if report.consensus_distance is not None:
+            self._consensus_distance = report.consensus_distance
         if len(report.group) > 1:
             op = "exchange" if self._gossips else "allreduce"
             self.node.metrics.collective_seconds.labels(op=op).observe(report.seconds)
@@ -421,53 +361,56 @@ class TrainingService:
             log.info("sync %s skipped: %s", report.key, report.detail)
             return
         log.info("sync %s done with %d member(s) in %.2f s", report.key, len(report.group), report.seconds)
+        if len(report.group) > 1 and report.seconds > 0:
+            self._last_group, self._round_bps = report.group, report.bytes_sent * 8 / report.seconds
+        if self.tuner is not None and self._nursery is not None and self.trainer is not None:
+            self._nursery.start_soon(self.tuner.after_round, report, self.trainer.step)
         if self.outer_sync.round_completed(report, event.state_hash) and self._nursery is not None:
             self._nursery.start_soon(self.outer_sync.publish_round)
 
     # -- control API ---------------------------------------------------------------------------
 
-    def status(self) -> dict[str, Any]:
-        """``{"training": {...}}``: JSON for ``lattica status`` and the metrics exporter."""
+    def statistics(self) -> TrainingStatus:
+        """Where training stands: read by the node's metrics exporter, shown by ``lattica status``."""
         strategy = self.strategy
-        info: dict[str, Any] = {
-            "phase": self.phase,
-            "strategy": self.settings.strategy,
-            "replicas_agree": bool(strategy is not None and strategy.replicas_agree),
-            "rounds_target": self.settings.rounds,
-            "rounds_completed": strategy.completed_rounds if strategy is not None else 0,
-            "bytes_sent": self._bytes_sent,
-            # tensor-plane bytes this node received (syncs and state fetches), as counted on the wire
-            "bytes_received": self.tensors.stats.total_received(),
-            "device": self.trainer.device.describe() if self.trainer is not None else None,
-            "compiled": self.trainer.forward.compiled if self.trainer is not None else None,
-            **self.progress,
-        }
-        rejected = {p: n for p, n in self.tensors.stats.rejected_contributions.items() if n}
-        if rejected:  # peer -> contributions refused (screened out of all-reduces and exchanges)
-            info["rejected_contributions"] = dict(sorted(rejected.items()))
-        if self._gossips:
-            info["averaging"] = "gossip"
-            if isinstance(self.groups, GossipGroups) and (avoided := self.groups.avoided()):
-                info["avoided_partners"] = avoided  # left out of this peer's group draws for now
-            if self.settings.gossip_overlap:
-                info["gossip_overlap"] = True  # each round's exchange overlaps the next inner phase
-            spread = strategy.consensus_distance if strategy is not None else None
-            if spread is not None:  # replicas' spread: distance to the group's mean / its norm
-                info["consensus_distance"] = round(spread, 6)
-        if self.error:
-            info["error"] = self.error
         writer = self.trainer.checkpoint_writer if self.trainer is not None else None
-        if writer is not None and writer.failing:  # training goes on; checkpoints are retried
-            info["checkpoints"] = f"failing, retrying: {writer.failing}"
-        failed = [p for p in self.view.failed() if p != self.peer_id]
-        if failed:  # live members whose training stopped on an error: no round waits for them
-            info["failed_members"] = sorted(failed)
-        refused = self.outer_sync.refused_states()
-        if refused:  # members that served us outer states failing the checks (``adoption.py``)
-            info["refused_states"] = refused
-        if self.summary:
-            info["summary"] = self.summary
-        return {"training": info}
+        return TrainingStatus(
+            phase=self.phase,
+            strategy=self.settings.strategy,
+            replicas_agree=bool(strategy is not None and strategy.replicas_agree),
+            rounds_target=self.settings.rounds,
+            rounds_completed=strategy.completed_rounds if strategy is not None else 0,
+            bytes_sent=self._bytes_sent,
+            bytes_received=self.tensors.stats.total_received(),
+            device=self.trainer.device.describe() if self.trainer is not None else None,
+            compiled=self.trainer.forward.compiled if self.trainer is not None else None,
+            progress=self.figures,
+            rejected_contributions={p: n for p, n in self.tensors.stats.rejected_contributions.items() if n},
+            gossip=self._gossip_figures() if self._gossips else None,
+            error=self.error,
+            checkpoints_failing=writer.failing if writer is not None else None,
+            failed_members=tuple(p for p in self.view.failed() if p != self.peer_id),
+            refused_states=self.outer_sync.refused_states(),
+            summary=self.summary,
+            devices=self.trainer.device_status() if self.trainer is not None else {},
+            tuned=self.tuner.status(self.trainer.step if self.trainer is not None else 0) if self.tuner else None,
+        )
+
+    def _gossip_figures(self) -> GossipFigures:
+        groups = self.groups
+        return GossipFigures(
+            avoided_partners=tuple(groups.avoided()) if isinstance(groups, GossipGroups) else (),
+            overlap=self.settings.gossip_overlap,
+            consensus_distance=_rounded(self._consensus_distance, 6),
+        )
+
+    def status(self) -> dict[str, object]:
+        """``{"training": ...}``: this service's part of ``lattica status``."""
+        return {"training": self.statistics().as_json()}
+
+    def doctor_facts(self, facts: NodeFacts) -> NodeFacts:
+        """``facts`` with the last large tensor message sent to each peer (``lattica doctor``)."""
+        return facts.with_last_transfers(self.tensors.stats.last_sent)
 
     def accounting(self) -> dict[str, int]:
         """The strategy's traffic and memory figures (empty before it is built)."""
@@ -475,9 +418,30 @@ class TrainingService:
 
     async def handle_control(self, request: ControlRequest) -> object | None:
         if request.method == "train":
-            training: object = self.status()["training"]
-            return training
+            return self.statistics().as_json()
+        if request.method == "tune":
+            return await self.measure()
         return None
+
+    async def measure(self) -> dict[str, object]:
+        """The ``tune`` control request: this node's figures for ``lattica tune`` (``tuner.measure``)."""
+        trainer = self.trainer
+        if trainer is None:
+            raise LocalProtocolError("tune: training has not started on this node yet")
+        timed = self.tuner.strategy if self.tuner is not None else None
+        step_s = timed.timer.step_s if timed is not None else None
+        rate = self.figures.tokens_per_s if self.figures is not None else None
+        if step_s is None and rate is not None and rate > 0:  # wall time: syncs included
+            step_s = self.settings.batch_size * self.settings.seq_len / rate
+        return await measure(
+            self.node.round_trip_times, self.tensors.stats, peer_id=self.peer_id,
+            group=self._last_group or tuple(self.view.trainers()), step_s=step_s,
+            model_bytes=4 * sum(p.numel() for p in trainer.model.parameters()), round_bps=self._round_bps,
+        )
+
+
+def _rounded(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
 
 
 def _averages_in_groups(settings: TrainSettings) -> bool:
@@ -491,6 +455,6 @@ def check_settings(settings: TrainSettings) -> None:
     """Fail at start-up, as one line, on settings that cannot run (see ``settings_check``).
     A prepared corpus's shards are not hashed again here: ``lattica join`` did that before it
     built the node (the building trainer still checks every shard's size)."""
-    from lattica.train.settings_check import check_settings as check
+    from lattica.train.settings.settings_check import check_settings as check
 
     check(settings, verify_shards=False)

@@ -133,7 +133,8 @@ class DhtSwarm:
         walk = ProviderLookup(self.key, seeds, local_id=asker,
                               width=self.config.lookup_width, parallelism=self.config.lookup_parallelism)
         walk.add_local_providers(self._live_records(node))
-        now, events, order = 0.0, [], 0
+        now, order = 0.0, 0
+        events: list[tuple[float, int, ID, bool]] = []  # (when, order, peer, answered)
         while True:
             for peer in walk.next_queries():
                 target = self.nodes.get(peer)

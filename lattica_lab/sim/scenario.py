@@ -103,6 +103,7 @@ def run(scenario: Scenario, *, lease: LeasePolicy | None = None, dht: DHTConfig 
     hops = sorted(o.hops for o in successes if o.hops is not None)
     observers = len(state.watchers)
     steady = per_round_bytes[len(per_round_bytes) // 2:]
+    sync_per_peer = statistics.median(steady) / observers / 2
     return {
         "size": scenario.size,
         "live_members": live_count,
@@ -111,8 +112,8 @@ def run(scenario: Scenario, *, lease: LeasePolicy | None = None, dht: DHTConfig 
         "state_bytes_per_member": round(final / live_count, 1),
         "state_bytes_at_round_10": int(state_at_10),
         "state_growth_100_vs_10_rounds": round(final / state_at_10, 3),
-        "state_sync_bytes_per_peer_per_round": int(statistics.median(steady) / observers / 2),
-        "state_sync_bytes_per_member_per_peer_per_round": round(statistics.median(steady) / observers / 2 / live_count, 1),
+        "state_sync_bytes_per_peer_per_round": int(sync_per_peer),
+        "state_sync_bytes_per_member_per_peer_per_round": round(sync_per_peer / live_count, 1),
         "heartbeat_interval_s": state.heartbeat_interval(),
         "dht_lookups": len(lookups),
         "dht_lookup_success": round(len(successes) / max(len(lookups), 1), 4),
@@ -131,7 +132,9 @@ def _state_bytes(state: StateSwarm) -> float:
     return statistics.median(state.state_bytes(w) for w in state.watchers)
 
 
-def _churn(state: StateSwarm, discovery: DhtSwarm, vectors: dict[str, np.ndarray], rng: np.random.Generator, now: float) -> None:
+def _churn(
+    state: StateSwarm, discovery: DhtSwarm, vectors: dict[str, np.ndarray], rng: np.random.Generator, now: float
+) -> None:
     """One member goes (a clean leave or a kill, alternately) and a newcomer joins."""
     candidates = state.churnable()
     if candidates:

@@ -29,10 +29,10 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from pycrdt import Doc, Map
 
 from lattica.crdt import documents, sync
-from lattica.crdt.config import StateConfig
+from lattica.crdt.config import ReplicaLimits, StateConfig
 from lattica.crdt.envelope import Envelope, RejectedUpdate
 from lattica.crdt.liveness import LeasePolicy, live_members
-from lattica.crdt.replica import Replica, ReplicaLimits
+from lattica.crdt.replica import Replica
 
 RUN = "sim-run"
 
@@ -120,7 +120,8 @@ class StateSwarm:
 
     def leave(self, member: Member) -> None:
         member.heartbeat += 1
-        self._write(member, lambda d: documents.write_lease(d, lease_expires_ms=0, heartbeat=member.heartbeat, left=True))
+        beat = member.heartbeat
+        self._write(member, lambda d: documents.write_lease(d, lease_expires_ms=0, heartbeat=beat, left=True))
         member.alive = False
 
     def kill(self, member: Member) -> None:
@@ -172,7 +173,7 @@ class StateSwarm:
         self.reference.tick(self.now_s)
         for watcher in self.watchers:
             self._session(watcher)
-        if int(self.now_s) % 30 == 0:  # as often as the state service looks for departed members
+        if int(self.now_s) % 30 == 0:  # the service looks at every heartbeat: a clean leave is seen <= 30 s later here
             for replica in (self.reference, *self.watchers):
                 self.forget_departed(replica)
 

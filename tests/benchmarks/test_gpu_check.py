@@ -16,13 +16,14 @@ from lattica_lab.benchmark_scripts import load
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _phases(device: str, *, quick: bool) -> dict[str, gpu_check.Phase]:
-    return {p.name: p for group in gpu_check.plan(device, quick=quick) for p in group}
+def _phases(device: str, *, quick: bool, ranks: bool = False) -> dict[str, gpu_check.Phase]:
+    return {p.name: p for group in gpu_check.plan(device, quick=quick, ranks=ranks) for p in group}
 
 
+@pytest.mark.parametrize("ranks", [False, True])
 @pytest.mark.parametrize("quick", [False, True])
-def test_every_phase_is_a_command_its_script_accepts(quick: bool) -> None:
-    for phase in _phases("cuda", quick=quick).values():
+def test_every_phase_is_a_command_its_script_accepts(quick: bool, ranks: bool) -> None:
+    for phase in _phases("cuda", quick=quick, ranks=ranks).values():
         if phase.args[0] == "-m":
             assert phase.args[1] == "lattica.cli.main"
             assert build_parser().parse_args(list(phase.args[2:])).command == "demo"
@@ -44,6 +45,14 @@ def test_the_full_check_measures_what_the_gpu_targets_need() -> None:
     assert phases["daemons"].env["LATTICA_TRAIN_DEVICE"] == "cuda"
     # the groups run one after the other: the longest phase of each, at most five minutes
     assert sum(max(p.timeout_s for p in group) for group in gpu_check.plan("cuda", quick=False)) <= 300
+
+
+def test_the_ranks_check_runs_a_node_of_every_gpu_within_five_minutes() -> None:
+    phases = _phases("cuda", quick=False, ranks=True)
+    assert load("throughput").parse_args(list(phases["ranks_throughput"].args[1:])).devices == "auto"
+    assert phases["ranks_daemons"].env["LATTICA_TRAIN_DEVICES"] == "auto"
+    assert sum(max(p.timeout_s for p in group) for group in gpu_check.plan("cuda", quick=False, ranks=True)) <= 300
+    assert _phases("cpu", quick=True, ranks=True)["ranks_daemons"].env["LATTICA_TRAIN_DEVICES"] == "cpu:2"
 
 
 def test_a_phase_passes_only_when_it_exits_0_in_time_with_a_json_line_that_is_not_a_failure() -> None:

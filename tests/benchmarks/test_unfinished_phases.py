@@ -14,8 +14,8 @@ import math
 
 import pytest
 
+from lattica.train.engine.reports import TrainingSummary
 from lattica.train.strategies import STRATEGIES
-from lattica.train.trainer import TrainingSummary
 from lattica_lab.benchmark_scripts import load
 
 # ---------------------------------------------------------------------------- chaos
@@ -324,3 +324,33 @@ def test_demo_time_a_demo_that_did_not_finish_has_no_figures():
 def test_demo_time_a_finished_demo_gives_its_rows():
     rows = load("demo_time").demo_figures(0, _demo_json(), "")
     assert [row["val_loss"] for row in rows] == [2.55, 2.55]
+
+
+# ---------------------------------------------------------------------------- autotune
+
+
+def _autotune_row(**changes):
+    return {"ok": True, "steps": 400, "syncs": 8, "skipped_syncs": 0, "wall_s": 30.0, "val_loss": 2.3, **changes}
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    ({"ok": False, "error": "trained 120 of 400 steps"}, "did not finish"),
+    ({"steps": 399}, "did not finish"),
+    ({"skipped_syncs": 1}, "skipped"),
+    ({"syncs": 6}, "6 of 8 syncs"),
+    ({"val_loss": math.nan}, "no finite loss"),
+    ({"val_loss": None}, "no finite loss"),
+])
+def test_autotune_unfinished_phase_fails(change, match):
+    autotune = load("autotune")
+    rows = [_autotune_row(), _autotune_row(), _autotune_row(), _autotune_row(**change)]
+    with pytest.raises(autotune.BenchmarkFailed, match=match):
+        autotune.check_phase("tuned", rows, 400, {"strategy": "diloco", "inner_steps": 50})
+
+
+def test_autotune_finished_phases_pass_and_co2_owes_its_last_mean():
+    autotune = load("autotune")
+    autotune.check_phase("default", [_autotune_row()] * 4, 400, {"strategy": "diloco", "inner_steps": 50})
+    autotune.check_phase("tuned", [_autotune_row(syncs=15)] * 4, 400, {"strategy": "co2", "inner_steps": 25})
+    with pytest.raises(autotune.BenchmarkFailed, match="3 peer reports"):
+        autotune.check_phase("nocomm", [_autotune_row()] * 3, 400, {"strategy": "nocomm", "inner_steps": 1})

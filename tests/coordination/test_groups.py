@@ -55,7 +55,9 @@ def test_groups_are_redrawn_every_step() -> None:
     members = [f"p{i:02d}" for i in range(16)]
     drawn = {tuple(draw_step_groups(members, key=f"round/{t}", group_size=2)) for t in range(20)}
     assert len(drawn) == 20
-    partners_of_p00 = {g for t in range(20) for g in draw_step_groups(members, key=f"round/{t}", group_size=2) if "p00" in g}
+    partners_of_p00 = {
+        g for t in range(20) for g in draw_step_groups(members, key=f"round/{t}", group_size=2) if "p00" in g
+    }
     assert len(partners_of_p00) > 5  # p00 mixes with many peers, not a fixed partner
 
 

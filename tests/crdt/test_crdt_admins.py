@@ -92,7 +92,9 @@ async def test_a_founder_restarted_through_another_peer_is_still_the_admin(tmp_p
     keys = create_new_key_pair()
     host = build_host(keys)
     async with host.run([LOOPBACK]), trio.open_nursery() as nursery:
-        first = ReplicatedState(host, keys, data_dir=tmp_path, run_id="svc", config=StateConfig(max_backoff=1.0, **FAST))
+        first = ReplicatedState(
+            host, keys, data_dir=tmp_path, run_id="svc", config=StateConfig(max_backoff=1.0, **FAST),
+        )
         await nursery.start(first.run)
         assert first.admins == frozenset({first.peer_id})  # no admin known, joined through nobody
         await first.set_run_config({"rounds": 5})

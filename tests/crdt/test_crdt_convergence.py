@@ -19,11 +19,16 @@ def apply_write(replica: Replica, kind: str, value: int) -> None:
     if kind == "member":
         replica.local_write(me, lambda d: documents.write_member(d, {"device": f"gpu{value}", "throughput": value / 3}))
     elif kind == "lease":
-        replica.local_write(me, lambda d: documents.write_lease(d, lease_expires_ms=2**60 + value, heartbeat=value, left=value % 5 == 0))
+        replica.local_write(
+            me,
+            lambda d: documents.write_lease(d, lease_expires_ms=2**60 + value, heartbeat=value, left=value % 5 == 0),
+        )
     elif kind == "progress":
         replica.local_write(me, lambda d: documents.write_progress(d, round=value, weights_hash=f"w{value}"))
     elif kind == "checkpoint":
-        replica.local_write(me, lambda d: documents.write_checkpoint(d, round=value % 3, hashes=[f"c{value}"], holder=me))
+        replica.local_write(
+            me, lambda d: documents.write_checkpoint(d, round=value % 3, hashes=[f"c{value}"], holder=me),
+        )
     elif kind == "expert":
         replica.local_write(me, lambda d: documents.write_expert(d, expert=f"e{value % 4}", owned=value % 2 == 0))
     elif replica.peer_id in replica.admins:

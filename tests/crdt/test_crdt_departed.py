@@ -54,3 +54,15 @@ def test_a_forgotten_member_that_comes_back_is_a_member_again():
         _beat(member, expires_ms=3 * HOUR_MS, beat=beat)
     _copy(member, admin)
     assert admin.snapshot()["members"][member.peer_id]["heartbeat"] == 1 + member.limits.snapshot_every
+
+
+def test_a_member_that_left_cleanly_stays_known_as_left_until_the_delay_has_passed():
+    """A clean leave writes no time (its lease is 0): the delay runs from when it was first seen gone."""
+    admin, leaver = make_replicas(2)
+    _beat(leaver, expires_ms=0, beat=1, left=True)
+    _copy(leaver, admin)
+    members = admin.snapshot()["members"]
+    assert admin.forget_departed(members, now_ms=2 * HOUR_MS, after_ms=600_000) == []
+    assert admin.forget_departed(members, now_ms=2 * HOUR_MS + 599_000, after_ms=600_000) == []
+    assert admin.snapshot()["members"][leaver.peer_id]["left"] is True
+    assert admin.forget_departed(members, now_ms=2 * HOUR_MS + 601_000, after_ms=600_000) == [leaver.peer_id]

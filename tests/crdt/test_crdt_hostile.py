@@ -21,7 +21,9 @@ def _sync(src: Replica, dst: Replica) -> None:
 
 
 def _progress(replica: Replica, rnd: int) -> list:
-    return replica.local_write(replica.peer_id, lambda d: documents.write_progress(d, round=rnd, weights_hash=f"h{rnd}"))
+    return replica.local_write(
+        replica.peer_id, lambda d: documents.write_progress(d, round=rnd, weights_hash=f"h{rnd}"),
+    )
 
 
 def _forked(liar: Replica, seq_from: int = 1):

@@ -74,7 +74,10 @@ def test_many_identities_on_one_network_are_one_origin():
     proven = {**_proofs("h", origin="10.0.9.0/24"), **_proofs("m1", "m2", "m3", origin="203.0.113.0/24")}
     assert "p" not in verified_writers(members, me="me", proven=proven, now_ms=NOW)
     # relayed connections have no origin: they never add one
-    proven = {**_proofs("h", origin="10.0.9.0/24"), **_proofs("m1", origin="203.0.113.0/24"), **_proofs("m2", "m3", origin=None)}
+    proven = {
+        **_proofs("h", origin="10.0.9.0/24"), **_proofs("m1", origin="203.0.113.0/24"),
+        **_proofs("m2", "m3", origin=None),
+    }
     assert "p" not in verified_writers(members, me="me", proven=proven, now_ms=NOW)
     proven["m2"] = Proof("198.51.100.0/24", SEASONED)
     assert "p" in verified_writers(members, me="me", proven=proven, now_ms=NOW)

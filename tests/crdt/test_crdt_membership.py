@@ -30,7 +30,9 @@ def phantom_envelopes(*, vouch_for: list[str] = ()) -> tuple[str, list[Envelope]
     """A throwaway key's record: a trainer with a lease until 2036, at round 999."""
     replica = Replica(run_id=RUN, key_pair=create_new_key_pair(), admins=())
     me = replica.peer_id
-    envs = replica.local_write(me, lambda d: documents.write_member(d, {"role": "trainer", "addrs": ["/ip4/10.9.9.9/tcp/1"]}))
+    envs = replica.local_write(
+        me, lambda d: documents.write_member(d, {"role": "trainer", "addrs": ["/ip4/10.9.9.9/tcp/1"]}),
+    )
     envs += replica.local_write(me, lambda d: documents.write_lease(d, lease_expires_ms=FAR_LEASE_MS, heartbeat=1))
     envs += replica.local_write(me, lambda d: documents.write_progress(d, round=999, weights_hash="f" * 64))
     if vouch_for:
@@ -68,7 +70,9 @@ async def test_records_of_throwaway_keys_are_never_live_members(tmp_path):
                 phantoms.append(peer)
                 envelopes += envs
             mallory_replica = Replica(run_id=RUN, key_pair=mallory_keys, admins=())
-            envelopes += mallory_replica.local_write(mallory_id, lambda d: documents.write_lease(d, lease_expires_ms=FAR_LEASE_MS, heartbeat=1))
+            envelopes += mallory_replica.local_write(
+                mallory_id, lambda d: documents.write_lease(d, lease_expires_ms=FAR_LEASE_MS, heartbeat=1),
+            )
             envelopes += mallory_replica.local_write(mallory_id, lambda d: documents.write_vouches(d, phantoms))
             await push(mallory, a, envelopes)
 
@@ -155,7 +159,9 @@ async def test_a_flood_of_throwaway_writers_locks_no_member_out(tmp_path):
             async with running_node(tmp_path, "c") as c:
                 await c.set_progress(3, "h3")
                 await connect(c, a)
-                await wait_for(lambda: a.snapshot()["progress"].get(c.peer_id, {}).get("round") == 3, [a, c], timeout=30)
+                await wait_for(
+                    lambda: a.snapshot()["progress"].get(c.peer_id, {}).get("round") == 3, [a, c], timeout=30,
+                )
                 # live: leases renewed every 0.2 s; one late renewal under load is waited out
                 await wait_for(lambda: {b.peer_id, c.peer_id} <= set(a.live_members()), [a, b, c], timeout=30)
 
@@ -178,7 +184,9 @@ async def _renew_leases(phantoms: list[Replica], relays: list[ReplicatedState]) 
     for beat in itertools.count(1):
         expires = time.time_ns() // 1_000_000 + 4000
         for p in phantoms:
-            p.local_write(p.peer_id, lambda d, b=beat, e=expires: documents.write_lease(d, lease_expires_ms=e, heartbeat=b))
+            p.local_write(
+                p.peer_id, lambda d, b=beat, e=expires: documents.write_lease(d, lease_expires_ms=e, heartbeat=b),
+            )
         wire = [env.to_wire() for p in phantoms for env in p.retained()]
         for relay in relays:
             await relay.accept_batch(wire, from_peer=relay.peer_id)

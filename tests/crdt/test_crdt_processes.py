@@ -77,7 +77,9 @@ async def test_four_daemons_agree_on_membership_and_notice_leave_and_crash(tmp_p
                 nodes.append(first)
                 await first.ready.wait()
                 for i in (1, 2, 3):  # each joiner knows only the first node
-                    nodes.append(await start_node(nursery, tmp_path, i, "--admin", first.peer_id, "--connect", first.addr))
+                    nodes.append(
+                        await start_node(nursery, tmp_path, i, "--admin", first.peer_id, "--connect", first.addr),
+                    )
                 for node in nodes:
                     await node.ready.wait()
             everyone = sorted(node.peer_id for node in nodes)
@@ -102,7 +104,8 @@ async def test_four_daemons_agree_on_membership_and_notice_leave_and_crash(tmp_p
             crash_time = await wait_until(lambda: all(n.live == alive for n in survivors), survivors, timeout=LEASE + 6)
             assert crash_time > 1.0  # only the lease could tell
             assert all(n.left == [leaver.peer_id] for n in survivors)
-            print(json.dumps({"join_s": round(join_time, 2), "leave_s": round(leave_time, 2), "crash_s": round(crash_time, 2)}))
+            figures = {"join_s": round(join_time, 2), "leave_s": round(leave_time, 2), "crash_s": round(crash_time, 2)}
+            print(json.dumps(figures))
             nursery.cancel_scope.cancel()
     finally:
         for node in nodes:

@@ -24,7 +24,10 @@ def deliver_all(src: Replica, dst: Replica) -> int:
 def test_writes_replicate_with_exact_integers(pair):
     a, b = pair
     big = 2**53 + 1  # not representable as float64
-    a.local_write(a.peer_id, lambda d: documents.write_member(d, {"addrs": ["/ip4/127.0.0.1/tcp/1"], "device": "cpu", "role": "trainer"}))
+    a.local_write(
+        a.peer_id,
+        lambda d: documents.write_member(d, {"addrs": ["/ip4/127.0.0.1/tcp/1"], "device": "cpu", "role": "trainer"}),
+    )
     a.local_write(a.peer_id, lambda d: documents.write_lease(d, lease_expires_ms=big, heartbeat=7))
     a.local_write(a.peer_id, lambda d: documents.write_progress(d, round=big, weights_hash="h1"))
     a.local_write(a.peer_id, lambda d: documents.write_checkpoint(d, round=3, hashes=["c1", "c2"], holder=a.peer_id))
@@ -135,7 +138,10 @@ def test_a_second_signed_update_under_one_seq_is_an_equivocation(pair):
 
 def test_out_of_order_arrivals_wait_for_their_predecessor(pair):
     a, b = pair
-    envs = [a.local_write(a.peer_id, lambda d, i=i: documents.write_progress(d, round=i, weights_hash=f"h{i}"))[0] for i in range(5)]
+    envs = [
+        a.local_write(a.peer_id, lambda d, i=i: documents.write_progress(d, round=i, weights_hash=f"h{i}"))[0]
+        for i in range(5)
+    ]
     for env in reversed(envs[1:]):
         assert b.receive(env) == []
     assert b.receive(envs[0]) == envs
@@ -185,7 +191,10 @@ def test_peer_id_helper_matches_replica(pair):
 
 def test_early_arrivals_are_buffered_within_bounds():
     a, b = make_replicas(2, limits=ReplicaLimits(max_pending_per_stream=2))
-    envs = [a.local_write(a.peer_id, lambda d, i=i: documents.write_progress(d, round=i, weights_hash="h"))[0] for i in range(6)]
+    envs = [
+        a.local_write(a.peer_id, lambda d, i=i: documents.write_progress(d, round=i, weights_hash="h"))[0]
+        for i in range(6)
+    ]
     for env in envs[1:]:
         b.receive(env)  # only seq 2 and 3 fit in the buffer
     assert [e.seq for e in b.receive(envs[0])] == [1, 2, 3]

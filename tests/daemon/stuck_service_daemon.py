@@ -13,9 +13,10 @@ import trio
 from trio_typing import TaskStatus
 
 from lattica.config import NodeConfig
-from lattica.daemon import build_node, serve
 from lattica.net.identity import load_or_create_identity
-from lattica.services import NodeContext
+from lattica.node.composition import build_node
+from lattica.node.daemon import serve
+from lattica.node.services import NodeContext
 
 
 class StuckInAThread:

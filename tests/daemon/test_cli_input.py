@@ -36,7 +36,9 @@ def test_key_is_created_0600_and_stable(tmp_path):
 
 def test_precedence_flags_over_env_over_file(tmp_path):
     config = tmp_path / "node.toml"
-    config.write_text('run_id = "from-file"\nlog_level = "info"\nmetrics_addr = "127.0.0.1:9500"\n[train]\nrounds = 3\n')
+    config.write_text(
+        'run_id = "from-file"\nlog_level = "info"\nmetrics_addr = "127.0.0.1:9500"\n[train]\nrounds = 3\n',
+    )
     env = {"LATTICA_RUN_ID": "from-env", "LATTICA_LOG_LEVEL": "error", "LATTICA_TRAIN_ROUNDS": "5"}
     merged = build_node_config(
         flags={"data_dir": tmp_path, "run_id": "from-flag"}, config_path=config, environ=env
@@ -92,7 +94,9 @@ def test_port_in_use_one_line(tmp_path):
         holder.listen()
         port = holder.getsockname()[1]
         line = _one_line_error(
-            run_cli("join", "--data-dir", str(tmp_path), "--listen", f"/ip4/127.0.0.1/tcp/{port}", "--metrics-addr", "off")
+            run_cli(
+                "join", "--data-dir", str(tmp_path), "--listen", f"/ip4/127.0.0.1/tcp/{port}", "--metrics-addr", "off",
+            )
         )
     assert "in use" in line
 
@@ -234,9 +238,8 @@ def test_data_dir_too_long_for_the_control_socket_one_line(tmp_path):
     [("no-such-host.invalid:9400", "cannot be resolved"), ("192.0.2.1:9400", "not an address of this machine")],
 )
 def test_metrics_host_unresolvable_or_not_local_one_line(tmp_path, addr, message):
-    line = _one_line_error(
-        run_cli("join", "--data-dir", str(tmp_path), "--listen", f"/ip4/127.0.0.1/tcp/{free_port()}", "--metrics-addr", addr)
-    )
+    listen = f"/ip4/127.0.0.1/tcp/{free_port()}"
+    line = _one_line_error(run_cli("join", "--data-dir", str(tmp_path), "--listen", listen, "--metrics-addr", addr))
     assert message in line
 
 

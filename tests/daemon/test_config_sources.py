@@ -34,6 +34,7 @@ _SAMPLES: dict[str, Any] = {
     "data": "shakespeare",
     "task": "mypkg.tasks:build",
     "device": "cpu",
+    "devices": "cpu:2",
     "aggregation": "median",
     "averaging": "gossip",
     "compile": True,
@@ -49,6 +50,8 @@ def _sample(field: dataclasses.Field, kind: str, tmp_path: Path) -> Any:
         return not default
     if kind == "int":
         return default + 1
+    if kind == "int?":
+        return 2 if default is None else default + 1
     if kind in ("float", "float?"):
         return 0.5 if default is None else float(default) * 2
     if kind == "path":

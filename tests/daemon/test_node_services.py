@@ -1,5 +1,5 @@
 """A node's services: built once bootstrap succeeded, from the ``NodeContext``, started in the
-builder's order, and reached only through the Protocols they implement (``lattica.services``).
+builder's order, and reached only through the Protocols they implement (``lattica.node.services``).
 
 A real node on loopback with a real control socket, asked the way ``lattica status``, ``lattica
 peers`` and ``lattica stop`` ask it.
@@ -8,6 +8,7 @@ peers`` and ``lattica stop`` ask it.
 from __future__ import annotations
 
 import ast
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -17,10 +18,12 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from lattica.config import NodeConfig
 from lattica.control.client import call
 from lattica.control.protocol import ControlRequest
+from lattica.diagnostics import NodeFacts
 from lattica.errors import LatticaError
-from lattica.node import Node
-from lattica.services import (
+from lattica.node.node import Node
+from lattica.node.services import (
     ControlHandler,
+    DoctorSource,
     GracefulStop,
     NodeContext,
     NodeService,
@@ -113,6 +116,36 @@ async def test_services_are_built_after_bootstrap_started_in_order_and_asked_thr
     assert log[-1] == "full goodbye"
 
 
+class _Reachable:
+    """A service that knows this node's reachability and a peer's, for ``lattica doctor``."""
+
+    name = "reachable"
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        await trio.sleep_forever()
+
+    def doctor_facts(self, facts: NodeFacts) -> NodeFacts:
+        return dataclasses.replace(facts, reachability="public", relay_serving=True)
+
+
+async def test_the_doctor_request_asks_every_doctor_source(tmp_path) -> None:
+    """The node's own facts first, then each ``DoctorSource`` adds its part, in start order."""
+    assert isinstance(_Reachable(), DoctorSource)
+    assert not isinstance(_Plain([]), DoctorSource)
+    config = NodeConfig(data_dir=tmp_path / "n", listen=("/ip4/127.0.0.1/tcp/0",), metrics_addr=None,
+                        nat=False, dht=False)
+    node = Node(config, create_new_key_pair(), services=lambda context: [_Plain([]), _Reachable()])
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(node.run)
+            facts = await trio.to_thread.run_sync(call, config.control_socket, "doctor")
+            assert facts["peer_id"] == node.peer_id.to_base58()
+            assert facts["advertised"] == node.dialable_addrs() != []
+            assert (facts["reachability"], facts["relay_serving"]) == ("public", True)
+            node.request_shutdown()
+
+
 def _calls(path: Path, names: set[str]) -> list[str]:
     tree = ast.parse(path.read_text(), filename=str(path))
     return [f"{path.name}:{n.lineno}" for n in ast.walk(tree)
@@ -122,5 +155,5 @@ def _calls(path: Path, names: set[str]) -> list[str]:
 def test_the_node_and_the_composition_root_do_not_probe_their_services() -> None:
     """Optional features are declared by Protocols, not discovered with getattr/hasattr."""
     probing = {"getattr", "hasattr", "setattr"}
-    for name in ("node.py", "daemon.py", "services.py", "nat_service.py"):
-        assert _calls(PACKAGE / name, probing) == []
+    for path in sorted((PACKAGE / "node").glob("*.py")):
+        assert _calls(path, probing) == []

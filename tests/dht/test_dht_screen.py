@@ -103,7 +103,9 @@ def test_add_provider_for_a_key_outside_lattica_s_form_is_rejected(key):
 
 
 def test_store_requests_over_the_sender_s_quota_are_refused_and_others_pass():
-    ledger = StoreLedger(StoreLimits(max_records=8, max_bytes=1 << 20, max_records_per_sender=1, max_bytes_per_sender=1 << 16))
+    ledger = StoreLedger(
+        StoreLimits(max_records=8, max_bytes=1 << 20, max_records_per_sender=1, max_bytes_per_sender=1 << 16),
+    )
     sender = str(PEER)
     provide = _add_provider(run_key("r1"), PEER.to_bytes())
     assert quota_refusal(provide, sender=sender, sender_id=PEER.to_bytes(), ledger=ledger) is None

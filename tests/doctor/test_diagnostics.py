@@ -148,3 +148,18 @@ def test_clock_offset_arithmetic_and_hostile_answers():
     for bad in ({}, {"t": "now"}, {"t": float("nan")}, {"t": -1}, {"t": True}, [1.0], None):
         with pytest.raises(RemoteProtocolError):
             peer_time_from(bad, A)
+
+
+def test_last_transfers_give_each_peer_its_size_and_rate():
+    facts = NodeFacts(peer_id=A, peers=(PeerFacts(B, connected=True), PeerFacts(C, connected=True)))
+    sent = {B: (10_000_000, 2.0), C: (5, 0.0), "not-a-peer": (1, 1.0)}  # C: no measurable duration
+    peers = {p.peer_id: p for p in facts.with_last_transfers(sent).peers}
+    assert (peers[B].last_transfer_bytes, peers[B].last_transfer_mbit_s) == (10_000_000, 40.0)
+    assert (peers[C].last_transfer_bytes, peers[C].last_transfer_mbit_s) == (None, None)
+    assert len(peers) == 2
+
+
+def test_member_reachability_is_set_on_the_peers_that_advertise_one():
+    facts = NodeFacts(peer_id=A, peers=(PeerFacts(B, connected=True), PeerFacts(C, connected=False)))
+    peers = facts.with_member_reachability({B: "private", "elsewhere": "public"}).peers
+    assert [(p.peer_id, p.reachability) for p in peers] == [(B, "private"), (C, None)]

@@ -3,10 +3,10 @@
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 
-from lattica.nat_service import advertised_addrs
 from lattica.net.dialing import dial_addrs_for
 from lattica.net.peer_exchange import MAX_ADDRS, px_reply
 from lattica.net.peerbook import MAX_CIRCUITS_PER_PEER, PeerBook
+from lattica.node.nat_service import advertised_addrs
 
 
 def _pid() -> str:

@@ -26,12 +26,12 @@ from libp2p.security.insecure.transport import PLAINTEXT_PROTOCOL_ID, InsecureTr
 from standard_node import standard_node
 
 from lattica.config import NodeConfig
-from lattica.daemon import build_node
 from lattica.net.host import build_host
 from lattica.net.identity import peer_id_of
 from lattica.net.nat import AutoNATConfig, RelayReservations, RelayServer
 from lattica.net.nat.autonat import retry_delay
-from lattica.node import Node
+from lattica.node.composition import build_node
+from lattica.node.node import Node
 from lattica_lab.daemons import DaemonProcess, free_port, lattica_command, run_cli, wait_for
 
 pytestmark = pytest.mark.timeout(90)

@@ -103,7 +103,10 @@ async def test_at_most_16_dials_start_per_tick(tmp_path: Path, autojump_clock) -
 async def test_a_restarted_node_waits_for_a_remembered_member_only_until_one_answers(
     tmp_path: Path, autojump_clock,
 ) -> None:
-    save_peers(tmp_path, [SavedPeer(_member(i), (f"/ip4/10.0.0.1/tcp/4001/p2p/{_member(i)}",), time.time() - 100 + i) for i in range(3)])
+    save_peers(
+        tmp_path,
+        [SavedPeer(_member(i), (f"/ip4/10.0.0.1/tcp/4001/p2p/{_member(i)}",), time.time() - 100 + i) for i in range(3)],
+    )
     dialer = FakeDialer()
     dialer.answers.add(_member(1))
     book = PeerBook("me")

@@ -213,10 +213,7 @@ def start_service(swarm: LocalSwarm, name: str, *, metrics_port: int | None = No
         metrics=metrics,
         boot=swarm.boot_port,
     )
-    if entrypoint == ["sh", "-c"]:
-        argv = ["sh", "-c", command]
-    else:
-        argv = [str(LATTICA_BIN), *shlex.split(command)]
+    argv = ["sh", "-c", command] if entrypoint == ["sh", "-c"] else [str(LATTICA_BIN), *shlex.split(command)]
     _spawn(name, argv, swarm, data_dir, metrics)
     return swarm.nodes[-1]
 

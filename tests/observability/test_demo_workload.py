@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from lattica import demo
+from lattica.cli import demo
 from lattica.cli.main import build_parser
 from lattica.config import DEFAULT_INNER_STEPS, DEMO_LONG_ROUNDS, DEMO_ROUNDS
 from lattica.errors import ConfigError

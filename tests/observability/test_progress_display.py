@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import re
 
-from lattica.progress import ProgressDisplay, format_bytes, render_summary
+from lattica.cli.progress import ProgressDisplay, format_bytes, render_summary
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 

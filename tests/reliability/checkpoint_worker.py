@@ -4,7 +4,7 @@ import sys
 
 import torch
 
-from lattica.train.checkpoint import CheckpointStore
+from lattica.train.engine.checkpoint import CheckpointStore
 
 store = CheckpointStore(sys.argv[1], keep=2)
 latest = store.load_latest()

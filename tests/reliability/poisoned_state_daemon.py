@@ -20,9 +20,9 @@ from typing import Any
 import torch
 
 from lattica.cli.main import main as lattica_main
-from lattica.train.join import outer_state_hash
-from lattica.train.outer_sync import OuterStateSync
-from lattica.train.outer_transfer import ServedRounds
+from lattica.train.engine.outer_state import outer_state_hash
+from lattica.train.swarm.outer_sync import OuterStateSync
+from lattica.train.swarm.outer_transfer import ServedRounds
 
 
 def _poisoned(honest: dict[str, Any], poison: str, claimed: int, inner_steps: int) -> dict[str, Any]:

@@ -24,7 +24,6 @@ from libp2p.peer.peerinfo import info_from_p2p_addr
 
 from lattica.config import NodeConfig
 from lattica.coordination.rounds import ROUND_PROTOCOL, RoundCoordinator
-from lattica.daemon import build_node
 from lattica.errors import ConfigError, LatticaError
 from lattica.net.access import AUTH_PROTOCOL, AccessGate, RunAccess, read_secret_file
 from lattica.net.host import build_host
@@ -32,6 +31,7 @@ from lattica.net.identity import peer_id_of
 from lattica.net.peer_exchange import PX_PROTOCOL
 from lattica.net.tensors.transfer import TensorService, TensorServiceConfig
 from lattica.net.wire import read_message, write_message
+from lattica.node.composition import build_node
 
 SECRET = b"correct horse battery staple 42"
 A_ID = "12D3KooWJbM6u2R3tE5hD3ZKg1b3wHv7n9t4yZ6JzWq2mF8o1QxA"

@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from lattica.train.checkpoint import CheckpointStore
+from lattica.train.engine.checkpoint import CheckpointStore
 
 WORKER = Path(__file__).with_name("checkpoint_worker.py")
 

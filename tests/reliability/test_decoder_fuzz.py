@@ -94,7 +94,8 @@ def test_the_framing_survives_arbitrary_bytes(data, cut) -> None:
     "data",
     [
         struct.pack(">I", 0xFFFFFFFF) + b"x" * 64,  # a 4 GiB length prefix
-        _framed(b"")[:4].replace(b"\x00\x00\x00\x01", struct.pack(">I", 5)) + b"\xdd\x7f\xff\xff\xff",  # array32 of 2^31
+        # array32 of 2^31 entries
+        _framed(b"")[:4].replace(b"\x00\x00\x00\x01", struct.pack(">I", 5)) + b"\xdd\x7f\xff\xff\xff",
         struct.pack(">I", 5) + b"\xdf\x7f\xff\xff\xff",  # map32 of 2^31 entries
         struct.pack(">I", 5) + b"\xc6\x7f\xff\xff\xff",  # bin32 of 2 GiB
     ],

@@ -27,12 +27,12 @@ import torch
 import trio
 
 from lattica.cli import main as cli_main
+from lattica.crdt.durable import state_log_path
 from lattica.crdt.log import AppendLog, HeldRecordsLog, read_records
-from lattica.crdt.state import state_log_path
 from lattica.errors import StorageError
 from lattica.files import WriteRetry
-from lattica.train.checkpoint import CheckpointStore
-from lattica.train.checkpoint_writer import CheckpointWriter
+from lattica.train.engine.checkpoint import CheckpointStore
+from lattica.train.engine.checkpoint_writer import CheckpointWriter
 from lattica_lab.daemons import DaemonProcess, run_cli, wait_for
 from lattica_lab.full_disk import (
     disk_unavailable_reason,
@@ -139,7 +139,8 @@ def test_a_full_disk_pauses_checkpoints_and_the_state_log_not_training(disk: Pat
         log = node.log_path.read_text()
         said = _lines(log, NO_SPACE)
         assert all(_names_the_full_disk(line, node.data_dir) for line in said), said
-        for failing, again in (("checkpoints failing", "checkpoints written again"), ("state log failing", "written again (")):
+        pairs = (("checkpoints failing", "checkpoints written again"), ("state log failing", "written again ("))
+        for failing, again in pairs:
             # said once while it lasted, however many attempts failed (the disk filled once; a
             # failed checkpoint frees its temporary, which the filler takes back within 10 ms)
             episodes = len(_lines(log, failing, NO_SPACE))

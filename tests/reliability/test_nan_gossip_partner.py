@@ -38,8 +38,8 @@ def _metric(port: int, name: str) -> float:
 def test_honest_replicas_refuse_a_nan_partner_avoid_it_and_keep_a_finite_loss(tmp_path: Path) -> None:
     metrics_port = free_port()
     with killed_at_end() as started:
-        first = DaemonProcess(tmp_path / "honest0", extra_args=(*_args(), "--metrics-addr", f"127.0.0.1:{metrics_port}"),
-                              env=GOSSIP_ENV).start()
+        metrics = ("--metrics-addr", f"127.0.0.1:{metrics_port}")
+        first = DaemonProcess(tmp_path / "honest0", extra_args=(*_args(), *metrics), env=GOSSIP_ENV).start()
         started.append(first)
         first.wait_ready(60)
         second = DaemonProcess(tmp_path / "honest1", peers=(first.addr,), extra_args=_args(), env=GOSSIP_ENV)

@@ -82,7 +82,8 @@ def test_a_peer_cut_off_longer_than_its_lease_rejoins_the_majoritys_state(lab_sw
     def majority_went_on() -> bool:
         # cut for longer than the lease (5 s), and meanwhile the connected majority completed
         # a round without the cut peer
-        return time.monotonic() - cut_at > LEASE_S + 1 and min(_training(d)["rounds_completed"] for d in others) > before
+        long_cut = time.monotonic() - cut_at > LEASE_S + 1
+        return long_cut and min(_training(d)["rounds_completed"] for d in others) > before
 
     went_on = wait_for(majority_went_on, 60)
     lab.heal_link(hosts[cut])

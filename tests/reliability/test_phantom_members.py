@@ -28,8 +28,8 @@ from lattica.crdt.envelope import Envelope
 from lattica.crdt.liveness import vouches
 from lattica.crdt.replica import Replica
 from lattica.crdt.state import ReplicatedState
-from lattica.daemon import build_node
 from lattica.net.host import build_host
+from lattica.node.composition import build_node
 from lattica_lab.daemons import DaemonProcess, cli_json
 
 RUN = "default"
@@ -56,7 +56,9 @@ def _trainer(path: Path, peers: tuple[str, ...] = ()) -> DaemonProcess:
 def _phantom() -> tuple[str, list[Envelope]]:
     replica = Replica(run_id=RUN, key_pair=create_new_key_pair(), admins=())
     me = replica.peer_id
-    envs = replica.local_write(me, lambda d: documents.write_member(d, {"role": "trainer", "addrs": ["/ip4/127.0.0.1/tcp/9"]}))
+    envs = replica.local_write(
+        me, lambda d: documents.write_member(d, {"role": "trainer", "addrs": ["/ip4/127.0.0.1/tcp/9"]}),
+    )
     envs += replica.local_write(me, lambda d: documents.write_lease(d, lease_expires_ms=FAR_LEASE_MS, heartbeat=1))
     envs += replica.local_write(me, lambda d: documents.write_progress(d, round=999, weights_hash="e" * 64))
     return me, envs
@@ -113,7 +115,10 @@ async def test_throwaway_keys_do_not_split_or_stall_a_run(tmp_path: Path) -> Non
             with trio.fail_after(240):
                 while not await trio.to_thread.run_sync(done):
                     await trio.sleep(1.0)
-            states = [await trio.to_thread.run_sync(lambda d=d: cli_json("state", "--data-dir", str(d.data_dir))) for d in daemons]
+            states = [
+                await trio.to_thread.run_sync(lambda d=d: cli_json("state", "--data-dir", str(d.data_dir)))
+                for d in daemons
+            ]
             nursery.cancel_scope.cancel()
         ids = sorted(await trio.to_thread.run_sync(lambda: [d.peer_id for d in daemons]))
         logs = [d.log_path.read_text() for d in daemons if d.log_path]
@@ -129,7 +134,8 @@ async def test_throwaway_keys_do_not_split_or_stall_a_run(tmp_path: Path) -> Non
             tries = [
                 (_seconds(m.group(1)), float(m.group(2))) for m in re.finditer(
                     rf"^(\S+) WARNING .*(?:could not fetch outer state of round {ROUNDS}|"
-                    rf"no holder serves the published state of round {ROUNDS}).* ignoring that claim for (\d+) s", log, re.M,
+                    rf"no holder serves the published state of round {ROUNDS}).* ignoring that claim for (\d+) s",
+                    log, re.M,
                 )
             ]
             assert tries, log[-6000:]
@@ -199,7 +205,9 @@ async def _renew_leases(phantoms: list[Replica], members: list) -> None:
     for beat in itertools.count(1):
         expires = time.time_ns() // 1_000_000 + PHANTOM_LEASE_MS
         for p in phantoms:
-            p.local_write(p.peer_id, lambda d, b=beat, e=expires: documents.write_lease(d, lease_expires_ms=e, heartbeat=b))
+            p.local_write(
+                p.peer_id, lambda d, b=beat, e=expires: documents.write_lease(d, lease_expires_ms=e, heartbeat=b),
+            )
         wire = [env.to_wire() for p in phantoms for env in p.retained()]
         for member in members:
             await member.accept_batch(wire, from_peer=member.peer_id)
@@ -230,7 +238,8 @@ async def test_two_members_with_the_secret_cannot_vouch_throwaway_keys_in(tmp_pa
 
             def everyone_sees_all() -> bool:
                 return all(
-                    phantom_ids <= set(s.snapshot()["members"]) and {m.peer_id for m in members} <= set(s.live_members())
+                    phantom_ids <= set(s.snapshot()["members"])
+                    and {m.peer_id for m in members} <= set(s.live_members())
                     and phantom_ids <= set(vouches(s.snapshot()["members"][m.peer_id])) for s in honest for m in members
                 )
 

@@ -25,7 +25,7 @@ from lattica.net.host import LatticaHost, build_host
 from lattica.net.peer_exchange import PX_PROTOCOL, px_reply
 from lattica.net.px_dials import PxDialLimits
 from lattica.net.wire import read_message, write_message
-from lattica.node import Node
+from lattica.node.node import Node
 from lattica_lab.daemons import DaemonProcess
 
 LOOPBACK = multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")

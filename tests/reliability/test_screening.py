@@ -19,7 +19,7 @@ from libp2p.peer.peerinfo import info_from_p2p_addr
 from lattica.net.host import build_host
 from lattica.net.tensors.transfer import TensorService, TensorServiceConfig
 from lattica.numerics.screen import PLAIN_MEAN, ContributionScreen, reduce_parts
-from lattica.train.model import GPTConfig, build_model, lm_loss
+from lattica.train.engine.model import GPTConfig, build_model, lm_loss
 from lattica.train.strategies.diloco import DiLoCo, DiLoCoConfig
 from lattica_lab.collective import InMemoryCollectiveGroup
 
@@ -293,7 +293,7 @@ async def _diloco_round_with_a_scaled_member(screen: ContributionScreen) -> tupl
 
 async def test_a_1e30_update_from_a_real_peer_does_not_reach_the_weights_by_default() -> None:
     from lattica.config import TrainSettings
-    from lattica.train.strategy_settings import contribution_screen
+    from lattica.train.settings.strategy_settings import contribution_screen
 
     models, evil, services = await _diloco_round_with_a_scaled_member(contribution_screen(TrainSettings()))
     honest = [p for p in models if p != evil]

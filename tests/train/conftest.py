@@ -1,6 +1,6 @@
 import pytest
 
-from lattica.train.data import DataConfig
+from lattica.train.engine.data import DataConfig
 
 TEXT = "".join(f"def function_{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(400))
 

@@ -4,13 +4,13 @@ import pytest
 import torch
 import trio
 
-from lattica.train.device import select_device
-from lattica.train.model import GPTConfig, build_model
-from lattica.train.moe import MoEConfig, build_moe_model
-from lattica.train.schedule import ScheduleConfig
+from lattica.train.engine.device import select_device
+from lattica.train.engine.model import GPTConfig, build_model
+from lattica.train.engine.moe import MoEConfig, build_moe_model
+from lattica.train.engine.schedule import ScheduleConfig
+from lattica.train.engine.task import Task
+from lattica.train.engine.trainer import Trainer, TrainerConfig
 from lattica.train.strategies import STRATEGIES, strategy_class
-from lattica.train.task import Task
-from lattica.train.trainer import Trainer, TrainerConfig
 from lattica_lab.collective import FixedGroups, InMemoryCollectiveGroup
 
 PEERS = ("a", "b")

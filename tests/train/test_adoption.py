@@ -12,17 +12,17 @@ import torch
 
 from lattica.config import TrainSettings
 from lattica.crdt.liveness import LeasePolicy
-from lattica.train.adoption import AdoptionLimits, ClaimScreen, RunPicture, refusal_before_fetch
-from lattica.train.device import select_device
-from lattica.train.join import flatten_outer_state, outer_state_hash
-from lattica.train.membership import MembershipView
-from lattica.train.model import GPTConfig, build_model
-from lattica.train.outer_sync import OuterStateSync
-from lattica.train.outer_transfer import round_prefix
-from lattica.train.schedule import ScheduleConfig
+from lattica.train.engine.device import select_device
+from lattica.train.engine.model import GPTConfig, build_model
+from lattica.train.engine.outer_state import flatten_outer_state, outer_state_hash
+from lattica.train.engine.schedule import ScheduleConfig
+from lattica.train.engine.task import Task
+from lattica.train.engine.trainer import Trainer, TrainerConfig
 from lattica.train.strategies.diloco import DiLoCo, DiLoCoConfig
-from lattica.train.task import Task
-from lattica.train.trainer import Trainer, TrainerConfig
+from lattica.train.swarm.adoption import AdoptionLimits, ClaimScreen, RunPicture, refusal_before_fetch
+from lattica.train.swarm.membership import MembershipView
+from lattica.train.swarm.outer_sync import OuterStateSync
+from lattica.train.swarm.outer_transfer import round_prefix
 from lattica_lab.collective import FixedGroups, InMemoryCollectiveGroup
 
 LIMITS = AdoptionLimits(max_rounds_ahead=8, ban_s=60.0)
@@ -60,6 +60,14 @@ def test_the_holders_and_this_replica_do_not_report_on_a_claim() -> None:
     # its holders' own records and ours are no independent report
     assert _rule((60, "h"), ["a", "b"], {"a": 60, "b": 60, "me": 10}) is None
     assert _rule((60, "h"), ["a"], {"a": 60, "me": 60, "b": 10}) == "ahead"
+
+
+def test_where_replicas_agree_a_majority_of_holders_outweighs_members_behind() -> None:
+    """Several members restarted at once lag together; the agreed state stays theirs to adopt."""
+    run = replace(ALLREDUCE, live=("me", "a", "b", "c", "d"), reporters=("me", "a", "b", "c", "d"), members=5)
+    assert _rule((60, "h"), ["a", "b", "c"], {"a": 60, "b": 60, "c": 60, "d": 43, "me": 40}, run) is None
+    assert _rule((60, "h"), ["a", "b"], {"a": 60, "b": 60, "c": 43, "d": 43}, run) == "ahead"  # two against two
+    assert _rule((60, "h"), ["a", "b", "c"], {"a": 60, "b": 60, "c": 60, "d": 43}, GOSSIP) == "ahead"
 
 
 def test_before_the_runs_config_is_agreed_its_rounds_bound_nothing() -> None:
@@ -234,7 +242,9 @@ class _Holder:
     def unserve(self, name: str) -> None: ...
 
 
-def _sync_serving(trainer: Trainer, rnd: int, state: dict[str, Any]) -> tuple[OuterStateSync, tuple[int, str, list[str]]]:
+def _sync_serving(
+    trainer: Trainer, rnd: int, state: dict[str, Any],
+) -> tuple[OuterStateSync, tuple[int, str, list[str]]]:
     digest = outer_state_hash(state)
     snapshot = {
         "members": {"me": {"role": "trainer"}, "a": {"role": "trainer"}},
@@ -267,7 +277,8 @@ def _claimed(trainer: Trainer, rnd: int, **changes: Any) -> dict[str, Any]:
 async def test_a_bad_state_is_refused_without_stopping_the_trainer(changes: dict[str, Any], words: str) -> None:
     trainer = _trainer()
     if changes.get("params", 0) is None:
-        changes["params"] = {n: torch.full_like(t, float("nan")) for n, t in trainer.strategy.outer_state_dict()["params"].items()}
+        params = trainer.strategy.outer_state_dict()["params"]
+        changes["params"] = {n: torch.full_like(t, float("nan")) for n, t in params.items()}
     sync, agreed = _sync_serving(trainer, 2, _claimed(trainer, 2, **changes))
     assert sync.agreed() == agreed
     before = _snapshot(trainer)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from lattica.errors import ConfigError, RemoteProtocolError, StorageError
-from lattica.train import checkpoint as checkpoint_mod
-from lattica.train.checkpoint import CheckpointStore, verify_weights, weights_hash
+from lattica.train.engine import checkpoint as checkpoint_mod
+from lattica.train.engine.checkpoint import CheckpointStore, verify_weights, weights_hash
 
 
 def _state(value: float) -> dict:

@@ -9,7 +9,7 @@ import torch
 import trio
 
 from lattica.errors import BrokenError, PeerUnavailableError
-from lattica.train.collective import StallGuardedCollective
+from lattica.train.engine.collective import StallGuardedCollective
 
 
 class _Wire:

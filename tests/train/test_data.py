@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lattica.errors import ConfigError
-from lattica.train.data import (
+from lattica.train.engine.data import (
     BatchConfig,
     BatchSampler,
     ByteTokenizer,

@@ -11,7 +11,8 @@ import trio
 from lattica.config import TrainSettings
 from lattica.errors import RemoteProtocolError
 from lattica.numerics import demo_codec, sparse
-from lattica.train.model import GPTConfig, build_model
+from lattica.train.engine.model import GPTConfig, build_model
+from lattica.train.settings.strategy_settings import strategy_config
 from lattica.train.strategies import create_strategy, strategy_class
 from lattica.train.strategies.demo_momentum import (
     BlockLayout,
@@ -26,7 +27,6 @@ from lattica.train.strategies.demo_momentum import (
     mean_components,
     to_blocks,
 )
-from lattica.train.strategy_settings import strategy_config
 from lattica_lab.collective import FixedGroups, InMemoryCollectiveGroup
 
 TINY = GPTConfig(n_layer=1, d_model=16, n_head=2, context=8)
@@ -300,7 +300,9 @@ async def test_a_hostile_payload_fails_the_exchange_and_the_retry_drops_its_send
     a, b, _ = _replicas(network, config, groups)
     layout = a.layout
     hostile = [
-        demo_codec.encode(sparse.top_k_per_chunk(torch.ones(n * layout.chunks[n]), chunk=n, k=layout.k[n]), codec="int8")
+        demo_codec.encode(
+            sparse.top_k_per_chunk(torch.ones(n * layout.chunks[n]), chunk=n, k=layout.k[n]), codec="int8",
+        )
         for n in layout.sizes
     ]
     hostile[0][16:20] = torch.tensor([float("nan")], dtype=torch.float32).view(torch.uint8)  # a NaN scale

@@ -2,14 +2,10 @@ import pytest
 import torch
 import trio
 
-from lattica.train.model import GPTConfig, build_model
+from lattica.train.engine.model import GPTConfig, build_model
 from lattica.train.strategies import create_strategy, strategy_class
-from lattica.train.strategies.diloco import (
-    DiLoCo,
-    DiLoCoConfig,
-    nesterov_outer_step,
-    pseudo_gradient,
-)
+from lattica.train.strategies.diloco import DiLoCo, DiLoCoConfig
+from lattica.train.strategies.outer_math import nesterov_outer_step, pseudo_gradient
 from lattica_lab.collective import InMemoryCollectiveGroup
 
 TINY = GPTConfig(n_layer=1, d_model=16, n_head=2, context=8)

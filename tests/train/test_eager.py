@@ -1,8 +1,9 @@
 import torch
 import trio
 
-from lattica.train.strategies.diloco import DiLoCo, DiLoCoConfig, eager_start
+from lattica.train.strategies.diloco import DiLoCo, DiLoCoConfig
 from lattica.train.strategies.eager import EagerDiLoCo, EagerDiLoCoConfig
+from lattica.train.strategies.outer_math import eager_start
 from lattica_lab.collective import FixedGroups, InMemoryCollectiveGroup, scalar_model
 
 

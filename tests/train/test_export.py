@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from lattica.errors import ConfigError
-from lattica.train.checkpoint import CheckpointStore
-from lattica.train.export import AgreedCheckpoint, agreed_checkpoint, export, rebuild_model
-from lattica.train.llama import LLAMA_PRESETS, build_llama
-from lattica.train.model_spec import resolve_model
+from lattica.train.engine.checkpoint import CheckpointStore
+from lattica.train.engine.llama import LLAMA_PRESETS, build_llama
+from lattica.train.engine.model_spec import resolve_model
+from lattica.train.swarm.export import AgreedCheckpoint, agreed_checkpoint, export, rebuild_model
 from lattica_lab.daemons import run_cli
 
 

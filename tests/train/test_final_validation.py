@@ -18,15 +18,16 @@ import trio
 
 from lattica.config import TrainSettings
 from lattica.crdt.liveness import LeasePolicy
-from lattica.train.data import DataConfig
-from lattica.train.device import select_device
-from lattica.train.model import GPTConfig
-from lattica.train.schedule import ScheduleConfig
+from lattica.train.engine.data import DataConfig
+from lattica.train.engine.device import select_device
+from lattica.train.engine.model import GPTConfig
+from lattica.train.engine.reports import Progress, TrainingSummary
+from lattica.train.engine.schedule import ScheduleConfig
+from lattica.train.engine.task import TaskContext, builtin_task
+from lattica.train.engine.trainer import Trainer, TrainerConfig
 from lattica.train.service import TrainingService
 from lattica.train.strategies import create_strategy
 from lattica.train.strategies.diloco import DiLoCoConfig
-from lattica.train.task import TaskContext, builtin_task
-from lattica.train.trainer import Progress, Trainer, TrainerConfig, TrainingSummary
 from lattica_lab.collective import InMemoryCollectiveGroup
 
 MICRO = GPTConfig(n_layer=1, d_model=32, n_head=2, context=32)

@@ -41,16 +41,20 @@ def _replicas(peers, values, config, *, groups=None):
 
 
 async def _train(models, strategies, *, rounds, drift, skip=()):
+    """Every replica's reports, in order."""
+    reports = [[] for _ in models]
+
     async def replica(i):
         for step in range(1, rounds + 1):
             with torch.no_grad():
                 models[i].weight.add_(drift[i])
             if i not in skip:
-                await strategies[i].after_inner_step(step)
+                reports[i] += await strategies[i].after_inner_step(step)
 
     async with trio.open_nursery() as nursery:
         for i in range(len(models)):
             nursery.start_soon(replica, i)
+    return reports
 
 
 async def test_pair_averages_outer_weights_and_steps_on_the_mean_delta() -> None:
@@ -58,12 +62,12 @@ async def test_pair_averages_outer_weights_and_steps_on_the_mean_delta() -> None
     peers = ["a", "b"]
     collective, models, strategies = _replicas(peers, [0.0, 2.0], cfg)
     assert [s.replicas_agree for s in strategies] == [False, False]
-    await _train(models, strategies, rounds=1, drift=[1.0, 3.0])
+    reports = await _train(models, strategies, rounds=1, drift=[1.0, 3.0])
     # φ = (0, 2) -> mean 1; θ = (1, 5): Δ = (−1, −3), mean −2; φ = 1 − 0.5·(−2) = 2
     for m in models:
         torch.testing.assert_close(m.weight, torch.tensor([[2.0]]))
     # before averaging each φ was 1 away from the group mean 1
-    assert [s.consensus_distance for s in strategies] == [pytest.approx(1.0), pytest.approx(1.0)]
+    assert [r[-1].consensus_distance for r in reports] == [pytest.approx(1.0), pytest.approx(1.0)]
     assert collective.bytes_sent == {"a": 8, "b": 8}  # φ and Δ, 4 bytes each, to one partner
 
 
@@ -106,11 +110,11 @@ async def test_a_silent_partner_is_left_out_and_the_replica_steps_alone() -> Non
     peers = ["a", "b"]
     _, models, strategies = _replicas(peers, [0.0, 4.0], cfg)
     with trio.fail_after(5):
-        await _train(models, strategies, rounds=1, drift=[1.0, 0.0], skip={1})
+        reports = await _train(models, strategies, rounds=1, drift=[1.0, 0.0], skip={1})
     # a steps alone on its own Δ = −1: φ = 0 − (−1) = 1
     torch.testing.assert_close(models[0].weight, torch.tensor([[1.0]]))
     assert strategies[0].completed_rounds == 1
-    assert strategies[0].consensus_distance is None  # nothing to compare with yet
+    assert reports[0][-1].consensus_distance is None  # nothing to compare with yet
 
 
 def test_averaging_is_validated() -> None:
@@ -121,7 +125,9 @@ def test_averaging_is_validated() -> None:
 
 
 def test_allreduce_stays_the_default_and_agrees() -> None:
-    strategy = DiLoCo(scalar_model(0.0), collective=InMemoryCollectiveGroup(["a"]).member("a"), groups=FixedGroups(["a"]))
+    strategy = DiLoCo(
+        scalar_model(0.0), collective=InMemoryCollectiveGroup(["a"]).member("a"), groups=FixedGroups(["a"]),
+    )
     assert strategy.config.averaging == "allreduce"
     assert strategy.replicas_agree
 
@@ -146,15 +152,16 @@ async def _train_overlapped(models, strategies, *, rounds, drift, skip=()):
     async with trio.open_nursery() as flights:
         for s in strategies:
             s.bind_nursery(flights)
-        await _train(models, strategies, rounds=rounds, drift=drift, skip=skip)
+        reports = await _train(models, strategies, rounds=rounds, drift=drift, skip=skip)
 
         async def finish(i):
             if i not in skip:
-                await strategies[i].finish()
+                reports[i] += await strategies[i].finish()
 
         async with trio.open_nursery() as nursery:
             for i in range(len(strategies)):
                 nursery.start_soon(finish, i)
+    return reports
 
 
 async def test_overlapped_pair_lands_each_round_one_sync_late() -> None:
@@ -170,7 +177,7 @@ async def test_overlapped_pair_lands_each_round_one_sync_late() -> None:
         return report
 
     strategies[0].sync = sync_and_look
-    await _train_overlapped(models, strategies, rounds=2, drift=[1.0, 3.0])
+    reports = await _train_overlapped(models, strategies, rounds=2, drift=[1.0, 3.0])
     # round 1: Δ = (−1, −3), nothing lands; a starts from its own look-ahead 0 − 0.5·(−1) = 0.5, φ stays 0
     # round 2: θ_a = 1.5, Δ_a = −1; round 1 lands: φ = mean(0, 2) = 1, step on mean Δ −2: φ = 2;
     # a starts round 3 from 2 − 0.5·(−1) = 2.5
@@ -179,7 +186,7 @@ async def test_overlapped_pair_lands_each_round_one_sync_late() -> None:
     for m, s in zip(models, strategies, strict=True):
         torch.testing.assert_close(m.weight, torch.tensor([[3.0]]))
         assert s.completed_rounds == 2
-    assert strategies[0].consensus_distance == pytest.approx(0.0)  # round 2's φ were already agreed
+    assert reports[0][-1].consensus_distance == pytest.approx(0.0)  # round 2's φ were already agreed
 
 
 async def test_overlapped_and_blocking_gossip_reach_the_same_weights_on_a_linear_drift() -> None:

@@ -12,8 +12,8 @@ from lattica.cli.main import build_parser
 from lattica.cli.settings import build_node_config
 from lattica.config import TrainSettings
 from lattica.errors import ConfigError
-from lattica.train.run_config import run_config_of
-from lattica.train.strategy_settings import strategy_config
+from lattica.train.settings.strategy_settings import strategy_config
+from lattica.train.swarm.run_config import run_config_of
 
 
 def test_gossip_reaches_diloco_from_toml_env_and_flags(tmp_path) -> None:

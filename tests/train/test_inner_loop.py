@@ -13,17 +13,17 @@ import trio
 
 from lattica.config import TrainSettings
 from lattica.errors import ConfigError
-from lattica.train import compiled_model
-from lattica.train import trainer as trainer_module
-from lattica.train.activation_checkpoint import checkpoint_layers
-from lattica.train.batch_prefetch import BatchesEnded, BatchPrefetcher
-from lattica.train.checkpoint import CheckpointStore
-from lattica.train.device import select_device
-from lattica.train.model import GPTConfig, build_model, lm_loss
-from lattica.train.schedule import ScheduleConfig
+from lattica.train.engine import compiled_model
+from lattica.train.engine import trainer as trainer_module
+from lattica.train.engine.activation_checkpoint import checkpoint_layers
+from lattica.train.engine.batch_prefetch import BatchesEnded, BatchPrefetcher
+from lattica.train.engine.checkpoint import CheckpointStore
+from lattica.train.engine.device import select_device
+from lattica.train.engine.model import GPTConfig, build_model, lm_loss
+from lattica.train.engine.schedule import ScheduleConfig
+from lattica.train.engine.task import Task, TaskContext, builtin_task, language_model_loss
+from lattica.train.engine.trainer import Trainer, TrainerConfig
 from lattica.train.strategies import create_strategy
-from lattica.train.task import Task, TaskContext, builtin_task, language_model_loss
-from lattica.train.trainer import Trainer, TrainerConfig
 from lattica_lab.collective import InMemoryCollectiveGroup
 
 MICRO = GPTConfig(n_layer=2, d_model=32, n_head=2, context=32)
@@ -157,7 +157,7 @@ async def test_a_compile_failure_falls_back_to_eager_with_one_warning(text_data,
     await eager.run()
     trainer = _trainer(text_data, steps=6, compile=True)
     assert trainer.forward.compiled
-    with caplog.at_level(logging.WARNING, logger="lattica.train.compiled_model"):
+    with caplog.at_level(logging.WARNING, logger="lattica.train.engine.compiled_model"):
         summary = await trainer.run()
     assert summary.steps == 6
     assert not trainer.forward.compiled
@@ -272,7 +272,7 @@ def test_the_resume_state_is_after_the_last_batch_taken_not_the_producers():
 async def test_a_run_with_batches_prepared_ahead_resumes_like_an_uninterrupted_one(text_data, tmp_path, monkeypatch):
     """The producer thread runs ahead of the steps; a checkpoint holds the sampler where the
     steps left it, so a resumed run draws the batches an uninterrupted one would."""
-    monkeypatch.setattr(trainer_module, "_prefetch_depth", lambda device: 2)
+    monkeypatch.setattr(trainer_module, "prefetch_depth", lambda device: 2)
     straight = _trainer(text_data, steps=12)
     await straight.run()
     store = CheckpointStore(tmp_path / "ckpt", keep=2)
@@ -293,7 +293,7 @@ async def test_a_run_with_batches_prepared_ahead_resumes_like_an_uninterrupted_o
 
 
 async def test_the_step_that_runs_out_of_batches_is_named(monkeypatch):
-    monkeypatch.setattr(trainer_module, "_prefetch_depth", lambda device: 2)
+    monkeypatch.setattr(trainer_module, "prefetch_depth", lambda device: 2)
     model = build_model(MICRO, seed=0)
     task = Task(model=model, train_batches=iter([(torch.zeros(1, 4, dtype=torch.long),) * 2] * 3))
     strategy = create_strategy(

@@ -19,7 +19,9 @@ from lattica_lab.training_daemons import (
 
 pytestmark = pytest.mark.timeout(150)
 
-SPEED_ARGS = ("--micro-batches", "2", "--activation-checkpointing", "--outer-state-device", "same", "--compile", "false")
+SPEED_ARGS = (
+    "--micro-batches", "2", "--activation-checkpointing", "--outer-state-device", "same", "--compile", "false",
+)
 
 
 def test_two_daemons_with_micro_batches_checkpointing_and_outer_state_on_the_device_agree(tmp_path: Path) -> None:

@@ -4,14 +4,10 @@ import trio
 import trio.lowlevel
 
 from lattica.errors import PeerUnavailableError, RemoteProtocolError
-from lattica.train.join import (
-    fetch_outer_state,
-    flatten_outer_state,
-    outer_state_hash,
-    unflatten_outer_state,
-)
-from lattica.train.model import GPTConfig, build_model
+from lattica.train.engine.model import GPTConfig, build_model
+from lattica.train.engine.outer_state import flatten_outer_state, outer_state_hash, unflatten_outer_state
 from lattica.train.strategies.diloco import DiLoCo, DiLoCoConfig
+from lattica.train.swarm.join import fetch_outer_state
 from lattica_lab.collective import InMemoryCollectiveGroup
 
 TINY = GPTConfig(n_layer=1, d_model=16, n_head=2, context=8)

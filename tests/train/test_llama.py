@@ -3,15 +3,15 @@ import dataclasses
 import pytest
 import torch
 
-from lattica.train.checkpoint import weights_hash
-from lattica.train.llama import (
+from lattica.train.engine.checkpoint import weights_hash
+from lattica.train.engine.llama import (
     LLAMA_PRESETS,
     LlamaConfig,
     _attention,
     build_llama,
     count_llama_parameters,
 )
-from lattica.train.model import count_parameters, lm_loss
+from lattica.train.engine.model import count_parameters, lm_loss
 
 TINY = LLAMA_PRESETS["llama-tiny"].with_vocab(300)
 
@@ -89,14 +89,15 @@ def test_config_validation(field, value, message):
 
 
 def test_longer_than_context_is_refused():
+    model = build_llama(LlamaConfig(n_layer=1, d_model=16, n_head=2, n_kv_head=1, d_ff=32, context=4))
     with pytest.raises(ValueError, match="exceeds the model context"):
-        build_llama(LlamaConfig(n_layer=1, d_model=16, n_head=2, n_kv_head=1, d_ff=32, context=4))(torch.zeros(1, 5).long())
+        model(torch.zeros(1, 5).long())
 
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_transformers_llama_with_the_same_weights_gives_the_same_logits(tied):
     transformers = pytest.importorskip("transformers", reason="the hf extra (pip install 'lattica[hf]')")
-    from lattica.train.export import hf_llama_config
+    from lattica.train.swarm.export import hf_llama_config
 
     config = dataclasses.replace(TINY, tied_head=tied)
     ours = build_llama(config, seed=1).eval()

@@ -6,14 +6,14 @@ import torch
 import trio
 
 from lattica.config import TrainSettings
-from lattica.train.checkpoint import weights_hash
-from lattica.train.llama import LLAMA_PRESETS, build_llama
-from lattica.train.schedule import ScheduleConfig
+from lattica.train.engine.checkpoint import weights_hash
+from lattica.train.engine.llama import LLAMA_PRESETS, build_llama
+from lattica.train.engine.schedule import ScheduleConfig
+from lattica.train.engine.task import Task
+from lattica.train.engine.trainer import Trainer, TrainerConfig
+from lattica.train.settings.strategy_settings import strategy_config
 from lattica.train.strategies import STRATEGIES, strategy_class
 from lattica.train.strategies.base import StrategyHandles
-from lattica.train.strategy_settings import strategy_config
-from lattica.train.task import Task
-from lattica.train.trainer import Trainer, TrainerConfig
 from lattica_lab.collective import FixedGroups, InMemoryCollectiveGroup
 
 PEERS = ("w0", "w1")

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from lattica.train.membership import (
+from lattica.train.swarm.membership import (
     FAILED_ROLE,
     JOINING_ROLE,
     TRAINER_ROLE,
@@ -16,7 +16,7 @@ from lattica.train.membership import (
     RecentTrainers,
     UnservableClaims,
 )
-from lattica.train.outer_transfer import agreed_round
+from lattica.train.swarm.outer_transfer import agreed_round
 
 
 def _trainers(*peers: str) -> dict[str, dict[str, object]]:
@@ -142,3 +142,8 @@ def test_an_unservable_claim_is_distrusted_until_served_and_retried_after_a_doub
     assert claims.trusted_progress(progress, now=28.0) == progress
     with pytest.raises(ValueError, match="base_s"):
         UnservableClaims(base_s=0)
+
+
+def test_the_reachability_members_advertise_is_read_from_their_records() -> None:
+    members = {"a": {"reachability": "private"}, "b": {"reachability": "public"}, "c": {"reachability": None}, "d": {}}
+    assert _view(members, live=["a"]).advertised_reachability() == {"a": "private", "b": "public"}

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from lattica.train.model import GPT, PRESETS, GPTConfig, build_model, count_parameters, lm_loss
+from lattica.train.engine.model import GPT, PRESETS, GPTConfig, build_model, count_parameters, lm_loss
 
 
 def test_presets_span_100k_to_125m_parameters():

@@ -8,9 +8,9 @@ import torch
 from lattica.cli.main import MODEL_HELP
 from lattica.config import TrainSettings
 from lattica.errors import ConfigError
-from lattica.train.checkpoint import weights_hash
-from lattica.train.model_spec import check_model, preset_help, resolve_model
-from lattica.train.settings_check import check_settings
+from lattica.train.engine.checkpoint import weights_hash
+from lattica.train.engine.model_spec import check_model, preset_help, resolve_model
+from lattica.train.settings.settings_check import check_settings
 from lattica_lab.daemons import run_cli
 
 transformers = pytest.importorskip("transformers", reason="the hf extra (pip install 'lattica[hf]')")
@@ -109,7 +109,9 @@ def test_spes_trains_its_own_experts_not_a_llama():
     ],
 )
 def test_join_refuses_bad_model_settings_in_one_line(tmp_path, args, message):
-    result = run_cli("join", "--data-dir", str(tmp_path / "node"), "--train", "--metrics-addr", "off", *args, timeout=60)
+    result = run_cli(
+        "join", "--data-dir", str(tmp_path / "node"), "--train", "--metrics-addr", "off", *args, timeout=60
+    )
     assert result.returncode == 1
     assert result.stderr.count("\n") == 1
     assert message in result.stderr
@@ -125,7 +127,7 @@ def test_the_cli_parser_with_the_new_commands_starts_without_torch():
 
 
 def test_join_refuses_a_tokenizer_larger_than_the_hf_models_vocabulary(tmp_path, bpe_tokenizer):
-    from lattica.train.prepare import PrepareConfig, prepare
+    from lattica.train.engine.prepare import PrepareConfig, prepare
 
     source = tmp_path / "a.jsonl"
     source.write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(30)))

@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
-from lattica.train.model import lm_loss
-from lattica.train.moe import (
+from lattica.train.engine.model import lm_loss
+from lattica.train.engine.moe import (
     MoEConfig,
     MoEFeedForward,
     build_moe_model,

@@ -9,9 +9,9 @@ import trio
 
 from lattica.config import TrainSettings
 from lattica.errors import ConfigError
-from lattica.train.checkpoint import weights_hash
-from lattica.train.model import GPTConfig, build_model
-from lattica.train.outer_placement import (
+from lattica.train.engine.checkpoint import weights_hash
+from lattica.train.engine.model import GPTConfig, build_model
+from lattica.train.engine.outer_placement import (
     OuterPlacement,
     clone_like,
     copy_into,
@@ -19,10 +19,10 @@ from lattica.train.outer_placement import (
     pseudo_gradient,
     streamed_pseudo_gradient,
 )
+from lattica.train.settings.strategy_settings import strategy_config
 from lattica.train.strategies import create_strategy
 from lattica.train.strategies.diloco import DiLoCoConfig
 from lattica.train.strategies.eager import EagerDiLoCoConfig
-from lattica.train.strategy_settings import strategy_config
 from lattica_lab.collective import InMemoryCollectiveGroup
 
 TINY = GPTConfig(n_layer=2, d_model=16, n_head=2, context=8)

@@ -10,12 +10,9 @@ import trio
 import trio.lowlevel
 
 from lattica.errors import PeerUnavailableError, RemoteProtocolError
-from lattica.train.join import (
-    fetch_outer_state,
-    outer_state_hash,
-    unflatten_outer_state,
-)
-from lattica.train.outer_transfer import (
+from lattica.train.engine.outer_state import outer_state_hash, unflatten_outer_state
+from lattica.train.swarm.join import fetch_outer_state
+from lattica.train.swarm.outer_transfer import (
     ServedRounds,
     agreed_round,
     fetch_of_round,

@@ -1,7 +1,7 @@
 """SPES expert ownership read from and published to the replicated state (pure parts + a fake)."""
 
-from lattica.train.membership import MembershipView
-from lattica.train.ownership import ReplicatedOwnership, claimed_owners
+from lattica.train.swarm.membership import MembershipView
+from lattica.train.swarm.ownership import ReplicatedOwnership, claimed_owners
 
 
 class FakeState:

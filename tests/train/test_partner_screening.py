@@ -15,8 +15,8 @@ import torch
 import trio
 
 from lattica.numerics import demo_codec, sparse
-from lattica.train.model import GPTConfig, build_model
-from lattica.train.moe import MoEConfig, build_moe_model, dense_parameters, expert_parameters
+from lattica.train.engine.model import GPTConfig, build_model
+from lattica.train.engine.moe import MoEConfig, build_moe_model, dense_parameters, expert_parameters
 from lattica.train.strategies import create_strategy
 from lattica.train.strategies.demo_momentum import DeMoConfig
 from lattica.train.strategies.diloco import DiLoCo, DiLoCoConfig

@@ -10,15 +10,15 @@ import pytest
 import torch
 
 from lattica.errors import ConfigError
-from lattica.train.data import (
+from lattica.train.engine.data import (
     BatchConfig,
     BatchSampler,
     DataConfig,
     load_corpus,
     validation_batches,
 )
-from lattica.train.prepare import PrepareConfig, prepare
-from lattica.train.tokenized import MappedTokens, open_prepared, read_manifest
+from lattica.train.engine.prepare import PrepareConfig, prepare
+from lattica.train.engine.tokenized import MappedTokens, open_prepared, read_manifest
 from lattica_lab.daemons import run_cli
 
 PARAGRAPH = "The quick brown fox jumps over the lazy dog, and the dog sleeps on. "
@@ -64,7 +64,10 @@ def test_tokens_are_the_tokenizers_with_end_of_document_ids(tmp_path, bpe_tokeni
     corpus = open_prepared(out)
     stream = torch.cat([corpus.train[torch.arange(len(corpus.train))], corpus.val[torch.arange(len(corpus.val))]])
     expected = {tuple([*tokenizer.encode(t).ids, eos]) for t in (PARAGRAPH, "second document")}
-    parts = {tuple(corpus.train[torch.arange(len(corpus.train))].tolist()), tuple(corpus.val[torch.arange(len(corpus.val))].tolist())}
+    parts = {
+        tuple(corpus.train[torch.arange(len(corpus.train))].tolist()),
+        tuple(corpus.val[torch.arange(len(corpus.val))].tolist()),
+    }
     assert parts == expected
     assert len(stream) == sum(len(e) for e in expected)
 
@@ -134,8 +137,8 @@ def _write_raw_prepared(out: Path, tokens: int) -> None:
     for split, count in (("train", tokens), ("val", 4096)):
         data = rng.integers(0, 1000, count, dtype=np.uint16).astype("<u2").tobytes()
         (out / f"{split}-00000.bin").write_bytes(data)
-        shards[split] = {"documents": 1, "utf8_bytes": count * 3, "tokens": count,
-                         "shards": [{"file": f"{split}-00000.bin", "tokens": count, "sha256": hashlib.sha256(data).hexdigest()}]}
+        shard = {"file": f"{split}-00000.bin", "tokens": count, "sha256": hashlib.sha256(data).hexdigest()}
+        shards[split] = {"documents": 1, "utf8_bytes": count * 3, "tokens": count, "shards": [shard]}
     manifest = {"format": "lattica-tokens", "version": 1, "dtype": "uint16", "val_fraction": 0.05, "splits": shards,
                 "tokenizer": {"file": "tokenizer.json", "sha256": "0" * 64, "vocab_size": 1000, "eos_id": None}}
     (out / "manifest.json").write_text(json.dumps(manifest))
@@ -241,15 +244,21 @@ def test_token_ids_outside_the_vocabulary_are_refused_when_read(tmp_path):
 
 def test_cli_prepares_with_progress_on_stderr_and_errors_in_one_line(tmp_path, bpe_tokenizer):
     source = _jsonl(tmp_path / "a.jsonl", 40)
-    ok = run_cli("data", "prepare", str(source), "--tokenizer", str(bpe_tokenizer), "--out", str(tmp_path / "p"), timeout=60)
+
+    def prepare(source: Path, tokenizer: Path, out: str):
+        return run_cli(
+            "data", "prepare", str(source), "--tokenizer", str(tokenizer), "--out", str(tmp_path / out), timeout=60
+        )
+
+    ok = prepare(source, bpe_tokenizer, "p")
     assert ok.returncode == 0, ok.stderr
     assert "done" in ok.stderr
     assert "train tokens" in ok.stdout
-    again = run_cli("data", "prepare", str(source), "--tokenizer", str(bpe_tokenizer), "--out", str(tmp_path / "p"), timeout=60)
-    missing_tok = run_cli("data", "prepare", str(source), "--tokenizer", str(tmp_path / "nope.json"), "--out", str(tmp_path / "q"), timeout=60)
+    again = prepare(source, bpe_tokenizer, "p")
+    missing_tok = prepare(source, tmp_path / "nope.json", "q")
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"title": "x"}\n')
-    no_field = run_cli("data", "prepare", str(bad), "--tokenizer", str(bpe_tokenizer), "--out", str(tmp_path / "r"), timeout=60)
+    no_field = prepare(bad, bpe_tokenizer, "r")
     for result, message in ((again, "exists"), (missing_tok, "does not exist"), (no_field, "has no field 'text'")):
         assert result.returncode == 1
         assert result.stderr.count("\n") == 1

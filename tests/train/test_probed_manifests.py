@@ -17,8 +17,9 @@ from libp2p.peer.peerinfo import info_from_p2p_addr
 from lattica.errors import PeerUnavailableError
 from lattica.net.host import build_host
 from lattica.net.tensors import TensorService, TensorServiceConfig
-from lattica.train.join import MANIFEST, fetch_outer_state, outer_state_hash, read_manifest
-from lattica.train.outer_transfer import ProbedManifests, ServedRounds, fetch_of_round
+from lattica.train.engine.outer_state import MANIFEST, outer_state_hash, read_manifest
+from lattica.train.swarm.join import fetch_outer_state
+from lattica.train.swarm.outer_transfer import ProbedManifests, ServedRounds, fetch_of_round
 
 ROUND = 3
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from lattica.train.quantize import (
+from lattica.train.engine.quantize import (
     dequantize_4bit,
     encoded_size_4bit,
     mean_of_quantized,

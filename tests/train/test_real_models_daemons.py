@@ -76,7 +76,7 @@ def test_llama_on_prepared_data_trains_identically_and_exports_to_transformers(t
     assert tokenizer.encode("def f(x):\n    return x") == tokenizer.encode("def f(x):\n    return x")
 
     # the trainer's model with the weights the swarm agreed on: the checkpoint of the last round
-    from lattica.train.export import agreed_checkpoint, rebuild_model
+    from lattica.train.swarm.export import agreed_checkpoint, rebuild_model
 
     agreed = agreed_checkpoint(pair[0].data_dir)
     assert agreed.round == ROUNDS

@@ -11,10 +11,10 @@ import pytest
 from lattica.config import TrainSettings
 from lattica.crdt.liveness import LeasePolicy
 from lattica.errors import PeerUnavailableError
-from lattica.train.liveness import PeerLiveness
-from lattica.train.membership import MembershipView
-from lattica.train.outer_sync import CatchingUpStrategy, OuterStateSync
 from lattica.train.strategies.base import OuterStepReport, OuterStrategy
+from lattica.train.swarm.liveness import PeerLiveness
+from lattica.train.swarm.membership import MembershipView
+from lattica.train.swarm.outer_sync import CatchingUpStrategy, OuterStateSync
 
 
 class _Clock:
@@ -182,7 +182,10 @@ async def test_a_claim_nobody_serves_does_not_start_the_run_even_when_due_for_a_
     # after the back-off, when the claim is offered for adoption again
     snapshot: dict[str, Any] = {"members": {}, "progress": {"x": {"round": 999, "weights_hash": "d" * 64}}}
     view = _view(snapshot, live=["me", "x"])
-    sync = OuterStateSync(view, store=_NobodyServes(), settings=TrainSettings(), ran_alone=lambda report: False, clock=clock)  # type: ignore[arg-type]
+    sync = OuterStateSync(
+        view, store=_NobodyServes(), settings=TrainSettings(),  # type: ignore[arg-type]
+        ran_alone=lambda report: False, clock=clock,
+    )
     agreed = sync.agreed()
     assert agreed is not None
     assert sync.run_started()  # untried: a joiner fetches it

@@ -67,7 +67,9 @@ def test_a_restarted_peer_a_round_behind_syncs_with_the_survivor_again(
     syncs = sync_members(log_from(b, restart))
     assert together, (syncs, b.log(), a.log())
     assert syncs.index(2) <= 3, syncs
-    assert wait_for(lambda: sync_members(log_from(b, restart)).count(2) >= 3, 45), (sync_members(log_from(b, restart)), b.log())
+    assert wait_for(lambda: sync_members(log_from(b, restart)).count(2) >= 3, 45), (
+        sync_members(log_from(b, restart)), b.log(),
+    )
     # and they end on one state
     assert wait_for(lambda: all(training(d)["phase"] == "done" for d in (a, b)), 120), (a.log(), b.log())
 

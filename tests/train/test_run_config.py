@@ -7,8 +7,8 @@ import pytest
 from lattica.config import TrainSettings
 from lattica.crdt.config import StateConfig
 from lattica.errors import ConfigError
-from lattica.train.membership import MembershipView
-from lattica.train.run_config import RUN_WIDE, apply_run_config, run_config_of
+from lattica.train.swarm.membership import MembershipView
+from lattica.train.swarm.run_config import RUN_WIDE, apply_run_config, run_config_of
 from lattica_lab.daemons import DaemonProcess, cli_json, wait_for
 
 TRAIN_ENV = {
@@ -100,7 +100,7 @@ class _MemoryRunState:
 
 
 async def test_an_admin_restarted_with_other_run_wide_settings_updates_the_config():
-    from lattica.train.run_config import agree_run_config
+    from lattica.train.swarm.run_config import agree_run_config
 
     state = _MemoryRunState(run_config_of(TrainSettings(rounds=200)), admin=True)
     extended = TrainSettings(rounds=7)
@@ -109,7 +109,7 @@ async def test_an_admin_restarted_with_other_run_wide_settings_updates_the_confi
 
 
 async def test_a_member_that_is_no_admin_follows_the_published_config():
-    from lattica.train.run_config import agree_run_config
+    from lattica.train.swarm.run_config import agree_run_config
 
     state = _MemoryRunState(run_config_of(TrainSettings(rounds=200)), admin=False)
     adopted = await agree_run_config(MembershipView(state, peer_id="me"), TrainSettings(rounds=7), wait_s=1)

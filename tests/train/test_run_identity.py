@@ -5,8 +5,8 @@ import pytest
 from lattica.config import TrainSettings
 from lattica.crdt.config import StateConfig
 from lattica.errors import ConfigError, LocalProtocolError
-from lattica.train.membership import MembershipView
-from lattica.train.run_config import agree_run_identity, apply_run_config, run_config_of
+from lattica.train.swarm.membership import MembershipView
+from lattica.train.swarm.run_config import agree_run_identity, apply_run_config, run_config_of
 
 MINE = {"model_hash": "a" * 64, "data_hash": "b" * 64}
 
@@ -55,8 +55,12 @@ async def test_a_member_with_the_runs_hashes_trains():
 @pytest.mark.parametrize(
     ("theirs", "message"),
     [
-        ({**MINE, "data_hash": "c" * 64}, r"data differs from the run's \(prepared corpus manifest bbbbbbbbbbbb… here, cccccccccccc…"),
-        ({**MINE, "model_hash": "d" * 64}, r"model differs from the run's \(model hash aaaaaaaaaaaa… here, dddddddddddd…"),
+        (
+            {**MINE, "data_hash": "c" * 64},
+            r"data differs from the run's \(prepared corpus manifest bbbbbbbbbbbb… here, cccccccccccc…",
+        ),
+        ({**MINE, "model_hash": "d" * 64}, r"model differs from the run's \(model hash aaaaaaaaaaaa… here, "
+                                           r"dddddddddddd…"),
         ({**MINE, "data_hash": ""}, r"data differs .* here, none in the run config"),
     ],
 )

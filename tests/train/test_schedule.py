@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from lattica.train.schedule import ScheduleConfig, lr_multiplier
+from lattica.train.engine.schedule import ScheduleConfig, lr_multiplier
 
 
 def test_warmup_then_cosine_to_floor():

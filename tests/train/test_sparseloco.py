@@ -8,7 +8,8 @@ import trio
 
 from lattica.config import TrainSettings
 from lattica.numerics import sparse
-from lattica.train.model import GPTConfig, build_model
+from lattica.train.engine.model import GPTConfig, build_model
+from lattica.train.settings.strategy_settings import strategy_config
 from lattica.train.strategies import create_strategy, strategy_class
 from lattica.train.strategies.sparseloco import (
     SparseLoCo,
@@ -17,7 +18,6 @@ from lattica.train.strategies.sparseloco import (
     flatten,
     mean_of_sparse,
 )
-from lattica.train.strategy_settings import strategy_config
 from lattica_lab.collective import FixedGroups, InMemoryCollectiveGroup
 
 TINY = GPTConfig(n_layer=1, d_model=16, n_head=2, context=8)
@@ -300,7 +300,9 @@ async def test_gossip_pairs_whose_payloads_differ_in_length_still_average():
     strategies = _gossip_replicas(network, config, pair, leading={1})
     lengths = []
     for strategy in strategies:
-        delta = flatten([o - q.detach() for o, q in zip(strategy.outer_parameters(), strategy.model.parameters(), strict=True)])
+        delta = flatten(
+            [o - q.detach() for o, q in zip(strategy.outer_parameters(), strategy.model.parameters(), strict=True)],
+        )
         sent, _ = compress_with_feedback(strategy.error, delta, decay=config.error_decay, chunk=256, k=config.k,
                                          value_codec="2bit")
         lengths.append(sparse.encode(sent, value_codec="2bit", scheme=sparse.smallest_scheme_for(sent)).numel())

@@ -4,8 +4,9 @@ import trio
 
 from lattica.config import TrainSettings
 from lattica.coordination.groups import draw_step_groups
-from lattica.train.model import lm_loss
-from lattica.train.moe import MoEConfig, build_moe_model, dense_parameters, expert_parameters
+from lattica.train.engine.model import lm_loss
+from lattica.train.engine.moe import MoEConfig, build_moe_model, dense_parameters, expert_parameters
+from lattica.train.settings.strategy_settings import strategy_config
 from lattica.train.strategies.accounting import optimizer_state_bytes
 from lattica.train.strategies.experts import DerivedOwnership, assign_experts
 from lattica.train.strategies.spes import (
@@ -14,7 +15,6 @@ from lattica.train.strategies.spes import (
     merge_alpha_at,
     merge_similar_experts,
 )
-from lattica.train.strategy_settings import strategy_config
 from lattica_lab.collective import InMemoryCollectiveGroup
 
 CFG = MoEConfig(n_layer=1, d_model=8, n_head=2, context=8, num_experts=8, top_k=2, expert_hidden=8)
@@ -204,10 +204,15 @@ async def test_gossip_averages_dense_in_pairs_and_copies_only_the_partners_exper
                 value = 10.0 + e if e in strategy.owned_experts else -1.0 - i  # stale copies differ
                 for p in params:
                     p.fill_(value)
+    reports = {}
+
+    async def sync(strategy):
+        reports[strategy] = await strategy.after_inner_step(1)
+
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
             for _, strategy, _ in nodes:
-                nursery.start_soon(strategy.after_inner_step, 1)
+                nursery.start_soon(sync, strategy)
     stripes = draw_step_groups(peers, key="round/1", group_size=2)
     for i, (model, strategy, _) in enumerate(nodes):
         me = peers[i]
@@ -220,8 +225,9 @@ async def test_gossip_averages_dense_in_pairs_and_copies_only_the_partners_exper
             owner = strategy.owners[e]
             expected = 10.0 + e if owner in stripe else -1.0 - i  # from its owner, or left as it was
             assert all(bool((p == expected).all()) for p in params), (me, e, owner)
-        assert strategy.consensus_distance is not None
-        assert strategy.consensus_distance > 0
+        [report] = reports[strategy]
+        assert report.consensus_distance is not None
+        assert report.consensus_distance > 0
         assert strategy.owners == nodes[0][1].owners  # the map does not move with a group
     # each node sent its dense parameters and its two experts to its one partner, no all-reduce
     expert_bytes = sum(p.numel() * 4 for p in expert_parameters(nodes[0][0])[0]) * 2

@@ -17,15 +17,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lattica.errors import RemoteProtocolError
-from lattica.train.device import select_device
-from lattica.train.join import MANIFEST, flatten_outer_state, outer_state_hash
-from lattica.train.model import GPTConfig, build_model
-from lattica.train.moe import MoEConfig, build_moe_model
-from lattica.train.schedule import ScheduleConfig
-from lattica.train.state_schema import OuterStateSchema, SchemaLimits, check_outer_state
+from lattica.train.engine.device import select_device
+from lattica.train.engine.model import GPTConfig, build_model
+from lattica.train.engine.moe import MoEConfig, build_moe_model
+from lattica.train.engine.outer_state import MANIFEST, flatten_outer_state, outer_state_hash
+from lattica.train.engine.schedule import ScheduleConfig
+from lattica.train.engine.task import Task
+from lattica.train.engine.trainer import Trainer, TrainerConfig
 from lattica.train.strategies import STRATEGIES, strategy_class
-from lattica.train.task import Task
-from lattica.train.trainer import Trainer, TrainerConfig
+from lattica.train.swarm.state_schema import OuterStateSchema, SchemaLimits, check_outer_state
 from lattica_lab.collective import FixedGroups, InMemoryCollectiveGroup
 
 PEERS = ("a", "b")
@@ -54,7 +54,9 @@ def _trainer(name: str, me: str, network: InMemoryCollectiveGroup) -> Trainer:
     strategy = cls(model, collective=network.member(me), groups=FixedGroups(PEERS), config=config)
     schedule = ScheduleConfig(lr=1e-3, warmup_steps=1, total_steps=STEPS)
     trainer_config = TrainerConfig(total_steps=STEPS, eval_every=0, log_every=STEPS, schedule=schedule)
-    return Trainer(Task(model=model, train_batches=_batches(ord(me))), strategy, trainer_config, device=select_device("cpu"))
+    return Trainer(
+        Task(model=model, train_batches=_batches(ord(me))), strategy, trainer_config, device=select_device("cpu"),
+    )
 
 
 def _schema(trainer: Trainer) -> OuterStateSchema:
@@ -131,7 +133,10 @@ def test_a_malformed_manifest_entry_is_refused(entry: str, value: object, words:
 
 
 def test_a_missing_manifest_entry_is_refused() -> None:
-    _refused(_with_manifest(flatten_outer_state(_diloco_state()), lambda meta: meta.pop("round")), "lacks the manifest entry 'round'")
+    _refused(
+        _with_manifest(flatten_outer_state(_diloco_state()), lambda meta: meta.pop("round")),
+        "lacks the manifest entry 'round'",
+    )
 
 
 def test_a_manifest_that_is_not_an_object_or_lists_bad_tensors_is_refused() -> None:
@@ -166,7 +171,10 @@ def test_a_group_may_not_be_a_manifest_entry_too() -> None:
         (lambda t: t.reshape(-1)[:-1].clone() if t.numel() > 1 else torch.zeros(2), "the model's is"),
         (lambda t: t.to(torch.float64), "torch.float64"),
         (lambda t: t.to(torch.bfloat16), "torch.bfloat16"),
-        (lambda t: t.reshape(-1).clone().index_fill_(0, torch.tensor([0]), float("nan")).reshape(t.shape), "not finite"),
+        (
+            lambda t: t.reshape(-1).clone().index_fill_(0, torch.tensor([0]), float("nan")).reshape(t.shape),
+            "not finite",
+        ),
         (lambda t: torch.full_like(t, float("inf")), "not finite"),
         (lambda t: torch.full_like(t, float("-inf")), "not finite"),
     ],
@@ -216,7 +224,9 @@ JSON = st.recursive(
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(entries=st.dictionaries(st.sampled_from(["round", "step", "completed_rounds", "momentum", "tensors", "x"]), JSON))
+@given(entries=st.dictionaries(
+    st.sampled_from(["round", "step", "completed_rounds", "momentum", "tensors", "x"]), JSON,
+))
 def test_any_manifest_is_refused_cleanly_or_fits(entries: dict[str, object]) -> None:
     flat = _with_manifest(flatten_outer_state(_diloco_state()), lambda meta: meta.update(entries))
     try:

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from lattica.config import TrainSettings
-from lattica.train import trainer_factory
-from lattica.train.moe import MoEConfig, build_moe_model
+from lattica.train.engine.moe import MoEConfig, build_moe_model
+from lattica.train.settings import trainer_factory
 from lattica.train.strategies import STRATEGIES, strategy_class
 from lattica.train.strategies.base import (
     EveryHSteps,
@@ -30,13 +30,13 @@ def _interface() -> set[str]:
     return {
         name for name, member in vars(OuterStrategy).items()
         if not name.startswith("_") and (callable(member) or isinstance(member, property | classmethod))
-    } | {"name", "replicas_agree", "consensus_distance", "syncs_gradients"}
+    } | {"name", "replicas_agree", "syncs_gradients"}
 
 
 def test_the_wrapper_forwards_the_whole_interface() -> None:
     """A hook added to ``OuterStrategy`` must be forwarded too, or a wrapped strategy would
     silently fall back to the default (only class-level capabilities are read off the class)."""
-    class_level = {"averages_in_groups", "trains_experts", "config_class", "build"}
+    class_level = {"averages_in_groups", "trains_experts", "config_class", "build", "default_config"}
     missing = sorted(n for n in _interface() - class_level if n not in vars(WrappedStrategy))
     assert missing == []
 
@@ -44,7 +44,7 @@ def test_the_wrapper_forwards_the_whole_interface() -> None:
 class _Counting(EveryHSteps):
     def __init__(self, h: int) -> None:
         super().__init__(torch.nn.Linear(1, 1), collective=None, groups=None)  # type: ignore[arg-type]
-        self.h, self.synced, self.consensus_distance = h, [], 0.5
+        self.h, self.synced = h, []
 
     @property
     def sync_interval(self) -> int:
@@ -53,7 +53,7 @@ class _Counting(EveryHSteps):
     async def sync_at(self, step: int) -> OuterStepReport:
         self.synced.append(step)
         return OuterStepReport(round=len(self.synced) - 1, key=f"round/{len(self.synced) - 1}", group=("me",),
-                               bytes_sent=0, seconds=0.0)
+                               bytes_sent=0, seconds=0.0, consensus_distance=0.25)
 
     @property
     def completed_rounds(self) -> int:
@@ -78,15 +78,14 @@ async def test_every_h_steps_syncs_at_multiples_of_h_only() -> None:
 async def test_a_wrapped_strategy_behaves_as_the_strategy_it_wraps() -> None:
     inner = _Counting(3)
     wrapped = WrappedStrategy(inner)
-    assert await wrapped.after_inner_step(3) != []
+    reports = await wrapped.after_inner_step(3)
+    assert [r.consensus_distance for r in reports] == [0.25]  # a per-round figure comes in the report
     assert inner.synced == [3]
     assert wrapped.next_sync_step(3) == 6
     assert wrapped.completed_rounds == 1
     assert wrapped.outer_state_dict() == {"synced": [3]}
     wrapped.load_outer_state_dict({"synced": [3, 6]})
     assert inner.synced == [3, 6]
-    inner.consensus_distance = 0.25  # a capability that changes while training
-    assert wrapped.consensus_distance == 0.25
     assert wrapped.accounting() == {}
     assert wrapped.replicas_agree is False
 
@@ -127,7 +126,8 @@ async def test_a_strategy_built_by_the_factory_syncs_through_what_it_is_given(tm
     settings = TrainSettings(strategy="diloco", model="tiny", data=text_data.source, inner_steps=2, rounds=1,
                              device="cpu", warmup_steps=1)
     parts = trainer_factory.TrainerParts(
-        peer_id="me", collective=group.member("me"), groups=FixedGroups(["me"]), checkpoint_dir=tmp_path / "checkpoints",
+        peer_id="me", collective=group.member("me"), groups=FixedGroups(["me"]),
+        checkpoint_dir=tmp_path / "checkpoints",
     )
     trainer = trainer_factory.build_trainer(settings, parts, wrap=wrap)
     assert isinstance(trainer.strategy, WrappedStrategy)

@@ -7,27 +7,28 @@ import dataclasses
 import pytest
 
 from lattica.cli.main import build_parser
-from lattica.config import DEFAULT_INNER_STEPS, TrainSettings
+from lattica.config import DEFAULT_INNER_STEPS, STRATEGY_NAMES, TrainSettings
 from lattica.errors import ConfigError
 from lattica.numerics.screen import ContributionScreen
-from lattica.train.strategies import STRATEGIES, strategy_class
-from lattica.train.strategy_settings import (
+from lattica.train.settings.strategy_settings import (
     ROUTES,
     STRATEGY_SETTINGS,
     contribution_screen,
     strategy_config,
 )
+from lattica.train.strategies import STRATEGIES, strategy_class
 
 # a distinct, valid, non-default value for every strategy setting
 PROBE = {
     "inner_steps": 24, "outer_lr": 0.31, "outer_momentum": 0.37, "averaging": "gossip", "group_size": 3,
     "group_grace_s": 1.25, "gossip_overlap": True, "outer_state_device": "same",
+    "first_moment_rounds": 2, "second_moment_rounds": 5, "staleness_penalty": 0.4, "momentum_clip": 0.6,
 }
 SETTING_NAMES = {f.name for f in dataclasses.fields(TrainSettings)}
 
 
 def test_every_strategy_has_a_route_table():
-    assert set(ROUTES) == set(STRATEGIES)
+    assert set(ROUTES) == set(STRATEGIES) == set(STRATEGY_NAMES)  # the setting's Literal names them all
     for routes in ROUTES.values():
         assert set(routes) <= set(STRATEGY_SETTINGS) <= SETTING_NAMES
 
@@ -92,6 +93,7 @@ def test_one_default_h_everywhere():
 
 def test_aggregation_settings_map_to_the_screen():
     assert contribution_screen(TrainSettings()) == ContributionScreen(max_norm_ratio=10.0)
-    assert contribution_screen(TrainSettings(aggregation="median", max_norm_ratio=None)) == ContributionScreen(median=True)
+    median = contribution_screen(TrainSettings(aggregation="median", max_norm_ratio=None))
+    assert median == ContributionScreen(median=True)
     trimmed = contribution_screen(TrainSettings(aggregation="trimmed_mean", trim=2, min_peers=5))
     assert trimmed == ContributionScreen(max_norm_ratio=10.0, trim=2)

@@ -2,8 +2,8 @@ import pytest
 import torch
 import trio
 
-from lattica.train.model import GPTConfig, build_model
-from lattica.train.quantize import dequantize_4bit, quantize_4bit
+from lattica.train.engine.model import GPTConfig, build_model
+from lattica.train.engine.quantize import dequantize_4bit, quantize_4bit
 from lattica.train.strategies.streaming import (
     StreamingDiLoCo,
     StreamingDiLoCoConfig,

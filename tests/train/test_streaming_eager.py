@@ -3,11 +3,11 @@ import torch
 import trio
 
 from lattica.config import TrainSettings
-from lattica.train.model import GPTConfig, build_model
+from lattica.train.engine.model import GPTConfig, build_model
+from lattica.train.settings.strategy_settings import strategy_config
 from lattica.train.strategies import create_strategy
 from lattica.train.strategies.streaming import StreamingDiLoCo, StreamingDiLoCoConfig
 from lattica.train.strategies.streaming_eager import StreamingEagerConfig, StreamingEagerDiLoCo
-from lattica.train.strategy_settings import strategy_config
 from lattica_lab.collective import FixedGroups, InMemoryCollectiveGroup
 
 

@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from lattica.errors import ConfigError
-from lattica.train.task import Task, TaskContext, builtin_task, load_task
+from lattica.train.engine.task import Task, TaskContext, builtin_task, load_task
 
 GOOD = """
 import torch
-from lattica.train.task import Task
+from lattica.train.engine.task import Task
 
 def make(ctx):
     model = torch.nn.Linear(4, 4)
@@ -59,7 +59,7 @@ def test_user_entry_point_loads(user_module):
         ("broken_task_mod:make", "nonexistent_dependency_xyz"),
         ("user_task_mod:nope", "has no attribute 'nope'"),
         ("user_task_mod:not_callable", "is not callable"),
-        ("user_task_mod:wrong_type", "must return lattica.train.task.Task"),
+        ("user_task_mod:wrong_type", "must return lattica.train.engine.task.Task"),
         ("user_task_mod:raises", "RuntimeError: boom"),
         ("user_task_mod:no_params", "no trainable parameters"),
     ],

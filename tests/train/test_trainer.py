@@ -5,14 +5,14 @@ import torch
 import trio
 
 from lattica.errors import ConfigError
-from lattica.train.checkpoint import CheckpointStore, weights_hash
-from lattica.train.device import select_device
-from lattica.train.model import GPTConfig
-from lattica.train.schedule import ScheduleConfig
+from lattica.train.engine.checkpoint import CheckpointStore, weights_hash
+from lattica.train.engine.device import select_device
+from lattica.train.engine.model import GPTConfig
+from lattica.train.engine.schedule import ScheduleConfig
+from lattica.train.engine.task import Task, TaskContext, builtin_task, language_model_loss
+from lattica.train.engine.trainer import Trainer, TrainerConfig
 from lattica.train.strategies import create_strategy
 from lattica.train.strategies.diloco import DiLoCoConfig
-from lattica.train.task import Task, TaskContext, builtin_task, language_model_loss
-from lattica.train.trainer import Trainer, TrainerConfig
 from lattica_lab.collective import InMemoryCollectiveGroup
 
 MICRO = GPTConfig(n_layer=1, d_model=32, n_head=2, context=32)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lattica.train.device import DeviceInfo
-from lattica.train.model import GPT, PRESETS, build_model
-from lattica.train.moe import build_moe_model
-from lattica.train.utilization import device_peak_flops, mfu, model_flops_per_token, peak_bf16_flops
+from lattica.train.engine.device import DeviceInfo
+from lattica.train.engine.model import GPT, PRESETS, build_model
+from lattica.train.engine.moe import build_moe_model
+from lattica.train.engine.utilization import device_peak_flops, mfu, model_flops_per_token, peak_bf16_flops
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,8 @@ from libp2p.abc import IHost, IMuxedConn, INetConn
 from multiaddr import Multiaddr
 from multiaddr.exceptions import Error as MultiaddrError
 
+from lattica.net.libp2p_compat import observed_addrs, relay_peer_of
+
 
 def is_circuit(addr: Multiaddr | str) -> bool:
     return "/p2p-circuit" in str(addr)
@@ -30,10 +32,6 @@ def conn_is_relayed(conn: INetConn | IMuxedConn) -> bool | None:
     return all(is_circuit(a) for a in addrs)
 
 
-_CONN_LAYERS = ("muxed_conn", "secured_conn", "conn", "read_writer", "read_write_closer",
-                "raw_conn", "_conn", "stream")
-
-
 def relay_of(conn: INetConn, own_id: str) -> str | None:
     """The peer id of the relay carrying a relayed connection, or None.
 
@@ -45,15 +43,7 @@ def relay_of(conn: INetConn, own_id: str) -> str | None:
         head = str(addr).split("/p2p-circuit")[0]
         if "/p2p/" in head and (named := head.rsplit("/p2p/", 1)[1]) != own_id:
             return named
-    layer: object = conn
-    for _ in range(len(_CONN_LAYERS) + 2):
-        stream_conn = getattr(getattr(layer, "stream", None), "muxed_conn", None)
-        if stream_conn is not None and hasattr(stream_conn, "peer_id"):
-            return str(stream_conn.peer_id)
-        layer = next((getattr(layer, n) for n in _CONN_LAYERS[:-1] if getattr(layer, n, None) is not None), None)
-        if layer is None:
-            return None
-    return None
+    return relay_peer_of(conn)
 
 
 def _transport_addrs(conn: INetConn) -> list[Multiaddr]:
@@ -85,15 +75,8 @@ def listen_ports(host: IHost) -> list[int]:
 
 def observed_ips(host: IHost) -> list[str]:
     """IPs that peers reported seeing us at over direct connections (newest evidence first)."""
-    manager = getattr(host, "_observed_addr_manager", None)
-    if manager is None:
-        return []
     ips: list[str] = []
-    try:
-        observed = manager.addrs(min_observers=1)
-    except Exception:  # noqa: BLE001 - the library's observed-address manager; any failure means no observations
-        return []
-    for addr in observed:
+    for addr in observed_addrs(host, min_observers=1):
         parsed = tcp_ip_port(addr) if not is_circuit(addr) else None
         if parsed and parsed[0] not in ips:
             ips.append(parsed[0])

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import trio
 from libp2p.abc import IHost
-from libp2p.host.autonat.autonat import AUTONAT_PROTOCOL_ID, AutoNATService
+from libp2p.host.autonat.autonat import AUTONAT_PROTOCOL_ID
 from libp2p.host.autonat.pb.autonat_pb2 import Message
 from libp2p.peer.id import ID
 from multiaddr import Multiaddr
@@ -36,6 +36,7 @@ from multiaddr.exceptions import Error as MultiaddrError
 from trio_typing import TaskStatus
 
 from lattica.net.host import peer_may_support
+from lattica.net.libp2p_compat import AutoNATHooks
 from lattica.net.nat.addresses import conn_is_relayed, dialable_addrs, observed_ips
 
 logger = logging.getLogger(__name__)
@@ -73,12 +74,12 @@ def retry_delay(config: AutoNATConfig, *, verdicts: int, fruitless_checks: int) 
     return min(config.first_retry * 2.0 ** max(fruitless_checks - 1, 0), config.recheck_interval)
 
 
-class _FreshDialAutoNAT(AutoNATService):
+class _FreshDialAutoNAT(AutoNATHooks):
     def __init__(self, host: IHost, dial_back_timeout: float) -> None:
         super().__init__(host, serve=True)  # type: ignore[arg-type]
         self._dial_back_timeout = dial_back_timeout
 
-    async def _try_dial(self, peer_id: ID, addrs: list[bytes]) -> bytes | None:
+    async def dial_back(self, peer_id: ID, addrs: list[bytes]) -> bytes | None:
         network = self.host.get_network()
         for raw in addrs[:8]:
             try:

@@ -27,6 +27,7 @@ from libp2p.relay.circuit_v2.transport import CircuitV2Transport
 from multiaddr import Multiaddr
 
 from lattica.errors import PeerUnavailableError
+from lattica.net.libp2p_compat import unblock_peer
 
 # Circuit relay v2 status codes a relay answers a CONNECT with, and what they mean for us.
 _REFUSALS = {
@@ -75,11 +76,10 @@ def relay_transport(host: IHost) -> CircuitV2Transport:
 
 async def dial_circuit(host: IHost, addr: Multiaddr, transport: CircuitV2Transport | None = None) -> INetConn:
     """Connect to the peer named at the end of ``addr`` through the relay it names."""
-    unblock = getattr(host.get_network(), "unblock_peer", None)
     circuit = parse_circuit_addr(str(addr))
-    if unblock is not None:  # our callers pace redials; the swarm's negative cache must not
-        unblock(circuit.relay_id)
-        unblock(circuit.peer_id)
+    # our callers pace redials; the swarm's negative cache must not
+    unblock_peer(host, circuit.relay_id)
+    unblock_peer(host, circuit.peer_id)
     try:
         return await (transport or relay_transport(host)).dial(addr)
     except ConnectionError as exc:

@@ -36,6 +36,7 @@ from multiaddr import Multiaddr
 from trio_typing import TaskStatus
 
 from lattica.errors import PeerUnavailableError
+from lattica.net.libp2p_compat import unblock_peer
 from lattica.net.nat.addresses import is_circuit
 from lattica.net.nat.circuit import dial_circuit
 from lattica.net.nat.holepunch import HolePuncher
@@ -93,13 +94,11 @@ class Dialer:
                 return known
             return DialResult(str(peer_id), current, 0.0)
         start = time.monotonic()
-        network = self._host.get_network()
-        unblock = getattr(network, "unblock_peer", None)
-        if unblock is not None:  # our callers pace redials; the swarm's negative cache must not
-            unblock(peer_id)
-            for addr in addrs:
-                if is_circuit(addr) and (relay := _relay_of(addr)) is not None:
-                    unblock(relay)
+        # our callers pace redials; the swarm's negative cache must not
+        unblock_peer(self._host, peer_id)
+        for addr in addrs:
+            if is_circuit(addr) and (relay := _relay_of(addr)) is not None:
+                unblock_peer(self._host, relay)
         direct = [a for a in addrs if not is_circuit(a)]
         relayed = [a for a in addrs if is_circuit(a)]
         won: list[Path] = []
@@ -198,9 +197,8 @@ def dial_failure_reason(exc: BaseException) -> str:
     "fail to open connection to peer ...")."""
     inner: BaseException = exc
     for _ in range(8):
-        subs = getattr(inner, "exceptions", None)
-        below = inner.__cause__ or (subs[0] if isinstance(subs, list | tuple) and subs else None)
-        if not isinstance(below, BaseException):
+        below = inner.__cause__ or (inner.exceptions[0] if isinstance(inner, BaseExceptionGroup) else None)
+        if below is None:
             break
         inner = below
     text = (str(inner) or type(inner).__name__).splitlines()[0]

@@ -10,66 +10,69 @@ open. Through port-preserving NATs this yields a direct connection; through a sy
 the peers stay relayed. After success the relayed connection is closed after a grace period.
 
 We use py-libp2p 0.8.1's ``DCUtRProtocol`` for the message exchange and the dials, with three
-changes made in a subclass: no background "auto-drive" loop (the ``Dialer`` decides when to
-punch, so two sides never start competing sessions); no "unilateral" direct dial before the
-exchange (the dialer has just tried that, and its timeout would delay the punch); and a
-bounded number of short rounds (``rounds`` x ``round_timeout``) instead of 3 x 5 s + pauses.
+changes made in a subclass (through the hooks ``lattica.net.libp2p_compat.DCUtRHooks`` opens): no
+background "auto-drive" loop (the ``Dialer`` decides when to punch, so two sides never start
+competing sessions); no "unilateral" direct dial before the exchange (the dialer has just tried
+that, and its timeout would delay the punch); and a bounded number of short rounds (``rounds`` x
+``round_timeout``) instead of 3 x 5 s + pauses.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import trio
 from libp2p.abc import IHost
 from libp2p.peer.id import ID
-from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol, _local_tcp_listen_addrs
 from libp2p.tools.anyio_service import background_trio_service
 from multiaddr import Multiaddr
 from trio_typing import TaskStatus
 
+from lattica.net.libp2p_compat import DCUtRHooks, tcp_listen_endpoints
 from lattica.net.nat.addresses import is_circuit
 
 logger = logging.getLogger(__name__)
 
 
-class _BoundedDCUtR(DCUtRProtocol):
+class _BoundedDCUtR(DCUtRHooks):
     def __init__(self, host: IHost, *, rounds: int, round_timeout: float,
                  dial_timeout: int) -> None:
         super().__init__(host, read_timeout=10, write_timeout=10, dial_timeout=dial_timeout)
         self._rounds = rounds
         self._round_timeout = round_timeout
 
-    async def _auto_drive_loop(self) -> None:
+    async def drive(self) -> None:
         await trio.sleep_forever()
 
     def busy_with(self, peer_id: ID) -> bool:
         """A session with ``peer_id`` is running (ours or one the peer started)."""
-        return peer_id in self._in_progress
+        return self.session_running(peer_id)
 
     def allow_new_attempts(self, peer_id: ID) -> None:
         """The library stops after 3 attempts per connection; our caller paces retries."""
-        self._hole_punch_attempts.pop(peer_id, None)
+        self.forget_attempts(peer_id)
 
-    async def _try_unilateral_upgrade(self, peer_id: ID) -> bool:
-        return await self._verify_direct_connection(peer_id)
+    async def direct_dial_first(self, peer_id: ID) -> bool:
+        return await self.connected_directly(peer_id)
 
-    async def _perform_hole_punch(self, peer_id: ID, addrs: list[Multiaddr],
-                                  as_responder: bool = False) -> bool:
+    async def punch(self, peer_id: ID, addrs: list[Multiaddr], *, as_responder: bool = False) -> bool:
         targets = [a for a in addrs if not is_circuit(a)][:8]
         if not targets:
             return False
-        source = next(((ip, port) for _f, ip, port in _local_tcp_listen_addrs(self.host)), None)
+        source = next(iter(tcp_listen_endpoints(self.host)), None)
         for round_no in range(self._rounds):
             async with trio.open_nursery() as nursery:
                 for addr in targets:
-                    nursery.start_soon(self._dial_peer, peer_id, addr, source, as_responder)
+                    nursery.start_soon(
+                        functools.partial(self.dial_from, peer_id, addr, source, as_responder=as_responder),
+                    )
                 with trio.move_on_after(self._round_timeout):
-                    while not await self._verify_direct_connection(peer_id):
+                    while not await self.connected_directly(peer_id):
                         await trio.sleep(0.05)
                 nursery.cancel_scope.cancel()
-            if await self._verify_direct_connection(peer_id):
-                self._schedule_relay_close(peer_id)
+            if await self.connected_directly(peer_id):
+                self.close_relay_later(peer_id)
                 return True
             logger.debug("hole punch round %d to %s failed", round_no + 1, peer_id)
         return False
@@ -104,7 +107,7 @@ class HolePuncher:
                 with trio.move_on_after(self.session_budget):
                     while self.protocol.busy_with(peer_id):
                         await trio.sleep(0.05)
-                return await self.protocol._verify_direct_connection(peer_id)
+                return await self.protocol.connected_directly(peer_id)
             self.protocol.allow_new_attempts(peer_id)
             return await self.protocol.initiate_hole_punch(peer_id)
         except Exception as exc:  # noqa: BLE001 - the library raises many kinds and logs details; a failed punch is not fatal

@@ -25,10 +25,10 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import trio
-from libp2p.abc import IHost
+from libp2p.abc import IHost, INetConn
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 from libp2p.peer.peerstore import PeerStoreError
@@ -44,6 +44,7 @@ from multiaddr.exceptions import Error as MultiaddrError
 from trio_typing import TaskStatus
 
 from lattica.net.identify_push import push_identify
+from lattica.net.libp2p_compat import hop_stream_handler
 from lattica.net.nat.addresses import conn_is_relayed, is_circuit
 from lattica.net.nat.autonat import Reachability, ReachabilityService
 
@@ -114,7 +115,7 @@ class RelayServer:
         if on == self.serving:
             return False
         if on:
-            self._host.set_stream_handler(HOP_PROTOCOL_ID, self.protocol._handle_hop_stream)
+            self._host.set_stream_handler(HOP_PROTOCOL_ID, hop_stream_handler(self.protocol))
         else:
             self._host.remove_stream_handler(HOP_PROTOCOL_ID)
         self.serving = on
@@ -271,7 +272,7 @@ class RelayReservations:
         return tuple(addrs)
 
 
-def _as_list(conns: object) -> list[Any]:
+def _as_list(conns: INetConn | list[INetConn] | None) -> list[INetConn]:
     if not conns:
         return []
     return conns if isinstance(conns, list) else [conns]

@@ -4,7 +4,7 @@ AutoNAT (``ReachabilityService``), the circuit relay v2 server (serving while pu
 DCUtR hole puncher, the path book and the ``Dialer`` that uses them: direct first, then the
 peer's relay addresses, then a hole punch to upgrade a relayed connection. They start in that
 order; once ``run`` has reported started, ``dialer`` may be used. What the daemon does with the
-verdicts (reservations, advertised addresses, the peer table) is ``lattica.nat_service``.
+verdicts (reservations, advertised addresses, the peer table) is ``lattica.node.nat_service``.
 """
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 
 from lattica.errors import BrokenError, RemoteProtocolError
+from lattica.net.streams import close_quietly
 from lattica.net.tensors import fastpath
-from lattica.net.tensors.streams import close_quietly
 from lattica.net.wire import read_message, write_message
 
 MAX_SETUP_MESSAGE = 4096

@@ -1,4 +1,4 @@
-"""libp2p streams for the data plane: one seen as a byte channel, and closed or reset quietly.
+"""libp2p streams for the data plane, seen as a byte channel.
 
 A tensor message on a libp2p stream (a peer without a fast channel: relayed, hole-punched, or
 not directly dialable) is read and written through ``StreamChannel``, the same ``receive_some``
@@ -8,13 +8,9 @@ kinds of exception on a broken stream; they all become ``BrokenError`` here.
 
 from __future__ import annotations
 
-import logging
-
 from libp2p.abc import INetStream
 
 from lattica.errors import BrokenError
-
-log = logging.getLogger(__name__)
 
 
 class StreamChannel:
@@ -39,16 +35,3 @@ class StreamChannel:
         except Exception as exc:  # noqa: BLE001 - libp2p raises many kinds on a broken stream
             raise BrokenError(f"stream broken: {exc!r}", peer_id=self.peer_id) from None
 
-
-async def close_quietly(stream: INetStream) -> None:
-    try:
-        await stream.close()
-    except Exception as exc:  # noqa: BLE001 - best effort on a stream that may be gone; libp2p raises many kinds
-        log.debug("closing a stream failed: %r", exc)
-
-
-async def reset_quietly(stream: INetStream) -> None:
-    try:
-        await stream.reset()
-    except Exception as exc:  # noqa: BLE001 - best effort on a stream that may be gone; libp2p raises many kinds
-        log.debug("resetting a stream failed: %r", exc)

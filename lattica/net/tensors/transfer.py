@@ -9,9 +9,10 @@ peer is marked not directly dialable for ``fast_retry_s`` and libp2p streams car
 The setup handshake of a fast channel (both sides) is in ``fast_setup.py``; a libp2p stream is
 read and written as a channel through ``streams.StreamChannel``.
 
-Every incoming stream or channel gets a reader that drains it promptly into buffers reserved in
-the ``MemoryBudget`` (so a slow consumer never stalls yamux), and delivers complete ``put``
-messages to the ``Mailbox`` under ``(tag, sender, part)``. ``fetch`` requests are answered with
+Every incoming stream or channel gets a reader (``receiving.MessageReader``) that drains it
+promptly into buffers reserved in the ``MemoryBudget`` (so a slow consumer never stalls yamux),
+and delivers complete ``put`` messages to the ``Mailbox`` under ``(tag, sender, part)``. ``fetch``
+requests are answered with
 a ``put`` from the locally served tensors — each named tensor once, within the ``FetchGate``'s
 ration (``limits.py``): a peer cannot make us send more than a few copies at a time, nor the same
 content again within ``fetch_repeat_s``.
@@ -35,7 +36,6 @@ import socket
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import cast
 
 import torch
 import trio
@@ -52,6 +52,7 @@ from lattica.errors import (
     RemoteProtocolError,
 )
 from lattica.net.identity import peer_id_of
+from lattica.net.streams import close_quietly, reset_quietly
 from lattica.net.tensors import collectives, fast_setup, fastpath, frames
 from lattica.net.tensors.limits import (
     FetchAnswer,
@@ -60,9 +61,10 @@ from lattica.net.tensors.limits import (
     ScratchPool,
     TensorLimits,
 )
-from lattica.net.tensors.mailbox import Key, Mailbox
+from lattica.net.tensors.mailbox import Mailbox
+from lattica.net.tensors.receiving import MessageReader
 from lattica.net.tensors.stats import TrafficStats
-from lattica.net.tensors.streams import StreamChannel, close_quietly, reset_quietly
+from lattica.net.tensors.streams import StreamChannel
 from lattica.net.wire import read_message, write_message
 from lattica.numerics import codecs
 from lattica.numerics.screen import DEFAULT_SCREEN, ContributionScreen, Rejection
@@ -110,6 +112,10 @@ class TensorService:
         self.budget = MemoryBudget(config.limits)
         self.mailbox = Mailbox(self.budget, ttl_s=config.limits.mailbox_ttl_s)
         self.scratch = ScratchPool(config.limits.scratch_pool_bytes)
+        self._reader = MessageReader(
+            limits=config.limits, budget=self.budget, mailbox=self.mailbox, stats=self.stats,
+            on_fetch=self._start_fetch_answer,
+        )
         self.fast_port: int | None = None
         self._served: dict[str, tuple[torch.Tensor, int]] = {}  # name -> (tensor, version)
         self._serve_version = 0
@@ -371,92 +377,8 @@ class TensorService:
             channel.close()
             self.mailbox.peer_lost(peer)
 
-    async def _read_messages(
-        self, channel: StreamChannel | fastpath.FastChannel, peer: str, path: str
-    ) -> None:
-        limits = self.config.limits
-        decoder = frames.FrameDecoder(peer_id=peer, max_header=limits.max_header_bytes)
-        reserved: int | None = None
-        posted: Key | None = None  # the message being written into a buffer its consumer posted
-
-        def window() -> memoryview | None:
-            """Where payload bytes may be written now. Checked after every wait and before
-            every write: a consumer that withdrew its buffer (its collective ended) gets no
-            more bytes in it — the rest of that message is read and dropped."""
-            nonlocal posted
-            if posted is not None and self.mailbox.revoked(posted):
-                decoder.drop_payload()
-                self.mailbox.end_claim(posted)
-                posted = None
-            return decoder.payload_window()
-
-        data: bytes | memoryview
-        try:
-            while True:
-                if path == "fast":  # decrypts straight into the payload buffer when it can
-                    data, direct = await cast(fastpath.FastChannel, channel).receive_frame(window)
-                else:
-                    data, direct = await channel.receive_some(), False
-                if not data:
-                    if not decoder.idle:
-                        raise RemoteProtocolError("stream ended inside a message", peer_id=peer)
-                    return
-                self.stats.bytes_received[(peer, path)] += len(data)
-                if direct:
-                    decoder.wrote_directly(len(data))
-                else:
-                    window()
-                    decoder.feed(data)
-                while (event := decoder.next_event()) is not None:
-                    if isinstance(event, frames.Incoming):
-                        reserved, posted = self._admit(decoder, peer, event)
-                        continue
-                    if posted is not None:
-                        self.mailbox.end_claim(posted)
-                        posted = None
-                    if reserved is not None:
-                        self.budget.end_transfer(peer)
-                    if event.payload is None:  # refused, or its consumer is gone
-                        if reserved is not None:
-                            self.budget.release(peer, reserved)
-                        reserved = None
-                        continue
-                    reserved = None
-                    self.stats.messages_received[(peer, path)] += 1
-                    self._dispatch(peer, event)
-        finally:
-            if posted is not None:
-                self.mailbox.end_claim(posted)
-            if reserved is not None:
-                self.budget.end_transfer(peer)
-                self.budget.release(peer, reserved)
-
-    def _admit(
-        self, decoder: frames.FrameDecoder, peer: str, incoming: frames.Incoming
-    ) -> tuple[int | None, Key | None]:
-        """Reserve the message's bytes and choose its buffer; returns (reserved, posted key)."""
-        size = incoming.payload_size
-        refusal = self.budget.try_reserve(peer, size)
-        if refusal is not None:
-            log.warning("refusing %s/%d from %s: %s", incoming.tag, incoming.part, peer, refusal)
-            self.stats.refused[peer] += 1
-            decoder.discard()
-            return None, None
-        key = (incoming.tag, peer, incoming.part)
-        posted = self.mailbox.claim_posted(key, size) if incoming.kind == "put" else None
-        decoder.accept(posted if posted is not None else codecs.writable_buffer(size))
-        return size, key if posted is not None else None
-
-    def _dispatch(self, peer: str, event: frames.Complete) -> None:
-        incoming, payload = event.incoming, event.payload
-        assert payload is not None
-        if incoming.kind == "fetch":
-            self.budget.release(peer, len(payload))
-            self._start_fetch_answer(peer, incoming)
-            return
-        key = (incoming.tag, peer, incoming.part)
-        if not self.mailbox.deliver(key, incoming.specs, payload):
-            raise RemoteProtocolError(f"duplicate part {incoming.tag}/{incoming.part}", peer_id=peer)
+    async def _read_messages(self, channel: StreamChannel | fastpath.FastChannel, peer: str, path: str) -> None:
+        await self._reader.read(channel, peer, path)
 
     def _start_fetch_answer(self, peer: str, request: frames.Incoming) -> None:
         """Answer a fetch within the gate's ration: the tensors as they are now, each once."""

@@ -9,14 +9,14 @@ takes ``(model, *, collective, groups, config=None)`` and names its config datac
 from __future__ import annotations
 
 import importlib
-from typing import Any
 
 import torch
 
-from lattica.train.collective import Collective
+from lattica.config import StrategyName
+from lattica.train.engine.collective import Collective
 from lattica.train.strategies.base import GroupProvider, OuterStepReport, OuterStrategy
 
-STRATEGIES: dict[str, str] = {
+STRATEGIES: dict[StrategyName, str] = {
     "diloco": "lattica.train.strategies.diloco:DiLoCo",
     "ddp": "lattica.train.strategies.ddp:DDP",
     "nocomm": "lattica.train.strategies.nocomm:NoComm",
@@ -27,17 +27,19 @@ STRATEGIES: dict[str, str] = {
     "spes": "lattica.train.strategies.spes:SPES",
     "sparseloco": "lattica.train.strategies.sparseloco:SparseLoCo",
     "demo": "lattica.train.strategies.demo_momentum:DeMo",
+    "local_adam": "lattica.train.strategies.desloc:LocalAdam",
+    "desloc": "lattica.train.strategies.desloc:DESLOC",
+    "co2": "lattica.train.strategies.co2:CO2",
 }
 
 
-def strategy_class(name: str) -> type[OuterStrategy]:
+def strategy_class(name: str) -> type[OuterStrategy[object]]:
     """The class registered under ``name``; ``ValueError`` lists the known names."""
-    try:
-        target = STRATEGIES[name]
-    except KeyError:
-        raise ValueError(f"unknown strategy {name!r}; choose one of {sorted(STRATEGIES)}") from None
+    if name not in STRATEGIES:
+        raise ValueError(f"unknown strategy {name!r}; choose one of {sorted(STRATEGIES)}")
+    target = STRATEGIES[name]
     module_name, _, class_name = target.partition(":")
-    cls: type[OuterStrategy] = getattr(importlib.import_module(module_name), class_name)
+    cls: type[OuterStrategy[object]] = getattr(importlib.import_module(module_name), class_name)
     return cls
 
 
@@ -47,8 +49,8 @@ def create_strategy(
     *,
     collective: Collective,
     groups: GroupProvider,
-    config: Any = None,
-) -> OuterStrategy:
+    config: object | None = None,
+) -> OuterStrategy[object]:
     """Instantiate strategy ``name`` around ``model`` (default config when ``config`` is None)."""
     cls = strategy_class(name)
     return cls(model, collective=collective, groups=groups, config=config)

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from lattica.train.collective import Collective
-from lattica.train.strategies.base import GroupProvider, OuterStrategy
+from lattica.train.engine.collective import Collective
+from lattica.train.strategies.base import ConfigT, GroupProvider, OuterStrategy
 
 
 @dataclass
@@ -55,7 +55,7 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
     )
 
 
-class AccountedStrategy(OuterStrategy):
+class AccountedStrategy(OuterStrategy[ConfigT]):
     """An ``OuterStrategy`` that exposes traffic and memory figures for the metrics layer.
 
     Attributes read by metrics: ``traffic`` (a ``TrafficMeter``), ``outer_state_bytes`` and
@@ -64,9 +64,9 @@ class AccountedStrategy(OuterStrategy):
     """
 
     def __init__(
-        self, model: torch.nn.Module, *, collective: Collective, groups: GroupProvider
+        self, model: torch.nn.Module, *, collective: Collective, groups: GroupProvider, config: ConfigT | None = None,
     ) -> None:
-        super().__init__(model, collective=collective, groups=groups)
+        super().__init__(model, collective=collective, groups=groups, config=config)
         self.traffic = TrafficMeter()
         self.inner_optimizer: torch.optim.Optimizer | None = None
 

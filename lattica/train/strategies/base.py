@@ -23,15 +23,18 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Self
+from typing import ClassVar, Generic, Self, TypeVar, cast
 
 import torch
 import trio
 
 from lattica.coordination.provider import GroupProvider as GroupProvider
 from lattica.numerics.partner_screen import PartnerScreen
-from lattica.train.collective import Collective
+from lattica.train.engine.checkpoint import StateDict
+from lattica.train.engine.collective import Collective
 from lattica.train.strategies.experts import ExpertOwnership
+
+ConfigT = TypeVar("ConfigT", covariant=True)  # a strategy's frozen config dataclass (None: it has none)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,6 +48,9 @@ class OuterStepReport:
     seconds: float
     skipped: bool = False
     detail: str = ""
+    # gossip averaging: this replica's distance to its group's mean outer weights, relative to
+    # their norm (``gossip.consensus_distance``); None where replicas agree or no partner answered
+    consensus_distance: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,8 +64,8 @@ class StrategyHandles:
     partner_screen: PartnerScreen | None = None
 
 
-class OuterStrategy(ABC):
-    """Base of DiLoCo, eager/streaming DiLoCo, NoLoCo and SPES.
+class OuterStrategy(ABC, Generic[ConfigT]):
+    """Base of DiLoCo, eager/streaming DiLoCo, NoLoCo and SPES, generic over its config.
 
     Everything the trainer and the training service call is declared here, with a default where
     a strategy may leave it out: hooks (``before_optimizer_step``, ``next_sync_step``,
@@ -71,17 +77,13 @@ class OuterStrategy(ABC):
 
     name: str = "base"
     config_class: ClassVar[type | None] = None
-    """The frozen config dataclass the constructor's ``config`` takes (None: no config)."""
+    """The frozen config dataclass the constructor's ``config`` takes (None: no config); its
+    defaults are the strategy's when no config is given."""
 
     replicas_agree: bool = False
     """True when every member of a completed sync holds bit-identical outer state (DiLoCo,
     Streaming DiLoCo, SPES); False where replicas differ by design (NoLoCo, eager DiLoCo).
     Only agreeing strategies let a late or new peer adopt the others' state by its hash."""
-
-    consensus_distance: float | None = None
-    """Where replicas differ (gossip averaging): this replica's last measured distance to its
-    group's mean outer weights, relative to their norm (``gossip.consensus_distance``); None
-    where replicas agree or before the first group exchange."""
 
     #: Set by strategies that must see the gradients of every inner step before the inner
     #: optimizer uses them (data-parallel baselines); the trainer then calls
@@ -109,11 +111,13 @@ class OuterStrategy(ABC):
         groups: GroupProvider,
         config: object | None,
         handles: StrategyHandles,
-    ) -> OuterStrategy:
+    ) -> OuterStrategy[object]:
         """The strategy with ``config`` (an instance of ``config_class``, None: its default),
         given the node's ``handles``. Default: the constructor, which needs none of them; a
         strategy that needs one overrides this and takes it from ``handles``."""
-        return cls(model, collective=collective, groups=groups, config=config).take_handles(handles)
+        # the constructor refuses a config that is not a ``config_class``
+        typed = cast("ConfigT | None", config)
+        return cls(model, collective=collective, groups=groups, config=typed).take_handles(handles)
 
     def __init__(
         self,
@@ -121,15 +125,24 @@ class OuterStrategy(ABC):
         *,
         collective: Collective,
         groups: GroupProvider,
-        config: object | None = None,
+        config: ConfigT | None = None,
     ) -> None:
-        """``config``: each strategy takes its own ``config_class`` and keeps it typed."""
+        """``config``: an instance of ``config_class`` (None: its defaults), kept as ``self.config``."""
+        if config is not None and (self.config_class is None or not isinstance(config, self.config_class)):
+            expected = self.config_class.__name__ if self.config_class is not None else "no config"
+            raise TypeError(f"strategy {self.name!r} takes {expected}, got {type(config).__name__}")
+        self.config: ConfigT = config if config is not None else self.default_config()
         self.model = model
         self.collective = collective
         self.groups = groups
         self.nursery: trio.Nursery | None = None
         # judges what partners send before it is averaged (``numerics.partner_screen``)
         self.partner_screen = PartnerScreen()
+
+    @classmethod
+    def default_config(cls) -> ConfigT:
+        """``config_class`` with its defaults (None for a strategy without a config)."""
+        return cast(ConfigT, cls.config_class() if cls.config_class is not None else None)
 
     def take_handles(self, handles: StrategyHandles) -> Self:
         """Use the node's partner screen when it gives one (``build`` calls this)."""
@@ -187,11 +200,11 @@ class OuterStrategy(ABC):
         """Number of outer rounds fully applied on this node."""
 
     @abstractmethod
-    def outer_state_dict(self) -> dict[str, Any]:
+    def outer_state_dict(self) -> StateDict:
         """Outer weights and outer optimizer state, for checkpoints and joiners."""
 
     @abstractmethod
-    def load_outer_state_dict(self, state: dict[str, Any]) -> None:
+    def load_outer_state_dict(self, state: StateDict) -> None:
         """Restore what ``outer_state_dict`` returned (a joiner or a restarted peer)."""
 
     def evaluation_parameters(self) -> Sequence[torch.Tensor] | None:
@@ -209,7 +222,7 @@ def next_multiple(step: int, every: int) -> int:
     return (step // every + 1) * every
 
 
-class EveryHSteps(OuterStrategy):
+class EveryHSteps(OuterStrategy[ConfigT]):
     """The blocking every-H schedule: one sync after inner steps H, 2H, 3H, … and nothing at
     the steps between (``next_sync_step`` lets the trainer run those in one go).
 
@@ -235,17 +248,16 @@ class EveryHSteps(OuterStrategy):
         return [await self.sync_at(step)]
 
 
-class WrappedStrategy(OuterStrategy):
+class WrappedStrategy(OuterStrategy[None]):
     """A strategy around another one: forwards every call and capability to ``inner``; a
     subclass overrides only the hooks whose behaviour it adds to (the daemon's outer-state sync
-    in ``train/outer_sync.py``), so the inner strategy is never patched."""
+    in ``train/swarm/outer_sync.py``), so the inner strategy is never patched."""
 
-    def __init__(self, inner: OuterStrategy) -> None:
+    def __init__(self, inner: OuterStrategy[object]) -> None:
         super().__init__(inner.model, collective=inner.collective, groups=inner.groups)
         self.inner = inner
 
-    # the capabilities are the inner strategy's (DiLoCo's ``consensus_distance`` changes with
-    # every gossip round): read and written through
+    # the capabilities are the inner strategy's: read and written through
     @property
     def name(self) -> str:
         return self.inner.name
@@ -261,14 +273,6 @@ class WrappedStrategy(OuterStrategy):
     @replicas_agree.setter
     def replicas_agree(self, value: bool) -> None:
         self.inner.replicas_agree = value
-
-    @property
-    def consensus_distance(self) -> float | None:
-        return self.inner.consensus_distance
-
-    @consensus_distance.setter
-    def consensus_distance(self, value: float | None) -> None:
-        self.inner.consensus_distance = value
 
     @property
     def syncs_gradients(self) -> bool:
@@ -308,10 +312,10 @@ class WrappedStrategy(OuterStrategy):
     def completed_rounds(self) -> int:
         return self.inner.completed_rounds
 
-    def outer_state_dict(self) -> dict[str, Any]:
+    def outer_state_dict(self) -> StateDict:
         return self.inner.outer_state_dict()
 
-    def load_outer_state_dict(self, state: dict[str, Any]) -> None:
+    def load_outer_state_dict(self, state: StateDict) -> None:
         self.inner.load_outer_state_dict(state)
 
     def evaluation_parameters(self) -> Sequence[torch.Tensor] | None:

@@ -12,11 +12,11 @@ convergence harness's in-memory one does on CUDA) they stay on the device.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from lattica.train.collective import Collective
+from lattica.train.engine.checkpoint import StateDict
+from lattica.train.engine.collective import Collective
 from lattica.train.strategies.accounting import AccountedStrategy
 from lattica.train.strategies.base import GroupProvider, OuterStepReport
 from lattica.train.strategies.traffic import allreduce_bytes
@@ -28,7 +28,7 @@ class DDPConfig:
     reduce_on_device: bool = False  # hand the collective the gradients where they are
 
 
-class DDP(AccountedStrategy):
+class DDP(AccountedStrategy[DDPConfig]):
     name = "ddp"
     config_class = DDPConfig
     syncs_gradients = True
@@ -41,8 +41,7 @@ class DDP(AccountedStrategy):
         groups: GroupProvider,
         config: DDPConfig | None = None,
     ) -> None:
-        super().__init__(model, collective=collective, groups=groups)
-        self.config = config or DDPConfig()
+        super().__init__(model, collective=collective, groups=groups, config=config)
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._synced = 0
 
@@ -67,8 +66,8 @@ class DDP(AccountedStrategy):
     async def after_inner_step(self, step: int) -> list[OuterStepReport]:
         return []
 
-    def outer_state_dict(self) -> dict[str, Any]:
+    def outer_state_dict(self) -> StateDict:
         return {"round": self._synced}
 
-    def load_outer_state_dict(self, state: dict[str, Any]) -> None:
+    def load_outer_state_dict(self, state: StateDict) -> None:
         self._synced = int(state.get("round", 0))

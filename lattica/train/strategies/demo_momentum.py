@@ -50,14 +50,14 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
-from typing import Any
 
 import torch
 
 from lattica.config import DEFAULT_INNER_STEPS
 from lattica.errors import LocalProtocolError, RemoteProtocolError
 from lattica.numerics import demo_codec, sparse
-from lattica.train.collective import Collective
+from lattica.train.engine.checkpoint import StateDict
+from lattica.train.engine.collective import Collective
 from lattica.train.strategies.accounting import AccountedStrategy, tensor_bytes
 from lattica.train.strategies.base import GroupProvider, OuterStepReport
 from lattica.train.strategies.sparse_gather import gather_with_retries, screen_gathered
@@ -226,7 +226,7 @@ def _values(contribution: dict[int, sparse.SparseChunks]) -> torch.Tensor:
     return torch.cat([c.values.reshape(-1) for _, c in sorted(contribution.items())])
 
 
-class DeMo(AccountedStrategy):
+class DeMo(AccountedStrategy[DeMoConfig]):
     """Every step: exchange the fast DCT components of the momentum, step by the sign of their mean."""
 
     replicas_agree = True
@@ -242,8 +242,7 @@ class DeMo(AccountedStrategy):
         groups: GroupProvider,
         config: DeMoConfig | None = None,
     ) -> None:
-        super().__init__(model, collective=collective, groups=groups)
-        self.config = config or DeMoConfig()
+        super().__init__(model, collective=collective, groups=groups, config=config)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
@@ -365,16 +364,19 @@ class DeMo(AccountedStrategy):
         self._round_bytes, self._round_skips, self._round_started = 0, 0, time.monotonic()
         return [report]
 
-    def outer_state_dict(self) -> dict[str, Any]:
+    def outer_state_dict(self) -> StateDict:
         """The shared state: the parameters (momenta are local, see the module doc)."""
         return {
             "round": self._rounds,
             "step": self._step,
             "completed_rounds": self._rounds,
-            "params": {n: p.detach().to("cpu", torch.float32, copy=True) for n, p in zip(self._names, self._params, strict=True)},
+            "params": {
+                n: p.detach().to("cpu", torch.float32, copy=True)
+                for n, p in zip(self._names, self._params, strict=True)
+            },
         }
 
-    def load_outer_state_dict(self, state: dict[str, Any]) -> None:
+    def load_outer_state_dict(self, state: StateDict) -> None:
         params = state.get("params", {})
         if not isinstance(params, dict) or set(params) != set(self._names):
             raise ValueError("DeMo outer state must hold every trainable parameter")
@@ -387,5 +389,5 @@ class DeMo(AccountedStrategy):
         for m in self.momenta:
             m.zero_()
         self._window, self._window_group = -1, ()  # the next step agrees on a group afresh
-        self._rounds = int(state.get("completed_rounds", state.get("round", 0)))
+        self._rounds = int(state["completed_rounds"] if "completed_rounds" in state else state.get("round", 0))
         self._step = int(state.get("step", self._rounds * self.config.inner_steps))

@@ -48,27 +48,25 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import trio
 
-from lattica.config import DEFAULT_INNER_STEPS
+from lattica.config import DEFAULT_INNER_STEPS, Averaging, OuterStateDevice, check_averaging
 from lattica.coordination.groups import proposed_group
 from lattica.errors import BrokenError, LocalProtocolError, PeerUnavailableError
-from lattica.train.collective import Collective
-from lattica.train.outer_placement import (
+from lattica.train.engine.checkpoint import StateDict
+from lattica.train.engine.collective import Collective
+from lattica.train.engine.outer_placement import (
     OuterPlacement,
     clone_like,
     copy_into,
     host_clone,
     host_copies,
 )
-from lattica.train.outer_placement import pseudo_gradient as placed_pseudo_gradient
 from lattica.train.strategies.accounting import AccountedStrategy, tensor_bytes
 from lattica.train.strategies.base import EveryHSteps, GroupProvider, OuterStepReport
 from lattica.train.strategies.gossip import (
-    check_averaging,
     consensus_distance,
     exchange_with_partners,
     group_mean,
@@ -76,6 +74,13 @@ from lattica.train.strategies.gossip import (
     phi_and_delta,
     realigned_round,
     screen_answers,
+)
+from lattica.train.strategies.outer_math import (
+    check_tensors,
+    eager_start,
+    nesterov_sgd,
+    outer_copy,
+    pseudo_gradient,
 )
 from lattica.train.strategies.traffic import allreduce_bytes, payload_bytes
 
@@ -94,11 +99,11 @@ class DiLoCoConfig:
     outer_momentum: float | None = None
     codec: str = "fp32"
     max_attempts: int = 3
-    averaging: str = "allreduce"  # or "gossip": average inside small groups redrawn every round
+    averaging: Averaging = "allreduce"  # or "gossip": average inside small groups redrawn every round
     group_size: int = 2  # gossip: members per group
     exchange_timeout_s: float = 5.0  # gossip: the grace a partner has (the run setting group_grace_s)
     overlap: bool = False  # gossip: round t's exchange runs during round t+1's inner phase
-    outer_state_device: str = "cpu"  # or "same": the training device (outer_placement.py)
+    outer_state_device: OuterStateDevice = "cpu"  # or "same": the training device (outer_placement.py)
 
     @property
     def momentum(self) -> float:
@@ -107,12 +112,9 @@ class DiLoCoConfig:
         return self.outer_momentum
 
     def __post_init__(self) -> None:
-        check_averaging(self.averaging, self.group_size)
+        check_averaging(self.averaging, self.group_size, self.overlap, where="DiLoCoConfig.")
         if self.outer_momentum is None:
             object.__setattr__(self, "outer_momentum", 0.5 if self.averaging == "gossip" else 0.9)
-        if self.overlap and self.averaging != "gossip":
-            raise ValueError("DiLoCoConfig.overlap needs averaging = 'gossip' (the overlapped all-reduce is "
-                             "strategy 'eager')")
         if not self.exchange_timeout_s > 0:
             raise ValueError(f"DiLoCoConfig.exchange_timeout_s must be > 0, got {self.exchange_timeout_s}")
         if self.inner_steps < 1:
@@ -128,72 +130,6 @@ class DiLoCoConfig:
         OuterPlacement(where=self.outer_state_device)  # validates it
 
 
-def pseudo_gradient(
-    outer: Sequence[torch.Tensor], inner: Sequence[torch.Tensor]
-) -> list[torch.Tensor]:
-    """Δ = φ − θ per tensor, in the dtype and on the device of the outer weights (θ streamed
-    to the host in chunks when φ is there and θ on CUDA: ``outer_placement``)."""
-    return placed_pseudo_gradient(outer, inner)
-
-
-def nesterov_outer_step(
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    buffers: list[torch.Tensor | None],
-    *,
-    lr: float,
-    momentum: float,
-) -> None:
-    """In place: b ← μ·b + Δ (b ← Δ on the first step); φ ← φ − η·(Δ + μ·b).
-
-    The same arithmetic, in the same order, as ``torch.optim.SGD(nesterov=True, dampening=0)``.
-    """
-    with torch.no_grad():
-        for i, (param, grad) in enumerate(zip(params, grads, strict=True)):
-            buf = buffers[i]
-            if buf is None:
-                buf = buffers[i] = grad.clone()
-            else:
-                buf.mul_(momentum).add_(grad)
-            param.add_(grad.add(buf, alpha=momentum), alpha=-lr)
-
-
-def eager_start(
-    outer: Sequence[torch.Tensor],
-    momentum: Sequence[torch.Tensor | None],
-    fresh_own: Sequence[torch.Tensor],
-    *,
-    lr: float,
-    momentum_factor: float,
-) -> list[torch.Tensor]:
-    """s = φ − η·(Δ + μ·b'), b' = μ·b + Δ (b' = Δ before the first step): the Nesterov step
-    ``torch.optim.SGD(nesterov=True)`` would take with gradient Δ, without changing φ or b."""
-    starts = []
-    for phi, buf, delta in zip(outer, momentum, fresh_own, strict=True):
-        ahead = delta.clone() if buf is None else buf.mul(momentum_factor).add_(delta)
-        starts.append(phi - lr * delta.add(ahead, alpha=momentum_factor))
-    return starts
-
-
-def outer_copy(
-    model: torch.nn.Module, placement: OuterPlacement | None = None,
-) -> tuple[list[str], list[torch.Tensor], list[torch.Tensor]]:
-    """Parameter names, the live (inner) parameters, and an fp32 copy where ``placement`` keeps
-    the outer state (default: the CPU): the outer weights φ."""
-    named = list(model.named_parameters())
-    inner: list[torch.Tensor] = [p for _, p in named]
-    return [n for n, _ in named], inner, (placement or OuterPlacement()).copy(inner)
-
-
-def nesterov_sgd(outer: list[torch.Tensor], lr: float, momentum: float) -> torch.optim.SGD:
-    """The DiLoCo outer optimizer: plain SGD with Nesterov momentum (plain SGD at momentum 0)."""
-    return torch.optim.SGD(
-        outer, lr=lr, momentum=momentum,
-        nesterov=momentum > 0,  # torch refuses Nesterov without momentum
-        foreach=False,
-    )
-
-
 @dataclass
 class _GossipFlight:
     """An overlapped gossip exchange: launched at the end of one round, landed at the next."""
@@ -207,7 +143,7 @@ class _GossipFlight:
     missing: set[str] = field(default_factory=set)
 
 
-class DiLoCo(EveryHSteps, AccountedStrategy):
+class DiLoCo(EveryHSteps[DiLoCoConfig], AccountedStrategy[DiLoCoConfig]):
     """Blocking DiLoCo: one all-reduce of the pseudo-gradient every ``inner_steps`` steps."""
 
     replicas_agree = True
@@ -226,8 +162,7 @@ class DiLoCo(EveryHSteps, AccountedStrategy):
         groups: GroupProvider,
         config: DiLoCoConfig | None = None,
     ) -> None:
-        super().__init__(model, collective=collective, groups=groups)
-        self.config = config or DiLoCoConfig()
+        super().__init__(model, collective=collective, groups=groups, config=config)
         placement = OuterPlacement(where=self.config.outer_state_device)
         self._names, self._inner, self._outer = outer_copy(model, placement)
         self.outer_optimizer = nesterov_sgd(self._outer, self.config.outer_lr, self.config.momentum)
@@ -236,7 +171,6 @@ class DiLoCo(EveryHSteps, AccountedStrategy):
         self._step = 0  # inner step at which the last round ran
         # gossip averaging: replicas differ by design, and their spread is measured
         self.replicas_agree = self.config.averaging == "allreduce"
-        self.consensus_distance: float | None = None
         # overlapped gossip: where this inner phase started, and the exchange in flight
         self._start = clone_like(self._outer) if self.config.overlap else self._outer
         self._in_flight: _GossipFlight | None = None
@@ -384,10 +318,11 @@ class DiLoCo(EveryHSteps, AccountedStrategy):
         sent = flight.payload
         answered = [p for p in flight.partners if p not in flight.missing]
         accepted, answers = screen_answers(self.partner_screen, sent, answered, flight.answers, phi_and_delta)
+        spread = None
         if answers:
             contributions = [sent, *answers]
             mean_phi = group_mean([c[:n] for c in contributions])
-            self.consensus_distance = consensus_distance(sent[:n], mean_phi)
+            spread = consensus_distance(sent[:n], mean_phi)
             with torch.no_grad():
                 for outer, mean in zip(self._outer, mean_phi, strict=True):
                     outer.copy_(mean)
@@ -402,6 +337,7 @@ class DiLoCo(EveryHSteps, AccountedStrategy):
             bytes_sent=payload_bytes(sent, self.config.codec) * len(flight.partners),
             seconds=time.monotonic() - started,
             detail=left_out_detail(flight.missing, set(answered) - set(accepted)),
+            consensus_distance=spread,
         )
 
     def _apply(self, mean: Sequence[torch.Tensor]) -> None:
@@ -420,7 +356,7 @@ class DiLoCo(EveryHSteps, AccountedStrategy):
         copy_into(self._start, start)
         copy_into(self._inner, self._start)
 
-    def outer_state_dict(self) -> dict[str, Any]:
+    def outer_state_dict(self) -> StateDict:
         momentum = {}
         for name, param in zip(self._names, self._outer, strict=True):
             buf = self.outer_optimizer.state.get(param, {}).get("momentum_buffer")
@@ -434,10 +370,10 @@ class DiLoCo(EveryHSteps, AccountedStrategy):
             "momentum": momentum,
         }
 
-    def load_outer_state_dict(self, state: dict[str, Any]) -> None:
+    def load_outer_state_dict(self, state: StateDict) -> None:
         params, momentum = state["params"], state.get("momentum", {})
-        _check_tensors("params", params, self._names, self._outer, require_all=True)
-        _check_tensors("momentum", momentum, self._names, self._outer, require_all=False)
+        check_tensors("params", params, self._names, self._outer, require_all=True)
+        check_tensors("momentum", momentum, self._names, self._outer, require_all=False)
         with torch.no_grad():
             for name, outer in zip(self._names, self._outer, strict=True):
                 outer.copy_(params[name])
@@ -455,19 +391,3 @@ class DiLoCo(EveryHSteps, AccountedStrategy):
             self._begin_phase(self._outer)
         else:
             self._copy_outer_to_model()
-
-
-def _check_tensors(
-    what: str, given: Any, names: list[str], reference: list[torch.Tensor], *, require_all: bool
-) -> None:
-    if not isinstance(given, dict):
-        raise ValueError(f"outer state {what} must be a dict of tensors")  # noqa: TRY004 - callers report a ValueError as a checkpoint mismatch
-    known = dict(zip(names, reference, strict=True))
-    unknown = sorted(set(given) - set(known))
-    if unknown:
-        raise ValueError(f"outer state {what} has unknown tensors: {unknown[:5]}")
-    if require_all and set(given) != set(known):
-        raise ValueError(f"outer state {what} lacks tensors: {sorted(set(known) - set(given))[:5]}")
-    for name, tensor in given.items():
-        if not isinstance(tensor, torch.Tensor) or tensor.shape != known[name].shape:
-            raise ValueError(f"outer state {what}[{name!r}] has the wrong type or shape")

@@ -36,15 +36,15 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import trio
 
-from lattica.config import DEFAULT_INNER_STEPS
+from lattica.config import DEFAULT_INNER_STEPS, OuterStateDevice
 from lattica.errors import BrokenError, LocalProtocolError, PeerUnavailableError
-from lattica.train.collective import Collective
-from lattica.train.outer_placement import (
+from lattica.train.engine.checkpoint import StateDict
+from lattica.train.engine.collective import Collective
+from lattica.train.engine.outer_placement import (
     OuterPlacement,
     clone_like,
     copy_into,
@@ -53,7 +53,7 @@ from lattica.train.outer_placement import (
 )
 from lattica.train.strategies.accounting import AccountedStrategy, tensor_bytes
 from lattica.train.strategies.base import GroupProvider, OuterStepReport
-from lattica.train.strategies.diloco import eager_start, nesterov_sgd, outer_copy, pseudo_gradient
+from lattica.train.strategies.outer_math import eager_start, nesterov_sgd, outer_copy, pseudo_gradient
 from lattica.train.strategies.traffic import allreduce_bytes
 
 # η 0.5, not DiLoCo's 0.7: each worker starts its phase η(1+μ)·(Δ_m − Δ) away from the shared
@@ -69,7 +69,7 @@ class EagerDiLoCoConfig:
     outer_lr: float = DEFAULT_EAGER_OUTER_LR
     outer_momentum: float = 0.9
     codec: str = "fp32"
-    outer_state_device: str = "cpu"  # or "same": the training device (outer_placement.py)
+    outer_state_device: OuterStateDevice = "cpu"  # or "same": the training device (outer_placement.py)
 
     def __post_init__(self) -> None:
         OuterPlacement(where=self.outer_state_device)  # validates it
@@ -82,8 +82,9 @@ class EagerDiLoCoConfig:
 
 
 @dataclass
-class _InFlight:
-    """A group agreement and all-reduce running in the background; ``mean`` None if it failed."""
+class InFlight:
+    """A group agreement and all-reduce running in the background; ``mean`` None if it failed
+    (eager DiLoCo's and CO2's exchange behind the next inner phase)."""
 
     round: int
     key: str
@@ -95,7 +96,7 @@ class _InFlight:
     error: str = ""
 
 
-class EagerDiLoCo(AccountedStrategy):
+class EagerDiLoCo(AccountedStrategy[EagerDiLoCoConfig]):
     name = "eager"
     config_class = EagerDiLoCoConfig
 
@@ -107,13 +108,12 @@ class EagerDiLoCo(AccountedStrategy):
         groups: GroupProvider,
         config: EagerDiLoCoConfig | None = None,
     ) -> None:
-        super().__init__(model, collective=collective, groups=groups)
-        self.config = config or EagerDiLoCoConfig()
+        super().__init__(model, collective=collective, groups=groups, config=config)
         placement = OuterPlacement(where=self.config.outer_state_device)
         self._names, self._inner, self._outer = outer_copy(model, placement)
         self._start = clone_like(self._outer)  # s: where this inner phase started
         self.outer_optimizer = nesterov_sgd(self._outer, self.config.outer_lr, self.config.outer_momentum)
-        self._in_flight: _InFlight | None = None
+        self._in_flight: InFlight | None = None
         self._completed = 0
 
     @property
@@ -155,15 +155,15 @@ class EagerDiLoCo(AccountedStrategy):
         self._begin_phase(self._outer)
         return [report]
 
-    def _launch(self, round_number: int, fresh: list[torch.Tensor]) -> _InFlight:
+    def _launch(self, round_number: int, fresh: list[torch.Tensor]) -> InFlight:
         if self.nursery is None:
             raise LocalProtocolError("EagerDiLoCo needs bind_nursery() before the first round")
-        flight = _InFlight(round=round_number, key=f"round/{round_number}", own=host_copies(fresh))
+        flight = InFlight(round=round_number, key=f"round/{round_number}", own=host_copies(fresh))
         # agreeing on the group waits for the others to reach this round: in the background too
         self.nursery.start_soon(self._reduce, flight)
         return flight
 
-    async def _reduce(self, flight: _InFlight) -> None:
+    async def _reduce(self, flight: InFlight) -> None:
         try:
             flight.group = tuple(await self.groups.group_for(flight.key))
             flight.bytes_sent = allreduce_bytes(flight.own, len(flight.group), self.config.codec)
@@ -176,7 +176,7 @@ class EagerDiLoCo(AccountedStrategy):
         finally:
             flight.done.set()
 
-    async def _apply(self, flight: _InFlight | None, started: float) -> OuterStepReport:
+    async def _apply(self, flight: InFlight | None, started: float) -> OuterStepReport:
         """DiLoCo's outer step on the shared state with the mean of ``flight`` (own Δ if it failed)."""
         if flight is None:  # the first round: nothing to apply yet
             return OuterStepReport(round=0, key="round/0", group=(), bytes_sent=0, seconds=0.0)
@@ -205,7 +205,7 @@ class EagerDiLoCo(AccountedStrategy):
     def _momentum(self) -> list[torch.Tensor | None]:
         return [self.outer_optimizer.state.get(p, {}).get("momentum_buffer") for p in self._outer]
 
-    def outer_state_dict(self) -> dict[str, Any]:
+    def outer_state_dict(self) -> StateDict:
         momentum = {
             n: host_clone(buf)
             for n, buf in zip(self._names, self._momentum(), strict=True)
@@ -217,7 +217,7 @@ class EagerDiLoCo(AccountedStrategy):
             "completed_rounds": self._completed,
         }
 
-    def load_outer_state_dict(self, state: dict[str, Any]) -> None:
+    def load_outer_state_dict(self, state: StateDict) -> None:
         with torch.no_grad():
             for name, outer in zip(self._names, self._outer, strict=True):
                 outer.copy_(state["params"][name])

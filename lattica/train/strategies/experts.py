@@ -4,7 +4,7 @@ Every member computes the same map from the same inputs, so ownership needs no e
 messages: after every completed sync the map advances with
 ``assign_experts(members, num_experts, previous=current)`` over that sync's agreed members (the
 first sync: rule 1 over its members). The daemon publishes each node's part of the map in the
-replicated state (``lattica/train/ownership.py``).
+replicated state (``lattica/train/swarm/ownership.py``).
 
 Rules (in this order):
 1. no previous map: sorted members take contiguous ranges, member i gets [i·k, (i+1)·k) with

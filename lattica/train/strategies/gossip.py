@@ -49,9 +49,8 @@ from lattica.coordination.groups import JUMP_BEHIND
 from lattica.coordination.provider import SwarmStepSource
 from lattica.errors import BrokenError, PeerUnavailableError, RemoteProtocolError
 from lattica.numerics.partner_screen import PartnerScreen, Segments
-from lattica.train.collective import Collective
+from lattica.train.engine.collective import Collective
 
-AVERAGING_MODES = ("allreduce", "gossip")
 # A replica jumps only when its next key is ``JUMP_BEHIND`` (3) rounds or more below the highest round the
 # swarm reached. Peers a step apart are the normal spread (the fastest pair opens round t + 1
 # while a slower one still opens t); a replica that jumped lands one past the highest, so with
@@ -59,14 +58,6 @@ AVERAGING_MODES = ("allreduce", "gossip")
 # and the swarm's keys run away from each other (seen in swarm_scale: keys 4 apart after 7 steps,
 # most peer-steps alone).
 _EXCHANGE_ERRORS = (PeerUnavailableError, BrokenError, RemoteProtocolError)
-
-
-def check_averaging(averaging: str, group_size: int) -> None:
-    """``ValueError`` for an unknown averaging mode or a group size below 2."""
-    if averaging not in AVERAGING_MODES:
-        raise ValueError(f"averaging must be one of {', '.join(AVERAGING_MODES)}, got {averaging!r}")
-    if not isinstance(group_size, int) or group_size < 2:
-        raise ValueError(f"group_size must be an integer >= 2, got {group_size!r}")
 
 
 async def exchange_with_partners(

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from lattica.train.collective import Collective
+from lattica.train.engine.checkpoint import StateDict
+from lattica.train.engine.collective import Collective
 from lattica.train.strategies.accounting import AccountedStrategy
 from lattica.train.strategies.base import GroupProvider, OuterStepReport
 
 
-class NoComm(AccountedStrategy):
+class NoComm(AccountedStrategy[None]):
     name = "nocomm"
     config_class = None
 
@@ -35,8 +34,8 @@ class NoComm(AccountedStrategy):
     async def after_inner_step(self, step: int) -> list[OuterStepReport]:
         return []
 
-    def outer_state_dict(self) -> dict[str, Any]:
+    def outer_state_dict(self) -> StateDict:
         return {}
 
-    def load_outer_state_dict(self, state: dict[str, Any]) -> None:
+    def load_outer_state_dict(self, state: StateDict) -> None:
         return None

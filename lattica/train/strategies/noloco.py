@@ -17,7 +17,8 @@ So is a partner whose ``[φ, Δ]`` the screen refuses (``gossip.screen_answers``
 a norm far above this worker's own).
 No one waits on anyone outside their stripe, so a dead peer stalls at most its partners, and
 those only until the deadline. A worker that fell behind the swarm (frozen, slow) jumps its
-round keys to the swarm's next step (``gossip.realigned_round``) and pairs again there. Replicas are not identical: φ differs between workers.
+round keys to the swarm's next step (``gossip.realigned_round``) and pairs again there. Replicas are
+not identical: φ differs between workers.
 """
 
 from __future__ import annotations
@@ -27,13 +28,13 @@ import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from lattica.config import DEFAULT_INNER_STEPS
-from lattica.train.collective import Collective
-from lattica.train.outer_placement import OuterPlacement, copy_into, pseudo_gradient
+from lattica.train.engine.checkpoint import StateDict
+from lattica.train.engine.collective import Collective
+from lattica.train.engine.outer_placement import copy_into
 from lattica.train.strategies.accounting import AccountedStrategy, tensor_bytes
 from lattica.train.strategies.base import EveryHSteps, GroupProvider, OuterStepReport
 from lattica.train.strategies.gossip import (
@@ -45,6 +46,7 @@ from lattica.train.strategies.gossip import (
     realigned_round,
     screen_answers,
 )
+from lattica.train.strategies.outer_math import outer_copy, pseudo_gradient
 from lattica.train.strategies.traffic import payload_bytes
 
 
@@ -107,7 +109,7 @@ def noloco_outer_step(
         p.add_(v)
 
 
-class NoLoCo(EveryHSteps, AccountedStrategy):
+class NoLoCo(EveryHSteps[NoLoCoConfig], AccountedStrategy[NoLoCoConfig]):
     name = "noloco"
     config_class = NoLoCoConfig
 
@@ -123,15 +125,10 @@ class NoLoCo(EveryHSteps, AccountedStrategy):
         groups: GroupProvider,
         config: NoLoCoConfig | None = None,
     ) -> None:
-        super().__init__(model, collective=collective, groups=groups)
-        self.config = config or NoLoCoConfig()
-        named = list(model.named_parameters())
-        self._names = [n for n, _ in named]
-        params = [p for _, p in named]
-        self._params = params
-        # on the host (pinned for a model on CUDA): what the exchanges send, and the outer math
-        self._phi = OuterPlacement().copy(params)
-        self._velocity = [torch.zeros(p.shape, dtype=torch.float32) for p in params]
+        super().__init__(model, collective=collective, groups=groups, config=config)
+        # φ on the host (pinned for a model on CUDA): what the exchanges send, and the outer math
+        self._names, self._params, self._phi = outer_copy(model)
+        self._velocity = [torch.zeros(p.shape, dtype=torch.float32) for p in self._params]
         self._rounds = 0
         self._round_offset = 0  # round keys minus step // H, after jumps to the swarm's step
 
@@ -174,8 +171,7 @@ class NoLoCo(EveryHSteps, AccountedStrategy):
         contributions = [self._phi + delta, *kept]
         mean_phi = group_mean([c[:n] for c in contributions])
         mean_delta = group_mean([c[n:] for c in contributions])
-        if kept:
-            self.consensus_distance = consensus_distance(self._phi, mean_phi)
+        spread = consensus_distance(self._phi, mean_phi) if kept else None
         noloco_outer_step(
             self._phi,
             self._velocity,
@@ -197,9 +193,10 @@ class NoLoCo(EveryHSteps, AccountedStrategy):
             seconds=time.monotonic() - started,
             skipped=not kept,
             detail=left_out_detail(missing, set(answered) - set(accepted)),
+            consensus_distance=spread,
         )
 
-    def outer_state_dict(self) -> dict[str, Any]:
+    def outer_state_dict(self) -> StateDict:
         return {
             "params": {n: t.clone() for n, t in zip(self._names, self._phi, strict=True)},
             "velocity": {n: t.clone() for n, t in zip(self._names, self._velocity, strict=True)},
@@ -207,7 +204,7 @@ class NoLoCo(EveryHSteps, AccountedStrategy):
             "round_offset": self._round_offset,
         }
 
-    def load_outer_state_dict(self, state: dict[str, Any]) -> None:
+    def load_outer_state_dict(self, state: StateDict) -> None:
         with torch.no_grad():
             for name, phi, velocity in zip(self._names, self._phi, self._velocity, strict=True):
                 phi.copy_(state["params"][name])

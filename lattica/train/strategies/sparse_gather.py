@@ -32,7 +32,7 @@ import trio
 from lattica.errors import BrokenError, PeerUnavailableError, RemoteProtocolError
 from lattica.numerics.partner_screen import PartnerScreen
 from lattica.numerics.screen import ContributionScreen, Rejection, accepted_members
-from lattica.train.collective import Collective
+from lattica.train.engine.collective import Collective
 from lattica.train.strategies.base import GroupProvider
 
 log = logging.getLogger(__name__)

@@ -41,26 +41,25 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from lattica.config import DEFAULT_INNER_STEPS
+from lattica.config import DEFAULT_INNER_STEPS, Averaging, check_averaging
 from lattica.coordination.groups import proposed_group
 from lattica.errors import RemoteProtocolError
 from lattica.numerics import sparse
 from lattica.numerics.screen import Rejection
-from lattica.train.collective import Collective
-from lattica.train.outer_placement import copy_into
+from lattica.train.engine.checkpoint import StateDict
+from lattica.train.engine.collective import Collective
+from lattica.train.engine.outer_placement import copy_into
 from lattica.train.strategies.accounting import AccountedStrategy, tensor_bytes
 from lattica.train.strategies.base import EveryHSteps, GroupProvider, OuterStepReport
-from lattica.train.strategies.diloco import _check_tensors, outer_copy, pseudo_gradient
 from lattica.train.strategies.gossip import (
-    check_averaging,
     exchange_with_partners,
     left_out_detail,
     realigned_round,
 )
+from lattica.train.strategies.outer_math import check_tensors, outer_copy, pseudo_gradient
 from lattica.train.strategies.sparse_gather import gather_with_retries, screen_gathered
 
 
@@ -73,7 +72,7 @@ class SparseLoCoConfig:
     density: float = 0.0159  # k = 65 of every 4096
     value_codec: str = "2bit"
     max_attempts: int = 3
-    averaging: str = "allreduce"  # or "gossip": average the sparse ŝ inside small groups
+    averaging: Averaging = "allreduce"  # or "gossip": average the sparse ŝ inside small groups
     group_size: int = 2  # gossip: members per group
     exchange_timeout_s: float = 5.0  # gossip: the grace a partner has (the run setting group_grace_s)
 
@@ -92,7 +91,7 @@ class SparseLoCoConfig:
             raise ValueError(f"SparseLoCoConfig.value_codec must be one of {sparse.VALUE_CODECS}")
         if self.max_attempts < 1:
             raise ValueError(f"SparseLoCoConfig.max_attempts must be >= 1, got {self.max_attempts}")
-        check_averaging(self.averaging, self.group_size)
+        check_averaging(self.averaging, self.group_size, where="SparseLoCoConfig.")
         if not self.exchange_timeout_s > 0:
             raise ValueError(f"SparseLoCoConfig.exchange_timeout_s must be > 0, got {self.exchange_timeout_s}")
 
@@ -134,7 +133,7 @@ def _values(contribution: sparse.SparseChunks) -> torch.Tensor:
     return contribution.values.reshape(-1)
 
 
-class SparseLoCo(EveryHSteps, AccountedStrategy):
+class SparseLoCo(EveryHSteps[SparseLoCoConfig], AccountedStrategy[SparseLoCoConfig]):
     """Every H steps: gather every member's sparse 2-bit ŝ, θ ← θ − α·mean; no outer momentum."""
 
     replicas_agree = True
@@ -153,8 +152,7 @@ class SparseLoCo(EveryHSteps, AccountedStrategy):
         groups: GroupProvider,
         config: SparseLoCoConfig | None = None,
     ) -> None:
-        super().__init__(model, collective=collective, groups=groups)
-        self.config = config or SparseLoCoConfig()
+        super().__init__(model, collective=collective, groups=groups, config=config)
         self._names, self._inner, self._outer = outer_copy(model)
         self._numel = sum(p.numel() for p in self._outer)
         self.error = torch.zeros(self._numel, dtype=torch.float32)
@@ -280,7 +278,7 @@ class SparseLoCo(EveryHSteps, AccountedStrategy):
     def _copy_outer_to_model(self) -> None:
         copy_into(self._inner, self._outer)
 
-    def outer_state_dict(self) -> dict[str, Any]:
+    def outer_state_dict(self) -> StateDict:
         """The shared state only: θ and the round counters (e is private, see the module doc)."""
         return {
             "round": self._round,
@@ -289,9 +287,9 @@ class SparseLoCo(EveryHSteps, AccountedStrategy):
             "params": {n: p.clone() for n, p in zip(self._names, self._outer, strict=True)},
         }
 
-    def load_outer_state_dict(self, state: dict[str, Any]) -> None:
+    def load_outer_state_dict(self, state: StateDict) -> None:
         params = state["params"]
-        _check_tensors("params", params, self._names, self._outer, require_all=True)
+        check_tensors("params", params, self._names, self._outer, require_all=True)
         with torch.no_grad():
             for name, outer in zip(self._names, self._outer, strict=True):
                 outer.copy_(params[name])

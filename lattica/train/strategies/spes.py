@@ -54,18 +54,19 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import cast
 
 import torch
 import trio
 
-from lattica.config import DEFAULT_INNER_STEPS
+from lattica.config import DEFAULT_INNER_STEPS, Averaging, check_averaging
 from lattica.coordination.groups import proposed_group
 from lattica.errors import BrokenError, PeerUnavailableError, RemoteProtocolError
 from lattica.numerics.partner_screen import Segments, refusal, segment_norm
 from lattica.numerics.screen import Rejection
-from lattica.train.collective import Collective
-from lattica.train.moe import MoEGPT, dense_parameters, expert_parameters
+from lattica.train.engine.checkpoint import StateDict
+from lattica.train.engine.collective import Collective
+from lattica.train.engine.moe import MoEGPT, dense_parameters, expert_parameters
 from lattica.train.strategies.accounting import AccountedStrategy
 from lattica.train.strategies.base import GroupProvider, OuterStepReport, StrategyHandles
 from lattica.train.strategies.experts import (
@@ -75,7 +76,6 @@ from lattica.train.strategies.experts import (
     experts_of,
 )
 from lattica.train.strategies.gossip import (
-    check_averaging,
     consensus_distance,
     exchange_with_partners,
     group_mean,
@@ -101,12 +101,12 @@ class SPESConfig:
     codec: str = "fp32"
     members: tuple[str, ...] = field(default=())
     max_attempts: int = 2  # a failed sync is retried once with the group agreed for the retry
-    averaging: str = "allreduce"  # or "gossip": dense mean and owners' experts inside small groups
+    averaging: Averaging = "allreduce"  # or "gossip": dense mean and owners' experts inside small groups
     group_size: int = 2  # gossip: members per group
     exchange_timeout_s: float = 5.0  # gossip: the grace a partner has (the run setting group_grace_s)
 
     def __post_init__(self) -> None:
-        check_averaging(self.averaging, self.group_size)
+        check_averaging(self.averaging, self.group_size, where="SPESConfig.")
         if not self.exchange_timeout_s > 0:
             raise ValueError(f"exchange_timeout_s must be positive, got {self.exchange_timeout_s!r}")
         if self.max_attempts < 1:
@@ -143,7 +143,7 @@ def merge_similar_experts(
             t.add_(pull.mean(dim=0), alpha=alpha)
 
 
-class SPES(AccountedStrategy):
+class SPES(AccountedStrategy[SPESConfig]):
     replicas_agree = True
     trains_experts = True
 
@@ -159,8 +159,7 @@ class SPES(AccountedStrategy):
         config: SPESConfig | None = None,
         ownership: ExpertOwnership | None = None,
     ) -> None:
-        super().__init__(model, collective=collective, groups=groups)
-        self.config = config or SPESConfig()
+        super().__init__(model, collective=collective, groups=groups, config=config)
         self.num_experts = model.moe_config.num_experts
         if ownership is None:
             if not self.config.members:
@@ -195,10 +194,9 @@ class SPES(AccountedStrategy):
         """With the node's expert ownership (``handles.ownership``) when it keeps one."""
         if not isinstance(model, MoEGPT):
             raise TypeError(f"SPES trains a mixture-of-experts model (MoEGPT), got {type(model).__name__}")
-        if config is not None and not isinstance(config, SPESConfig):
-            raise TypeError(f"SPES takes an SPESConfig, got {type(config).__name__}")
+        typed = cast("SPESConfig | None", config)  # the constructor refuses another kind
         return cls(
-            model, collective=collective, groups=groups, config=config, ownership=handles.ownership,
+            model, collective=collective, groups=groups, config=typed, ownership=handles.ownership,
         ).take_handles(handles)
 
     @property
@@ -311,9 +309,10 @@ class SPES(AccountedStrategy):
         kept = [(p, a) for p, a in zip(answered, answers, strict=True) if p in verdict.accepted]
         answered, answers = [p for p, _ in kept], [a for _, a in kept]
         copies: dict[int, list[torch.Tensor]] = {}
+        spread = None
         if answers:
             mean = group_mean([dense, *[a[:n] for a in answers]])
-            self.consensus_distance = consensus_distance(dense, mean)
+            spread = consensus_distance(dense, mean)
             for partner, answer in zip(answered, answers, strict=True):
                 offset = n
                 for e in experts_of(self.owners, partner):
@@ -340,6 +339,7 @@ class SPES(AccountedStrategy):
             bytes_sent=sent,
             seconds=time.monotonic() - started,
             detail=left_out_detail(missing, [r.peer for r in verdict.rejected]),
+            consensus_distance=spread,
         )
 
     def _segments(self, payload: Sequence[torch.Tensor], dense: int, experts: Sequence[int]) -> Segments:
@@ -434,14 +434,14 @@ class SPES(AccountedStrategy):
                     if optimizer is not None:
                         optimizer.state.pop(p, None)
 
-    def outer_state_dict(self) -> dict[str, Any]:
+    def outer_state_dict(self) -> StateDict:
         return {
             "params": {n: p.detach().clone() for n, p in self.model.named_parameters()},
             "owners": dict(self.owners),
             "completed_rounds": self._completed,
         }
 
-    def load_outer_state_dict(self, state: dict[str, Any]) -> None:
+    def load_outer_state_dict(self, state: StateDict) -> None:
         with torch.no_grad():
             for name, p in self.model.named_parameters():
                 p.copy_(state["params"][name])

@@ -50,7 +50,6 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import trio
@@ -62,8 +61,9 @@ from lattica.errors import (
     PeerUnavailableError,
     RemoteProtocolError,
 )
-from lattica.train.collective import Collective
-from lattica.train.quantize import (
+from lattica.train.engine.checkpoint import StateDict
+from lattica.train.engine.collective import Collective
+from lattica.train.engine.quantize import (
     DEFAULT_BLOCK_SIZE,
     Quantized4Bit,
     dequantize_4bit,
@@ -71,7 +71,7 @@ from lattica.train.quantize import (
 )
 from lattica.train.strategies.accounting import AccountedStrategy, tensor_bytes
 from lattica.train.strategies.base import GroupProvider, OuterStepReport
-from lattica.train.strategies.diloco import eager_start, pseudo_gradient
+from lattica.train.strategies.outer_math import eager_start, nesterov_sgd, pseudo_gradient
 from lattica.train.strategies.traffic import allreduce_bytes, payload_bytes
 
 
@@ -158,7 +158,7 @@ class _FragmentSync:
     own: list[torch.Tensor] = field(default_factory=list)  # eager: this worker's Δ_p
 
 
-class StreamingDiLoCo(AccountedStrategy):
+class StreamingDiLoCo(AccountedStrategy[StreamingDiLoCoConfig]):
     replicas_agree = True
 
     name = "streaming"
@@ -172,20 +172,16 @@ class StreamingDiLoCo(AccountedStrategy):
         groups: GroupProvider,
         config: StreamingDiLoCoConfig | None = None,
     ) -> None:
-        super().__init__(model, collective=collective, groups=groups)
-        self.config = config or StreamingDiLoCoConfig()
+        super().__init__(model, collective=collective, groups=groups, config=config)
         named = list(model.named_parameters())
         self._names = [n for n, _ in named]
         self._inner = [p for _, p in named]
         self._outer = [p.detach().to("cpu", torch.float32, copy=True) for p in self._inner]
         self.fragments = fragment_indices(model, self.config.fragments)
         self.outer_optimizers = [
-            torch.optim.SGD(
+            nesterov_sgd(
                 [self._outer[i] for i in indices] or [torch.zeros(0, requires_grad=True)],
-                lr=self.config.outer_lr,
-                momentum=self.config.outer_momentum,
-                nesterov=True,
-                foreach=False,
+                self.config.outer_lr, self.config.outer_momentum,
             )
             for indices in self.fragments
         ]
@@ -394,7 +390,7 @@ class StreamingDiLoCo(AccountedStrategy):
             detail=sync.error,
         )
 
-    def outer_state_dict(self) -> dict[str, Any]:
+    def outer_state_dict(self) -> StateDict:
         momentum = {}
         for optimizer in self.outer_optimizers:
             for name, p in zip(self._names, self._outer, strict=True):
@@ -407,7 +403,7 @@ class StreamingDiLoCo(AccountedStrategy):
             "syncs_started": list(self._syncs_started),
         }
 
-    def load_outer_state_dict(self, state: dict[str, Any]) -> None:
+    def load_outer_state_dict(self, state: StateDict) -> None:
         with torch.no_grad():
             for fragment, indices in enumerate(self.fragments):
                 optimizer = self.outer_optimizers[fragment]

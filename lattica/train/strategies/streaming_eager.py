@@ -10,10 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from lattica.train.collective import Collective
-from lattica.train.strategies.base import GroupProvider
 from lattica.train.strategies.streaming import StreamingDiLoCo, StreamingDiLoCoConfig
 
 
@@ -31,15 +27,3 @@ class StreamingEagerDiLoCo(StreamingDiLoCo):
     replicas_agree = False
     name = "streaming_eager"
     config_class = StreamingEagerConfig
-
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        *,
-        collective: Collective,
-        groups: GroupProvider,
-        config: StreamingEagerConfig | None = None,
-    ) -> None:
-        super().__init__(
-            model, collective=collective, groups=groups, config=config or StreamingEagerConfig()
-        )

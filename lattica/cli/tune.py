@@ -1,0 +1,100 @@
+"""``lattica tune``: choose H, codec, overlap, group size and chunk size for measured links.
+
+Given one inner step's time, the model's payload, the bandwidth and RTT to the group's peers and
+the number of members, it runs the auto-tuner's priority search (``train/settings/autotune.py``) and
+prints one line per choice with the numbers behind it, then the run settings to use. Imports
+nothing of torch: it runs where the daemon does not.
+
+With all five figures on the command line it runs offline. Otherwise it asks the daemon of
+``--data-dir`` (the ``tune`` control request, ``train/tuner.py``) for what it measured — its
+inner step, its payload, the last timed transfer to and a clock ping to each member of its last
+round — and any figure given on the command line replaces the measured one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Mapping
+
+from lattica.cli.common import resolve_data_dir
+from lattica.control import client
+from lattica.decoding import str_map
+from lattica.errors import ConfigError, LocalProtocolError
+
+_FIGURES = ("step_ms", "model_bytes", "bandwidth_mbit", "rtt_ms", "peers")
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    tune = sub.add_parser("tune", help="choose H, codec, overlap, group size and chunk size for measured links")
+    measured = " (default: as the running daemon measured it)"
+    tune.add_argument("--step-ms", type=float, help="one inner step, in milliseconds" + measured)
+    tune.add_argument("--model-bytes", type=int,
+                      help="the model's fp32 payload in bytes (4 × parameters)" + measured)
+    tune.add_argument("--bandwidth-mbit", type=float, help="to the slowest peer of the group, Mbit/s" + measured)
+    tune.add_argument("--rtt-ms", type=float, help="round-trip time to the farthest peer, ms" + measured)
+    tune.add_argument("--peers", type=int, help="members of a round" + measured)
+    tune.add_argument("--data-dir", help="the running daemon to measure (default: $LATTICA_DATA_DIR or the default)")
+    tune.add_argument("--target", type=float, default=0.95, help="utilization to meet (default 0.95)")
+    tune.add_argument("--json", action="store_true", help="one JSON object instead of lines")
+
+
+def tune(args: argparse.Namespace) -> int:
+    from lattica.train.settings.autotune import Measurements, run_settings, tune
+
+    figures = {name: getattr(args, name) for name in _FIGURES}
+    if any(value is None for value in figures.values()):
+        figures = {**_measured(args), **{k: v for k, v in figures.items() if v is not None}}
+        missing = [name for name, value in figures.items() if value is None]
+        if missing:
+            raise ConfigError(f"tune: the daemon has not measured {', '.join(missing)} yet (a round with peers "
+                              "must have completed); wait, or give --" + missing[0].replace("_", "-"))
+        if not args.json:
+            print("measured: " + ", ".join(f"{name} {value:g}" for name, value in figures.items()))
+    try:
+        measured = Measurements(
+            step_s=figures["step_ms"] / 1000, model_bytes=int(figures["model_bytes"]),
+            bandwidth_bps=figures["bandwidth_mbit"] * 1e6, rtt_s=figures["rtt_ms"] / 1000, peers=int(figures["peers"]),
+        )
+        tuned = tune(measured, target=args.target)
+    except ValueError as exc:
+        raise ConfigError(f"tune: {exc}") from None
+    settings = run_settings(tuned.config)
+    if args.json:
+        print(json.dumps({
+            "measured": figures, "config": tuned.config.__dict__, "settings": settings,
+            "meets_target": tuned.meets_target,
+            "utilization": round(tuned.prediction.utilization, 4), "loss_cost": round(tuned.prediction.loss_cost, 4),
+            "choices": [c.line() for c in tuned.choices],
+        }))
+        return 0
+    for choice in tuned.choices:
+        print(choice.line())
+    verdict = "meets" if tuned.meets_target else "does NOT meet"
+    print(f"chosen: {tuned.config.describe()} — predicted utilization {tuned.prediction.utilization:.3f} "
+          f"({verdict} {args.target})")
+    print("[train]")
+    for key, value in settings.items():
+        print(f"{key} = {json.dumps(value)}")
+    return 0
+
+
+def _measured(args: argparse.Namespace) -> dict[str, float | None]:
+    """The daemon's figures in the CLI's units; a reply that is no such object is refused."""
+    reply = str_map(client.call(resolve_data_dir(args) / "control.sock", "tune", timeout=30.0))
+    if reply is None:
+        raise LocalProtocolError("daemon sent a malformed reply to tune")
+    return {
+        "step_ms": _scaled(reply, "step_s", 1000), "model_bytes": _scaled(reply, "model_bytes", 1),
+        "bandwidth_mbit": _scaled(reply, "bandwidth_bps", 1e-6), "rtt_ms": _scaled(reply, "rtt_s", 1000),
+        "peers": _scaled(reply, "peers", 1),
+    }
+
+
+def _scaled(reply: Mapping[str, object], key: str, factor: float) -> float | None:
+    value = reply.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise LocalProtocolError(f"daemon sent a malformed {key} in its reply to tune: {value!r}")
+    return value * factor

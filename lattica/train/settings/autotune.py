@@ -1,0 +1,238 @@
+"""Choosing H, the codec, overlap, group size and chunk size from measured links (sans-IO).
+
+Theory of operation
+-------------------
+One outer round costs compute and communication. From what a node measures — the time of one
+inner step, the model's fp32 payload, the bandwidth and round-trip time to its group's peers —
+``predict`` models a round of a candidate configuration:
+
+- compute: H × step time;
+- transfer: a butterfly all-reduce over a group of n sends 2(n−1)/n of the encoded payload
+  (``codec`` bits per value) per member in 2(n−1) sequential phases; the data plane moves it in
+  chunks, so a phase costs its bytes over the bandwidth, one RTT, and a per-chunk overhead, and
+  a chunk too large for the pipeline adds its own transfer time once per phase (fill);
+- exposed communication: the whole transfer when blocking, only what outlasts the inner phase
+  when the exchange overlaps it (eager / CO2: the round's all-reduce runs during the next H
+  steps);
+- utilization = compute / (compute + exposed).
+
+Every choice also has an expected loss cost, a relative loss increase taken from this
+project's own convergence measurements (``LOSS_COST``; docs/strategies.md): a longer H, a lossier
+codec, overlap (a one-round-late update) and a smaller group each cost a little quality. The
+search wants the configuration with the least loss cost whose predicted utilization meets the
+target (default 0.95) — "prefer less compression and smaller H when both meet it".
+
+The search is a priority search in the manner of Lagom (Xu et al., arXiv 2602.20656), not an
+exhaustive one. The chunk size costs no quality: it is set first, to the value that minimizes
+the transfer. Every other knob starts at its cheapest value (its values ordered from the
+cheapest in loss to the dearest) and moves one notch at a time: each step moves the knob of
+highest priority — the most predicted utilization bought per unit of expected loss cost — or,
+when some one-notch move meets the target, the cheapest such move, and stops. A last pass backs
+off every knob whose last notch the target no longer needs. Each knob moves through its values
+at most once each way, so the search is linear in the number of values, where the cross
+product of the knobs is exponential. Every step is printed with its numbers (``Choice.line``), so the choice
+explains itself, as OptiCo asks of a configurator (Chen et al., ACL 2026).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+# bits per value on the wire, per codec (a per-block scale is negligible at these sizes)
+CODEC_BITS = {"fp32": 32, "bf16": 16, "int8": 8, "int4": 4}
+# expected relative loss increase of each choice against DiLoCo H = 50, fp32, blocking, all peers
+LOSS_COST: dict[str, dict[object, float]] = {
+    "inner_steps": {25: 0.0, 50: 0.0, 100: 0.01, 200: 0.025, 400: 0.05},
+    "codec": {"fp32": 0.0, "bf16": 0.001, "int8": 0.003, "int4": 0.01},
+    "overlap": {False: 0.0, True: 0.01},
+    "group_size": {0: 0.0, 4: 0.005, 2: 0.02},  # 0: every member of the round
+}
+CHUNK_BYTES = (256 << 10, 1 << 20, 4 << 20, 16 << 20)
+PER_CHUNK_OVERHEAD_S = 0.002  # framing, a hand-off to the event loop, an acknowledgement
+DEFAULT_TARGET = 0.95
+PRIORITY = ("inner_steps", "codec", "overlap", "group_size")  # most influential first
+
+
+@dataclass(frozen=True, kw_only=True)
+class Measurements:
+    """What a node measured: its inner step, its payload and its links to the group's peers."""
+
+    step_s: float  # one inner step
+    model_bytes: int  # fp32 payload of the pseudo-gradient
+    bandwidth_bps: float  # bits per second, the slowest peer's
+    rtt_s: float  # round-trip time, the farthest peer's
+    peers: int  # members of a round
+
+    def __post_init__(self) -> None:
+        for name in ("step_s", "bandwidth_bps"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite positive number, got {value!r}")
+        if not (math.isfinite(self.rtt_s) and self.rtt_s >= 0):
+            raise ValueError(f"rtt_s must be a finite number >= 0, got {self.rtt_s!r}")
+        if self.model_bytes <= 0 or self.peers < 2:
+            raise ValueError("model_bytes must be positive and peers at least 2")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Candidate:
+    inner_steps: int = 50
+    codec: str = "fp32"
+    overlap: bool = False
+    group_size: int = 0  # 0: every member of the round
+    chunk_bytes: int = 1 << 20
+
+    def describe(self) -> str:
+        group = "all" if self.group_size == 0 else str(self.group_size)
+        return (f"H {self.inner_steps}, {self.codec}, overlap {'on' if self.overlap else 'off'}, "
+                f"group {group}, chunk {self.chunk_bytes >> 10} KiB")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Prediction:
+    compute_s: float
+    transfer_s: float
+    exposed_s: float
+    utilization: float
+    loss_cost: float
+
+
+def group_of(candidate: Candidate, peers: int) -> int:
+    return peers if candidate.group_size == 0 else min(candidate.group_size, peers)
+
+
+def transfer_seconds(candidate: Candidate, m: Measurements) -> float:
+    """One all-reduce of the encoded payload over the candidate's group (module docstring)."""
+    n = group_of(candidate, m.peers)
+    payload = m.model_bytes * CODEC_BITS[candidate.codec] / 32
+    phases = 2 * (n - 1)
+    sent = payload * phases / n
+    chunks = math.ceil(sent / candidate.chunk_bytes)
+    fill = min(candidate.chunk_bytes, payload / n) * 8 / m.bandwidth_bps * phases
+    return sent * 8 / m.bandwidth_bps + phases * m.rtt_s + chunks * PER_CHUNK_OVERHEAD_S + fill
+
+
+def loss_cost(candidate: Candidate) -> float:
+    return sum(LOSS_COST[knob][getattr(candidate, knob)] for knob in PRIORITY)
+
+
+def predict(candidate: Candidate, m: Measurements) -> Prediction:
+    compute = candidate.inner_steps * m.step_s
+    transfer = transfer_seconds(candidate, m)
+    exposed = max(0.0, transfer - compute) if candidate.overlap else transfer
+    return Prediction(
+        compute_s=compute, transfer_s=transfer, exposed_s=exposed,
+        utilization=compute / (compute + exposed), loss_cost=loss_cost(candidate),
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Choice:
+    """One step of the search: a knob set to a value, and the numbers behind it."""
+
+    knob: str
+    value: object
+    prediction: Prediction
+    reason: str
+
+    def line(self) -> str:
+        p = self.prediction
+        return (f"{self.knob} = {self.value}: utilization {p.utilization:.3f} (compute {p.compute_s:.2f} s, "
+                f"transfer {p.transfer_s:.2f} s, exposed {p.exposed_s:.2f} s), expected loss "
+                f"+{100 * p.loss_cost:.1f} % — {self.reason}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Tuned:
+    config: Candidate
+    prediction: Prediction
+    choices: tuple[Choice, ...]
+    meets_target: bool
+
+
+def _values(knob: str, fixed: Mapping[str, object]) -> list[object]:
+    """A knob's values from the cheapest in loss to the dearest (ties: the smaller H first);
+    only its value in ``fixed`` when the run cannot change it."""
+    if knob in fixed:
+        if fixed[knob] not in LOSS_COST[knob]:
+            raise ValueError(f"{knob} = {fixed[knob]!r} is not one of {sorted(LOSS_COST[knob], key=str)}")
+        return [fixed[knob]]
+    costs = LOSS_COST[knob]
+    return sorted(costs, key=lambda v: (costs[v], v if isinstance(v, int) and knob == "inner_steps" else 0))
+
+
+def tune(m: Measurements, *, target: float = DEFAULT_TARGET, fixed: Mapping[str, object] | None = None) -> Tuned:
+    """The priority search (module docstring): the chunk size first, then one notch at a time on
+    the knob that buys the most utilization per unit of loss cost, then back off what the target
+    no longer needs. ``fixed``: knobs held at a value (those a running swarm cannot change)."""
+    if not 0 < target <= 1:
+        raise ValueError(f"target must be in (0, 1], got {target!r}")
+    values = {knob: _values(knob, fixed or {}) for knob in PRIORITY}
+    index = dict.fromkeys(PRIORITY, 0)
+
+    def at(idx: dict[str, int], chunk: int) -> Candidate:
+        return Candidate(chunk_bytes=chunk, **{k: values[k][i] for k, i in idx.items()})  # type: ignore[arg-type]
+
+    chunk = min(CHUNK_BYTES, key=lambda c: transfer_seconds(at(index, c), m))
+    current = at(index, chunk)
+    choices = [Choice(knob="chunk_bytes", value=chunk, prediction=predict(current, m),
+                      reason="the fastest transfer of " + ", ".join(f"{c >> 10} KiB" for c in CHUNK_BYTES))]
+    while predict(current, m).utilization < target:
+        moves = []
+        for knob in PRIORITY:
+            if index[knob] + 1 < len(values[knob]):
+                moved = at({**index, knob: index[knob] + 1}, chunk)
+                moves.append((knob, moved, predict(moved, m)))
+        if not moves:
+            break
+        now = predict(current, m)
+        meeting = [mv for mv in moves if mv[2].utilization >= target]
+        if meeting:
+            knob, current, prediction = min(meeting, key=lambda mv: mv[2].loss_cost)
+            reason = f"meets utilization {target} at the least loss cost of one step"
+        else:
+            knob, current, prediction = max(moves, key=lambda mv: _worth(mv[2], now))
+            reason = "the most utilization per loss cost of one step"
+        index[knob] += 1
+        choices.append(Choice(knob=knob, value=getattr(current, knob), prediction=prediction, reason=reason))
+    for knob in PRIORITY:  # back off: a step taken early that the later ones made unneeded
+        while index[knob] > 0:
+            lighter = at({**index, knob: index[knob] - 1}, chunk)
+            prediction = predict(lighter, m)
+            if prediction.utilization < target:
+                break
+            index[knob] -= 1
+            current = lighter
+            choices.append(Choice(knob=knob, value=getattr(current, knob), prediction=prediction,
+                                  reason=f"backed off: {target} is met without it"))
+    final = predict(current, m)
+    return Tuned(config=current, prediction=final, choices=tuple(choices), meets_target=final.utilization >= target)
+
+
+def _worth(moved: Prediction, now: Prediction) -> float:
+    """Utilization bought per unit of loss cost by a move from ``now``."""
+    return (moved.utilization - now.utilization) / max(moved.loss_cost - now.loss_cost, 1e-4)
+
+
+def needs_retune(tuned_for_bps: float, measured_bps: float, *, factor: float = 2.0) -> bool:
+    """Whether the bandwidth moved by more than ``factor`` either way since the last tuning."""
+    if tuned_for_bps <= 0 or measured_bps <= 0:
+        return False
+    ratio = measured_bps / tuned_for_bps
+    return ratio > factor or ratio < 1 / factor
+
+
+def run_settings(candidate: Candidate) -> dict[str, object]:
+    """The ``[train]`` settings of ``candidate``: overlap is strategy ``co2`` (all-reduce) or
+    gossip with ``gossip_overlap``; a group smaller than the round is gossip averaging. The codec
+    and chunk size are the data plane's (advisory here: the codec of the DiLoCo family's config)."""
+    settings: dict[str, object] = {"inner_steps": candidate.inner_steps}
+    if candidate.group_size:
+        settings |= {"strategy": "diloco", "averaging": "gossip", "group_size": candidate.group_size}
+        if candidate.overlap:
+            settings["gossip_overlap"] = True
+    else:
+        settings["strategy"] = "co2" if candidate.overlap else "diloco"
+    return settings

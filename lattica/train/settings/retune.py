@@ -1,0 +1,270 @@
+"""Re-tuning a running swarm (``tune = true``): the admin measures, tunes and publishes; every
+member follows the tuned sync schedule the run config holds.
+
+Theory of operation
+-------------------
+**Where it is decided.** Only an admin tunes, after a round it took part in: it measures the
+inner step (``PhaseTimer``: the wall time of the inner phase before the round over its steps),
+the fp32 payload, the bandwidth to the round's other members (the lower of the slowest peer's
+last timed message and the round's own bytes over its wall time: ``tuner.measure``) and the
+RTT (a clock ping, the farthest peer's), and hands them to ``decide``. The first round with a
+timed inner phase (the second) tunes; a later one re-tunes only
+when the bandwidth moved by more than ``factor`` (2×) either way since the last tuning
+(``autotune.needs_retune``). Every decision is logged with its numbers.
+
+**What a member may change between rounds.** Only H. The search runs with the other knobs fixed
+at the run's values (``fixed_knobs``), so its H is right for the run as it is. The free search's
+choice is computed too, and every knob it would set differently is *reported* in the decision,
+the log and ``lattica status`` (``not_applied``), never applied: the codec and the data plane's
+chunk size are no run settings; overlap means strategy ``co2`` and a smaller group means gossip
+averaging, whose outer state differs from the running strategy's — they take a restart with
+those settings (``lattica tune`` prints them).
+
+**How members agree.** The admin appends a period ``(from_step, H)`` to the ``tuned`` entry of
+the run config — signed, admin-only, replicated like every run setting — and ``from_step`` is
+the *next* sync step of the schedule in force, a whole inner phase ahead, so every member holds
+the entry before it matters. The schedule is a pure function of the run config
+(``next_sync_step``): syncs at the multiples of the run's H, then from each period's
+``from_step`` on every H of that period, and at the last step of the run. A member never
+derives a period itself, so no member applies a schedule the others do not hold; a member that
+gets the entry late finds its next sync where the others' is (the function is the same). A
+malformed entry (only an admin can write one, but a buggy or hostile admin can) is
+refused with one warning and the schedule in force stays.
+
+Which strategies: those that sync every H steps and key their rounds by a round counter
+(``TUNABLE_STRATEGIES``); for any other ``tune = true`` is refused at start-up.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from lattica.train.settings.autotune import Measurements, Tuned, needs_retune, tune
+from lattica.train.strategies.base import (
+    EveryHSteps,
+    OuterStepReport,
+    OuterStrategy,
+    WrappedStrategy,
+)
+
+log = logging.getLogger(__name__)
+
+TUNED_KEY = "tuned"  # the run config's entry
+TUNABLE_STRATEGIES = ("diloco", "co2", "desloc", "local_adam", "sparseloco")
+MAX_PERIODS = 64  # periods in the tuned entry; a run that re-tuned this often stops re-tuning
+MAX_INNER_STEPS = 1_000_000
+RETUNE_FACTOR = 2.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Period:
+    """From ``from_step`` (a sync step) on, a sync every ``inner_steps`` steps."""
+
+    from_step: int
+    inner_steps: int
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.from_step) or self.from_step < 0:
+            raise ValueError(f"from_step must be an integer >= 0, got {self.from_step!r}")
+        if not _is_int(self.inner_steps) or not 1 <= self.inner_steps <= MAX_INNER_STEPS:
+            raise ValueError(f"inner_steps must be an integer in [1, {MAX_INNER_STEPS}], got {self.inner_steps!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TunedEntry:
+    """The run config's ``tuned`` entry: the periods, what the last tuning measured, and what
+    it would change but cannot."""
+
+    periods: tuple[Period, ...]
+    bandwidth_bps: float
+    not_applied: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if len(self.periods) > MAX_PERIODS:
+            raise ValueError(f"at most {MAX_PERIODS} periods, got {len(self.periods)}")
+        steps = [p.from_step for p in self.periods]
+        if steps != sorted(set(steps)):
+            raise ValueError("periods must have increasing from_step")
+        if not (math.isfinite(self.bandwidth_bps) and self.bandwidth_bps > 0):
+            raise ValueError(f"bandwidth_bps must be a finite positive number, got {self.bandwidth_bps!r}")
+        if len(self.not_applied) > 16 or any(not isinstance(n, str) or len(n) > 300 for n in self.not_applied):
+            raise ValueError("not_applied must be at most 16 lines of at most 300 characters")
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "periods": [[p.from_step, p.inner_steps] for p in self.periods],
+            "bandwidth_bps": self.bandwidth_bps, "not_applied": list(self.not_applied),
+        }
+
+
+def parse_entry(value: object) -> TunedEntry:
+    """The ``tuned`` entry from the run config's JSON; ``ValueError`` naming what is wrong."""
+    if not isinstance(value, dict):
+        raise ValueError("the tuned entry must be an object")  # noqa: TRY004 - bad input, one kind
+    periods = value.get("periods")
+    if not isinstance(periods, list) or len(periods) > MAX_PERIODS:
+        raise ValueError(f"tuned.periods must be a list of at most {MAX_PERIODS} [from_step, H] pairs")
+    parsed = []
+    for pair in periods:
+        if not isinstance(pair, list) or len(pair) != 2:
+            raise ValueError("tuned.periods must hold [from_step, H] pairs")
+        parsed.append(Period(from_step=pair[0], inner_steps=pair[1]))
+    bandwidth = value.get("bandwidth_bps")
+    if isinstance(bandwidth, bool) or not isinstance(bandwidth, int | float):
+        raise ValueError("tuned.bandwidth_bps must be a number")  # noqa: TRY004 - bad input, one kind
+    not_applied = value.get("not_applied", [])
+    if not isinstance(not_applied, list):
+        raise ValueError("tuned.not_applied must be a list of lines")  # noqa: TRY004 - bad input, one kind
+    return TunedEntry(periods=tuple(parsed), bandwidth_bps=float(bandwidth), not_applied=tuple(not_applied))
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# -- the schedule: a pure function of the run's H, the periods and the run's end -------------
+
+
+def next_sync_step(step: int, *, base: int, periods: Sequence[Period], end: int) -> int:
+    """The first sync step after ``step`` (module docstring)."""
+    current = Period(from_step=0, inner_steps=base)
+    upcoming = None
+    for period in periods:
+        if period.from_step <= step:
+            current = period
+        else:
+            upcoming = period.from_step
+            break
+    since = step - current.from_step
+    following = current.from_step + (since // current.inner_steps + 1) * current.inner_steps
+    candidates = [following, end if end > step else following]
+    if upcoming is not None:
+        candidates.append(upcoming)
+    return min(candidates)
+
+
+def period_at(step: int, *, base: int, periods: Sequence[Period]) -> int:
+    """H in force after ``step``."""
+    return next((p.inner_steps for p in reversed(periods) if p.from_step <= step), base)
+
+
+class TunedPeriods(WrappedStrategy):
+    """A strategy that syncs every H steps, synced on the tuned schedule instead (module
+    docstring): ``periods`` reads the run config's periods; ``end`` is the run's last step.
+    Times each inner phase for the tuner."""
+
+    def __init__(self, inner: OuterStrategy[object], *, periods: Callable[[], tuple[Period, ...]], end: int) -> None:
+        if not isinstance(inner, EveryHSteps):
+            raise TypeError(f"{type(inner).__name__} does not sync every H steps: H cannot be tuned")
+        super().__init__(inner)
+        self._every = inner
+        self._periods = periods
+        self.end = end
+        self.timer = PhaseTimer()
+
+    @property
+    def base(self) -> int:
+        return self._every.sync_interval
+
+    def next_sync_step(self, step: int) -> int:
+        return next_sync_step(step, base=self.base, periods=self._periods(), end=self.end)
+
+    def sync_in_thread(self, step: int) -> list[OuterStepReport] | None:
+        return None  # every sync on the trio thread, where the schedule is read
+
+    async def after_inner_step(self, step: int) -> list[OuterStepReport]:
+        if step == 0 or self.next_sync_step(step - 1) != step:
+            return []
+        self.timer.phase_ended(step)
+        try:
+            return [await self._every.sync_at(step)]
+        finally:
+            self.timer.sync_ended(step)
+
+    def inner_steps_now(self, step: int) -> int:
+        return period_at(step, base=self.base, periods=self._periods())
+
+
+class PhaseTimer:
+    """The wall time of inner phases: from the end of one sync to the start of the next, over
+    the steps between (reports and validations included: they delay a round as steps do)."""
+
+    def __init__(self) -> None:
+        self._since: tuple[int, float] | None = None
+        self.step_s: float | None = None
+
+    def phase_ended(self, step: int) -> None:
+        if self._since is not None and step > self._since[0]:
+            self.step_s = (time.monotonic() - self._since[1]) / (step - self._since[0])
+
+    def sync_ended(self, step: int) -> None:
+        self._since = (step, time.monotonic())
+
+
+# -- the admin's decision (sans-IO) ----------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class Decision:
+    entry: TunedEntry
+    applied: Tuned  # the search with the run's other knobs fixed: its H is applied
+    free: Tuned  # the unconstrained search: what it changes besides H is reported
+    reason: str
+
+
+def fixed_knobs(strategy: str, averaging: str, group_size: int, gossip_overlap: bool) -> dict[str, object]:
+    """The knobs a running swarm cannot change, at the run's values (module docstring)."""
+    overlap = strategy == "co2" or gossip_overlap
+    group = 0 if averaging == "allreduce" else group_size
+    return {"codec": "fp32", "overlap": overlap, "group_size": group if group in (0, 2, 4) else 2}
+
+
+def not_applied(free: Tuned, applied: Tuned) -> tuple[str, ...]:
+    """One line per knob the free search sets differently from what the run can apply."""
+    why = {
+        "codec": "the run has no codec setting (the data plane sends fp32)",
+        "overlap": "overlap is strategy co2 (or gossip_overlap): its outer state differs; restart with it",
+        "group_size": "a group size is gossip averaging: its outer state differs; restart with it",
+    }
+    lines = [f"{knob} = {getattr(free.config, knob)}: {reason}" for knob, reason in why.items()
+             if getattr(free.config, knob) != getattr(applied.config, knob)]
+    lines.append(f"chunk_bytes = {applied.config.chunk_bytes}: the data plane's chunk size is no run setting")
+    return tuple(lines)
+
+
+def decide(
+    measured: Measurements, *, current: TunedEntry | None, fixed: Mapping[str, object], next_sync: int,
+    base: int, target: float, factor: float = RETUNE_FACTOR,
+) -> Decision | None:
+    """Whether to (re-)tune now, and the new entry: ``None`` when the bandwidth is within
+    ``factor`` of the last tuning's, or the periods are full. ``next_sync``: the next sync step
+    of the schedule in force, where a new period starts."""
+    if current is not None:
+        if not needs_retune(current.bandwidth_bps, measured.bandwidth_bps, factor=factor):
+            return None
+        if len(current.periods) >= MAX_PERIODS:
+            log.warning("tune: %d periods published already; the schedule stays", MAX_PERIODS)
+            return None
+        reason = (f"bandwidth {measured.bandwidth_bps / 1e6:.1f} Mbit/s, was {current.bandwidth_bps / 1e6:.1f} "
+                  f"Mbit/s at the last tuning (more than {factor:g}x)")
+    else:
+        reason = f"first tuning: bandwidth {measured.bandwidth_bps / 1e6:.1f} Mbit/s"
+    applied = tune(measured, target=target, fixed=fixed)
+    free = tune(measured, target=target)
+    periods = current.periods if current is not None else ()
+    in_force = period_at(next_sync, base=base, periods=periods)
+    if applied.config.inner_steps != in_force:
+        periods = (*periods, Period(from_step=next_sync, inner_steps=applied.config.inner_steps))
+    entry = TunedEntry(periods=periods, bandwidth_bps=measured.bandwidth_bps, not_applied=not_applied(free, applied))
+    return Decision(entry=entry, applied=applied, free=free, reason=reason)
+
+
+def slowest_bandwidth_bps(last_sent: Mapping[str, tuple[int, float]], peers: Sequence[str]) -> float | None:
+    """The slowest of ``peers``' last timed transfers (bytes, seconds), in bits per second."""
+    rates = [size * 8 / seconds for peer in peers if (timed := last_sent.get(peer)) is not None
+             for size, seconds in [timed] if seconds > 0]
+    return min(rates) if rates else None

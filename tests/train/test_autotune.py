@@ -1,0 +1,111 @@
+"""The auto-tuner's cost model and priority search, against hand-computed rounds."""
+
+import itertools
+
+import pytest
+
+from lattica.train.settings.autotune import (
+    CHUNK_BYTES,
+    LOSS_COST,
+    PRIORITY,
+    Candidate,
+    Measurements,
+    needs_retune,
+    predict,
+    transfer_seconds,
+    tune,
+)
+
+SMALL = Measurements(step_s=0.1, model_bytes=800_000, bandwidth_bps=20e6, rtt_s=0.1, peers=4)
+
+
+def test_transfer_is_bytes_over_bandwidth_plus_phases_of_rtt_chunks_and_fill():
+    c = Candidate(inner_steps=50, codec="fp32", chunk_bytes=1 << 20)
+    # 4 peers: 6 phases, 2·3/4 of 800 kB = 1.2 MB sent: 0.48 s; 6 RTT = 0.6 s; 2 chunks: 4 ms;
+    # fill: a 200 kB share per phase over the link, 6 times: 0.48 s
+    assert transfer_seconds(c, SMALL) == pytest.approx(0.48 + 0.6 + 0.004 + 0.48)
+    half = transfer_seconds(Candidate(codec="bf16", chunk_bytes=1 << 20), SMALL)
+    assert half == pytest.approx(0.24 + 0.6 + 0.002 + 0.24)
+
+
+def test_overlap_hides_what_fits_in_the_inner_phase():
+    blocking = predict(Candidate(inner_steps=50), SMALL)
+    overlapped = predict(Candidate(inner_steps=50, overlap=True), SMALL)
+    assert blocking.exposed_s == pytest.approx(blocking.transfer_s)
+    assert overlapped.exposed_s == 0.0
+    assert overlapped.utilization == 1.0
+    assert blocking.utilization == pytest.approx(5.0 / (5.0 + blocking.transfer_s))
+    assert overlapped.loss_cost == LOSS_COST["overlap"][True]
+
+
+def _exhaustive_best(m, target):
+    """The least loss cost meeting ``target`` over the whole cross product (for comparison)."""
+    best = None
+    for combo in itertools.product(*(LOSS_COST[k] for k in PRIORITY)):
+        for chunk in CHUNK_BYTES:
+            p = predict(Candidate(chunk_bytes=chunk, **dict(zip(PRIORITY, combo, strict=True))), m)
+            if p.utilization >= target and (best is None or p.loss_cost < best):
+                best = p.loss_cost
+    return best
+
+
+@pytest.mark.parametrize(("bandwidth", "step_s", "model_bytes"), [
+    (20e6, 0.1, 800_000), (200e6, 0.1, 800_000), (20e6, 0.05, 40_000_000), (1e9, 0.02, 400_000_000),
+    (100e6, 0.2, 4_000_000_000),
+])
+def test_the_search_meets_the_target_at_close_to_the_least_loss_cost(bandwidth, step_s, model_bytes):
+    m = Measurements(step_s=step_s, model_bytes=model_bytes, bandwidth_bps=bandwidth, rtt_s=0.1, peers=4)
+    tuned = tune(m)
+    best = _exhaustive_best(m, 0.95)
+    if best is None:
+        assert not tuned.meets_target
+        return
+    assert tuned.meets_target
+    assert tuned.prediction.utilization >= 0.95
+    assert tuned.prediction.loss_cost <= best + 0.011  # within about one notch of the optimum
+
+
+def test_a_fast_link_changes_nothing_and_every_choice_is_explained():
+    fast = Measurements(step_s=0.5, model_bytes=800_000, bandwidth_bps=10e9, rtt_s=0.001, peers=4)
+    tuned = tune(fast)
+    assert tuned.config == Candidate(chunk_bytes=tuned.config.chunk_bytes, inner_steps=25)
+    assert tuned.prediction.loss_cost == 0.0
+    assert [c.knob for c in tuned.choices] == ["chunk_bytes"]
+    assert "utilization" in tuned.choices[0].line()
+
+
+def test_a_slow_link_prefers_overlap_to_a_longer_h():
+    tuned = tune(SMALL)
+    assert tuned.config.overlap
+    assert tuned.config.inner_steps == 25
+    assert tuned.config.codec == "fp32"
+    assert tuned.choices[-1].line().startswith("overlap = True: utilization 1.000")
+
+
+def test_retune_when_bandwidth_moves_more_than_twofold():
+    assert needs_retune(20e6, 41e6)
+    assert needs_retune(200e6, 90e6)
+    assert not needs_retune(20e6, 39e6)
+    assert not needs_retune(20e6, 11e6)
+
+
+@pytest.mark.parametrize("bad", [{"step_s": 0.0}, {"bandwidth_bps": float("nan")}, {"rtt_s": -1.0}, {"peers": 1}])
+def test_bad_measurements_are_refused(bad):
+    values = {"step_s": 0.1, "model_bytes": 10, "bandwidth_bps": 1e6, "rtt_s": 0.0, "peers": 2} | bad
+    with pytest.raises(ValueError, match="must"):
+        Measurements(**values)
+
+
+def test_the_tune_command_prints_each_choice_and_the_settings(capsys):
+    from lattica.cli.main import main
+
+    args = ["tune", "--step-ms", "100", "--model-bytes", "800000", "--bandwidth-mbit", "20", "--rtt-ms", "100",
+            "--peers", "4"]
+    assert main(args) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("chunk_bytes = ")
+    assert out[1].startswith("overlap = True: utilization 1.000")
+    assert out[-3:] == ["[train]", "inner_steps = 25", 'strategy = "co2"']
+    assert main([*args[:2], "-5", *args[3:]]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["lattica: error: tune: step_s must be a finite positive number, got -0.005"]
