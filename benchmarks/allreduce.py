@@ -8,9 +8,12 @@ butterfly all-reduce between real peer processes over the encrypted fast path; g
 unencrypted TCP.
 
     .venv/bin/python benchmarks/allreduce.py [--peers 4] [--mb 100] [--reps 2]
+    .venv/bin/python benchmarks/allreduce.py --peers 4,8,16     # one row per group size
 
 Prints a table, then one JSON line with ``allreduce_s``, ``gloo_s``, ``allreduce_vs_gloo``
-(time ratio) and ``bytes_per_peer_vs_bound`` (bytes each peer sent / 2(N-1)/N of the payload).
+(time ratio), ``cpu_vs_gloo`` and ``bytes_per_peer_vs_bound`` (bytes each peer sent /
+2(N-1)/N of the payload) for the first group size; with several sizes also ``rows`` (the same
+keys per size) and ``allreduce_vs_gloo_worst``.
 Times are the slowest peer of the best repetition; ``*_cpu_s`` is the CPU time of the busiest
 process in it (gloo's includes its I/O threads), and ``load_avg_1m`` tells how shared the
 machine was while it ran.
@@ -125,37 +128,54 @@ def lattica_seconds(world: int, numel: int, reps: int) -> tuple[float, float, in
         return best, cpu, sent
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--peers", type=int, default=4)
-    parser.add_argument("--mb", type=int, default=100)
-    parser.add_argument("--reps", type=int, default=2)
-    args = parser.parse_args()
-    if args.peers < 2 or args.mb < 1 or args.reps < 1:
-        parser.error("--peers must be at least 2, --mb and --reps at least 1")
-    numel = args.mb * 1_000_000 // 4
-    payload = numel * 4
-    try:
-        ours, ours_cpu, sent = lattica_seconds(args.peers, numel, args.reps)
-        gloo, gloo_cpu = gloo_seconds(args.peers, numel, args.reps)
-    except BenchmarkFailed as exc:
-        print(f"allreduce benchmark failed: {exc}", file=sys.stderr)
-        sys.exit(1)
-    bound = 2 * (args.peers - 1) / args.peers * payload
-    print(f"{'implementation':<28}{'seconds':>10}{'cpu s/peer':>12}")
-    print(f"{'lattica butterfly (fast)':<28}{ours:>10.3f}{ours_cpu:>12.3f}")
-    print(f"{'torch.distributed gloo':<28}{gloo:>10.3f}{gloo_cpu:>12.3f}")
-    print(json.dumps({
-        "peers": args.peers,
-        "mb": args.mb,
+def measure(peers: int, mb: int, reps: int) -> dict:
+    """One row: both sides for a group of ``peers`` (raises ``BenchmarkFailed``)."""
+    numel = mb * 1_000_000 // 4
+    ours, ours_cpu, sent = lattica_seconds(peers, numel, reps)
+    gloo, gloo_cpu = gloo_seconds(peers, numel, reps)
+    bound = 2 * (peers - 1) / peers * numel * 4
+    return {
+        "peers": peers,
+        "mb": mb,
         "allreduce_s": round(ours, 3),
         "gloo_s": round(gloo, 3),
         "allreduce_vs_gloo": round(ours / gloo, 3),
         "allreduce_cpu_s": round(ours_cpu, 3),
         "gloo_cpu_s": round(gloo_cpu, 3),
+        "cpu_vs_gloo": round(ours_cpu / gloo_cpu, 3),
         "load_avg_1m": round(os.getloadavg()[0], 1),
         "bytes_per_peer_vs_bound": round(sent / bound, 4),
-    }))
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--peers", default="4", help="group sizes, comma-separated (e.g. 4,8,16)")
+    parser.add_argument("--mb", type=int, default=100)
+    parser.add_argument("--reps", type=int, default=2)
+    args = parser.parse_args()
+    try:
+        sizes = [int(p) for p in args.peers.split(",")]
+    except ValueError:
+        parser.error("--peers takes group sizes separated by commas, e.g. 4,8,16")
+    if min(sizes) < 2 or args.mb < 1 or args.reps < 1:
+        parser.error("--peers must be at least 2, --mb and --reps at least 1")
+    rows = []
+    try:
+        for peers in sizes:
+            rows.append(measure(peers, args.mb, args.reps))
+    except BenchmarkFailed as exc:
+        print(f"allreduce benchmark failed ({sizes[len(rows)]} peers): {exc}", file=sys.stderr)
+        sys.exit(1)
+    print(f"{'peers':>5}  {'implementation':<28}{'seconds':>10}{'cpu s/peer':>12}")
+    for row in rows:
+        for name, key in (("lattica butterfly (fast)", "allreduce"), ("torch.distributed gloo", "gloo")):
+            print(f"{row['peers']:>5}  {name:<28}{row[key + '_s']:>10.3f}{row[key + '_cpu_s']:>12.3f}")
+    summary = dict(rows[0])
+    if len(rows) > 1:
+        summary["rows"] = rows
+        summary["allreduce_vs_gloo_worst"] = max(r["allreduce_vs_gloo"] for r in rows)
+    print(json.dumps(summary))
 
 
 if __name__ == "__main__":

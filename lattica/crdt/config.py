@@ -51,7 +51,9 @@ class StateConfig:
     this node through ``anchors`` (the peers it joined through), an admin, or its own state
     log; a node with neither such a record nor anchors founds a run and is its admin.
     ``vouching``: whose word makes a peer that never connected to us a member.
-    ``serving``: the node-wide budget for answering state-sync sessions (``sync.py``)."""
+    ``serving``: the node-wide budget for answering state-sync sessions (``sync.py``).
+    ``forget_departed_after_s``: a member whose lease ended this long ago is dropped from the
+    state (``Replica.forget_departed``)."""
 
     admins: tuple[str, ...] = ()
     anchors: tuple[str, ...] = ()
@@ -63,6 +65,7 @@ class StateConfig:
     sync_timeout: float = 10.0
     max_backoff: float = 30.0
     compact_min_records: int = 1024
+    forget_departed_after_s: float = 600.0
     serving: ServingLimits = field(default_factory=default_serving)
 
     def __post_init__(self) -> None:
@@ -73,5 +76,7 @@ class StateConfig:
         for name in ("sync_interval", "peer_poll_interval", "sync_timeout", "max_backoff"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        if not self.forget_departed_after_s >= self.lease.lease:
+            raise ValueError("forget_departed_after_s must be at least the lease")
         if self.compact_min_records < 1:
             raise ValueError("compact_min_records must be >= 1")

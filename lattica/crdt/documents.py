@@ -235,6 +235,21 @@ def reassert(doc: Doc[Map[object]], wanted: Doc[Map[object]]) -> None:
                 root[key] = value
 
 
+def compacted(doc: Doc[Map[object]]) -> Doc[Map[object]]:
+    """A new document holding what ``doc`` holds now, without the history of its overwritten
+    and deleted entries (which Yjs keeps: every lease renewal would otherwise add tens of bytes
+    to a member's document for ever). Only the document's one writer may do this: replicas take
+    the result as a snapshot that replaces their copy (``Replica``)."""
+    fresh: Doc[Map[object]] = Doc()
+    for name in WRITER_ROOTS:
+        content = _root(doc, name)
+        if content:
+            root = fresh.get(name, type=Map)
+            for key, value in sorted(content.items()):
+                root[key] = value
+    return fresh
+
+
 # -- readers (untrusted content -> typed, JSON-able views) ---------------------------------------
 
 

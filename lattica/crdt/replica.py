@@ -26,6 +26,9 @@ envelopes needed to bring anyone else up to ``have``: either everything from seq
 
 Equivocation (a writer that signed two histories) is caught, banned and healed as
 ``lattica.crdt.equivocation`` describes; ``Bans`` holds the banned writers and their evidence.
+Streams are compacted and departed members forgotten (``forget_departed``) as
+``lattica.crdt.compaction`` describes. Anti-entropy (``state_vector()``, ``missing_for()``) is
+``lattica.crdt.streams``'s.
 
 A writer's own history
 ----------------------
@@ -42,24 +45,20 @@ supersedes: our document's entries are set back to what this life wrote (the abs
 describe a past life: rounds and checkpoints we no longer hold), and one ``full`` snapshot is
 signed under the seq after the highest one seen. It holds both histories, so it heals the fork
 at any replica that saw our other history, and our next writes follow it.
-
-Anti-entropy is two pure functions: ``state_vector()`` (stream -> have) and
-``missing_for(vector)`` (the envelopes a peer with that vector lacks). Yjs updates commute
-and are idempotent, so replicas that hold the same envelopes hold identical documents,
-whatever the delivery order.
 """
 
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID
 from pycrdt import Doc, Map
 
+from lattica.crdt import compaction
 from lattica.crdt.config import ReplicaLimits
-from lattica.crdt.documents import CONFIG_DOC, Snapshot, build_snapshot, doc_from, reassert
+from lattica.crdt.documents import CONFIG_DOC, MemberRecord, Snapshot, build_snapshot, doc_from, reassert
 from lattica.crdt.envelope import (
     Envelope,
     RejectedUpdate,
@@ -68,7 +67,7 @@ from lattica.crdt.envelope import (
     verify_envelope,
 )
 from lattica.crdt.equivocation import Bans, heals
-from lattica.crdt.streams import Stream, StreamKey, digest, parse_state_vector, parse_vector_rows
+from lattica.crdt.streams import Stream, StreamKey, missing_from, parse_state_vector, parse_vector_rows, vector_rows
 from lattica.errors import LocalProtocolError
 
 _MAX_EVICTED = 16_384  # evicted writers remembered (refused until trusted)
@@ -108,6 +107,8 @@ class Replica:
         self._now = 0.0  # the owner's clock, as of the last ``tick``
         self._evicted: OrderedDict[str, None] = OrderedDict()  # writers refused until trusted
         self._bans = Bans(max_banned=self.limits.max_banned)  # equivocating writers, their evidence
+        self._departed = compaction.Departed()  # forgotten writers (``forget_departed``)
+        self._own = compaction.OwnEnvelopes(self.peer_id)  # ours, recognized once compacted away
         self._holding = False  # our own streams are not published (see "A writer's own history")
         self._own_seen: dict[StreamKey, int] = {}  # our streams -> highest seq absorbed
         self._this_life: dict[str, Doc[Map[object]]] = {}  # our document as this life wrote it
@@ -131,7 +132,8 @@ class Replica:
             return []
         stream = self._stream((doc_name, self.peer_id))
         envelopes = [self._sign_and_keep(stream, doc_name, update, full=False)]
-        if len(stream.retained) >= self.limits.snapshot_every:
+        if compaction.snapshot_due(stream, self.limits.snapshot_every):
+            doc = self._docs[doc_name] = compaction.without_history(doc_name, doc)
             envelopes.append(self._sign_and_keep(stream, doc_name, doc.get_update(), full=True))
         return envelopes
 
@@ -145,6 +147,7 @@ class Replica:
             self.key_pair, run=self.run_id, doc=doc_name, seq=seq or stream.have + 1, full=full, update=update
         )
         stream.keep(env)
+        self._own.note(env)
         self.accepted += 1
         return env
 
@@ -207,6 +210,8 @@ class Replica:
         stream = self._streams.get(env.stream)
         if stream is not None:
             return stream
+        if self._departed.refuses(env):
+            raise RejectedUpdate("departed", f"{env.writer} left the run", peer_id=from_peer)
         if env.writer in self._evicted:
             if not self._protected(env.writer):
                 raise RejectedUpdate("evicted", f"{env.writer} has not proven itself", peer_id=from_peer)
@@ -272,10 +277,11 @@ class Replica:
         if not env.full and stream.retained_bytes() + len(env.update) > self.limits.max_stream_bytes:
             raise RejectedUpdate("oversized", "stream exceeds its byte budget", peer_id=from_peer)
         try:
-            self._doc(env.doc).apply_update(env.update)
+            compaction.apply_envelope(self._docs, env)
         except Exception as exc:  # noqa: BLE001 - pycrdt (Rust) raises its own kinds for an undecodable update from the wire
             raise RejectedUpdate("bad_update", f"undecodable update: {exc}", peer_id=from_peer) from None
         stream.keep(env)
+        self._own.note(env)
         self.accepted += 1
         return env
 
@@ -310,7 +316,7 @@ class Replica:
         """One of our own envelopes: a copy of ours is a replay; the next one of our stream is
         taken while we publish (a replay of our log at start); anything else is another life's."""
         stream = self._stream(env.stream)
-        if stream.find(env.seq) == env:
+        if stream.find(env.seq) == env or env in self._own:  # held, or compacted away
             return self._replay(stream, env, from_peer)
         follows = env.seq == stream.have + 1 or (env.full and env.seq > stream.have)
         if follows and not self._holding:
@@ -334,7 +340,7 @@ class Replica:
         self._holding = True
         return []
 
-    # -- equivocation --------------------------------------------------------------------------
+    # -- equivocation, departed writers ---------------------------------------------------------
 
     def _check_equivocation(self, env: Envelope, from_peer: str | None) -> None:
         """Ban ``env.writer`` if another signed envelope of it holds the same (doc, seq) and no
@@ -354,7 +360,8 @@ class Replica:
     def _superseded(self, env: Envelope, other: Envelope) -> bool:
         stream = self._streams.get(env.stream)
         snapshot = stream.retained[0] if stream is not None and stream.retained else None
-        return snapshot is not None and heals(snapshot, (env, other))
+        fork = (env, other)
+        return snapshot is not None and (compaction.supersedes(snapshot, fork) or heals(snapshot, fork))
 
     def _copy_of(self, env: Envelope) -> Envelope | None:
         stream = self._streams.get(env.stream)
@@ -386,6 +393,16 @@ class Replica:
         """Evidence envelopes of bans since the last call (the owner persists them)."""
         return self._bans.take_new_evidence()
 
+    def forget_departed(self, members: Mapping[str, MemberRecord], *, now_ms: int, after_ms: int) -> list[str]:
+        """Drop and return the writers gone ``after_ms`` before ``now_ms`` but us, admins, banned ones
+        (``members``: ``snapshot()``'s; called now and then, it notes when each was first seen gone)."""
+        kept = {self.peer_id, *self.admins, *self._bans.writers()}
+        gone = self._departed.due(members, now_ms=now_ms, after_ms=after_ms, kept=kept)
+        for writer in gone:
+            self._departed.remember(writer, self.have(writer, writer))
+            self._forget_writer(writer)
+        return gone
+
     # -- time ----------------------------------------------------------------------------------
 
     def tick(self, now: float) -> int:
@@ -410,10 +427,7 @@ class Replica:
         """``[[doc, writer, have, head], ...]``: ``head`` names the envelope at ``have``, so two
         replicas that hold different envelopes under the same seqs (a fork) can tell. Our own
         streams are left out while we hold them: a peer then sends all it holds of them."""
-        return [
-            [doc, writer, s.have, digest(s.retained[-1])]
-            for (doc, writer), s in self._published_streams() if s.have and s.retained
-        ]
+        return vector_rows(self._published_streams())
 
     def _published_streams(self) -> list[tuple[StreamKey, Stream]]:
         return [
@@ -426,22 +440,13 @@ class Replica:
         our envelope at its head where the two differ (it proves the fork to the other side), and
         the evidence against every banned writer it still holds."""
         theirs = parse_vector_rows(vector)
-        missing: list[Envelope] = []
-        for key, stream in self._published_streams():
-            their_have, their_head = theirs.get(key, (0, None))
-            ours_there = stream.find(their_have) if their_head is not None else None
-            if ours_there is not None and digest(ours_there) != their_head:
-                missing.append(ours_there)
-            if stream.have > their_have:
-                missing.extend(env for env in stream.retained if env.seq > their_have)
-        for writer in sorted({w for (_, w), (have, _) in theirs.items() if have and w in self._bans}):
-            missing.extend(self._bans.evidence(writer))
-        return missing
+        banned = sorted({w for (_, w), (have, _) in theirs.items() if have and w in self._bans})
+        return missing_from(self._published_streams(), theirs) + [e for w in banned for e in self._bans.evidence(w)]
 
     def wants_from(self, vector: object) -> bool:
         """Whether a replica with ``vector`` holds something we lack (and would take)."""
         return any(
-            have > (self._streams[key].have if key in self._streams else 0)
+            have > (self._streams[key].have if key in self._streams else self._departed.held(key[1]))
             for key, have in parse_state_vector(vector).items()
             if key[1] not in self._bans and (key[1] not in self._evicted or self._protected(key[1]))
         )
@@ -476,6 +481,7 @@ class Replica:
             "pending": self._pending_total,
             "banned_writers": len(self._bans),
             "evicted_writers": len(self._evicted),
+            "departed_writers": len(self._departed),
             "superseded_own": self.superseded,
         }
 

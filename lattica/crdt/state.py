@@ -70,7 +70,7 @@ from lattica.net.streams import close_quietly, reset_quietly
 log = logging.getLogger(__name__)
 
 # not the relaying peer's fault: an honest peer relays a writer it has not caught or proven yet
-_BENIGN_REJECTIONS = frozenset({"replay", "equivocation", "banned", "evicted", "superseded"})
+_BENIGN_REJECTIONS = frozenset({"replay", "equivocation", "banned", "evicted", "superseded", "departed"})
 # nor a run config record we refuse: who may write it is each node's own decision (its admins,
 # whom it joined through), so such a record is skipped and the rest of the session goes on
 _SKIPPED_IN_SYNC = _BENIGN_REJECTIONS | {"unauthorized"}
@@ -494,4 +494,7 @@ class ReplicatedState:
             await trio.sleep(self.config.lease.heartbeat_interval)
             if not self._left:
                 await self.heartbeat()
+            after_ms = int(self.config.forget_departed_after_s * 1000)  # members long gone are dropped
+            if self._replica.forget_departed(self.snapshot()["members"], now_ms=_now_ms(), after_ms=after_ms):
+                self._bump()  # the log drops them at its next rewrite
 

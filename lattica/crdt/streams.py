@@ -5,12 +5,17 @@ document, writer). A replica's state vector lists, per stream it holds, ``[doc, 
 head]``: the highest contiguous seq applied and a short name of the envelope at it (``digest``),
 so two replicas that hold different envelopes under the same seq (a fork) can tell. Vectors come
 from peers: ``parse_vector_rows`` keeps the well-formed rows only.
+
+Anti-entropy is two pure functions: ``vector_rows`` (a replica's streams -> its state vector)
+and ``missing_from`` (the envelopes a peer with a given vector lacks). Yjs updates commute and
+are idempotent, so replicas that hold the same envelopes hold identical documents, whatever the
+delivery order.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from lattica.crdt.envelope import Envelope
@@ -73,3 +78,24 @@ def parse_vector_rows(vector: object, *, max_rows: int = 100_000) -> dict[Stream
             head = row[3] if len(row) == 4 and isinstance(row[3], str) and len(row[3]) <= 64 else None
             result[(row[0], row[1])] = (row[2], head)
     return result
+
+
+def vector_rows(streams: Iterable[tuple[StreamKey, Stream]]) -> list[list[str | int]]:
+    """``[[doc, writer, have, head], ...]`` for the ``streams`` that hold anything."""
+    return [[doc, writer, s.have, digest(s.retained[-1])] for (doc, writer), s in streams if s.have and s.retained]
+
+
+def missing_from(
+    streams: Iterable[tuple[StreamKey, Stream]], theirs: Mapping[StreamKey, tuple[int, str | None]]
+) -> list[Envelope]:
+    """The envelopes of ``streams`` that a replica whose parsed vector is ``theirs`` lacks, and
+    ours at its head where the two differ (it proves the fork to the other side)."""
+    missing: list[Envelope] = []
+    for key, stream in streams:
+        their_have, their_head = theirs.get(key, (0, None))
+        ours_there = stream.find(their_have) if their_head is not None else None
+        if ours_there is not None and digest(ours_there) != their_head:
+            missing.append(ours_there)
+        if stream.have > their_have:
+            missing.extend(env for env in stream.retained if env.seq > their_have)
+    return missing

@@ -79,7 +79,7 @@ DEFAULT_MAX_NORM_RATIO = 10.0
 DEFAULT_SCREEN = ContributionScreen(max_norm_ratio=DEFAULT_MAX_NORM_RATIO)
 PLAIN_MEAN = ContributionScreen()
 _warned_trim: set[tuple[int, int]] = set()  # (contributions, trim) already warned about
-_BLOCK = 1 << 18  # fp32 elements (1 MiB): a block stays in cache through all its additions
+_BLOCK = 1 << 16  # fp32 elements (256 KiB): a block of every part stays in cache through its additions
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,8 +105,10 @@ def reduce_parts(
         # norms give their plain mean; anything else takes the exact path below
         floats = [p.to(torch.float32) for p in parts]
         ratio = screen.max_norm_ratio
-        no_outlier = ratio is None or _no_norm_outlier([_norm(p) for p in floats], ratio)
-        if no_outlier and _plain_mean_into(out, floats):
+        squares: list[float] | None = None if ratio is None else []
+        if _plain_mean_into(out, floats, squares) and (
+            ratio is None or squares is None or _no_norm_outlier([math.sqrt(q) for q in squares], ratio)
+        ):
             return out, []
     accepted, rejected, norms = _screened(parts, peers, screen)
     if not accepted:
@@ -192,7 +194,7 @@ def _norm(part: torch.Tensor) -> float:
     return math.sqrt(total) if math.isfinite(total) else math.inf
 
 
-def _plain_mean_into(out: torch.Tensor, parts: Sequence[torch.Tensor]) -> bool:
+def _plain_mean_into(out: torch.Tensor, parts: Sequence[torch.Tensor], squares: list[float] | None = None) -> bool:
     """``out = (parts[0] + parts[1] + ...) / len(parts)`` if every part is finite, else False.
 
     The sum is checked, not the parts: a NaN or an infinity in any part makes its element of
@@ -200,18 +202,27 @@ def _plain_mean_into(out: torch.Tensor, parts: Sequence[torch.Tensor]) -> bool:
     block staying in cache through all its additions, on this thread alone (numpy): the same
     rounding as ``_sum_into`` and IEEE division, so the bits do not depend on the thread count,
     and no intra-op worker threads are woken (on a loaded host they spin waiting for a core).
+    With ``squares`` (an empty list), every part's sum of squares is appended to it, computed
+    from the same blocks while they are in cache: the norm screen costs no extra pass over
+    the parts.
     """
     if not (out.is_contiguous() and all(p.is_contiguous() for p in parts)):
         _sum_into(out, parts)
         if not math.isfinite(float(out.sum())):
             return False
+        if squares is not None:
+            squares.extend(_norm(p) ** 2 for p in parts)
         out.div_(len(parts))
         return True
     o, ps = out.detach().numpy(), [p.detach().numpy() for p in parts]
     total = 0.0
+    sums_of_squares = [0.0] * len(ps)
     with np.errstate(over="ignore", invalid="ignore"):  # non-finite sums are handled below
         for start in range(0, o.size, _BLOCK):
             ob, pb = o[start : start + _BLOCK], [p[start : start + _BLOCK] for p in ps]
+            if squares is not None:
+                for i, block in enumerate(pb):
+                    sums_of_squares[i] += float(np.einsum("i,i->", block, block))
             if len(pb) == 1:
                 np.copyto(ob, pb[0])
             else:
@@ -219,11 +230,11 @@ def _plain_mean_into(out: torch.Tensor, parts: Sequence[torch.Tensor]) -> bool:
                 for q in pb[2:]:
                     np.add(ob, q, out=ob)
             total += float(ob.sum())
+            np.divide(ob, np.float32(len(parts)), out=ob)
     if not math.isfinite(total):
         return False
-    for start in range(0, o.size, _BLOCK):
-        ob = o[start : start + _BLOCK]
-        np.divide(ob, np.float32(len(parts)), out=ob)
+    if squares is not None:
+        squares.extend(q if math.isfinite(q) else math.inf for q in sums_of_squares)
     return True
 
 

