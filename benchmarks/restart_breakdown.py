@@ -10,7 +10,8 @@ as the chaos benchmark's do. The phases, in seconds from the restart's ``Popen``
 - ``up_s``: "lattica node … is up" (imports, host up, bootstrap, services started);
 - ``resumed_s``: "resumed at step N" (the trainer built and its checkpoint loaded);
 - ``adopted_s``: the first "adopted outer state" (the swarm's state fetched and taken);
-- ``first_sync_s``: the first "sync round/N done" after the restart (its first contribution);
+- ``first_sync_s``: the first "sync round/N done with K member(s)", K ≥ 2, after the restart
+  (its first contribution; a round run alone averages nothing);
 - ``resumed_cpu_s``: the CPU seconds (user + system) the restarted process had used at ``resumed_s``.
 
 Repeats ``--repeats`` restarts; last line: one JSON object with each phase's median. A daemon
@@ -47,7 +48,7 @@ PHASES = {
     "up_s": re.compile(r"lattica node \S+ is up"),
     "resumed_s": re.compile(r"resumed at step \d+"),
     "adopted_s": re.compile(r"adopted outer state of round"),
-    "first_sync_s": re.compile(r"sync round/\d+ done"),
+    "first_sync_s": re.compile(r"sync round/\d+ done with (?:[2-9]|\d{2,}) member"),
 }
 
 
