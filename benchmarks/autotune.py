@@ -96,31 +96,38 @@ async def _train(service, corpus, cmd: dict) -> dict:
         rounds["skipped" if event.report.skipped else "done"] += 1
 
     trainer = Trainer(task, strategy, config, device=select_device("cpu"), on_round=count_round)
-    timing = {"inner": 0.0, "first": None, "last": None}
+    timing = {"inner": 0.0, "inner_cpu": 0.0, "sync_cpu": 0.0, "first": None, "last": None}
     whole_step, after_inner_step = trainer._whole_step, strategy.after_inner_step
 
     def timed_step() -> float:
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.thread_time()
         timing["first"] = timing["first"] or started
         try:
             return whole_step()
         finally:
             timing["inner"] += time.perf_counter() - started
+            timing["inner_cpu"] += time.thread_time() - cpu_started
 
     async def timed_after(step: int):
+        cpu_started = time.process_time()  # the worker thread is idle: a blocking sync's CPU
         reports = await after_inner_step(step)
+        timing["sync_cpu"] += time.process_time() - cpu_started
         if step == steps:
             timing["last"] = time.perf_counter()
         return reports
 
     trainer._whole_step = timed_step
     strategy.after_inner_step = timed_after
+    cpu_before = time.process_time()
     summary = await trainer.run()
+    process_cpu = time.process_time() - cpu_before
     if timing["first"] is None or timing["last"] is None or summary.steps != steps:
         return {"ok": False, "error": f"trained {summary.steps} of {steps} steps"}
     return {
         "ok": True, "steps": summary.steps, "syncs": rounds["done"], "skipped_syncs": rounds["skipped"],
         "wall_s": timing["last"] - timing["first"], "step_s": timing["inner"] / steps,
+        "step_cpu_s": timing["inner_cpu"] / steps, "other_cpu_s": process_cpu - timing["inner_cpu"],
+        "sync_cpu_s": timing["sync_cpu"], "bytes_sent": summary.bytes_sent,
         "val_loss": summary.val_loss, "model_bytes": 4 * sum(p.numel() for p in model.parameters()),
     }
 
@@ -169,7 +176,11 @@ def _phase(procs, peers: list[str], name: str, phase: dict, steps: int) -> list[
         raise BenchmarkFailed(f"{name} phase did not finish: {exc}") from None
     check_phase(name, rows, steps, phase)
     print(f"{name:<16} wall {statistics.fmean(r['wall_s'] for r in rows):.1f}s  "
-          f"step {1000 * statistics.fmean(r['step_s'] for r in rows):.1f} ms  "
+          f"step {1000 * statistics.fmean(r['step_s'] for r in rows):.1f} ms "
+          f"(CPU {1000 * statistics.fmean(r['step_cpu_s'] for r in rows):.1f} ms)  "
+          f"other CPU {statistics.fmean(r['other_cpu_s'] for r in rows):.2f}s "
+          f"(in syncs {statistics.fmean(r['sync_cpu_s'] for r in rows):.2f}s)  "
+          f"sent {statistics.fmean(r['bytes_sent'] for r in rows) / 1e6:.1f} MB  "
           f"val loss {statistics.fmean(r['val_loss'] for r in rows):.4f}", flush=True)
     return rows
 

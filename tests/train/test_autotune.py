@@ -6,12 +6,16 @@ import pytest
 
 from lattica.train.settings.autotune import (
     CHUNK_BYTES,
+    CODEC_BITS,
     LOSS_COST,
     PRIORITY,
     Candidate,
     Measurements,
+    comm_cpu_per_byte,
     needs_retune,
     predict,
+    sent_bytes,
+    slowdown_cpu_per_byte,
     transfer_seconds,
     tune,
 )
@@ -38,6 +42,59 @@ def test_overlap_hides_what_fits_in_the_inner_phase():
     assert overlapped.loss_cost == LOSS_COST["overlap"][True]
 
 
+# SMALL's node spending 0.4 µs of CPU per byte it sends (Python transport, shared cores)
+BUSY = Measurements(step_s=0.1, model_bytes=800_000, bandwidth_bps=20e6, rtt_s=0.1, peers=4,
+                    comm_cpu_s_per_byte=4e-7)
+
+
+def test_overlap_on_shared_cores_pays_the_communication_cpu():
+    overlapped = predict(Candidate(inner_steps=50, overlap=True), BUSY)
+    # 1.2 MB sent: 0.48 s of CPU taken from the 5 s inner phase; the 1.56 s transfer fits beside it
+    assert sent_bytes(Candidate(inner_steps=50), BUSY) == pytest.approx(1.2e6)
+    assert overlapped.comm_cpu_s == pytest.approx(0.48)
+    assert overlapped.exposed_s == pytest.approx(0.48)
+    assert overlapped.utilization == pytest.approx(5.0 / 5.48)
+
+
+def test_overlap_on_cores_of_its_own_hides_the_communication_cpu():
+    own = Measurements(**{**BUSY.__dict__, "shared_cores": False})
+    assert predict(Candidate(inner_steps=50, overlap=True), own).utilization == 1.0
+    # ... unless the CPU outlasts the inner phase
+    slow_cpu = Measurements(**{**own.__dict__, "comm_cpu_s_per_byte": 5e-6})  # 6 s for 1.2 MB
+    assert predict(Candidate(inner_steps=50, overlap=True), slow_cpu).exposed_s == pytest.approx(1.0)
+
+
+def test_a_blocking_round_pays_the_slower_of_wire_and_cpu():
+    wire = predict(Candidate(inner_steps=50), BUSY)
+    assert wire.exposed_s == pytest.approx(wire.transfer_s)  # 1.56 s on the wire > 0.48 s of CPU
+    cpu_bound = Measurements(**{**BUSY.__dict__, "comm_cpu_s_per_byte": 2e-6})  # 2.4 s of CPU
+    assert predict(Candidate(inner_steps=50), cpu_bound).exposed_s == pytest.approx(2.4)
+
+
+def test_on_shared_cores_the_search_buys_real_utilization_not_free_overlap():
+    # a 40 ms step and a 0.5 MB payload at 20 Mbit/s: the wire-only model takes CO2 at H 25 for
+    # utilization 1.0, which the exchange's CPU makes 1 / (1 + 0.3) here
+    m = Measurements(step_s=0.04, model_bytes=500_000, bandwidth_bps=20e6, rtt_s=0.1, peers=4,
+                     comm_cpu_s_per_byte=4e-7)
+    tuned = tune(m)
+    c = tuned.config
+    assert tuned.meets_target
+    real = c.inner_steps * 0.04 / (c.inner_steps * 0.04 + 750_000 * CODEC_BITS[c.codec] / 32 * 4e-7)
+    if c.overlap:
+        assert real >= 0.95
+    assert tuned.prediction.utilization >= 0.95
+    assert (c.inner_steps, c.codec, c.overlap) != (25, "fp32", True)
+    assert "comm CPU" in tuned.choices[-1].line()
+
+
+def test_communication_cpu_is_measured_per_byte_sent():
+    assert comm_cpu_per_byte(cpu_s=0.3, bytes_sent=750_000) == pytest.approx(4e-7)
+    assert comm_cpu_per_byte(cpu_s=0.3, bytes_sent=0) == 0.0
+    # 50 overlapped steps of 48 ms against 40 ms clean: 0.4 s taken by 1 MB sent
+    assert slowdown_cpu_per_byte(step_s=0.048, clean_step_s=0.04, steps=50, bytes_sent=1e6) == pytest.approx(4e-7)
+    assert slowdown_cpu_per_byte(step_s=0.039, clean_step_s=0.04, steps=50, bytes_sent=1e6) == 0.0
+
+
 def _exhaustive_best(m, target):
     """The least loss cost meeting ``target`` over the whole cross product (for comparison)."""
     best = None
@@ -49,12 +106,14 @@ def _exhaustive_best(m, target):
     return best
 
 
-@pytest.mark.parametrize(("bandwidth", "step_s", "model_bytes"), [
-    (20e6, 0.1, 800_000), (200e6, 0.1, 800_000), (20e6, 0.05, 40_000_000), (1e9, 0.02, 400_000_000),
-    (100e6, 0.2, 4_000_000_000),
+@pytest.mark.parametrize(("bandwidth", "step_s", "model_bytes", "cpu_per_byte"), [
+    (20e6, 0.1, 800_000, 0.0), (200e6, 0.1, 800_000, 0.0), (20e6, 0.05, 40_000_000, 0.0),
+    (1e9, 0.02, 400_000_000, 0.0), (100e6, 0.2, 4_000_000_000, 0.0),
+    (20e6, 0.04, 500_000, 4e-7), (200e6, 0.04, 500_000, 4e-7), (1e9, 0.02, 400_000_000, 2e-9),
 ])
-def test_the_search_meets_the_target_at_close_to_the_least_loss_cost(bandwidth, step_s, model_bytes):
-    m = Measurements(step_s=step_s, model_bytes=model_bytes, bandwidth_bps=bandwidth, rtt_s=0.1, peers=4)
+def test_the_search_meets_the_target_at_close_to_the_least_loss_cost(bandwidth, step_s, model_bytes, cpu_per_byte):
+    m = Measurements(step_s=step_s, model_bytes=model_bytes, bandwidth_bps=bandwidth, rtt_s=0.1, peers=4,
+                     comm_cpu_s_per_byte=cpu_per_byte)
     tuned = tune(m)
     best = _exhaustive_best(m, 0.95)
     if best is None:
@@ -89,7 +148,8 @@ def test_retune_when_bandwidth_moves_more_than_twofold():
     assert not needs_retune(20e6, 11e6)
 
 
-@pytest.mark.parametrize("bad", [{"step_s": 0.0}, {"bandwidth_bps": float("nan")}, {"rtt_s": -1.0}, {"peers": 1}])
+@pytest.mark.parametrize("bad", [{"step_s": 0.0}, {"bandwidth_bps": float("nan")}, {"rtt_s": -1.0}, {"peers": 1},
+                                 {"comm_cpu_s_per_byte": -1e-9}, {"comm_cpu_s_per_byte": float("inf")}])
 def test_bad_measurements_are_refused(bad):
     values = {"step_s": 0.1, "model_bytes": 10, "bandwidth_bps": 1e6, "rtt_s": 0.0, "peers": 2} | bad
     with pytest.raises(ValueError, match="must"):

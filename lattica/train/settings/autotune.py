@@ -11,10 +11,25 @@ inner step, the model's fp32 payload, the bandwidth and round-trip time to its g
   (``codec`` bits per value) per member in 2(n−1) sequential phases; the data plane moves it in
   chunks, so a phase costs its bytes over the bandwidth, one RTT, and a per-chunk overhead, and
   a chunk too large for the pipeline adds its own transfer time once per phase (fill);
-- exposed communication: the whole transfer when blocking, only what outlasts the inner phase
-  when the exchange overlaps it (eager / CO2: the round's all-reduce runs during the next H
-  steps);
+- communication CPU: encoding, encryption, framing, copies and the reduction cost the node CPU
+  time per byte it sends (``comm_cpu_s_per_byte``, measured on the node: ``Measurements``);
+- exposed communication, what a round adds to its compute:
+
+  - blocking: the slower of the transfer and the communication CPU (the data plane pipelines
+    chunks, so one chunk's CPU runs while the next is on the wire);
+  - overlapped (eager / CO2: the round's all-reduce runs during the next H steps), cores shared
+    with the inner steps (CPU training): the communication CPU is taken from the inner steps —
+    the inner phase lasts compute + CPU — and the wire runs beside it, so the round lasts the
+    longer of that and the transfer: exposed = max(CPU, transfer − compute);
+  - overlapped, cores of its own (an accelerator computes): only what outlasts the inner phase,
+    max(0, max(transfer, CPU) − compute);
+
 - utilization = compute / (compute + exposed).
+
+Overlap is not free on shared cores: a model that counted only the wire would predict 1.0 for
+any exchange shorter than the inner phase while the exchange's CPU slows every step it overlaps.
+The CPU term is what makes a longer H or a smaller codec worth its loss cost there — both divide
+the CPU a step pays.
 
 Every choice also has an expected loss cost, a relative loss increase taken from this
 project's own convergence measurements (``LOSS_COST``; docs/strategies.md): a longer H, a lossier
@@ -64,14 +79,21 @@ class Measurements:
     bandwidth_bps: float  # bits per second, the slowest peer's
     rtt_s: float  # round-trip time, the farthest peer's
     peers: int  # members of a round
+    # CPU seconds per byte the node sends in an all-reduce (codec, encryption, framing, copies,
+    # the reduction): a blocking round's process CPU over its bytes, or the inner steps' slow-down
+    # during an overlapped round over its bytes (``comm_cpu_per_byte``); 0: not measured
+    comm_cpu_s_per_byte: float = 0.0
+    shared_cores: bool = True  # the inner steps run on the cores communication runs on (CPU training)
 
     def __post_init__(self) -> None:
         for name in ("step_s", "bandwidth_bps"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a finite positive number, got {value!r}")
-        if not (math.isfinite(self.rtt_s) and self.rtt_s >= 0):
-            raise ValueError(f"rtt_s must be a finite number >= 0, got {self.rtt_s!r}")
+        for name in ("rtt_s", "comm_cpu_s_per_byte"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         if self.model_bytes <= 0 or self.peers < 2:
             raise ValueError("model_bytes must be positive and peers at least 2")
 
@@ -94,6 +116,7 @@ class Candidate:
 class Prediction:
     compute_s: float
     transfer_s: float
+    comm_cpu_s: float
     exposed_s: float
     utilization: float
     loss_cost: float
@@ -103,12 +126,18 @@ def group_of(candidate: Candidate, peers: int) -> int:
     return peers if candidate.group_size == 0 else min(candidate.group_size, peers)
 
 
+def sent_bytes(candidate: Candidate, m: Measurements) -> float:
+    """What one member sends in a butterfly all-reduce: 2(n−1)/n of the encoded payload."""
+    n = group_of(candidate, m.peers)
+    return m.model_bytes * CODEC_BITS[candidate.codec] / 32 * 2 * (n - 1) / n
+
+
 def transfer_seconds(candidate: Candidate, m: Measurements) -> float:
     """One all-reduce of the encoded payload over the candidate's group (module docstring)."""
     n = group_of(candidate, m.peers)
     payload = m.model_bytes * CODEC_BITS[candidate.codec] / 32
     phases = 2 * (n - 1)
-    sent = payload * phases / n
+    sent = sent_bytes(candidate, m)
     chunks = math.ceil(sent / candidate.chunk_bytes)
     fill = min(candidate.chunk_bytes, payload / n) * 8 / m.bandwidth_bps * phases
     return sent * 8 / m.bandwidth_bps + phases * m.rtt_s + chunks * PER_CHUNK_OVERHEAD_S + fill
@@ -118,12 +147,23 @@ def loss_cost(candidate: Candidate) -> float:
     return sum(LOSS_COST[knob][getattr(candidate, knob)] for knob in PRIORITY)
 
 
+def exposed_seconds(*, compute: float, transfer: float, cpu: float, overlap: bool, shared_cores: bool) -> float:
+    """What a round's communication adds to its compute (module docstring)."""
+    if not overlap:
+        return max(transfer, cpu)
+    if shared_cores:
+        return max(cpu, transfer - compute)
+    return max(0.0, max(transfer, cpu) - compute)
+
+
 def predict(candidate: Candidate, m: Measurements) -> Prediction:
     compute = candidate.inner_steps * m.step_s
     transfer = transfer_seconds(candidate, m)
-    exposed = max(0.0, transfer - compute) if candidate.overlap else transfer
+    cpu = sent_bytes(candidate, m) * m.comm_cpu_s_per_byte
+    exposed = exposed_seconds(compute=compute, transfer=transfer, cpu=cpu, overlap=candidate.overlap,
+                              shared_cores=m.shared_cores)
     return Prediction(
-        compute_s=compute, transfer_s=transfer, exposed_s=exposed,
+        compute_s=compute, transfer_s=transfer, comm_cpu_s=cpu, exposed_s=exposed,
         utilization=compute / (compute + exposed), loss_cost=loss_cost(candidate),
     )
 
@@ -140,8 +180,8 @@ class Choice:
     def line(self) -> str:
         p = self.prediction
         return (f"{self.knob} = {self.value}: utilization {p.utilization:.3f} (compute {p.compute_s:.2f} s, "
-                f"transfer {p.transfer_s:.2f} s, exposed {p.exposed_s:.2f} s), expected loss "
-                f"+{100 * p.loss_cost:.1f} % — {self.reason}")
+                f"transfer {p.transfer_s:.2f} s, comm CPU {p.comm_cpu_s:.2f} s, exposed {p.exposed_s:.2f} s), "
+                f"expected loss +{100 * p.loss_cost:.1f} % — {self.reason}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -214,6 +254,22 @@ def tune(m: Measurements, *, target: float = DEFAULT_TARGET, fixed: Mapping[str,
 def _worth(moved: Prediction, now: Prediction) -> float:
     """Utilization bought per unit of loss cost by a move from ``now``."""
     return (moved.utilization - now.utilization) / max(moved.loss_cost - now.loss_cost, 1e-4)
+
+
+def comm_cpu_per_byte(*, cpu_s: float, bytes_sent: float) -> float:
+    """CPU seconds per byte sent: a blocking round's process CPU (the inner steps wait, so what
+    the process spends is the exchange's) over the bytes it sent; 0 without bytes."""
+    return max(0.0, cpu_s) / bytes_sent if bytes_sent > 0 else 0.0
+
+
+def slowdown_cpu_per_byte(*, step_s: float, clean_step_s: float, steps: int, bytes_sent: float) -> float:
+    """CPU seconds per byte sent, from the inner steps of an overlapped phase (``step_s``) against
+    steps with no exchange in flight (``clean_step_s``): the time the exchange took from the
+    ``steps`` it overlapped, over its bytes. This counts what a process's own CPU time misses on
+    shared cores — the GIL handed back and forth, other processes' share of the cores."""
+    if bytes_sent <= 0 or steps <= 0:
+        return 0.0
+    return max(0.0, step_s - clean_step_s) * steps / bytes_sent
 
 
 def needs_retune(tuned_for_bps: float, measured_bps: float, *, factor: float = 2.0) -> bool:
