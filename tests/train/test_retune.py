@@ -10,6 +10,7 @@ from lattica.train.settings.autotune import Measurements, tune
 from lattica.train.settings.retune import (
     MAX_PERIODS,
     Period,
+    PhaseTimer,
     TunedEntry,
     decide,
     fixed_knobs,
@@ -17,6 +18,7 @@ from lattica.train.settings.retune import (
     parse_entry,
     period_at,
     slowest_bandwidth_bps,
+    step_and_comm_cpu,
 )
 from lattica.train.settings.settings_check import check_tune
 from lattica.train.swarm.run_config import RUN_WIDE
@@ -59,6 +61,9 @@ def test_a_member_that_learns_of_a_period_late_syncs_where_the_others_do() -> No
     {"periods": [], "bandwidth_bps": float("inf")}, {"periods": [], "bandwidth_bps": -1},
     {"periods": [[i, 5] for i in range(MAX_PERIODS + 1)], "bandwidth_bps": 1.0},
     {"periods": [], "bandwidth_bps": 1.0, "not_applied": ["x" * 1000]},
+    {"periods": [], "bandwidth_bps": 1.0, "comm_cpu_s_per_byte": "slow"},
+    {"periods": [], "bandwidth_bps": 1.0, "comm_cpu_s_per_byte": -1.0},
+    {"periods": [], "bandwidth_bps": 1.0, "comm_cpu_s_per_byte": float("nan")},
 ])
 def test_a_malformed_tuned_entry_is_refused(raw: object) -> None:
     with pytest.raises(ValueError):  # noqa: PT011 - each names its own field
@@ -154,3 +159,48 @@ def test_a_member_keeps_the_last_valid_schedule_when_the_entry_turns_malformed(c
     config["tuned"] = {"periods": [[10, 25], [5, 400]], "bandwidth_bps": 2e7}
     assert tuner.periods() == (Period(from_step=10, inner_steps=25),)
     assert "tuned entry is refused (periods must have increasing from_step)" in caplog.text
+
+
+def _timer(*, clean: float, last: float, steps: int, sync_cpu: float) -> PhaseTimer:
+    timer = PhaseTimer()
+    timer.clean_step_s, timer.step_s, timer.phase_steps, timer.sync_cpu_s = clean, last, steps, sync_cpu
+    return timer
+
+
+def test_an_overlapped_run_measures_the_cpu_by_the_slowdown_of_its_steps() -> None:
+    timer = _timer(clean=0.040, last=0.048, steps=50, sync_cpu=0.01)
+    step, cpu = step_and_comm_cpu(timer, overlapped=True, bytes_sent=1_000_000)
+    assert step == 0.040  # the step with no exchange in flight, not the slowed one
+    assert cpu == pytest.approx(4e-7)  # 50 × 8 ms over 1 MB
+
+
+def test_a_blocking_run_measures_the_cpu_of_its_syncs() -> None:
+    timer = _timer(clean=0.040, last=0.045, steps=50, sync_cpu=0.3)
+    step, cpu = step_and_comm_cpu(timer, overlapped=False, bytes_sent=750_000)
+    assert step == 0.045
+    assert cpu == pytest.approx(4e-7)
+
+
+def test_a_changed_communication_cpu_retunes() -> None:
+    first = decide(LINK, current=None, fixed=ALLREDUCE, next_sync=10, base=5, target=0.95)
+    assert first is not None
+    assert first.entry.comm_cpu_s_per_byte == 0.0
+    busy = Measurements(**{**LINK.__dict__, "comm_cpu_s_per_byte": 5e-8})
+    again = decide(busy, current=first.entry, fixed=ALLREDUCE, next_sync=35, base=5, target=0.95)
+    assert again is not None
+    assert "communication CPU 50 ns/byte" in again.reason
+    assert again.entry.comm_cpu_s_per_byte == 5e-8
+    assert parse_entry(again.entry.to_json()) == again.entry
+    similar = Measurements(**{**LINK.__dict__, "comm_cpu_s_per_byte": 8e-8})
+    assert decide(similar, current=again.entry, fixed=ALLREDUCE, next_sync=60, base=5, target=0.95) is None
+
+
+def test_the_first_phase_is_timed_from_after_the_warmup_steps() -> None:
+    timer = PhaseTimer()
+    timer.phase_ended(5)  # not started: nothing timed
+    assert timer.step_s is None
+    timer.start(2)
+    timer.phase_ended(5)
+    assert timer.step_s is not None
+    assert timer.clean_step_s == timer.step_s
+    assert timer.phase_steps == 3

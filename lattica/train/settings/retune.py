@@ -43,7 +43,14 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from lattica.train.settings.autotune import Measurements, Tuned, needs_retune, tune
+from lattica.train.settings.autotune import (
+    Measurements,
+    Tuned,
+    comm_cpu_per_byte,
+    needs_retune,
+    slowdown_cpu_per_byte,
+    tune,
+)
 from lattica.train.strategies.base import (
     EveryHSteps,
     OuterStepReport,
@@ -58,6 +65,7 @@ TUNABLE_STRATEGIES = ("diloco", "co2", "desloc", "local_adam", "sparseloco")
 MAX_PERIODS = 64  # periods in the tuned entry; a run that re-tuned this often stops re-tuning
 MAX_INNER_STEPS = 1_000_000
 RETUNE_FACTOR = 2.0
+WARMUP_STEPS = 2  # a node's first steps (allocation, the first batches) are not timed
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,6 +90,7 @@ class TunedEntry:
     periods: tuple[Period, ...]
     bandwidth_bps: float
     not_applied: tuple[str, ...] = ()
+    comm_cpu_s_per_byte: float = 0.0  # what the last tuning measured (``Measurements``)
 
     def __post_init__(self) -> None:
         if len(self.periods) > MAX_PERIODS:
@@ -91,6 +100,8 @@ class TunedEntry:
             raise ValueError("periods must have increasing from_step")
         if not (math.isfinite(self.bandwidth_bps) and self.bandwidth_bps > 0):
             raise ValueError(f"bandwidth_bps must be a finite positive number, got {self.bandwidth_bps!r}")
+        if not (math.isfinite(self.comm_cpu_s_per_byte) and 0 <= self.comm_cpu_s_per_byte < 1):
+            raise ValueError(f"comm_cpu_s_per_byte must be a finite number in [0, 1), got {self.comm_cpu_s_per_byte!r}")
         if len(self.not_applied) > 16 or any(not isinstance(n, str) or len(n) > 300 for n in self.not_applied):
             raise ValueError("not_applied must be at most 16 lines of at most 300 characters")
 
@@ -98,6 +109,7 @@ class TunedEntry:
         return {
             "periods": [[p.from_step, p.inner_steps] for p in self.periods],
             "bandwidth_bps": self.bandwidth_bps, "not_applied": list(self.not_applied),
+            "comm_cpu_s_per_byte": self.comm_cpu_s_per_byte,
         }
 
 
@@ -119,7 +131,11 @@ def parse_entry(value: object) -> TunedEntry:
     not_applied = value.get("not_applied", [])
     if not isinstance(not_applied, list):
         raise ValueError("tuned.not_applied must be a list of lines")  # noqa: TRY004 - bad input, one kind
-    return TunedEntry(periods=tuple(parsed), bandwidth_bps=float(bandwidth), not_applied=tuple(not_applied))
+    cpu = value.get("comm_cpu_s_per_byte", 0.0)
+    if isinstance(cpu, bool) or not isinstance(cpu, int | float):
+        raise ValueError("tuned.comm_cpu_s_per_byte must be a number")  # noqa: TRY004 - bad input, one kind
+    return TunedEntry(periods=tuple(parsed), bandwidth_bps=float(bandwidth), not_applied=tuple(not_applied),
+                      comm_cpu_s_per_byte=float(cpu))
 
 
 def _is_int(value: object) -> bool:
@@ -155,7 +171,8 @@ def period_at(step: int, *, base: int, periods: Sequence[Period]) -> int:
 class TunedPeriods(WrappedStrategy):
     """A strategy that syncs every H steps, synced on the tuned schedule instead (module
     docstring): ``periods`` reads the run config's periods; ``end`` is the run's last step.
-    Times each inner phase for the tuner."""
+    Times each inner phase for the tuner — the first from ``WARMUP_STEPS`` after this node's
+    first step, where the trainer stops once to start the clock — and the CPU of each sync."""
 
     def __init__(self, inner: OuterStrategy[object], *, periods: Callable[[], tuple[Period, ...]], end: int) -> None:
         if not isinstance(inner, EveryHSteps):
@@ -165,21 +182,32 @@ class TunedPeriods(WrappedStrategy):
         self._periods = periods
         self.end = end
         self.timer = PhaseTimer()
+        self._clock_start: int | None = None  # the step where the first phase's clock starts
 
     @property
     def base(self) -> int:
         return self._every.sync_interval
 
-    def next_sync_step(self, step: int) -> int:
+    def sync_step_after(self, step: int) -> int:
+        """The first sync step of the tuned schedule after ``step``."""
         return next_sync_step(step, base=self.base, periods=self._periods(), end=self.end)
+
+    def next_sync_step(self, step: int) -> int:
+        if self._clock_start is None:
+            self._clock_start = step + WARMUP_STEPS
+        sync = self.sync_step_after(step)
+        return self._clock_start if step < self._clock_start < sync else sync
 
     def sync_in_thread(self, step: int) -> list[OuterStepReport] | None:
         return None  # every sync on the trio thread, where the schedule is read
 
     async def after_inner_step(self, step: int) -> list[OuterStepReport]:
-        if step == 0 or self.next_sync_step(step - 1) != step:
+        if step == self._clock_start:
+            self.timer.start(step)
+        if step == 0 or self.sync_step_after(step - 1) != step:
             return []
         self.timer.phase_ended(step)
+        self.timer.sync_started()
         try:
             return [await self._every.sync_at(step)]
         finally:
@@ -191,18 +219,53 @@ class TunedPeriods(WrappedStrategy):
 
 class PhaseTimer:
     """The wall time of inner phases: from the end of one sync to the start of the next, over
-    the steps between (reports and validations included: they delay a round as steps do)."""
+    the steps between (reports and validations included: they delay a round as steps do).
+
+    ``step_s`` is the last phase's step, ``clean_step_s`` the first timed phase's — before the
+    first sync, so with no exchange in flight: the step an overlapped exchange slows down
+    (``autotune.slowdown_cpu_per_byte``) — and ``phase_steps`` the last phase's length.
+    ``sync_cpu_s`` is the process CPU of the last sync: in a blocking sync the inner steps
+    wait, so it is the exchange's (``autotune.comm_cpu_per_byte``)."""
 
     def __init__(self) -> None:
         self._since: tuple[int, float] | None = None
+        self._cpu_since = 0.0
         self.step_s: float | None = None
+        self.clean_step_s: float | None = None
+        self.phase_steps = 0
+        self.sync_cpu_s: float | None = None
+
+    def start(self, step: int) -> None:
+        if self._since is None:
+            self._since = (step, time.monotonic())
 
     def phase_ended(self, step: int) -> None:
         if self._since is not None and step > self._since[0]:
-            self.step_s = (time.monotonic() - self._since[1]) / (step - self._since[0])
+            self.phase_steps = step - self._since[0]
+            self.step_s = (time.monotonic() - self._since[1]) / self.phase_steps
+            if self.clean_step_s is None:
+                self.clean_step_s = self.step_s
+
+    def sync_started(self) -> None:
+        self._cpu_since = time.process_time()
 
     def sync_ended(self, step: int) -> None:
+        self.sync_cpu_s = time.process_time() - self._cpu_since
         self._since = (step, time.monotonic())
+
+
+def step_and_comm_cpu(timer: PhaseTimer, *, overlapped: bool, bytes_sent: int) -> tuple[float | None, float]:
+    """The inner step with no exchange in flight and the communication CPU per byte sent, as
+    ``timer`` measured them around a round that sent ``bytes_sent``: overlapped, the first
+    phase's step and the last phase's slow-down against it; blocking, the last phase's step and
+    the last sync's process CPU."""
+    if overlapped:
+        if timer.step_s is None or timer.clean_step_s is None:
+            return timer.clean_step_s, 0.0
+        return timer.clean_step_s, slowdown_cpu_per_byte(
+            step_s=timer.step_s, clean_step_s=timer.clean_step_s, steps=timer.phase_steps, bytes_sent=bytes_sent,
+        )
+    return timer.step_s, comm_cpu_per_byte(cpu_s=timer.sync_cpu_s or 0.0, bytes_sent=bytes_sent)
 
 
 # -- the admin's decision (sans-IO) ----------------------------------------------------------
@@ -244,23 +307,38 @@ def decide(
     ``factor`` of the last tuning's, or the periods are full. ``next_sync``: the next sync step
     of the schedule in force, where a new period starts."""
     if current is not None:
-        if not needs_retune(current.bandwidth_bps, measured.bandwidth_bps, factor=factor):
+        reason = retune_reason(current, measured, factor=factor)
+        if reason is None:
             return None
         if len(current.periods) >= MAX_PERIODS:
             log.warning("tune: %d periods published already; the schedule stays", MAX_PERIODS)
             return None
-        reason = (f"bandwidth {measured.bandwidth_bps / 1e6:.1f} Mbit/s, was {current.bandwidth_bps / 1e6:.1f} "
-                  f"Mbit/s at the last tuning (more than {factor:g}x)")
     else:
-        reason = f"first tuning: bandwidth {measured.bandwidth_bps / 1e6:.1f} Mbit/s"
+        reason = (f"first tuning: bandwidth {measured.bandwidth_bps / 1e6:.1f} Mbit/s, communication CPU "
+                  f"{measured.comm_cpu_s_per_byte * 1e9:.0f} ns/byte")
     applied = tune(measured, target=target, fixed=fixed)
     free = tune(measured, target=target)
     periods = current.periods if current is not None else ()
     in_force = period_at(next_sync, base=base, periods=periods)
     if applied.config.inner_steps != in_force:
         periods = (*periods, Period(from_step=next_sync, inner_steps=applied.config.inner_steps))
-    entry = TunedEntry(periods=periods, bandwidth_bps=measured.bandwidth_bps, not_applied=not_applied(free, applied))
+    entry = TunedEntry(periods=periods, bandwidth_bps=measured.bandwidth_bps, not_applied=not_applied(free, applied),
+                       comm_cpu_s_per_byte=measured.comm_cpu_s_per_byte)
     return Decision(entry=entry, applied=applied, free=free, reason=reason)
+
+
+def retune_reason(current: TunedEntry, measured: Measurements, *, factor: float) -> str | None:
+    """Why to re-tune: the bandwidth or the communication CPU per byte moved by more than
+    ``factor`` either way since the last tuning (a CPU cost first measured counts as moved);
+    ``None``: neither did."""
+    if needs_retune(current.bandwidth_bps, measured.bandwidth_bps, factor=factor):
+        return (f"bandwidth {measured.bandwidth_bps / 1e6:.1f} Mbit/s, was {current.bandwidth_bps / 1e6:.1f} "
+                f"Mbit/s at the last tuning (more than {factor:g}x)")
+    was, now = current.comm_cpu_s_per_byte, measured.comm_cpu_s_per_byte
+    if (was == 0 < now) or needs_retune(was, now, factor=factor):
+        return (f"communication CPU {now * 1e9:.0f} ns/byte, was {was * 1e9:.0f} ns/byte at the last tuning "
+                f"(more than {factor:g}x)")
+    return None
 
 
 def slowest_bandwidth_bps(last_sent: Mapping[str, tuple[int, float]], peers: Sequence[str]) -> float | None:
