@@ -142,8 +142,9 @@ class RunTuner:
             return self._entry
         if self._entry is None or entry.periods != self._entry.periods:
             for period in entry.periods[len(self._entry.periods) if self._entry else 0:]:
-                log.info("tune: the run syncs every %d steps from step %d (tuned for %.1f Mbit/s)",
-                         period.inner_steps, period.from_step, entry.bandwidth_bps / 1e6)
+                log.info("tune: the run syncs every %d steps from step %d%s (tuned for %.1f Mbit/s)",
+                         period.inner_steps, period.from_step,
+                         f", sending {period.codec}" if period.codec else "", entry.bandwidth_bps / 1e6)
         self._entry = entry
         return entry
 
@@ -159,6 +160,8 @@ class RunTuner:
         self._rounds_seen += 1
         if self._rounds_seen < 2 or self.strategy.timer.step_s is None or report.seconds <= 0:
             return  # the first round's wall time holds the members' start skew: its rate is not the link's
+        if step >= self.strategy.end:
+            return  # the run's last sync: no period would come into force
         async with self._lock:  # one decision at a time: each builds on the entry in force
             try:
                 await self._tune(report, step)
@@ -180,6 +183,7 @@ class RunTuner:
         decision = decide(
             measured, current=self.entry(), fixed=fixed,
             next_sync=self.strategy.sync_step_after(step), base=self.strategy.base, target=self.target,
+            base_codec=self.strategy.base_codec,
         )
         if decision is None:
             return
@@ -192,9 +196,10 @@ class RunTuner:
             f"{decision.reason}; step {measured.step_s * 1000:.1f} ms, payload {measured.model_bytes / 1e6:.1f} MB, "
             f"RTT {measured.rtt_s * 1000:.1f} ms, communication CPU {measured.comm_cpu_s_per_byte * 1e9:.0f} ns/byte "
             f"({'shared' if measured.shared_cores else 'own'} cores), {measured.peers} members -> H "
-            f"{decision.applied.config.inner_steps} "
-            f"(predicted utilization {decision.applied.prediction.utilization:.3f}, "
-            f"{'meets' if decision.applied.meets_target else 'below'} the target {self.target})"
+            f"{decision.applied.config.inner_steps}"
+            + (f", {decision.applied.config.codec}" if self.strategy.base_codec is not None else "")
+            + f" (predicted utilization {decision.applied.prediction.utilization:.3f}, "
+            + f"{'meets' if decision.applied.meets_target else 'below'} the target {self.target})"
             + (f" from step {new.from_step}" if new is not None else "")
         )
         log.warning("tune: re-tuned after %s: %s", report.key, self.last_decision)
@@ -206,6 +211,9 @@ class RunTuner:
         entry = self.entry()
         base = self.strategy.base if self.strategy is not None else self.settings.inner_steps
         info: dict[str, object] = {"inner_steps": period_at(step, base=base, periods=self.periods())}
+        codec = self.strategy.codec_now(step) if self.strategy is not None else None
+        if codec is not None:
+            info["codec"] = codec
         if entry is not None:
             info |= {"periods": entry.to_json()["periods"], "tuned_for_mbit_s": round(entry.bandwidth_bps / 1e6, 2),
                      "not_applied": list(entry.not_applied)}

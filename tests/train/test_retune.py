@@ -12,6 +12,7 @@ from lattica.train.settings.retune import (
     Period,
     PhaseTimer,
     TunedEntry,
+    codec_at,
     decide,
     fixed_knobs,
     next_sync_step,
@@ -62,6 +63,7 @@ def test_a_member_that_learns_of_a_period_late_syncs_where_the_others_do() -> No
     {"periods": [[i, 5] for i in range(MAX_PERIODS + 1)], "bandwidth_bps": 1.0},
     {"periods": [], "bandwidth_bps": 1.0, "not_applied": ["x" * 1000]},
     {"periods": [], "bandwidth_bps": 1.0, "comm_cpu_s_per_byte": "slow"},
+    {"periods": [[10, 5, "int3"]], "bandwidth_bps": 1.0}, {"periods": [[10, 5, "int8", 1]], "bandwidth_bps": 1.0},
     {"periods": [], "bandwidth_bps": 1.0, "comm_cpu_s_per_byte": -1.0},
     {"periods": [], "bandwidth_bps": 1.0, "comm_cpu_s_per_byte": float("nan")},
 ])
@@ -103,12 +105,13 @@ def test_what_the_run_cannot_change_is_reported_not_applied() -> None:
     decision = decide(slow, current=None, fixed=ALLREDUCE, next_sync=10, base=5, target=0.95)
     assert decision is not None
     assert decision.applied.config.overlap is False
-    assert decision.applied.config.codec == "fp32"
+    assert decision.applied.config.codec == "int4"  # the run's codec is a knob of the tuned periods
     free = decision.free.config
     assert free.overlap or free.codec != "fp32" or free.group_size  # the free search goes further
     changed = [line.split(" =")[0] for line in decision.entry.not_applied]
-    for knob in ("codec", "overlap", "group_size"):
+    for knob in ("overlap", "group_size"):  # held by the run: reported where the free search differs
         assert (knob in changed) == (getattr(free, knob) != getattr(decision.applied.config, knob))
+    assert "codec" not in changed  # applied, never reported
     assert "chunk_bytes" in changed
 
 
@@ -204,3 +207,34 @@ def test_the_first_phase_is_timed_from_after_the_warmup_steps() -> None:
     assert timer.step_s is not None
     assert timer.clean_step_s == timer.step_s
     assert timer.phase_steps == 3
+
+
+def test_a_tuned_period_carries_the_codec_every_member_sends_with() -> None:
+    slow = Measurements(step_s=0.03, model_bytes=4_000_000, bandwidth_bps=2e6, rtt_s=0.1, peers=4)
+    decision = decide(slow, current=None, fixed=ALLREDUCE, next_sync=10, base=5, target=0.95, base_codec="fp32")
+    assert decision is not None
+    period = decision.entry.periods[-1]
+    assert (period.from_step, period.codec) == (10, decision.applied.config.codec)
+    assert period.codec != "fp32"
+    assert parse_entry(decision.entry.to_json()) == decision.entry
+    assert codec_at(9, base="fp32", periods=decision.entry.periods) == "fp32"  # the sync at 10 is the old period's
+    assert codec_at(10, base="fp32", periods=decision.entry.periods) == period.codec
+    # a strategy with a compression of its own: the codec is held and the periods carry none
+    sparse = decide(slow, current=None, fixed=fixed_knobs("sparseloco", "allreduce", 2, False), next_sync=10,
+                    base=5, target=0.95)
+    assert sparse is not None
+    assert sparse.applied.config.codec == "fp32"
+    assert all(p.codec is None for p in sparse.entry.periods)
+
+
+def test_a_codec_change_alone_starts_a_period() -> None:
+    m = Measurements(step_s=0.03, model_bytes=4_000_000, bandwidth_bps=2e6, rtt_s=0.1, peers=4,
+                     comm_cpu_s_per_byte=1e-7)  # tunes to H 400, int4
+    entry = TunedEntry(periods=(Period(from_step=10, inner_steps=400, codec="fp32"),), bandwidth_bps=2e6)
+    decision = decide(m, current=entry, fixed=ALLREDUCE, next_sync=410, base=5, target=0.95, base_codec="fp32")
+    assert decision is not None
+    assert decision.entry.periods[1:] == (Period(from_step=410, inner_steps=400, codec="int4"),)
+    same = TunedEntry(periods=(Period(from_step=10, inner_steps=400, codec="int4"),), bandwidth_bps=2e6)
+    again = decide(m, current=same, fixed=ALLREDUCE, next_sync=410, base=5, target=0.95, base_codec="fp32")
+    assert again is not None
+    assert again.entry.periods == same.periods  # nothing new to apply: no period

@@ -282,9 +282,11 @@ def needs_retune(tuned_for_bps: float, measured_bps: float, *, factor: float = 2
 
 def run_settings(candidate: Candidate) -> dict[str, object]:
     """The ``[train]`` settings of ``candidate``: overlap is strategy ``co2`` (all-reduce) or
-    gossip with ``gossip_overlap``; a group smaller than the round is gossip averaging. The codec
-    and chunk size are the data plane's (advisory here: the codec of the DiLoCo family's config)."""
+    gossip with ``gossip_overlap``; a group smaller than the round is gossip averaging; the codec
+    is the run setting ``codec``. The chunk size is the data plane's own (advisory here)."""
     settings: dict[str, object] = {"inner_steps": candidate.inner_steps}
+    if candidate.codec != "fp32":
+        settings["codec"] = candidate.codec
     if candidate.group_size:
         settings |= {"strategy": "diloco", "averaging": "gossip", "group_size": candidate.group_size}
         if candidate.overlap:
