@@ -8,18 +8,25 @@ over libp2p), each on its own shard, all from the same weights. For each link ra
 
 - ``nocomm``: no communication — the reference wall time;
 - ``default``: DiLoCo as a user gets it untuned (H 50, fp32, blocking all-reduce);
-- ``tuned``: the configuration ``train/settings/autotune.py`` chooses for the measured inner step (the
-  ``nocomm`` phase's, this run's), the model's payload and the link (its configured rate and
-  RTT; ``benchmarks/wan_lab.py`` measures the delay line within a few percent of them) — H,
-  the codec and overlap (strategy ``co2``); the group stays the whole round (these peers
-  average by all-reduce; a gossip group would need the daemon's group coordination).
+- ``tuned``: the configuration ``train/settings/autotune.py`` chooses as ``tune = true`` would,
+  from what this run measured: the inner step (the first ``nocomm`` phase's), the model's
+  payload, the link (its configured rate and RTT; ``benchmarks/wan_lab.py`` measures the delay
+  line within a few percent of them) and the communication CPU per byte sent — first the
+  blocking ``default`` phase's process CPU in its syncs; when that choice overlaps (strategy
+  ``co2``), one phase of it is run and its inner steps' slow-down against the ``nocomm`` step
+  is fed back for a second tuning, whose choice the cycles run (H, the codec and overlap; the
+  group stays the whole round: these peers average by all-reduce, a gossip group would need the
+  daemon's group coordination).
 
 ``<x>_util_vs_nocomm`` is the ``nocomm`` wall over the phase's wall (the wall from the first
 inner step to the return of the last one's ``after_inner_step``; overlap.py's measure), taken
 within each cycle (``--cycles``, default 3: the three phases in turn, so load that drifts hits
 them alike) and reported as the median over the cycles, every cycle's ratio beside it;
 ``tuned_loss_vs_diloco`` is the tuned phase's validation loss (mean over the peers) over the
-default's. Targets: tuned utilization ≥ 0.95 and loss ≤ 1.03 × DiLoCo's at both rates.
+default's. Targets: tuned utilization ≥ 0.95 and loss ≤ 1.03 × DiLoCo's at both rates. Beside
+them: each phase's mean inner step per cycle (``step_ms``), each tuning's choice and the CPU per
+byte it was given (``tunings``), and the CPU per byte the tuned phases then measured
+(``tuned_comm_cpu_ns``).
 
 A phase that does not finish — a peer that exits or misses its deadline, fewer steps than asked,
 a skipped sync — fails the run: exit status 1 and one line on stderr, no figures.
@@ -202,24 +209,49 @@ def check_phase(name: str, rows: list[dict], steps: int, phase: dict) -> None:
             raise BenchmarkFailed(f"{name}: peer {i} reported no finite loss or no wall time")
 
 
-def _tuned(rows: list[dict], rate_mbit: float, rtt_ms: float, target: float):
+def _tuned(clean: list[dict], rate_mbit: float, rtt_ms: float, target: float, cpu_per_byte: float, why: str):
+    """The tuner's choice for the measured step (a ``nocomm`` phase's), payload, link and
+    communication CPU per byte; every search step printed."""
     from lattica.train.settings.autotune import Measurements, tune
 
     measured = Measurements(
-        step_s=statistics.fmean(r["step_s"] for r in rows), model_bytes=rows[0]["model_bytes"],
-        bandwidth_bps=rate_mbit * 1e6, rtt_s=rtt_ms / 1000, peers=WORKERS,
+        step_s=statistics.fmean(r["step_s"] for r in clean), model_bytes=clean[0]["model_bytes"],
+        bandwidth_bps=rate_mbit * 1e6, rtt_s=rtt_ms / 1000, peers=WORKERS, comm_cpu_s_per_byte=cpu_per_byte,
+        shared_cores=True,
     )
     tuned = tune(measured, target=target, fixed={"group_size": 0})
+    print(f"  tuning ({why}): step {1000 * measured.step_s:.1f} ms, communication CPU {cpu_per_byte * 1e9:.0f} ns/byte",
+          flush=True)
     for choice in tuned.choices:
-        print(f"  {choice.line()}", flush=True)
+        print(f"    {choice.line()}", flush=True)
     return measured, tuned
 
 
+def _phase_of(config) -> dict:
+    return {"strategy": "co2" if config.overlap else "diloco", "inner_steps": config.inner_steps,
+            "codec": config.codec}
+
+
+def _comm_cpu(clean: list[dict], rows: list[dict], phase: dict) -> float:
+    """CPU per byte sent, as ``tune = true`` measures it (``train/settings/retune.py``): a
+    blocking phase's process CPU in its syncs over its bytes; an overlapped phase's step
+    slow-down against the ``nocomm`` phase's step over its bytes. The mean over the peers."""
+    from lattica.train.settings.autotune import comm_cpu_per_byte, slowdown_cpu_per_byte
+
+    clean_step = statistics.fmean(r["step_s"] for r in clean)
+    if phase["strategy"] == "co2":
+        return statistics.fmean(slowdown_cpu_per_byte(step_s=r["step_s"], clean_step_s=clean_step, steps=r["steps"],
+                                                      bytes_sent=r["bytes_sent"]) for r in rows)
+    return statistics.fmean(comm_cpu_per_byte(cpu_s=r["sync_cpu_s"], bytes_sent=r["bytes_sent"]) for r in rows)
+
+
 def _run_rate(lab, procs, peers, args, rate: float) -> dict:
-    """The three phases at ``rate``, ``--cycles`` times in turn; the tuner's choice is made once,
-    from the first ``nocomm`` phase. Each utilization is the median over the cycles of that
-    cycle's ``nocomm`` wall over the phase's (load drifts between cycles and hits a cycle's
-    phases alike; overlap.py's paired ratio)."""
+    """The three phases at ``rate``, ``--cycles`` times in turn. The tuner chooses as ``tune =
+    true`` would: from the first ``nocomm`` phase's step and the first ``default`` (blocking)
+    phase's communication CPU; when that choice overlaps, one phase of it measures the
+    inner steps' slow-down, which is fed back for a second tuning, whose choice the cycles run.
+    Each utilization is the median over the cycles of that cycle's ``nocomm`` wall over the
+    phase's (load drifts between cycles and hits a cycle's phases alike; overlap.py's ratio)."""
     if lab.links:
         lab.unlink("a", "b")
     lab.link("a", "b", rtt_ms=args.rtt_ms, mbit=rate)
@@ -227,13 +259,22 @@ def _run_rate(lab, procs, peers, args, rate: float) -> dict:
     nocomm = {"strategy": "nocomm", "inner_steps": 1, "codec": "fp32"}
     rows: dict[str, list[list[dict]]] = {"nocomm": [], "default": [], "tuned": []}
     first = _phase(procs, peers, f"{rate:g} nocomm 1", nocomm, args.steps)
-    measured, tuned = _tuned(first, rate, args.rtt_ms, args.target)
-    c = tuned.config
-    tuned_phase = {"strategy": "co2" if c.overlap else "diloco", "inner_steps": c.inner_steps, "codec": c.codec}
+    first_default = _phase(procs, peers, f"{rate:g} default 1", default, args.steps)
+    cpu = _comm_cpu(first, first_default, default)
+    measured, tuned = _tuned(first, rate, args.rtt_ms, args.target, cpu, "the blocking default's sync CPU")
+    tunings = [{"phase": _phase_of(tuned.config), "comm_cpu_ns": round(cpu * 1e9, 1)}]
+    if tuned.config.overlap:
+        probe_phase = _phase_of(tuned.config)
+        probe = _phase(procs, peers, f"{rate:g} first tuning", probe_phase, args.steps)
+        cpu = _comm_cpu(first, probe, probe_phase)
+        measured, tuned = _tuned(first, rate, args.rtt_ms, args.target, cpu, "its overlapped phase's slow-down")
+        tunings.append({"phase": _phase_of(tuned.config), "comm_cpu_ns": round(cpu * 1e9, 1)})
+    tuned_phase = _phase_of(tuned.config)
     for cycle in range(args.cycles):
         rows["nocomm"].append(first if cycle == 0 else _phase(procs, peers, f"{rate:g} nocomm {cycle + 1}", nocomm,
                                                               args.steps))
-        rows["default"].append(_phase(procs, peers, f"{rate:g} default {cycle + 1}", default, args.steps))
+        rows["default"].append(first_default if cycle == 0 else _phase(
+            procs, peers, f"{rate:g} default {cycle + 1}", default, args.steps))
         rows["tuned"].append(_phase(procs, peers, f"{rate:g} tuned {cycle + 1}", tuned_phase, args.steps))
 
     def wall(phase_rows: list[dict]) -> float:
@@ -245,6 +286,9 @@ def _run_rate(lab, procs, peers, args, rate: float) -> dict:
     def loss(name: str) -> float:
         return statistics.fmean(r["val_loss"] for cycle in rows[name] for r in cycle)
 
+    def step_ms(name: str) -> list[float]:
+        return [round(1000 * statistics.fmean(r["step_s"] for r in cycle), 1) for cycle in rows[name]]
+
     utils = {name: util(name) for name in ("default", "tuned")}
     print(f"{rate:g} Mbit/s per cycle: default util {utils['default']}, tuned util {utils['tuned']}", flush=True)
     return {
@@ -253,9 +297,14 @@ def _run_rate(lab, procs, peers, args, rate: float) -> dict:
         "tuned_loss_vs_diloco": round(loss("tuned") / loss("default"), 4),
         "config": {**tuned_phase, "chunk_bytes": tuned.config.chunk_bytes,
                    "predicted_util": round(tuned.prediction.utilization, 4),
-                   "step_ms": round(1000 * measured.step_s, 1), "model_bytes": measured.model_bytes},
+                   "step_ms": round(1000 * measured.step_s, 1), "model_bytes": measured.model_bytes,
+                   "comm_cpu_ns_per_byte": round(measured.comm_cpu_s_per_byte * 1e9, 1)},
+        "tunings": tunings,
+        "tuned_comm_cpu_ns": [round(_comm_cpu(ref, x, tuned_phase) * 1e9, 1)
+                              for ref, x in zip(rows["nocomm"], rows["tuned"], strict=True)],
         "loss": {name: round(loss(name), 4) for name in rows},
         "cycles": utils,
+        "step_ms": {name: step_ms(name) for name in rows},
     }
 
 
@@ -325,6 +374,9 @@ def main(argv: list[str] | None = None) -> int:
         "configs": {rate: r["config"] for rate, r in results.items()},
         "losses": {rate: r["loss"] for rate, r in results.items()},
         "cycles": {rate: r["cycles"] for rate, r in results.items()},
+        "step_ms": {rate: r["step_ms"] for rate, r in results.items()},
+        "tunings": {rate: r["tunings"] for rate, r in results.items()},
+        "tuned_comm_cpu_ns": {rate: r["tuned_comm_cpu_ns"] for rate, r in results.items()},
     }
     print(json.dumps(out))
     return 0

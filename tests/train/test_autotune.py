@@ -71,6 +71,18 @@ def test_a_blocking_round_pays_the_slower_of_wire_and_cpu():
     assert predict(Candidate(inner_steps=50), cpu_bound).exposed_s == pytest.approx(2.4)
 
 
+def test_a_greedy_path_into_blocking_does_not_hide_a_cheaper_overlapped_choice():
+    # blocking, a longer H buys the most per loss cost at first, and H 400 meets the target at
+    # +5 %; overlapped with a smaller codec meets it at +3 %
+    m = Measurements(step_s=0.031, model_bytes=500_000, bandwidth_bps=200e6, rtt_s=0.1, peers=4,
+                     comm_cpu_s_per_byte=1.2e-6)
+    tuned = tune(m)
+    assert tuned.meets_target
+    assert tuned.config.overlap
+    assert tuned.prediction.loss_cost <= 0.03 + 1e-9
+    assert "with overlap off the search ends at H 400" in tuned.choices[-1].line()
+
+
 def test_on_shared_cores_the_search_buys_real_utilization_not_free_overlap():
     # a 40 ms step and a 0.5 MB payload at 20 Mbit/s: the wire-only model takes CO2 at H 25 for
     # utilization 1.0, which the exchange's CPU makes 1 / (1 + 0.3) here
@@ -110,6 +122,7 @@ def _exhaustive_best(m, target):
     (20e6, 0.1, 800_000, 0.0), (200e6, 0.1, 800_000, 0.0), (20e6, 0.05, 40_000_000, 0.0),
     (1e9, 0.02, 400_000_000, 0.0), (100e6, 0.2, 4_000_000_000, 0.0),
     (20e6, 0.04, 500_000, 4e-7), (200e6, 0.04, 500_000, 4e-7), (1e9, 0.02, 400_000_000, 2e-9),
+    (200e6, 0.031, 500_000, 1.2e-6), (20e6, 0.031, 500_000, 1.2e-6),
 ])
 def test_the_search_meets_the_target_at_close_to_the_least_loss_cost(bandwidth, step_s, model_bytes, cpu_per_byte):
     m = Measurements(step_s=step_s, model_bytes=model_bytes, bandwidth_bps=bandwidth, rtt_s=0.1, peers=4,
@@ -129,8 +142,9 @@ def test_a_fast_link_changes_nothing_and_every_choice_is_explained():
     tuned = tune(fast)
     assert tuned.config == Candidate(chunk_bytes=tuned.config.chunk_bytes, inner_steps=25)
     assert tuned.prediction.loss_cost == 0.0
-    assert [c.knob for c in tuned.choices] == ["chunk_bytes"]
+    assert [c.knob for c in tuned.choices] == ["chunk_bytes", "overlap"]
     assert "utilization" in tuned.choices[0].line()
+    assert "the better regime: with overlap on" in tuned.choices[-1].line()
 
 
 def test_a_slow_link_prefers_overlap_to_a_longer_h():

@@ -45,7 +45,11 @@ highest priority — the most predicted utilization bought per unit of expected 
 when some one-notch move meets the target, the cheapest such move, and stops. A last pass backs
 off every knob whose last notch the target no longer needs. Each knob moves through its values
 at most once each way, so the search is linear in the number of values, where the cross
-product of the knobs is exponential. Every step is printed with its numbers (``Choice.line``), so the choice
+product of the knobs is exponential. Overlap switches the regime — what is exposed is the wire
+when blocking, the CPU when overlapped on shared cores — so one greedy path can commit to the
+wrong one (a longer H bought while blocking, where overlap and a smaller codec were cheaper):
+the search runs once with overlap off and once with it on, and keeps the cheaper result that
+meets the target (twice linear). Every step is printed with its numbers (``Choice.line``), so the choice
 explains itself, as OptiCo asks of a configurator (Chen et al., ACL 2026).
 """
 
@@ -204,12 +208,40 @@ def _values(knob: str, fixed: Mapping[str, object]) -> list[object]:
 
 
 def tune(m: Measurements, *, target: float = DEFAULT_TARGET, fixed: Mapping[str, object] | None = None) -> Tuned:
-    """The priority search (module docstring): the chunk size first, then one notch at a time on
-    the knob that buys the most utilization per unit of loss cost, then back off what the target
-    no longer needs. ``fixed``: knobs held at a value (those a running swarm cannot change)."""
+    """The priority search (module docstring), once per regime when overlap is free: the
+    cheapest result meeting the target (else the higher utilization), with a last line that
+    names the other. ``fixed``: knobs held at a value (those a running swarm cannot change)."""
     if not 0 < target <= 1:
         raise ValueError(f"target must be in (0, 1], got {target!r}")
-    values = {knob: _values(knob, fixed or {}) for knob in PRIORITY}
+    fixed = dict(fixed or {})
+    if "overlap" in fixed:
+        return _search(m, target=target, fixed=fixed)
+    off, on = (_search(m, target=target, fixed={**fixed, "overlap": o}) for o in (False, True))
+    best, other = (on, off) if _better(on, off) else (off, on)
+    p = other.prediction
+    verdict = (f"with overlap {'on' if other.config.overlap else 'off'} the search ends at "
+               f"{other.config.describe()}, utilization {p.utilization:.3f}, expected loss +{100 * p.loss_cost:.1f} %")
+    last = Choice(knob="overlap", value=best.config.overlap, prediction=best.prediction,
+                  reason=f"the better regime: {verdict}")
+    return Tuned(config=best.config, prediction=best.prediction, choices=(*best.choices, last),
+                 meets_target=best.meets_target)
+
+
+def _better(a: Tuned, b: Tuned) -> bool:
+    """Whether ``a`` is the better result: meeting the target at less loss cost, or the higher
+    utilization when neither meets it."""
+    if a.meets_target != b.meets_target:
+        return a.meets_target
+    if a.meets_target:
+        return a.prediction.loss_cost < b.prediction.loss_cost
+    return a.prediction.utilization > b.prediction.utilization
+
+
+def _search(m: Measurements, *, target: float, fixed: Mapping[str, object]) -> Tuned:
+    """One priority search (module docstring): the chunk size first, then one notch at a time
+    on the knob that buys the most utilization per unit of loss cost, then back off what the
+    target no longer needs."""
+    values = {knob: _values(knob, fixed) for knob in PRIORITY}
     index = dict.fromkeys(PRIORITY, 0)
 
     def at(idx: dict[str, int], chunk: int) -> Candidate:
