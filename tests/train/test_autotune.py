@@ -183,3 +183,16 @@ def test_the_tune_command_prints_each_choice_and_the_settings(capsys):
     assert main([*args[:2], "-5", *args[3:]]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["lattica: error: tune: step_s must be a finite positive number, got -0.005"]
+
+
+def test_the_tune_command_counts_the_communication_cpu_it_is_given(capsys):
+    from lattica.cli.main import main
+
+    args = ["tune", "--step-ms", "40", "--model-bytes", "500000", "--bandwidth-mbit", "20", "--rtt-ms", "100",
+            "--peers", "4"]
+    assert main([*args, "--comm-cpu-ns", "1200"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "comm CPU 0.90 s" in out[0]  # 750 kB sent x 1.2 µs
+    assert out[-4:] == ["[train]", "inner_steps = 100", 'codec = "int4"', 'strategy = "co2"']
+    assert main([*args, "--comm-cpu-ns", "1200", "--no-shared-cores"]) == 0
+    assert capsys.readouterr().out.splitlines()[-3:] == ["[train]", "inner_steps = 50", 'strategy = "co2"']
