@@ -9,14 +9,14 @@ over libp2p), each on its own shard, all from the same weights. For each link ra
 - ``nocomm``: no communication — the reference wall time;
 - ``default``: DiLoCo as a user gets it untuned (H 50, fp32, blocking all-reduce);
 - ``tuned``: the configuration ``train/settings/autotune.py`` chooses as ``tune = true`` would,
-  from what this run measured: the inner step (the first ``nocomm`` phase's), the model's
-  payload, the link (its configured rate and RTT; ``benchmarks/wan_lab.py`` measures the delay
-  line within a few percent of them) and the communication CPU per byte sent — first the
-  blocking ``default`` phase's process CPU in its syncs; when that choice overlaps (strategy
-  ``co2``), one phase of it is run and its inner steps' slow-down against the ``nocomm`` step
-  is fed back for a second tuning, whose choice the cycles run (H, the codec and overlap; the
-  group stays the whole round: these peers average by all-reduce, a gossip group would need the
-  daemon's group coordination).
+  from what this run measured: the inner step (the first ``nocomm`` and ``default`` phases': a
+  blocking phase's steps run with no exchange in flight too), the model's payload, the link (its
+  configured rate and RTT; ``benchmarks/wan_lab.py`` measures the delay line within a few
+  percent of them) and the communication CPU per byte sent — first the blocking ``default``
+  phase's process CPU in its syncs; when that choice overlaps (strategy ``co2``), one phase of it
+  is run and its inner steps' slow-down against that step is fed back for a second tuning, whose
+  choice the cycles run (H, the codec and overlap; the group stays the whole round: these peers
+  average by all-reduce, a gossip group would need the daemon's group coordination).
 
 ``<x>_util_vs_nocomm`` is the ``nocomm`` wall over the phase's wall (the wall from the first
 inner step to the return of the last one's ``after_inner_step``; overlap.py's measure), taken
@@ -260,14 +260,15 @@ def _run_rate(lab, procs, peers, args, rate: float) -> dict:
     rows: dict[str, list[list[dict]]] = {"nocomm": [], "default": [], "tuned": []}
     first = _phase(procs, peers, f"{rate:g} nocomm 1", nocomm, args.steps)
     first_default = _phase(procs, peers, f"{rate:g} default 1", default, args.steps)
-    cpu = _comm_cpu(first, first_default, default)
-    measured, tuned = _tuned(first, rate, args.rtt_ms, args.target, cpu, "the blocking default's sync CPU")
+    clean = first + first_default  # steps with no exchange in flight, the closest in time to the probe
+    cpu = _comm_cpu(clean, first_default, default)
+    measured, tuned = _tuned(clean, rate, args.rtt_ms, args.target, cpu, "the blocking default's sync CPU")
     tunings = [{"phase": _phase_of(tuned.config), "comm_cpu_ns": round(cpu * 1e9, 1)}]
     if tuned.config.overlap:
         probe_phase = _phase_of(tuned.config)
         probe = _phase(procs, peers, f"{rate:g} first tuning", probe_phase, args.steps)
-        cpu = _comm_cpu(first, probe, probe_phase)
-        measured, tuned = _tuned(first, rate, args.rtt_ms, args.target, cpu, "its overlapped phase's slow-down")
+        cpu = _comm_cpu(clean, probe, probe_phase)
+        measured, tuned = _tuned(clean, rate, args.rtt_ms, args.target, cpu, "its overlapped phase's slow-down")
         tunings.append({"phase": _phase_of(tuned.config), "comm_cpu_ns": round(cpu * 1e9, 1)})
     tuned_phase = _phase_of(tuned.config)
     for cycle in range(args.cycles):
