@@ -12,7 +12,7 @@ over libp2p), each on its own shard, all from the same weights. For each link ra
   from what this run measured: the inner step (the first ``nocomm`` and ``default`` phases': a
   blocking phase's steps run with no exchange in flight too), the model's payload, the link (its
   configured rate and RTT; ``benchmarks/wan_lab.py`` measures the delay line within a few
-  percent of them) and the communication CPU per byte sent — first the blocking ``default``
+  percent of them) and the communication CPU per byte and per round — first the blocking ``default``
   phase's process CPU in its syncs; when that choice overlaps (strategy ``co2``), one phase of it
   is run and its inner steps' slow-down against that step is fed back for a second tuning, whose
   choice the cycles run (H, the codec and overlap; the group stays the whole round: these peers
@@ -25,8 +25,8 @@ them alike) and reported as the median over the cycles, every cycle's ratio besi
 ``tuned_loss_vs_diloco`` is the tuned phase's validation loss (mean over the peers) over the
 default's. Targets: tuned utilization ≥ 0.95 and loss ≤ 1.03 × DiLoCo's at both rates. Beside
 them: each phase's mean inner step per cycle (``step_ms``), each tuning's choice and the CPU per
-byte it was given (``tunings``), and the CPU per byte the tuned phases then measured
-(``tuned_comm_cpu_ns``).
+byte and per round it was given (``tunings``), and the CPU per round the tuned phases then
+measured (``tuned_comm_cpu_round_ms``).
 
 A phase that does not finish — a peer that exits or misses its deadline, fewer steps than asked,
 a skipped sync — fails the run: exit status 1 and one line on stderr, no figures.
@@ -209,19 +209,19 @@ def check_phase(name: str, rows: list[dict], steps: int, phase: dict) -> None:
             raise BenchmarkFailed(f"{name}: peer {i} reported no finite loss or no wall time")
 
 
-def _tuned(clean: list[dict], rate_mbit: float, rtt_ms: float, target: float, cpu_per_byte: float, why: str):
+def _tuned(clean: list[dict], rate_mbit: float, rtt_ms: float, target: float, cpu: tuple[float, float], why: str):
     """The tuner's choice for the measured step (a ``nocomm`` phase's), payload, link and
     communication CPU per byte; every search step printed."""
     from lattica.train.settings.autotune import Measurements, tune
 
     measured = Measurements(
         step_s=statistics.fmean(r["step_s"] for r in clean), model_bytes=clean[0]["model_bytes"],
-        bandwidth_bps=rate_mbit * 1e6, rtt_s=rtt_ms / 1000, peers=WORKERS, comm_cpu_s_per_byte=cpu_per_byte,
-        shared_cores=True,
+        bandwidth_bps=rate_mbit * 1e6, rtt_s=rtt_ms / 1000, peers=WORKERS, comm_cpu_s_per_byte=cpu[0],
+        comm_cpu_s_per_round=cpu[1], shared_cores=True,
     )
     tuned = tune(measured, target=target, fixed={"group_size": 0})
-    print(f"  tuning ({why}): step {1000 * measured.step_s:.1f} ms, communication CPU {cpu_per_byte * 1e9:.0f} ns/byte",
-          flush=True)
+    print(f"  tuning ({why}): step {1000 * measured.step_s:.1f} ms, communication CPU {cpu[0] * 1e9:.0f} ns/byte, "
+          f"at least {1000 * cpu[1]:.0f} ms a round", flush=True)
     for choice in tuned.choices:
         print(f"    {choice.line()}", flush=True)
     return measured, tuned
@@ -232,17 +232,21 @@ def _phase_of(config) -> dict:
             "codec": config.codec}
 
 
-def _comm_cpu(clean: list[dict], rows: list[dict], phase: dict) -> float:
-    """CPU per byte sent, as ``tune = true`` measures it (``train/settings/retune.py``): a
-    blocking phase's process CPU in its syncs over its bytes; an overlapped phase's step
-    slow-down against the ``nocomm`` phase's step over its bytes. The mean over the peers."""
+def _comm_cpu(clean: list[dict], rows: list[dict], phase: dict) -> tuple[float, float]:
+    """CPU per byte sent and per round, as ``tune = true`` measures them
+    (``train/settings/retune.py``): a blocking phase's process CPU in its syncs; an overlapped
+    phase's step slow-down against the clean step; over its bytes, and over its rounds (the
+    rounds whose exchange overlapped a phase: CO2's landed ones). The mean over the peers."""
     from lattica.train.settings.autotune import comm_cpu_per_byte, slowdown_cpu_per_byte
 
     clean_step = statistics.fmean(r["step_s"] for r in clean)
     if phase["strategy"] == "co2":
-        return statistics.fmean(slowdown_cpu_per_byte(step_s=r["step_s"], clean_step_s=clean_step, steps=r["steps"],
-                                                      bytes_sent=r["bytes_sent"]) for r in rows)
-    return statistics.fmean(comm_cpu_per_byte(cpu_s=r["sync_cpu_s"], bytes_sent=r["bytes_sent"]) for r in rows)
+        per_byte = [slowdown_cpu_per_byte(step_s=r["step_s"], clean_step_s=clean_step, steps=r["steps"],
+                                          bytes_sent=r["bytes_sent"]) for r in rows]
+    else:
+        per_byte = [comm_cpu_per_byte(cpu_s=r["sync_cpu_s"], bytes_sent=r["bytes_sent"]) for r in rows]
+    per_round = [b * r["bytes_sent"] / max(r["syncs"], 1) for b, r in zip(per_byte, rows, strict=True)]
+    return statistics.fmean(per_byte), statistics.fmean(per_round)
 
 
 def _run_rate(lab, procs, peers, args, rate: float) -> dict:
@@ -263,13 +267,15 @@ def _run_rate(lab, procs, peers, args, rate: float) -> dict:
     clean = first + first_default  # steps with no exchange in flight, the closest in time to the probe
     cpu = _comm_cpu(clean, first_default, default)
     measured, tuned = _tuned(clean, rate, args.rtt_ms, args.target, cpu, "the blocking default's sync CPU")
-    tunings = [{"phase": _phase_of(tuned.config), "comm_cpu_ns": round(cpu * 1e9, 1)}]
+    tunings = [{"phase": _phase_of(tuned.config), "comm_cpu_ns": round(cpu[0] * 1e9, 1),
+                "comm_cpu_round_ms": round(cpu[1] * 1000, 1)}]
     if tuned.config.overlap:
         probe_phase = _phase_of(tuned.config)
         probe = _phase(procs, peers, f"{rate:g} first tuning", probe_phase, args.steps)
         cpu = _comm_cpu(clean, probe, probe_phase)
         measured, tuned = _tuned(clean, rate, args.rtt_ms, args.target, cpu, "its overlapped phase's slow-down")
-        tunings.append({"phase": _phase_of(tuned.config), "comm_cpu_ns": round(cpu * 1e9, 1)})
+        tunings.append({"phase": _phase_of(tuned.config), "comm_cpu_ns": round(cpu[0] * 1e9, 1),
+                        "comm_cpu_round_ms": round(cpu[1] * 1000, 1)})
     tuned_phase = _phase_of(tuned.config)
     for cycle in range(args.cycles):
         rows["nocomm"].append(first if cycle == 0 else _phase(procs, peers, f"{rate:g} nocomm {cycle + 1}", nocomm,
@@ -299,10 +305,11 @@ def _run_rate(lab, procs, peers, args, rate: float) -> dict:
         "config": {**tuned_phase, "chunk_bytes": tuned.config.chunk_bytes,
                    "predicted_util": round(tuned.prediction.utilization, 4),
                    "step_ms": round(1000 * measured.step_s, 1), "model_bytes": measured.model_bytes,
-                   "comm_cpu_ns_per_byte": round(measured.comm_cpu_s_per_byte * 1e9, 1)},
+                   "comm_cpu_ns_per_byte": round(measured.comm_cpu_s_per_byte * 1e9, 1),
+                   "comm_cpu_ms_per_round": round(measured.comm_cpu_s_per_round * 1000, 1)},
         "tunings": tunings,
-        "tuned_comm_cpu_ns": [round(_comm_cpu(ref, x, tuned_phase) * 1e9, 1)
-                              for ref, x in zip(rows["nocomm"], rows["tuned"], strict=True)],
+        "tuned_comm_cpu_round_ms": [round(_comm_cpu(ref, x, tuned_phase)[1] * 1000, 1)
+                                    for ref, x in zip(rows["nocomm"], rows["tuned"], strict=True)],
         "loss": {name: round(loss(name), 4) for name in rows},
         "cycles": utils,
         "step_ms": {name: step_ms(name) for name in rows},
@@ -377,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         "cycles": {rate: r["cycles"] for rate, r in results.items()},
         "step_ms": {rate: r["step_ms"] for rate, r in results.items()},
         "tunings": {rate: r["tunings"] for rate, r in results.items()},
-        "tuned_comm_cpu_ns": {rate: r["tuned_comm_cpu_ns"] for rate, r in results.items()},
+        "tuned_comm_cpu_round_ms": {rate: r["tuned_comm_cpu_round_ms"] for rate, r in results.items()},
     }
     print(json.dumps(out))
     return 0

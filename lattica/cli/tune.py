@@ -37,6 +37,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     tune.add_argument("--comm-cpu-ns", type=float,
                       help="CPU nanoseconds per byte sent in an all-reduce (default: as the running daemon measured "
                            "it; 0 offline)")
+    tune.add_argument("--comm-cpu-round-ms", type=float,
+                      help="the least CPU milliseconds an exchange costs per round (default: as the running daemon "
+                           "measured it; 0 offline)")
     tune.add_argument("--shared-cores", action=argparse.BooleanOptionalAction, default=None,
                       help="the inner steps run on the cores communication runs on (default: as the daemon trains: "
                            "yes on a CPU; yes offline)")
@@ -49,7 +52,8 @@ def tune(args: argparse.Namespace) -> int:
     from lattica.train.settings.autotune import Measurements, run_settings, tune
 
     figures = {name: getattr(args, name) for name in _FIGURES}
-    cores: dict[str, float | None] = {"comm_cpu_ns": args.comm_cpu_ns, "shared_cores": args.shared_cores}
+    cores: dict[str, float | None] = {"comm_cpu_ns": args.comm_cpu_ns, "comm_cpu_round_ms": args.comm_cpu_round_ms,
+                                      "shared_cores": args.shared_cores}
     if any(value is None for value in figures.values()):
         daemon = _measured(args)
         cores = {k: cores[k] if cores[k] is not None else daemon.pop(k) for k in cores}
@@ -61,12 +65,13 @@ def tune(args: argparse.Namespace) -> int:
         if not args.json:
             print("measured: " + ", ".join(f"{name} {value:g}" for name, value in {**figures, **cores}.items()
                                            if value is not None))
-    cpu_ns, shared = cores["comm_cpu_ns"] or 0.0, cores["shared_cores"] != 0  # offline: 0 ns, shared cores
+    cpu_ns, round_ms = cores["comm_cpu_ns"] or 0.0, cores["comm_cpu_round_ms"] or 0.0  # offline: none
+    shared = cores["shared_cores"] != 0
     try:
         measured = Measurements(
             step_s=figures["step_ms"] / 1000, model_bytes=int(figures["model_bytes"]),
             bandwidth_bps=figures["bandwidth_mbit"] * 1e6, rtt_s=figures["rtt_ms"] / 1000, peers=int(figures["peers"]),
-            comm_cpu_s_per_byte=cpu_ns / 1e9, shared_cores=shared,
+            comm_cpu_s_per_byte=cpu_ns / 1e9, comm_cpu_s_per_round=round_ms / 1000, shared_cores=shared,
         )
         tuned = tune(measured, target=args.target)
     except ValueError as exc:
@@ -74,7 +79,7 @@ def tune(args: argparse.Namespace) -> int:
     settings = run_settings(tuned.config)
     if args.json:
         print(json.dumps({
-            "measured": {**figures, "comm_cpu_ns": cpu_ns, "shared_cores": shared},
+            "measured": {**figures, "comm_cpu_ns": cpu_ns, "comm_cpu_round_ms": round_ms, "shared_cores": shared},
             "config": tuned.config.__dict__, "settings": settings,
             "meets_target": tuned.meets_target,
             "utilization": round(tuned.prediction.utilization, 4), "loss_cost": round(tuned.prediction.loss_cost, 4),
@@ -101,6 +106,7 @@ def _measured(args: argparse.Namespace) -> dict[str, float | None]:
         "step_ms": _scaled(reply, "step_s", 1000), "model_bytes": _scaled(reply, "model_bytes", 1),
         "bandwidth_mbit": _scaled(reply, "bandwidth_bps", 1e-6), "rtt_ms": _scaled(reply, "rtt_s", 1000),
         "peers": _scaled(reply, "peers", 1), "comm_cpu_ns": _scaled(reply, "comm_cpu_s_per_byte", 1e9),
+        "comm_cpu_round_ms": _scaled(reply, "comm_cpu_s_per_round", 1000),
         "shared_cores": 0.0 if reply.get("shared_cores") is False else 1.0,
     }
 

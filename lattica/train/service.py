@@ -444,7 +444,8 @@ class TrainingService:
             self.node.round_trip_times, self.tensors.stats, peer_id=self.peer_id,
             group=self._last_group or tuple(self.view.trainers()), step_s=step_s,
             model_bytes=4 * sum(p.numel() for p in trainer.model.parameters()), round_bps=self._round_bps,
-            comm_cpu_s_per_byte=cpu, shared_cores=all(p.device.type == "cpu" for p in trainer.model.parameters()),
+            comm_cpu_s_per_byte=cpu, comm_cpu_s_per_round=cpu * self._round_bytes,
+            shared_cores=all(p.device.type == "cpu" for p in trainer.model.parameters()),
         )
 
 

@@ -52,7 +52,8 @@ RoundTrips = Callable[[Sequence[str]], Awaitable[dict[str, float]]]
 
 async def measure(
     round_trip_times: RoundTrips, traffic: Traffic, *, peer_id: str, group: Sequence[str], step_s: float | None,
-    model_bytes: int, round_bps: float | None, comm_cpu_s_per_byte: float = 0.0, shared_cores: bool = True,
+    model_bytes: int, round_bps: float | None, comm_cpu_s_per_byte: float = 0.0, comm_cpu_s_per_round: float = 0.0,
+    shared_cores: bool = True,
 ) -> dict[str, object]:
     """This node's figures for the tuner (module docstring), with each peer's; JSON.
 
@@ -75,7 +76,8 @@ async def measure(
     return {
         "step_s": step_s, "model_bytes": model_bytes, "bandwidth_bps": bandwidth,
         "rtt_s": max(rtts.values()) if rtts else None, "peers": len(group), "per_peer": per_peer,
-        "comm_cpu_s_per_byte": comm_cpu_s_per_byte, "shared_cores": shared_cores,
+        "comm_cpu_s_per_byte": comm_cpu_s_per_byte, "comm_cpu_s_per_round": comm_cpu_s_per_round,
+        "shared_cores": shared_cores,
     }
 
 
@@ -97,6 +99,8 @@ def measurements_of(figures: Mapping[str, object]) -> Measurements:
         step_s=number("step_s"), model_bytes=int(number("model_bytes")), bandwidth_bps=number("bandwidth_bps"),
         rtt_s=number("rtt_s"), peers=int(number("peers")),
         comm_cpu_s_per_byte=number("comm_cpu_s_per_byte") if figures.get("comm_cpu_s_per_byte") is not None else 0.0,
+        comm_cpu_s_per_round=number("comm_cpu_s_per_round") if figures.get("comm_cpu_s_per_round") is not None
+        else 0.0,
         shared_cores=shared,
     )
 
@@ -177,7 +181,7 @@ class RunTuner:
         figures = await measure(
             self.round_trip_times, self.traffic, peer_id=self.peer_id, group=report.group,
             step_s=step_s, model_bytes=self.model_bytes(), round_bps=report.bytes_sent * 8 / report.seconds,
-            comm_cpu_s_per_byte=cpu, shared_cores=self.shared_cores,
+            comm_cpu_s_per_byte=cpu, comm_cpu_s_per_round=cpu * report.bytes_sent, shared_cores=self.shared_cores,
         )
         measured = measurements_of(figures)
         decision = decide(
@@ -194,7 +198,8 @@ class RunTuner:
         new = decision.entry.periods[-1] if decision.entry.periods else None
         self.last_decision = (
             f"{decision.reason}; step {measured.step_s * 1000:.1f} ms, payload {measured.model_bytes / 1e6:.1f} MB, "
-            f"RTT {measured.rtt_s * 1000:.1f} ms, communication CPU {measured.comm_cpu_s_per_byte * 1e9:.0f} ns/byte "
+            f"RTT {measured.rtt_s * 1000:.1f} ms, communication CPU {measured.comm_cpu_s_per_byte * 1e9:.0f} ns/byte, "
+            f"at least {measured.comm_cpu_s_per_round * 1000:.0f} ms a round "
             f"({'shared' if measured.shared_cores else 'own'} cores), {measured.peers} members -> H "
             f"{decision.applied.config.inner_steps}"
             + (f", {decision.applied.config.codec}" if self.strategy.base_codec is not None else "")

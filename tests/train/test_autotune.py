@@ -99,6 +99,25 @@ def test_on_shared_cores_the_search_buys_real_utilization_not_free_overlap():
     assert "comm CPU" in tuned.choices[-1].line()
 
 
+def test_a_smaller_codec_is_not_credited_below_the_measured_round():
+    # one measured fp32 round: 0.46 s taken from the steps for 750 kB sent (a floor per round
+    # and a rate per byte, both from it): int4 sends 1/8 of it but still pays the 0.46 s
+    m = Measurements(step_s=0.027, model_bytes=500_000, bandwidth_bps=20e6, rtt_s=0.1, peers=4,
+                     comm_cpu_s_per_byte=0.46 / 750_000, comm_cpu_s_per_round=0.46)
+    int4 = predict(Candidate(inner_steps=50, codec="int4", overlap=True), m)
+    assert int4.comm_cpu_s == pytest.approx(0.46)
+    assert predict(Candidate(inner_steps=50, codec="fp32", overlap=True), m).comm_cpu_s == pytest.approx(0.46)
+    bigger = Measurements(**{**m.__dict__, "model_bytes": 2_000_000})
+    assert predict(Candidate(inner_steps=50, overlap=True), bigger).comm_cpu_s == pytest.approx(4 * 0.46)
+    tuned = tune(m)
+    assert tuned.meets_target
+    c = tuned.config
+    # only a longer inner phase amortizes a floor: overlapped at H 400 (0.46 s in 10.8 s)
+    assert (c.inner_steps, c.overlap) == (400, True)
+    real = 400 * 0.027 / (400 * 0.027 + 0.46)
+    assert real >= 0.95
+
+
 def test_communication_cpu_is_measured_per_byte_sent():
     assert comm_cpu_per_byte(cpu_s=0.3, bytes_sent=750_000) == pytest.approx(4e-7)
     assert comm_cpu_per_byte(cpu_s=0.3, bytes_sent=0) == 0.0
@@ -163,7 +182,8 @@ def test_retune_when_bandwidth_moves_more_than_twofold():
 
 
 @pytest.mark.parametrize("bad", [{"step_s": 0.0}, {"bandwidth_bps": float("nan")}, {"rtt_s": -1.0}, {"peers": 1},
-                                 {"comm_cpu_s_per_byte": -1e-9}, {"comm_cpu_s_per_byte": float("inf")}])
+                                 {"comm_cpu_s_per_byte": -1e-9}, {"comm_cpu_s_per_byte": float("inf")},
+                                 {"comm_cpu_s_per_round": -0.1}])
 def test_bad_measurements_are_refused(bad):
     values = {"step_s": 0.1, "model_bytes": 10, "bandwidth_bps": 1e6, "rtt_s": 0.0, "peers": 2} | bad
     with pytest.raises(ValueError, match="must"):

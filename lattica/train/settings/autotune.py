@@ -12,7 +12,12 @@ inner step, the model's fp32 payload, the bandwidth and round-trip time to its g
   chunks, so a phase costs its bytes over the bandwidth, one RTT, and a per-chunk overhead, and
   a chunk too large for the pipeline adds its own transfer time once per phase (fill);
 - communication CPU: encoding, encryption, framing, copies and the reduction cost the node CPU
-  time per byte it sends (``comm_cpu_s_per_byte``, measured on the node: ``Measurements``);
+  time per byte it sends (``comm_cpu_s_per_byte``), and an exchange costs at least a floor per
+  round whatever its size (``comm_cpu_s_per_round``: its phases' wake-ups of the event loop, the
+  hand-offs of the GIL and of the cores) — max(floor, per byte × bytes sent), both measured on
+  the node (``Measurements``). One measured round gives both: its cost is the floor, and its
+  cost over its bytes the rate, so a smaller payload is not credited with CPU it was not seen
+  to save, and a larger one pays in proportion;
 - exposed communication, what a round adds to its compute:
 
   - blocking: the slower of the transfer and the communication CPU (the data plane pipelines
@@ -87,6 +92,8 @@ class Measurements:
     # the reduction): a blocking round's process CPU over its bytes, or the inner steps' slow-down
     # during an overlapped round over its bytes (``comm_cpu_per_byte``); 0: not measured
     comm_cpu_s_per_byte: float = 0.0
+    # the least an exchange costs per round, whatever its size (the measured round's cost)
+    comm_cpu_s_per_round: float = 0.0
     shared_cores: bool = True  # the inner steps run on the cores communication runs on (CPU training)
 
     def __post_init__(self) -> None:
@@ -94,7 +101,7 @@ class Measurements:
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a finite positive number, got {value!r}")
-        for name in ("rtt_s", "comm_cpu_s_per_byte"):
+        for name in ("rtt_s", "comm_cpu_s_per_byte", "comm_cpu_s_per_round"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
@@ -163,7 +170,7 @@ def exposed_seconds(*, compute: float, transfer: float, cpu: float, overlap: boo
 def predict(candidate: Candidate, m: Measurements) -> Prediction:
     compute = candidate.inner_steps * m.step_s
     transfer = transfer_seconds(candidate, m)
-    cpu = sent_bytes(candidate, m) * m.comm_cpu_s_per_byte
+    cpu = max(m.comm_cpu_s_per_round, sent_bytes(candidate, m) * m.comm_cpu_s_per_byte)
     exposed = exposed_seconds(compute=compute, transfer=transfer, cpu=cpu, overlap=candidate.overlap,
                               shared_cores=m.shared_cores)
     return Prediction(
