@@ -209,17 +209,18 @@ def check_phase(name: str, rows: list[dict], steps: int, phase: dict) -> None:
             raise BenchmarkFailed(f"{name}: peer {i} reported no finite loss or no wall time")
 
 
-def _tuned(clean: list[dict], rate_mbit: float, rtt_ms: float, target: float, cpu: tuple[float, float], why: str):
-    """The tuner's choice for the measured step (a ``nocomm`` phase's), payload, link and
-    communication CPU per byte; every search step printed."""
+def _tuned(clean: list[dict], rate_mbit: float, args: argparse.Namespace, cpu: tuple[float, float], why: str):
+    """The tuner's choice for the measured step (a ``nocomm`` phase's), payload, link,
+    communication CPU per byte and the phase's steps (the rounds an H leaves them); every
+    search step printed."""
     from lattica.train.settings.autotune import Measurements, tune
 
     measured = Measurements(
         step_s=statistics.fmean(r["step_s"] for r in clean), model_bytes=clean[0]["model_bytes"],
-        bandwidth_bps=rate_mbit * 1e6, rtt_s=rtt_ms / 1000, peers=WORKERS, comm_cpu_s_per_byte=cpu[0],
-        comm_cpu_s_per_round=cpu[1], shared_cores=True,
+        bandwidth_bps=rate_mbit * 1e6, rtt_s=args.rtt_ms / 1000, peers=WORKERS, comm_cpu_s_per_byte=cpu[0],
+        comm_cpu_s_per_round=cpu[1], shared_cores=True, steps_left=args.steps,
     )
-    tuned = tune(measured, target=target, fixed={"group_size": 0})
+    tuned = tune(measured, target=args.target, fixed={"group_size": 0}, min_rounds=args.min_rounds)
     print(f"  tuning ({why}): step {1000 * measured.step_s:.1f} ms, communication CPU {cpu[0] * 1e9:.0f} ns/byte, "
           f"at least {1000 * cpu[1]:.0f} ms a round", flush=True)
     for choice in tuned.choices:
@@ -266,14 +267,14 @@ def _run_rate(lab, procs, peers, args, rate: float) -> dict:
     first_default = _phase(procs, peers, f"{rate:g} default 1", default, args.steps)
     clean = first + first_default  # steps with no exchange in flight, the closest in time to the probe
     cpu = _comm_cpu(clean, first_default, default)
-    measured, tuned = _tuned(clean, rate, args.rtt_ms, args.target, cpu, "the blocking default's sync CPU")
+    measured, tuned = _tuned(clean, rate, args, cpu, "the blocking default's sync CPU")
     tunings = [{"phase": _phase_of(tuned.config), "comm_cpu_ns": round(cpu[0] * 1e9, 1),
                 "comm_cpu_round_ms": round(cpu[1] * 1000, 1)}]
     if tuned.config.overlap:
         probe_phase = _phase_of(tuned.config)
         probe = _phase(procs, peers, f"{rate:g} first tuning", probe_phase, args.steps)
         cpu = _comm_cpu(clean, probe, probe_phase)
-        measured, tuned = _tuned(clean, rate, args.rtt_ms, args.target, cpu, "its overlapped phase's slow-down")
+        measured, tuned = _tuned(clean, rate, args, cpu, "its overlapped phase's slow-down")
         tunings.append({"phase": _phase_of(tuned.config), "comm_cpu_ns": round(cpu[0] * 1e9, 1),
                         "comm_cpu_round_ms": round(cpu[1] * 1000, 1)})
     tuned_phase = _phase_of(tuned.config)
@@ -304,6 +305,8 @@ def _run_rate(lab, procs, peers, args, rate: float) -> dict:
         "tuned_loss_vs_diloco": round(loss("tuned") / loss("default"), 4),
         "config": {**tuned_phase, "chunk_bytes": tuned.config.chunk_bytes,
                    "predicted_util": round(tuned.prediction.utilization, 4),
+                   "predicted_loss_cost": round(tuned.prediction.loss_cost, 4), "meets_target": tuned.meets_target,
+                   "shortfall": tuned.shortfall,
                    "step_ms": round(1000 * measured.step_s, 1), "model_bytes": measured.model_bytes,
                    "comm_cpu_ns_per_byte": round(measured.comm_cpu_s_per_byte * 1e9, 1),
                    "comm_cpu_ms_per_round": round(measured.comm_cpu_s_per_round * 1000, 1)},
@@ -350,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rtt-ms", type=float, default=100.0)
     parser.add_argument("--steps", type=int, default=400, help="inner steps per phase (a multiple of 400)")
     parser.add_argument("--target", type=float, default=0.95, help="the tuner's utilization target")
+    parser.add_argument("--min-rounds", type=int, default=8,
+                        help="applied outer rounds an H must leave a phase to be a candidate (the tuner's default)")
     parser.add_argument("--cycles", type=int, default=3, help="run the three phases in turn this many times")
     parser.add_argument("--log-dir", default="", help="write each peer's stderr here")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)

@@ -21,6 +21,7 @@ from lattica.cli.common import resolve_data_dir
 from lattica.control import client
 from lattica.decoding import str_map
 from lattica.errors import ConfigError, LocalProtocolError
+from lattica.train.settings.autotune import DEFAULT_MIN_ROUNDS
 
 _FIGURES = ("step_ms", "model_bytes", "bandwidth_mbit", "rtt_ms", "peers")
 
@@ -43,6 +44,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     tune.add_argument("--shared-cores", action=argparse.BooleanOptionalAction, default=None,
                       help="the inner steps run on the cores communication runs on (default: as the daemon trains: "
                            "yes on a CPU; yes offline)")
+    tune.add_argument("--steps", type=int,
+                      help="inner steps the run has left (default: as the running daemon counts them; offline: "
+                           "unknown, the rounds they leave are not counted)")
+    tune.add_argument("--min-rounds", type=int, default=DEFAULT_MIN_ROUNDS,
+                      help="applied outer rounds an H must leave in those steps to be a candidate "
+                           f"(default {DEFAULT_MIN_ROUNDS})")
     tune.add_argument("--data-dir", help="the running daemon to measure (default: $LATTICA_DATA_DIR or the default)")
     tune.add_argument("--target", type=float, default=0.95, help="utilization to meet (default 0.95)")
     tune.add_argument("--json", action="store_true", help="one JSON object instead of lines")
@@ -53,7 +60,7 @@ def tune(args: argparse.Namespace) -> int:
 
     figures = {name: getattr(args, name) for name in _FIGURES}
     cores: dict[str, float | None] = {"comm_cpu_ns": args.comm_cpu_ns, "comm_cpu_round_ms": args.comm_cpu_round_ms,
-                                      "shared_cores": args.shared_cores}
+                                      "shared_cores": args.shared_cores, "steps_left": args.steps}
     if any(value is None for value in figures.values()):
         daemon = _measured(args)
         cores = {k: cores[k] if cores[k] is not None else daemon.pop(k) for k in cores}
@@ -67,19 +74,22 @@ def tune(args: argparse.Namespace) -> int:
                                            if value is not None))
     cpu_ns, round_ms = cores["comm_cpu_ns"] or 0.0, cores["comm_cpu_round_ms"] or 0.0  # offline: none
     shared = cores["shared_cores"] != 0
+    left = cores["steps_left"]
     try:
         measured = Measurements(
             step_s=figures["step_ms"] / 1000, model_bytes=int(figures["model_bytes"]),
             bandwidth_bps=figures["bandwidth_mbit"] * 1e6, rtt_s=figures["rtt_ms"] / 1000, peers=int(figures["peers"]),
             comm_cpu_s_per_byte=cpu_ns / 1e9, comm_cpu_s_per_round=round_ms / 1000, shared_cores=shared,
+            steps_left=None if left is None else int(left),
         )
-        tuned = tune(measured, target=args.target)
+        tuned = tune(measured, target=args.target, min_rounds=args.min_rounds)
     except ValueError as exc:
         raise ConfigError(f"tune: {exc}") from None
     settings = run_settings(tuned.config)
     if args.json:
         print(json.dumps({
-            "measured": {**figures, "comm_cpu_ns": cpu_ns, "comm_cpu_round_ms": round_ms, "shared_cores": shared},
+            "measured": {**figures, "comm_cpu_ns": cpu_ns, "comm_cpu_round_ms": round_ms, "shared_cores": shared,
+                         "steps_left": left},
             "config": tuned.config.__dict__, "settings": settings,
             "meets_target": tuned.meets_target,
             "utilization": round(tuned.prediction.utilization, 4), "loss_cost": round(tuned.prediction.loss_cost, 4),
@@ -90,7 +100,7 @@ def tune(args: argparse.Namespace) -> int:
         print(choice.line())
     verdict = "meets" if tuned.meets_target else "does NOT meet"
     print(f"chosen: {tuned.config.describe()} — predicted utilization {tuned.prediction.utilization:.3f} "
-          f"({verdict} {args.target})")
+          f"({verdict} {args.target})" + (f": {tuned.shortfall}" if tuned.shortfall else ""))
     print("[train]")
     for key, value in settings.items():
         print(f"{key} = {json.dumps(value)}")
@@ -108,6 +118,7 @@ def _measured(args: argparse.Namespace) -> dict[str, float | None]:
         "peers": _scaled(reply, "peers", 1), "comm_cpu_ns": _scaled(reply, "comm_cpu_s_per_byte", 1e9),
         "comm_cpu_round_ms": _scaled(reply, "comm_cpu_s_per_round", 1000),
         "shared_cores": 0.0 if reply.get("shared_cores") is False else 1.0,
+        "steps_left": _scaled(reply, "steps_left", 1),
     }
 
 

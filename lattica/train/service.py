@@ -446,6 +446,7 @@ class TrainingService:
             model_bytes=4 * sum(p.numel() for p in trainer.model.parameters()), round_bps=self._round_bps,
             comm_cpu_s_per_byte=cpu, comm_cpu_s_per_round=cpu * self._round_bytes,
             shared_cores=all(p.device.type == "cpu" for p in trainer.model.parameters()),
+            steps_left=max(0, self.settings.rounds * self.settings.inner_steps - trainer.step),
         )
 
 

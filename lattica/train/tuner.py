@@ -53,7 +53,7 @@ RoundTrips = Callable[[Sequence[str]], Awaitable[dict[str, float]]]
 async def measure(
     round_trip_times: RoundTrips, traffic: Traffic, *, peer_id: str, group: Sequence[str], step_s: float | None,
     model_bytes: int, round_bps: float | None, comm_cpu_s_per_byte: float = 0.0, comm_cpu_s_per_round: float = 0.0,
-    shared_cores: bool = True,
+    shared_cores: bool = True, steps_left: int | None = None,
 ) -> dict[str, object]:
     """This node's figures for the tuner (module docstring), with each peer's; JSON.
 
@@ -77,7 +77,7 @@ async def measure(
         "step_s": step_s, "model_bytes": model_bytes, "bandwidth_bps": bandwidth,
         "rtt_s": max(rtts.values()) if rtts else None, "peers": len(group), "per_peer": per_peer,
         "comm_cpu_s_per_byte": comm_cpu_s_per_byte, "comm_cpu_s_per_round": comm_cpu_s_per_round,
-        "shared_cores": shared_cores,
+        "shared_cores": shared_cores, "steps_left": steps_left,
     }
 
 
@@ -92,6 +92,9 @@ def measurements_of(figures: Mapping[str, object]) -> Measurements:
             raise ValueError(f"{key} must be a number, got {value!r}")  # noqa: TRY004 - bad input, one kind
         return float(value)
 
+    left = figures.get("steps_left")
+    if left is not None and (isinstance(left, bool) or not isinstance(left, int)):
+        raise ValueError(f"steps_left must be an integer, got {left!r}")
     shared = figures.get("shared_cores", True)
     if not isinstance(shared, bool):
         raise ValueError(f"shared_cores must be true or false, got {shared!r}")  # noqa: TRY004 - bad input, one kind
@@ -101,7 +104,7 @@ def measurements_of(figures: Mapping[str, object]) -> Measurements:
         comm_cpu_s_per_byte=number("comm_cpu_s_per_byte") if figures.get("comm_cpu_s_per_byte") is not None else 0.0,
         comm_cpu_s_per_round=number("comm_cpu_s_per_round") if figures.get("comm_cpu_s_per_round") is not None
         else 0.0,
-        shared_cores=shared,
+        shared_cores=shared, steps_left=left,
     )
 
 
@@ -178,15 +181,17 @@ class RunTuner:
         fixed = fixed_knobs(s.strategy, s.averaging, s.group_size, s.gossip_overlap)
         step_s, cpu = step_and_comm_cpu(self.strategy.timer, overlapped=bool(fixed["overlap"]),
                                         bytes_sent=report.bytes_sent)
+        next_sync = self.strategy.sync_step_after(step)
         figures = await measure(
             self.round_trip_times, self.traffic, peer_id=self.peer_id, group=report.group,
             step_s=step_s, model_bytes=self.model_bytes(), round_bps=report.bytes_sent * 8 / report.seconds,
             comm_cpu_s_per_byte=cpu, comm_cpu_s_per_round=cpu * report.bytes_sent, shared_cores=self.shared_cores,
+            steps_left=max(0, self.strategy.end - next_sync),  # where a new period comes into force
         )
         measured = measurements_of(figures)
         decision = decide(
             measured, current=self.entry(), fixed=fixed,
-            next_sync=self.strategy.sync_step_after(step), base=self.strategy.base, target=self.target,
+            next_sync=next_sync, base=self.strategy.base, target=self.target,
             base_codec=self.strategy.base_codec,
         )
         if decision is None:

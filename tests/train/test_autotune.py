@@ -7,13 +7,16 @@ import pytest
 from lattica.train.settings.autotune import (
     CHUNK_BYTES,
     CODEC_BITS,
+    FEW_ROUNDS_LOSS,
     LOSS_COST,
     PRIORITY,
     Candidate,
     Measurements,
     comm_cpu_per_byte,
+    loss_cost,
     needs_retune,
     predict,
+    rounds_applied,
     sent_bytes,
     slowdown_cpu_per_byte,
     transfer_seconds,
@@ -183,7 +186,7 @@ def test_retune_when_bandwidth_moves_more_than_twofold():
 
 @pytest.mark.parametrize("bad", [{"step_s": 0.0}, {"bandwidth_bps": float("nan")}, {"rtt_s": -1.0}, {"peers": 1},
                                  {"comm_cpu_s_per_byte": -1e-9}, {"comm_cpu_s_per_byte": float("inf")},
-                                 {"comm_cpu_s_per_round": -0.1}])
+                                 {"comm_cpu_s_per_round": -0.1}, {"steps_left": -1}, {"steps_left": 2.5}])
 def test_bad_measurements_are_refused(bad):
     values = {"step_s": 0.1, "model_bytes": 10, "bandwidth_bps": 1e6, "rtt_s": 0.0, "peers": 2} | bad
     with pytest.raises(ValueError, match="must"):
@@ -216,3 +219,83 @@ def test_the_tune_command_counts_the_communication_cpu_it_is_given(capsys):
     assert out[-4:] == ["[train]", "inner_steps = 100", 'codec = "int4"', 'strategy = "co2"']
     assert main([*args, "--comm-cpu-ns", "1200", "--no-shared-cores"]) == 0
     assert capsys.readouterr().out.splitlines()[-3:] == ["[train]", "inner_steps = 50", 'strategy = "co2"']
+
+
+# the benchmark's measured round (2 shared cores, 4 peers): a 30 ms step, 0.5 MB, a CPU floor of
+# 232 ms a round; the old model chose CO2 at H 200 here for a 400-step run: two rounds, one applied
+BENCH = Measurements(step_s=0.03, model_bytes=500_000, bandwidth_bps=20e6, rtt_s=0.1, peers=4,
+                     comm_cpu_s_per_byte=20e-9, comm_cpu_s_per_round=0.232)
+
+
+def test_an_overlapped_update_counts_one_round_fewer():
+    assert rounds_applied(Candidate(inner_steps=200), 400) == 2
+    assert rounds_applied(Candidate(inner_steps=200, overlap=True), 400) == 1
+    assert rounds_applied(Candidate(inner_steps=400, overlap=True), 300) == 0
+
+
+def test_the_loss_cost_grows_as_the_rounds_left_fall():
+    co2 = Candidate(inner_steps=200, overlap=True)
+    table = LOSS_COST["inner_steps"][200] + LOSS_COST["overlap"][True]
+    assert loss_cost(co2) == pytest.approx(table)  # steps unknown: the table alone
+    assert loss_cost(co2, 400) == pytest.approx(table + FEW_ROUNDS_LOSS)  # one applied round
+    costs = [loss_cost(co2, steps) for steps in (400, 800, 4000, 40_000)]
+    assert costs == sorted(costs, reverse=True)
+    assert costs[-1] - table < 0.001  # hundreds of rounds: the table's cost
+    # the same H and steps: the late update costs a round more than the blocking one
+    assert loss_cost(co2, 800) - loss_cost(Candidate(inner_steps=200), 800) > LOSS_COST["overlap"][True]
+
+
+def test_a_short_run_rules_out_an_h_that_leaves_few_rounds():
+    long_run = tune(BENCH, fixed={"group_size": 0})
+    assert long_run.config.inner_steps == 200
+    assert long_run.meets_target
+    short = Measurements(**{**BENCH.__dict__, "steps_left": 400})
+    tuned = tune(short, fixed={"group_size": 0})
+    assert rounds_applied(tuned.config, 400) >= 8
+    assert tuned.prediction.loss_cost < 0.03
+    # without the minimum, the utilization target comes first: the old choice, at its real cost
+    relaxed = tune(short, fixed={"group_size": 0}, min_rounds=0)
+    assert relaxed.config == long_run.config
+    assert relaxed.prediction.loss_cost == pytest.approx(0.035 + FEW_ROUNDS_LOSS)
+    assert "expected loss +11.5 %" in relaxed.choices[-1].line()
+
+
+def test_an_unreachable_target_takes_the_best_utilization_within_the_rounds_and_says_why():
+    short = Measurements(**{**BENCH.__dict__, "steps_left": 400})
+    tuned = tune(short, fixed={"group_size": 0})
+    assert not tuned.meets_target
+    allowed = [Candidate(inner_steps=h, codec=c, overlap=o, chunk_bytes=k)
+               for h, c, o, k in itertools.product(LOSS_COST["inner_steps"], CODEC_BITS, (False, True), CHUNK_BYTES)
+               if rounds_applied(Candidate(inner_steps=h, overlap=o), 400) >= 8]
+    best = max(predict(c, short).utilization for c in allowed)
+    assert tuned.prediction.utilization == pytest.approx(best)
+    assert "target 0.95 not reachable" in tuned.shortfall
+    assert "8 applied rounds in the 400 steps left allow H <= 25" in tuned.shortfall
+    assert tuned.shortfall in tuned.choices[-1].line()
+    assert any(c.knob == "target" for c in tuned.choices)
+
+
+def test_a_run_too_short_for_the_rounds_keeps_the_smallest_h():
+    tuned = tune(Measurements(**{**BENCH.__dict__, "steps_left": 100}), fixed={"group_size": 0})
+    assert tuned.config.inner_steps == 25
+    assert "even H 25 leaves fewer than 8 applied rounds in the 100 steps left" in tuned.shortfall
+    with pytest.raises(ValueError, match="min_rounds"):
+        tune(BENCH, min_rounds=-1)
+
+
+def test_the_tune_command_counts_the_rounds_the_steps_left_allow(capsys):
+    from lattica.cli.main import main
+
+    args = ["tune", "--step-ms", "30", "--model-bytes", "500000", "--bandwidth-mbit", "20", "--rtt-ms", "100",
+            "--peers", "4", "--comm-cpu-ns", "20", "--comm-cpu-round-ms", "232"]
+    def inner_steps(out: str) -> int:
+        return int(out.split("[train]\n")[1].split("inner_steps = ")[1].split()[0])
+
+    assert main(args) == 0
+    assert inner_steps(capsys.readouterr().out) == 200
+    assert main([*args, "--steps", "400"]) == 0
+    out = capsys.readouterr().out
+    assert inner_steps(out) <= 50
+    assert "(does NOT meet 0.95): target 0.95 not reachable: at least 8 applied rounds in the 400 steps" in out
+    assert main([*args, "--steps", "400", "--min-rounds", "1"]) == 0
+    assert inner_steps(capsys.readouterr().out) > 50

@@ -238,3 +238,14 @@ def test_a_codec_change_alone_starts_a_period() -> None:
     again = decide(m, current=same, fixed=ALLREDUCE, next_sync=410, base=5, target=0.95, base_codec="fp32")
     assert again is not None
     assert again.entry.periods == same.periods  # nothing new to apply: no period
+
+
+def test_the_daemons_figures_carry_the_steps_the_run_has_left() -> None:
+    from lattica.train.tuner import measurements_of
+
+    figures = {"step_s": 0.03, "model_bytes": 500_000, "bandwidth_bps": 20e6, "rtt_s": 0.1, "peers": 4}
+    assert measurements_of(figures).steps_left is None
+    assert measurements_of({**figures, "steps_left": 400}).steps_left == 400
+    for bad in ("400", 2.5, True, -1):
+        with pytest.raises(ValueError, match="steps_left"):
+            measurements_of({**figures, "steps_left": bad})

@@ -42,6 +42,24 @@ codec, overlap (a one-round-late update) and a smaller group each cost a little 
 search wants the configuration with the least loss cost whose predicted utilization meets the
 target (default 0.95) — "prefer less compression and smaller H when both meet it".
 
+The table was measured on runs of many rounds; what a longer H costs depends on how many outer
+rounds the run has left to do (``Measurements.steps_left`` ÷ H; an overlapped update lands one
+round late, so it counts one round fewer — the last exchange is never applied). Few rounds cost
+far more than the table's sum: CO2 at H 200 on a 400-step run (two rounds, one applied) came out
++13.6 % against DiLoCo H 50, worse than no communication (+3.1 %), where the table said +3.5 %.
+So when the steps left are known:
+
+- an H that leaves fewer than ``min_rounds`` (default ``DEFAULT_MIN_ROUNDS`` = 8) applied rounds
+  is no candidate (``rounds_applied``); when even the smallest H leaves fewer, only the smallest
+  is kept;
+- every candidate's loss cost adds ``FEW_ROUNDS_LOSS`` ÷ applied rounds (fitted to that run: one
+  applied round, +8 % beyond the table's +3.5 %), which is small over hundreds of rounds and
+  grows as they fall.
+
+When no candidate within that constraint meets the target, the search picks the one of highest
+predicted utilization within it (ties: the least loss cost), and its last line says the target
+was not reachable and why.
+
 The search is a priority search in the manner of Lagom (Xu et al., arXiv 2602.20656), not an
 exhaustive one. The chunk size costs no quality: it is set first, to the value that minimizes
 the transfer. Every other knob starts at its cheapest value (its values ordered from the
@@ -60,9 +78,10 @@ explains itself, as OptiCo asks of a configurator (Chen et al., ACL 2026).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # bits per value on the wire, per codec (a per-block scale is negligible at these sizes)
 CODEC_BITS = {"fp32": 32, "bf16": 16, "int8": 8, "int4": 4}
@@ -77,6 +96,8 @@ CHUNK_BYTES = (256 << 10, 1 << 20, 4 << 20, 16 << 20)
 PER_CHUNK_OVERHEAD_S = 0.002  # framing, a hand-off to the event loop, an acknowledgement
 DEFAULT_TARGET = 0.95
 PRIORITY = ("inner_steps", "codec", "overlap", "group_size")  # most influential first
+DEFAULT_MIN_ROUNDS = 8  # applied outer rounds an H must leave the run to be a candidate
+FEW_ROUNDS_LOSS = 0.08  # relative loss increase per 1 / applied rounds (module docstring)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,6 +116,7 @@ class Measurements:
     # the least an exchange costs per round, whatever its size (the measured round's cost)
     comm_cpu_s_per_round: float = 0.0
     shared_cores: bool = True  # the inner steps run on the cores communication runs on (CPU training)
+    steps_left: int | None = None  # inner steps the run has left (None: unknown, rounds not counted)
 
     def __post_init__(self) -> None:
         for name in ("step_s", "bandwidth_bps"):
@@ -107,6 +129,9 @@ class Measurements:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         if self.model_bytes <= 0 or self.peers < 2:
             raise ValueError("model_bytes must be positive and peers at least 2")
+        if self.steps_left is not None and (isinstance(self.steps_left, bool) or not isinstance(self.steps_left, int)
+                                            or self.steps_left < 0):
+            raise ValueError(f"steps_left must be an integer >= 0, got {self.steps_left!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,8 +179,19 @@ def transfer_seconds(candidate: Candidate, m: Measurements) -> float:
     return sent * 8 / m.bandwidth_bps + phases * m.rtt_s + chunks * PER_CHUNK_OVERHEAD_S + fill
 
 
-def loss_cost(candidate: Candidate) -> float:
-    return sum(LOSS_COST[knob][getattr(candidate, knob)] for knob in PRIORITY)
+def rounds_applied(candidate: Candidate, steps_left: int) -> int:
+    """The outer updates a run with ``steps_left`` steps applies at the candidate's H: one a
+    round, one fewer when overlapped (each lands a round late; the last never does)."""
+    return max(0, steps_left // candidate.inner_steps - int(candidate.overlap))
+
+
+def loss_cost(candidate: Candidate, steps_left: int | None = None) -> float:
+    """The table's costs, plus ``FEW_ROUNDS_LOSS`` per 1 / applied round when the steps left
+    are known (none applied counts as half a round: worse than one)."""
+    table = sum(LOSS_COST[knob][getattr(candidate, knob)] for knob in PRIORITY)
+    if steps_left is None:
+        return table
+    return table + FEW_ROUNDS_LOSS / max(rounds_applied(candidate, steps_left), 0.5)
 
 
 def exposed_seconds(*, compute: float, transfer: float, cpu: float, overlap: bool, shared_cores: bool) -> float:
@@ -175,7 +211,7 @@ def predict(candidate: Candidate, m: Measurements) -> Prediction:
                               shared_cores=m.shared_cores)
     return Prediction(
         compute_s=compute, transfer_s=transfer, comm_cpu_s=cpu, exposed_s=exposed,
-        utilization=compute / (compute + exposed), loss_cost=loss_cost(candidate),
+        utilization=compute / (compute + exposed), loss_cost=loss_cost(candidate, m.steps_left),
     )
 
 
@@ -201,6 +237,7 @@ class Tuned:
     prediction: Prediction
     choices: tuple[Choice, ...]
     meets_target: bool
+    shortfall: str = ""  # why the target was not reachable ("" when met)
 
 
 def _values(knob: str, fixed: Mapping[str, object]) -> list[object]:
@@ -214,24 +251,32 @@ def _values(knob: str, fixed: Mapping[str, object]) -> list[object]:
     return sorted(costs, key=lambda v: (costs[v], v if isinstance(v, int) and knob == "inner_steps" else 0))
 
 
-def tune(m: Measurements, *, target: float = DEFAULT_TARGET, fixed: Mapping[str, object] | None = None) -> Tuned:
+def tune(
+    m: Measurements, *, target: float = DEFAULT_TARGET, fixed: Mapping[str, object] | None = None,
+    min_rounds: int = DEFAULT_MIN_ROUNDS,
+) -> Tuned:
     """The priority search (module docstring), once per regime when overlap is free: the
     cheapest result meeting the target (else the higher utilization), with a last line that
-    names the other. ``fixed``: knobs held at a value (those a running swarm cannot change)."""
+    names the other. ``fixed``: knobs held at a value (those a running swarm cannot change);
+    ``min_rounds``: the applied rounds an H must leave in ``m.steps_left`` (when known)."""
     if not 0 < target <= 1:
         raise ValueError(f"target must be in (0, 1], got {target!r}")
+    if isinstance(min_rounds, bool) or not isinstance(min_rounds, int) or min_rounds < 0:
+        raise ValueError(f"min_rounds must be an integer >= 0, got {min_rounds!r}")
     fixed = dict(fixed or {})
     if "overlap" in fixed:
-        return _search(m, target=target, fixed=fixed)
-    off, on = (_search(m, target=target, fixed={**fixed, "overlap": o}) for o in (False, True))
+        return _search(m, target=target, fixed=fixed, min_rounds=min_rounds)
+    off, on = (_search(m, target=target, fixed={**fixed, "overlap": o}, min_rounds=min_rounds) for o in (False, True))
     best, other = (on, off) if _better(on, off) else (off, on)
     p = other.prediction
     verdict = (f"with overlap {'on' if other.config.overlap else 'off'} the search ends at "
                f"{other.config.describe()}, utilization {p.utilization:.3f}, expected loss +{100 * p.loss_cost:.1f} %")
-    last = Choice(knob="overlap", value=best.config.overlap, prediction=best.prediction,
-                  reason=f"the better regime: {verdict}")
+    reason = f"the better regime: {verdict}"
+    if best.shortfall:
+        reason = f"{best.shortfall}; {reason}"
+    last = Choice(knob="overlap", value=best.config.overlap, prediction=best.prediction, reason=reason)
     return Tuned(config=best.config, prediction=best.prediction, choices=(*best.choices, last),
-                 meets_target=best.meets_target)
+                 meets_target=best.meets_target, shortfall=best.shortfall)
 
 
 def _better(a: Tuned, b: Tuned) -> bool:
@@ -244,11 +289,54 @@ def _better(a: Tuned, b: Tuned) -> bool:
     return a.prediction.utilization > b.prediction.utilization
 
 
-def _search(m: Measurements, *, target: float, fixed: Mapping[str, object]) -> Tuned:
+def _enough_rounds(hs: list[object], overlaps: list[object], m: Measurements, min_rounds: int) -> list[object]:
+    """The values of H that leave at least ``min_rounds`` applied rounds in every regime
+    searched; the smallest H alone when none does; all of them when the steps left are unknown."""
+    if m.steps_left is None:
+        return hs
+    steps, ints = m.steps_left, [h for h in hs if isinstance(h, int)]
+    allowed = [h for h in ints if all(rounds_applied(Candidate(inner_steps=h, overlap=bool(o)), steps) >= min_rounds
+                                      for o in overlaps)]
+    return list(allowed or [min(ints)])
+
+
+def _why_unreachable(target: float, hs: list[object], overlaps: list[object], m: Measurements,
+                     min_rounds: int) -> str:
+    """The explanation of a search that cannot meet ``target`` within the rounds constraint."""
+    if m.steps_left is None:
+        return f"target {target} not reachable: no value of the knobs the run may change reaches it"
+    late = " (an overlapped update lands a round late: one round fewer)" if any(bool(o) for o in overlaps) else ""
+    h = max(v for v in hs if isinstance(v, int))
+    if rounds_applied(Candidate(inner_steps=h, overlap=any(bool(o) for o in overlaps)), m.steps_left) < min_rounds:
+        limit = f"even H {h} leaves fewer than {min_rounds} applied rounds in the {m.steps_left} steps left{late}"
+    else:
+        limit = f"at least {min_rounds} applied rounds in the {m.steps_left} steps left allow H <= {h}{late}"
+    return f"target {target} not reachable: {limit}; the highest predicted utilization within that is chosen"
+
+
+def _best_utilization(values: Mapping[str, list[object]], m: Measurements) -> Candidate:
+    """The candidate of highest predicted utilization over ``values`` (ties: the least loss
+    cost), each at its fastest chunk size; exhaustive, for the case no candidate meets the
+    target (a few hundred predictions)."""
+    best: tuple[float, float] | None = None
+    chosen = Candidate()
+    for combo in itertools.product(*(values[k] for k in PRIORITY)):
+        base = Candidate(**dict(zip(PRIORITY, combo, strict=True)))  # type: ignore[arg-type]
+        chunk = min(CHUNK_BYTES, key=lambda c: transfer_seconds(replace(base, chunk_bytes=c), m))
+        candidate = replace(base, chunk_bytes=chunk)
+        p = predict(candidate, m)
+        if best is None or (p.utilization, -p.loss_cost) > best:
+            best, chosen = (p.utilization, -p.loss_cost), candidate
+    return chosen
+
+
+def _search(m: Measurements, *, target: float, fixed: Mapping[str, object], min_rounds: int) -> Tuned:
     """One priority search (module docstring): the chunk size first, then one notch at a time
     on the knob that buys the most utilization per unit of loss cost, then back off what the
-    target no longer needs."""
+    target no longer needs; the highest utilization within the rounds constraint when the
+    target is not reachable."""
     values = {knob: _values(knob, fixed) for knob in PRIORITY}
+    values["inner_steps"] = _enough_rounds(values["inner_steps"], values["overlap"], m, min_rounds)
     index = dict.fromkeys(PRIORITY, 0)
 
     def at(idx: dict[str, int], chunk: int) -> Candidate:
@@ -287,7 +375,14 @@ def _search(m: Measurements, *, target: float, fixed: Mapping[str, object]) -> T
             choices.append(Choice(knob=knob, value=getattr(current, knob), prediction=prediction,
                                   reason=f"backed off: {target} is met without it"))
     final = predict(current, m)
-    return Tuned(config=current, prediction=final, choices=tuple(choices), meets_target=final.utilization >= target)
+    if final.utilization >= target:
+        return Tuned(config=current, prediction=final, choices=tuple(choices), meets_target=True)
+    shortfall = _why_unreachable(target, values["inner_steps"], values["overlap"], m, min_rounds)
+    current = _best_utilization(values, m)
+    final = predict(current, m)
+    choices.append(Choice(knob="target", value=target, prediction=final,
+                          reason=f"{shortfall}: {current.describe()}"))
+    return Tuned(config=current, prediction=final, choices=tuple(choices), meets_target=False, shortfall=shortfall)
 
 
 def _worth(moved: Prediction, now: Prediction) -> float:
