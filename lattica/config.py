@@ -212,6 +212,8 @@ class TrainSettings:
     momentum_clip: float | None = None
     # re-tune H from measured links between rounds (the admin decides; ``train/settings/retune.py``)
     tune: bool = False
+    # the tuner's minimum of applied outer rounds an H must leave the run (``autotune.DEFAULT_MIN_ROUNDS``)
+    tune_min_rounds: int = 8
     # the DiLoCo family's wire codec for the pseudo-gradient (None: the strategy's own, fp32)
     codec: str | None = None
 
@@ -276,6 +278,8 @@ class TrainSettings:
                 raise ConfigError(f"train.{name} must be a positive integer, got {value!r}")
         if not isinstance(self.tune, bool):
             raise ConfigError(f"train.tune must be true or false, got {self.tune!r}")
+        if not _is_int(self.tune_min_rounds) or self.tune_min_rounds < 0:
+            raise ConfigError(f"train.tune_min_rounds must be an integer >= 0, got {self.tune_min_rounds!r}")
         if self.codec is not None and self.codec not in WIRE_CODECS:
             raise ConfigError(f"train.codec must be one of {', '.join(WIRE_CODECS)}, got {self.codec!r}")
         for name in ("staleness_penalty", "momentum_clip"):

@@ -107,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the DiLoCo family's wire codec for the pseudo-gradient (run-wide; default fp32)")
     join.add_argument("--tune", action="store_const", const=True, default=None,
                       help="re-tune H from measured links between rounds (run-wide; the admin decides)")
+    join.add_argument("--tune-min-rounds", type=int,
+                      help="tune: the fewest applied outer rounds a tuned H must leave the run (default 8)")
     join.add_argument("--compile", choices=("auto", "true", "false"),
                       help="torch.compile the model (default auto: on CUDA, not on the CPU)")
     join.add_argument("--micro-batches", type=int, help="gradient accumulation: each step's batch in this many parts")

@@ -192,7 +192,7 @@ class RunTuner:
         decision = decide(
             measured, current=self.entry(), fixed=fixed,
             next_sync=next_sync, base=self.strategy.base, target=self.target,
-            base_codec=self.strategy.base_codec,
+            base_codec=self.strategy.base_codec, min_rounds=s.tune_min_rounds,
         )
         if decision is None:
             return

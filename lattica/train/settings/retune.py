@@ -59,6 +59,7 @@ from typing import Any
 
 from lattica.train.settings.autotune import (
     CODEC_BITS,
+    DEFAULT_MIN_ROUNDS,
     Measurements,
     Tuned,
     comm_cpu_per_byte,
@@ -349,11 +350,13 @@ def not_applied(free: Tuned, applied: Tuned, fixed: Mapping[str, object]) -> tup
 def decide(
     measured: Measurements, *, current: TunedEntry | None, fixed: Mapping[str, object], next_sync: int,
     base: int, target: float, factor: float = RETUNE_FACTOR, base_codec: str | None = None,
+    min_rounds: int = DEFAULT_MIN_ROUNDS,
 ) -> Decision | None:
     """Whether to (re-)tune now, and the new entry: ``None`` when the bandwidth and the
     communication CPU are within ``factor`` of the last tuning's, or the periods are full.
     ``next_sync``: the next sync step of the schedule in force, where a new period starts;
-    ``base``, ``base_codec``: the run's H and codec (None: the strategy has no codec)."""
+    ``base``, ``base_codec``: the run's H and codec (None: the strategy has no codec); ``min_rounds``:
+    the applied rounds an H must leave in ``measured.steps_left``."""
     if current is not None:
         reason = retune_reason(current, measured, factor=factor)
         if reason is None:
@@ -364,8 +367,8 @@ def decide(
     else:
         reason = (f"first tuning: bandwidth {measured.bandwidth_bps / 1e6:.1f} Mbit/s, communication CPU "
                   f"{measured.comm_cpu_s_per_byte * 1e9:.0f} ns/byte")
-    applied = tune(measured, target=target, fixed=fixed)
-    free = tune(measured, target=target)
+    applied = tune(measured, target=target, fixed=fixed, min_rounds=min_rounds)
+    free = tune(measured, target=target, min_rounds=min_rounds)
     periods = current.periods if current is not None else ()
     in_force = period_at(next_sync, base=base, periods=periods)
     codec = None if base_codec is None else applied.config.codec
