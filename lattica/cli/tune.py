@@ -91,7 +91,7 @@ def tune(args: argparse.Namespace) -> int:
             "measured": {**figures, "comm_cpu_ns": cpu_ns, "comm_cpu_round_ms": round_ms, "shared_cores": shared,
                          "steps_left": left},
             "config": tuned.config.__dict__, "settings": settings,
-            "meets_target": tuned.meets_target,
+            "meets_target": tuned.meets_target, "shortfall": tuned.shortfall,
             "utilization": round(tuned.prediction.utilization, 4), "loss_cost": round(tuned.prediction.loss_cost, 4),
             "choices": [c.line() for c in tuned.choices],
         }))
