@@ -21,7 +21,6 @@ from lattica.cli.common import resolve_data_dir
 from lattica.control import client
 from lattica.decoding import str_map
 from lattica.errors import ConfigError, LocalProtocolError
-from lattica.train.settings.autotune import DEFAULT_MIN_ROUNDS
 
 _FIGURES = ("step_ms", "model_bytes", "bandwidth_mbit", "rtt_ms", "peers")
 
@@ -47,16 +46,19 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     tune.add_argument("--steps", type=int,
                       help="inner steps the run has left (default: as the running daemon counts them; offline: "
                            "unknown, the rounds they leave are not counted)")
-    tune.add_argument("--min-rounds", type=int, default=DEFAULT_MIN_ROUNDS,
-                      help="applied outer rounds an H must leave in those steps to be a candidate "
-                           f"(default {DEFAULT_MIN_ROUNDS})")
+    # the default is the tuner's (8), resolved when the command runs: building the parser must not
+    # import the training stack (an idle daemon parses the same CLI)
+    tune.add_argument("--min-rounds", type=int,
+                      help="applied outer rounds an H must leave in those steps to be a candidate (default 8)")
     tune.add_argument("--data-dir", help="the running daemon to measure (default: $LATTICA_DATA_DIR or the default)")
     tune.add_argument("--target", type=float, default=0.95, help="utilization to meet (default 0.95)")
     tune.add_argument("--json", action="store_true", help="one JSON object instead of lines")
 
 
 def tune(args: argparse.Namespace) -> int:
-    from lattica.train.settings.autotune import Measurements, run_settings, tune
+    from lattica.train.settings.autotune import DEFAULT_MIN_ROUNDS, Measurements, run_settings, tune
+
+    min_rounds = DEFAULT_MIN_ROUNDS if args.min_rounds is None else args.min_rounds
 
     figures = {name: getattr(args, name) for name in _FIGURES}
     cores: dict[str, float | None] = {"comm_cpu_ns": args.comm_cpu_ns, "comm_cpu_round_ms": args.comm_cpu_round_ms,
@@ -82,7 +84,7 @@ def tune(args: argparse.Namespace) -> int:
             comm_cpu_s_per_byte=cpu_ns / 1e9, comm_cpu_s_per_round=round_ms / 1000, shared_cores=shared,
             steps_left=None if left is None else int(left),
         )
-        tuned = tune(measured, target=args.target, min_rounds=args.min_rounds)
+        tuned = tune(measured, target=args.target, min_rounds=min_rounds)
     except ValueError as exc:
         raise ConfigError(f"tune: {exc}") from None
     settings = run_settings(tuned.config)

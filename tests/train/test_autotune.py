@@ -299,3 +299,18 @@ def test_the_tune_command_counts_the_rounds_the_steps_left_allow(capsys):
     assert "(does NOT meet 0.95): target 0.95 not reachable: at least 8 applied rounds in the 400 steps" in out
     assert main([*args, "--steps", "400", "--min-rounds", "1"]) == 0
     assert inner_steps(capsys.readouterr().out) > 50
+
+
+def test_the_min_rounds_default_in_lattica_tune_help_is_the_tuners() -> None:
+    """The parser states the default without importing the tuner (an idle daemon builds it)."""
+    import argparse
+
+    from lattica.cli.tune import add_parser
+    from lattica.train.settings.autotune import DEFAULT_MIN_ROUNDS
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    [action] = [a for a in parser._subparsers._group_actions[0].choices["tune"]._actions  # type: ignore[union-attr]
+                if "--min-rounds" in a.option_strings]
+    assert action.default is None
+    assert f"(default {DEFAULT_MIN_ROUNDS})" in (action.help or "")
