@@ -17,7 +17,7 @@ from lattica.cli import doctor as doctor_cli
 from lattica.cli import export as export_cli
 from lattica.cli import tune as tune_cli
 from lattica.cli.common import resolve_data_dir
-from lattica.config import DEFAULT_INNER_STEPS, DEMO_LONG_ROUNDS, DEMO_ROUNDS
+from lattica.config import DEFAULT_INNER_STEPS, DEMO_LONG_ROUNDS, DEMO_ROUNDS, WIRE_CODECS
 from lattica.errors import LatticaError, StorageError
 from lattica.files import DISK_FULL_ERRNOS, append_private, storage_error
 
@@ -103,8 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--group-size", type=int, help="gossip averaging and NoLoCo: members per group (default 2)")
     join.add_argument("--gossip-overlap", action="store_const", const=True, default=None,
                       help="DiLoCo with gossip: each round's exchange runs during the next inner phase")
+    join.add_argument("--codec", choices=WIRE_CODECS,
+                      help="the DiLoCo family's wire codec for the pseudo-gradient (run-wide; default fp32)")
     join.add_argument("--tune", action="store_const", const=True, default=None,
                       help="re-tune H from measured links between rounds (run-wide; the admin decides)")
+    join.add_argument("--tune-min-rounds", type=int,
+                      help="tune: the fewest applied outer rounds a tuned H must leave the run (default 8)")
     join.add_argument("--compile", choices=("auto", "true", "false"),
                       help="torch.compile the model (default auto: on CUDA, not on the CPU)")
     join.add_argument("--micro-batches", type=int, help="gradient accumulation: each step's batch in this many parts")
