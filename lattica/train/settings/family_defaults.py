@@ -23,6 +23,7 @@ from collections.abc import Mapping
 FAMILY_DEFAULTS: Mapping[str, Mapping[str, Mapping[str, object]]] = {
     "llama": {
         "diloco": {"outer_lr": 0.5},
+        "sparseloco": {"density": 0.10, "outer_lr": 1.75},
     },
 }
 
