@@ -31,6 +31,12 @@ MODEL_HELP = (
     "llama-tiny (2.1M), llama-20m (21.7M), llama-150m (144.1M), llama-1b (1.10B); or hf:<local dir>"
 )
 
+# ``family_defaults.family_defaults_help()`` as text (a test keeps them equal)
+STRATEGY_DEFAULTS_HELP = (
+    "defaults that differ by model family (set explicitly, a value wins): llama presets: diloco outer_lr 0.5; "
+    "sparseloco density 0.1, outer_lr 1.75"
+)
+
 
 def _add_data_dir(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-dir", type=Path, help="node data dir (default: $XDG_DATA_HOME/lattica)")
@@ -77,7 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument(
         "--train", action="store_true", help="take part in training (default config unless [train] is set)",
     )
-    join.add_argument("--strategy", help="outer strategy: diloco, eager, streaming, streaming_eager, noloco, spes")
+    join.add_argument(
+        "--strategy",
+        help="outer strategy: diloco, eager, streaming, streaming_eager, noloco, spes, sparseloco, demo, …; "
+        + STRATEGY_DEFAULTS_HELP + " (docs/strategies.md)",
+    )
     join.add_argument("--model", help=MODEL_HELP.replace("%", "%%"))
     join.add_argument(
         "--init", choices=("seed", "weights"),

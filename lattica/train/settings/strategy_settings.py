@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from lattica.config import StrategyName, TrainSettings
 from lattica.errors import ConfigError
 from lattica.numerics.screen import ContributionScreen
+from lattica.train.settings.family_defaults import family_defaults, run_model_family
 
 # run setting -> config field, per strategy
 ROUTES: dict[StrategyName, Mapping[str, str]] = {
@@ -103,14 +104,16 @@ def check_strategy_settings(settings: TrainSettings) -> None:
 
 def strategy_config(settings: TrainSettings, *, members: tuple[str, ...] = ()) -> object | None:
     """The config of ``settings.strategy`` (None for a strategy without one); unset settings
-    keep the strategy's own defaults. ``members``: SPES's initial expert owners."""
+    keep the strategy's own defaults, or its model family's where they differ
+    (``family_defaults``). ``members``: SPES's initial expert owners."""
     check_strategy_settings(settings)
     from lattica.train.strategies import strategy_class
 
     config_cls = strategy_class(settings.strategy).config_class
     if config_cls is None:
         return None
-    values: dict[str, object] = {}
+    # the model family's defaults first (``family_defaults``), then what the settings set
+    values = family_defaults(settings.strategy, run_model_family(settings.model, settings.task))
     for setting, field_name in ROUTES[settings.strategy].items():
         value = getattr(settings, setting)
         if value is not None:
