@@ -171,7 +171,7 @@ async def _fetch_shares(
             await first_in.wait()
             await trio.sleep(max(pacing.straggler_min_s, pacing.straggler_factor * (trio.current_time() - started)))
             late = [h for h in shares if h not in delivered]
-            log.warning("too slow, its share goes to the other holders: %s", ", ".join(late))
+            log.info("too slow, its share goes to the other holders: %s", ", ".join(late))
             shares_scope.cancel()
 
     async with trio.open_nursery() as nursery:
