@@ -7,7 +7,7 @@ from lattica.errors import PeerUnavailableError, RemoteProtocolError
 from lattica.train.engine.model import GPTConfig, build_model
 from lattica.train.engine.outer_state import flatten_outer_state, outer_state_hash, unflatten_outer_state
 from lattica.train.strategies.diloco import DiLoCo, DiLoCoConfig
-from lattica.train.swarm.join import fetch_outer_state
+from lattica.train.swarm.join import FetchPacing, fetch_outer_state, first_answer
 from lattica_lab.collective import InMemoryCollectiveGroup
 
 TINY = GPTConfig(n_layer=1, d_model=16, n_head=2, context=8)
@@ -103,3 +103,66 @@ async def test_every_strategy_state_shape_round_trips():
             if isinstance(value, dict) and value and isinstance(next(iter(value.values())), torch.Tensor):
                 assert all(torch.equal(back[key][n], t) for n, t in value.items())
     assert unflatten_outer_state(flatten_outer_state(spes_like))["owners"] == {"0": "a", "1": "b"}
+
+
+class SilentHolders(Holders):
+    """Holders of which some never answer (a cut link: no reply, no error) and some answer
+    only after ``delays`` seconds."""
+
+    def __init__(self, flat, *, silent=(), delays=None):
+        super().__init__(flat)
+        self.silent, self.delays = set(silent), dict(delays or {})
+
+    async def fetch(self, peer, names):
+        if peer in self.silent:
+            self.calls.append((peer, len(names)))
+            await trio.sleep_forever()
+        await trio.sleep(self.delays.get(peer, 0.0))
+        return await super().fetch(peer, names)
+
+
+@pytest.mark.parametrize("order", [["silent", "h1", "h2"], ["h1", "silent", "h2"]])
+async def test_a_silent_holder_does_not_hold_the_fetch(autojump_clock, order):
+    # a holder cut off answered neither its manifest request nor its share for 13 s, and the
+    # others had moved two rounds on by then: the fetch failed and the joiner sat out rounds
+    state = await _trained_state()
+    flat = flatten_outer_state(state)
+    holders = SilentHolders(flat, silent={"silent"})
+    started = trio.current_time()
+    with trio.fail_after(30):
+        got = await fetch_outer_state(order, holders.fetch, expected_hash=outer_state_hash(state))
+    assert all(torch.equal(got[n], flat[n]) for n in flat)
+    assert trio.current_time() - started <= 2 * FetchPacing().hedge_s + FetchPacing().straggler_min_s
+
+
+async def test_a_holder_only_slower_than_the_others_keeps_its_share(autojump_clock):
+    state = await _trained_state()
+    flat = flatten_outer_state(state)
+    holders = SilentHolders(flat, delays={"h1": 3.0, "h2": 5.0})
+    await fetch_outer_state(["h1", "h2"], holders.fetch, expected_hash=outer_state_hash(state))
+    assert [p for p, _ in holders.calls] == ["h1", "h1", "h2"]  # manifest, then one share each
+
+
+async def test_first_answer_asks_the_next_holder_after_a_failure_or_the_hedge(autojump_clock):
+    asked = []
+
+    async def ask(holder):
+        asked.append((holder, trio.current_time()))
+        if holder == "gone":
+            raise PeerUnavailableError("gone", peer_id=holder)
+        if holder == "silent":
+            await trio.sleep_forever()
+        return holder.upper()
+
+    assert await first_answer(["gone", "silent", "ok"], ask, hedge_s=1.0) == ("ok", "OK")
+    assert [h for h, _ in asked] == ["gone", "silent", "ok"]
+    assert asked[1][1] - asked[0][1] == 0
+    assert asked[2][1] - asked[1][1] == 1.0
+    with pytest.raises(PeerUnavailableError, match="gone"):
+        await first_answer(["gone"], ask, hedge_s=1.0)
+
+
+def test_fetch_pacing_is_validated():
+    for bad in ({"hedge_s": 0}, {"straggler_min_s": -1}, {"straggler_factor": 0.5}):
+        with pytest.raises(ValueError, match="FetchPacing"):
+            FetchPacing(**bad)

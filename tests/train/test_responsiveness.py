@@ -7,10 +7,13 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
+import trio
 
 from lattica.config import TrainSettings
 from lattica.crdt.liveness import LeasePolicy
 from lattica.errors import PeerUnavailableError
+from lattica.train.engine.outer_state import MANIFEST, flatten_outer_state
 from lattica.train.strategies.base import OuterStepReport, OuterStrategy
 from lattica.train.swarm.liveness import PeerLiveness
 from lattica.train.swarm.membership import MembershipView
@@ -224,3 +227,35 @@ async def test_a_claim_nobody_serves_does_not_start_the_run_even_when_due_for_a_
     del snapshot["progress"]["y"]
     sync.mine = (1, "b" * 64)
     assert sync.run_started()  # we completed a round ourselves
+
+
+class _FirstHolderSilent:
+    """A data plane on which holder "a" never answers (its link cut: no reply, no error) and
+    "b" serves the manifest of a published state."""
+
+    def __init__(self) -> None:
+        flat = flatten_outer_state({"params": {"w": torch.ones(2)}, "round": 5})
+        self.manifest = flat[MANIFEST]
+
+    async def fetch(self, peer: str, names: Any) -> Any:
+        if peer == "a":
+            await trio.sleep_forever()
+        return {name: self.manifest for name in names}
+
+
+async def test_a_silent_holder_does_not_hold_the_probe_of_a_claim(clock: _Clock, autojump_clock: Any) -> None:
+    # a restarted member waiting for its peers probes the claim before it builds its trainer:
+    # a first holder cut off held that probe for its whole 10 s timeout
+    snapshot: dict[str, Any] = {
+        "members": {}, "progress": {p: {"round": 5, "weights_hash": "d" * 64} for p in ("a", "b")},
+    }
+    sync = OuterStateSync(
+        _view(snapshot, live=["me", "a", "b"]), store=_FirstHolderSilent(), settings=TrainSettings(),  # type: ignore[arg-type]
+        ran_alone=lambda report: False, clock=clock,
+    )
+    agreed = sync.agreed()
+    assert agreed is not None
+    assert agreed[2] == ["a", "b"]
+    started = trio.current_time()
+    assert await sync.servable(agreed)
+    assert trio.current_time() - started == sync.pacing.hedge_s

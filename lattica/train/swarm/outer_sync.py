@@ -35,13 +35,13 @@ import trio
 
 from lattica.config import TrainSettings
 from lattica.crdt.documents import ProgressRecord
-from lattica.errors import LatticaError
+from lattica.errors import LatticaError, PeerUnavailableError
 from lattica.train.engine.outer_state import MANIFEST, outer_state_hash, read_manifest
 from lattica.train.engine.trainer import Trainer
 from lattica.train.ports import OuterStateStore
 from lattica.train.strategies.base import OuterStepReport, OuterStrategy, WrappedStrategy
 from lattica.train.swarm.adoption import ClaimScreen, RunPicture
-from lattica.train.swarm.join import fetch_outer_state
+from lattica.train.swarm.join import FetchPacing, fetch_outer_state, first_answer
 from lattica.train.swarm.membership import (
     DONE_ROLE,
     TRAINER_ROLE,
@@ -105,6 +105,7 @@ class OuterStateSync:
         self._probed = ProbedManifests()  # manifests fetched by ``servable``, for the fetch after it
         self._claims = ClaimScreen()  # claims that may not be adopted, holders that served bad states
         self._schema: OuterStateSchema | None = None  # our own outer state's, once the trainer exists
+        self.pacing = FetchPacing()  # how long a silent holder may hold a probe or fetch (``join.py``)
 
     # -- what the run holds ------------------------------------------------------------------
 
@@ -165,16 +166,25 @@ class OuterStateSync:
         distrusted (see ``membership.UnservableClaims``)."""
         rnd, digest, holders = agreed
         fetch = fetch_of_round(self.store.fetch, rnd)
-        for holder in holders:
+
+        async def probe(holder: str) -> Mapping[str, torch.Tensor]:
             try:
                 with trio.fail_after(_PROBE_TIMEOUT_S):
                     manifest = await fetch(holder, [MANIFEST])
                     read_manifest(manifest, peer_id=holder)
+                    return manifest
             except (LatticaError, trio.TooSlowError) as exc:
                 log.debug("holder %s does not serve round %d: %s", holder, rnd, exc)
-            else:
-                self._probed.keep(holder, rnd, manifest)
-                return True
+                raise PeerUnavailableError(f"does not serve round {rnd}", peer_id=holder) from None
+
+        try:
+            # a holder cut off answers nothing for seconds: the next is asked meanwhile
+            holder, manifest = await first_answer(holders, probe, hedge_s=self.pacing.hedge_s)
+        except PeerUnavailableError:
+            pass
+        else:
+            self._probed.keep(holder, rnd, manifest)
+            return True
         period = self._unservable.failed((rnd, digest), self.clock())
         log.warning("no holder serves the published state of round %d; ignoring that claim for %.0f s", rnd, period)
         return False
@@ -264,7 +274,7 @@ class OuterStateSync:
         try:
             with trio.fail_after(max(30.0, self.settings.round_deadline_s)):
                 fetch = self._probed.round_fetch(self.store.fetch, rnd)
-                return await fetch_outer_state(holders, fetch, expected_hash=digest)
+                return await fetch_outer_state(holders, fetch, expected_hash=digest, pacing=self.pacing)
         except Exception as exc:  # noqa: BLE001 - whatever peers sent, the trainer goes on
             period = self._unservable.failed((rnd, digest), self.clock())
             log.warning("could not fetch outer state of round %d: %s; ignoring that claim for %.0f s", rnd, exc, period)
