@@ -34,7 +34,7 @@ MODEL_HELP = (
 # ``family_defaults.family_defaults_help()`` as text (a test keeps them equal)
 STRATEGY_DEFAULTS_HELP = (
     "defaults that differ by model family (set explicitly, a value wins): llama presets: diloco outer_lr 0.5; "
-    "sparseloco density 0.1, outer_lr 1.75"
+    "sparseloco density 0.1, outer_lr 1.5; demo lr_scale 2.0"
 )
 
 

@@ -28,6 +28,16 @@ def test_a_llama_preset_trains_diloco_at_its_own_outer_lr():
     assert strategy_config(TrainSettings(strategy="diloco", model="llama-1b")).outer_lr == 0.5
 
 
+def test_a_llama_preset_trains_sparseloco_at_its_own_density_and_outer_lr():
+    config = strategy_config(TrainSettings(strategy="sparseloco", model="llama-tiny"))
+    assert (config.density, config.outer_lr) == (0.10, 1.5)
+
+
+def test_a_llama_preset_takes_a_longer_demo_sign_step():
+    assert strategy_config(TrainSettings(strategy="demo", model="llama-tiny")).lr_scale == 2.0
+    assert strategy_config(TrainSettings(strategy="demo", model="tiny")).lr_scale == 1.0
+
+
 def test_the_byte_level_gpt_keeps_the_class_defaults():
     for strategy in ("diloco", "sparseloco", "demo"):
         default = strategy_class(strategy).config_class()
