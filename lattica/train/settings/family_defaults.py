@@ -5,9 +5,9 @@ standard library's sources (docs/strategies.md). Measured with ``llama-tiny`` on
 prepared with a BPE tokenizer, some of them lose what they were chosen for — DiLoCo's η 0.7
 ties with training alone on English prose, while η 0.5 is ahead on both corpora and 1–1.4 %
 worse on the byte-level GPT; SparseLoCo's 1.59 % at α 2.75 falls behind training alone, where
-10 % at α 1.5 is within 1.01 × DiLoCo on three seeds of both corpora; DeMo's sign step at the
-trainer's learning rate is 3–4.6 % behind DDP on the stdlib, twice that step ahead of DDP on
-every seed — so a Llama preset runs with its own values of those fields (docs/strategies.md,
+10 % at α 1.5 is within 1.01 × DiLoCo on four seeds of both corpora; DeMo's sign step at the
+trainer's learning rate is 3.3–4.6 % behind DDP on the stdlib, twice that step within 1.02 × DDP
+on four seeds of both — so a Llama preset runs with its own values of those fields (docs/strategies.md,
 "Llama-tiny on two tokenized corpora").
 
 ``FAMILY_DEFAULTS`` lists, per model family and strategy, only the fields that differ from the
