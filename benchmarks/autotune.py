@@ -14,9 +14,20 @@ over libp2p), each on its own shard, all from the same weights. For each link ra
   configured rate and RTT; ``benchmarks/wan_lab.py`` measures the delay line within a few
   percent of them) and the communication CPU per byte and per round — first the blocking ``default``
   phase's process CPU in its syncs; when that choice overlaps (strategy ``co2``), one phase of it
-  is run and its inner steps' slow-down against that step is fed back for a second tuning, whose
-  choice the cycles run (H, the codec and overlap; the group stays the whole round: these peers
-  average by all-reduce, a gossip group would need the daemon's group coordination).
+  is run and its inner steps' slow-down — the steps an exchange ran beside against the same
+  phase's steps before its first sync, as ``tune = true`` times them, so a change in the
+  machine's load between phases is not taken for the exchange's cost — is fed back, with that
+  clean step, for a second tuning, whose choice the cycles run (H, the codec and overlap; the
+  group stays the whole round: these peers average by all-reduce, a gossip group would need the
+  daemon's group coordination).
+
+The phase's length (``--steps``, default 2,000) is the run the tuner plans for (its steps left):
+it keeps no H that leaves fewer than ``tune_min_rounds`` (8) applied outer rounds. On these
+cores an overlapped round slows the steps beside it by 0.15–0.25 s whatever its payload, so the
+target needs an inner phase of 3–5 s — H 100–200 at a 25–40 ms step — and H 200 overlapped
+leaves 8 applied rounds only from 9 × 200 = 1,800 steps: 2,000 is the next multiple of 400. A
+400-step phase allows H ≤ 25 overlapped (≤ 50 blocking), whose best predicted utilization is
+0.5–0.8: a run that short cannot meet both targets, and a user's run is longer.
 
 ``<x>_util_vs_nocomm`` is the ``nocomm`` wall over the phase's wall (the wall from the first
 inner step to the return of the last one's ``after_inner_step``; overlap.py's measure), taken
@@ -31,7 +42,7 @@ measured (``tuned_comm_cpu_round_ms``).
 A phase that does not finish — a peer that exits or misses its deadline, fewer steps than asked,
 a skipped sync — fails the run: exit status 1 and one line on stderr, no figures.
 
-    python benchmarks/autotune.py [--rates 20,200] [--steps 400] [--rtt-ms 100] [--target 0.95] [--cycles 3]
+    python benchmarks/autotune.py [--rates 20,200] [--steps 2000] [--rtt-ms 100] [--target 0.95] [--cycles 3]
 
 Needs root, ``ip`` and ``/dev/net/tun`` (the WAN lab); without them it says so and exits with
 status 2. The last line printed is one JSON object.
@@ -52,6 +63,7 @@ import overlap
 WORKERS = 4
 DEFAULT_H = 50
 PHASE_TIMEOUT_S = 1800.0
+CLEAN_SKIP_STEPS = 2  # a phase's first steps, left out of its clean step (warm-up)
 BATCH, CONTEXT, LR = 8, 128, 1e-3
 
 
@@ -103,8 +115,10 @@ async def _train(service, corpus, cmd: dict) -> dict:
         rounds["skipped" if event.report.skipped else "done"] += 1
 
     trainer = Trainer(task, strategy, config, device=select_device("cpu"), on_round=count_round)
-    timing = {"inner": 0.0, "inner_cpu": 0.0, "sync_cpu": 0.0, "first": None, "last": None}
+    timing = {"inner": 0.0, "inner_cpu": 0.0, "sync_cpu": 0.0, "first": None, "last": None,
+              "done": 0, "first_phase": 0.0, "clean": 0.0}
     whole_step, after_inner_step = trainer._whole_step, strategy.after_inner_step
+    first_sync = 0 if cmd["strategy"] == "nocomm" else cmd["inner_steps"]
 
     def timed_step() -> float:
         started, cpu_started = time.perf_counter(), time.thread_time()
@@ -112,8 +126,14 @@ async def _train(service, corpus, cmd: dict) -> dict:
         try:
             return whole_step()
         finally:
-            timing["inner"] += time.perf_counter() - started
+            elapsed = time.perf_counter() - started
+            timing["inner"] += elapsed
             timing["inner_cpu"] += time.thread_time() - cpu_started
+            timing["done"] += 1
+            if timing["done"] <= first_sync:  # before the first sync: no exchange in flight
+                timing["first_phase"] += elapsed
+                if timing["done"] > CLEAN_SKIP_STEPS:
+                    timing["clean"] += elapsed
 
     async def timed_after(step: int):
         cpu_started = time.process_time()  # the worker thread is idle: a blocking sync's CPU
@@ -134,9 +154,20 @@ async def _train(service, corpus, cmd: dict) -> dict:
         "ok": True, "steps": summary.steps, "syncs": rounds["done"], "skipped_syncs": rounds["skipped"],
         "wall_s": timing["last"] - timing["first"], "step_s": timing["inner"] / steps,
         "step_cpu_s": timing["inner_cpu"] / steps, "other_cpu_s": process_cpu - timing["inner_cpu"],
+        **_phase_steps(timing, steps, first_sync),
         "sync_cpu_s": timing["sync_cpu"], "bytes_sent": summary.bytes_sent,
         "val_loss": summary.val_loss, "model_bytes": 4 * sum(p.numel() for p in model.parameters()),
     }
+
+
+def _phase_steps(timing: dict, steps: int, first_sync: int) -> dict:
+    """The mean step before the first sync (``clean_step_s``: no exchange in flight, its first
+    ``CLEAN_SKIP_STEPS`` left out, as ``tune = true``'s ``PhaseTimer`` starts two steps in) and
+    after it (``later_step_s``: an overlapped phase's exchanges run beside these)."""
+    if not 0 < first_sync < steps or first_sync <= CLEAN_SKIP_STEPS:
+        return {}
+    return {"clean_step_s": timing["clean"] / (first_sync - CLEAN_SKIP_STEPS),
+            "later_step_s": (timing["inner"] - timing["first_phase"]) / (steps - first_sync)}
 
 
 async def _serve(ip: str) -> None:
@@ -209,14 +240,15 @@ def check_phase(name: str, rows: list[dict], steps: int, phase: dict) -> None:
             raise BenchmarkFailed(f"{name}: peer {i} reported no finite loss or no wall time")
 
 
-def _tuned(clean: list[dict], rate_mbit: float, args: argparse.Namespace, cpu: tuple[float, float], why: str):
-    """The tuner's choice for the measured step (a ``nocomm`` phase's), payload, link,
-    communication CPU per byte and the phase's steps (the rounds an H leaves them); every
-    search step printed."""
+def _tuned(step_s: float, model_bytes: int, rate_mbit: float, args: argparse.Namespace, cpu: tuple[float, float],
+           why: str):
+    """The tuner's choice for the measured step (with no exchange in flight), payload, link,
+    communication CPU per byte and per round, and the phase's steps (the rounds an H leaves
+    them); every search step printed."""
     from lattica.train.settings.autotune import Measurements, tune
 
     measured = Measurements(
-        step_s=statistics.fmean(r["step_s"] for r in clean), model_bytes=clean[0]["model_bytes"],
+        step_s=step_s, model_bytes=model_bytes,
         bandwidth_bps=rate_mbit * 1e6, rtt_s=args.rtt_ms / 1000, peers=WORKERS, comm_cpu_s_per_byte=cpu[0],
         comm_cpu_s_per_round=cpu[1], shared_cores=True, steps_left=args.steps,
     )
@@ -233,20 +265,31 @@ def _phase_of(config) -> dict:
             "codec": config.codec}
 
 
-def _comm_cpu(clean: list[dict], rows: list[dict], phase: dict) -> tuple[float, float]:
+def _comm_cpu(rows: list[dict], phase: dict) -> tuple[float, float]:
     """CPU per byte sent and per round, as ``tune = true`` measures them
-    (``train/settings/retune.py``): a blocking phase's process CPU in its syncs; an overlapped
-    phase's step slow-down against the clean step; over its bytes, and over its rounds (the
-    rounds whose exchange overlapped a phase: CO2's landed ones). The mean over the peers."""
+    (``train/settings/retune.py``): a blocking phase's process CPU in its syncs, over its bytes
+    and its rounds; an overlapped phase's slow-down — each peer's steps with an exchange beside
+    them against its own steps before the first sync, the same phase at the same load (a
+    reference phase run minutes earlier would count the change in the machine's load as the
+    exchange's cost) — over the bytes and the rounds of the exchanges that ran beside steps (CO2's
+    landed ones: all but the last, which lands after training). The mean over the peers."""
     from lattica.train.settings.autotune import comm_cpu_per_byte, slowdown_cpu_per_byte
 
-    clean_step = statistics.fmean(r["step_s"] for r in clean)
-    if phase["strategy"] == "co2":
-        per_byte = [slowdown_cpu_per_byte(step_s=r["step_s"], clean_step_s=clean_step, steps=r["steps"],
-                                          bytes_sent=r["bytes_sent"]) for r in rows]
-    else:
-        per_byte = [comm_cpu_per_byte(cpu_s=r["sync_cpu_s"], bytes_sent=r["bytes_sent"]) for r in rows]
-    per_round = [b * r["bytes_sent"] / max(r["syncs"], 1) for b, r in zip(per_byte, rows, strict=True)]
+    per_byte, per_round = [], []
+    for r in rows:
+        if phase["strategy"] == "co2" and "later_step_s" in r:  # else one exchange, beside no step
+            exchanges = r["steps"] // phase["inner_steps"]
+            rounds = exchanges - 1
+            sent = r["bytes_sent"] * rounds / exchanges
+            cost = slowdown_cpu_per_byte(step_s=r["later_step_s"], clean_step_s=r["clean_step_s"],
+                                         steps=r["steps"] - phase["inner_steps"], bytes_sent=sent)
+        elif phase["strategy"] == "co2":
+            rounds, sent, cost = 0, 0.0, 0.0
+        else:
+            rounds, sent = r["syncs"], r["bytes_sent"]
+            cost = comm_cpu_per_byte(cpu_s=r["sync_cpu_s"], bytes_sent=sent)
+        per_byte.append(cost)
+        per_round.append(cost * sent / max(rounds, 1))
     return statistics.fmean(per_byte), statistics.fmean(per_round)
 
 
@@ -265,16 +308,18 @@ def _run_rate(lab, procs, peers, args, rate: float) -> dict:
     rows: dict[str, list[list[dict]]] = {"nocomm": [], "default": [], "tuned": []}
     first = _phase(procs, peers, f"{rate:g} nocomm 1", nocomm, args.steps)
     first_default = _phase(procs, peers, f"{rate:g} default 1", default, args.steps)
-    clean = first + first_default  # steps with no exchange in flight, the closest in time to the probe
-    cpu = _comm_cpu(clean, first_default, default)
-    measured, tuned = _tuned(clean, rate, args, cpu, "the blocking default's sync CPU")
+    model_bytes = first[0]["model_bytes"]
+    step_s = statistics.fmean(r["step_s"] for r in first + first_default)  # no exchange in flight
+    cpu = _comm_cpu(first_default, default)
+    measured, tuned = _tuned(step_s, model_bytes, rate, args, cpu, "the blocking default's sync CPU")
     tunings = [{"phase": _phase_of(tuned.config), "comm_cpu_ns": round(cpu[0] * 1e9, 1),
                 "comm_cpu_round_ms": round(cpu[1] * 1000, 1)}]
     if tuned.config.overlap:
         probe_phase = _phase_of(tuned.config)
         probe = _phase(procs, peers, f"{rate:g} first tuning", probe_phase, args.steps)
-        cpu = _comm_cpu(clean, probe, probe_phase)
-        measured, tuned = _tuned(clean, rate, args, cpu, "its overlapped phase's slow-down")
+        cpu = _comm_cpu(probe, probe_phase)
+        step_s = statistics.fmean(r["clean_step_s"] for r in probe)  # its steps before the first sync
+        measured, tuned = _tuned(step_s, model_bytes, rate, args, cpu, "its overlapped phase's slow-down")
         tunings.append({"phase": _phase_of(tuned.config), "comm_cpu_ns": round(cpu[0] * 1e9, 1),
                         "comm_cpu_round_ms": round(cpu[1] * 1000, 1)})
     tuned_phase = _phase_of(tuned.config)
@@ -311,8 +356,7 @@ def _run_rate(lab, procs, peers, args, rate: float) -> dict:
                    "comm_cpu_ns_per_byte": round(measured.comm_cpu_s_per_byte * 1e9, 1),
                    "comm_cpu_ms_per_round": round(measured.comm_cpu_s_per_round * 1000, 1)},
         "tunings": tunings,
-        "tuned_comm_cpu_round_ms": [round(_comm_cpu(ref, x, tuned_phase)[1] * 1000, 1)
-                                    for ref, x in zip(rows["nocomm"], rows["tuned"], strict=True)],
+        "tuned_comm_cpu_round_ms": [round(_comm_cpu(x, tuned_phase)[1] * 1000, 1) for x in rows["tuned"]],
         "loss": {name: round(loss(name), 4) for name in rows},
         "cycles": utils,
         "step_ms": {name: step_ms(name) for name in rows},
@@ -351,7 +395,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ip", default="127.0.0.1", help=argparse.SUPPRESS)
     parser.add_argument("--rates", default="20,200", help="link rates to run, Mbit/s each way")
     parser.add_argument("--rtt-ms", type=float, default=100.0)
-    parser.add_argument("--steps", type=int, default=400, help="inner steps per phase (a multiple of 400)")
+    parser.add_argument("--steps", type=int, default=2000,
+                        help="inner steps per phase, a multiple of 400 (long enough for H 200 to leave 8 rounds)")
     parser.add_argument("--target", type=float, default=0.95, help="the tuner's utilization target")
     parser.add_argument("--min-rounds", type=int, default=8,
                         help="applied outer rounds an H must leave a phase to be a candidate (the tuner's default)")

@@ -354,3 +354,30 @@ def test_autotune_finished_phases_pass_and_co2_owes_its_last_mean():
     autotune.check_phase("tuned", [_autotune_row(syncs=15)] * 4, 400, {"strategy": "co2", "inner_steps": 25})
     with pytest.raises(autotune.BenchmarkFailed, match="3 peer reports"):
         autotune.check_phase("nocomm", [_autotune_row()] * 3, 400, {"strategy": "nocomm", "inner_steps": 1})
+
+
+def _co2_row(*, clean_step_s: float, later_step_s: float, steps: int = 2000, h: int = 200, payload: int = 748_032):
+    return _autotune_row(steps=steps, syncs=steps // h - 1, bytes_sent=steps // h * payload,
+                         clean_step_s=clean_step_s, later_step_s=later_step_s)
+
+
+def test_autotune_overlap_cost_is_measured_against_the_same_phase():
+    """A machine loaded more than during an earlier phase slows every step of an overlapped
+    phase alike: no cost of the exchange. Only the steps beside an exchange running slower than
+    the same phase's steps before its first sync count, over the rounds that ran beside them."""
+    autotune = load("autotune")
+    phase = {"strategy": "co2", "inner_steps": 200, "codec": "fp32"}
+    loaded = [_co2_row(clean_step_s=0.072, later_step_s=0.072)] * 4
+    assert autotune._comm_cpu(loaded, phase) == (0.0, 0.0)
+    slowed = [_co2_row(clean_step_s=0.030, later_step_s=0.032)] * 4  # 2 ms x 1,800 steps, 9 rounds
+    per_byte, per_round = autotune._comm_cpu(slowed, phase)
+    assert per_round == pytest.approx(0.4)
+    assert per_byte == pytest.approx(3.6 / (9 * 748_032))
+
+
+def test_autotune_clean_step_is_the_phase_before_its_first_sync():
+    autotune = load("autotune")
+    timing = {"inner": 10.0 * 0.03 + 30 * 0.04, "first_phase": 10 * 0.03, "clean": 8 * 0.03}
+    steps = autotune._phase_steps(timing, 40, 10)
+    assert steps == {"clean_step_s": pytest.approx(0.03), "later_step_s": pytest.approx(0.04)}
+    assert autotune._phase_steps(timing, 40, 0) == {}  # no communication: no sync to time against
