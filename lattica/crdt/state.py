@@ -10,11 +10,10 @@ The service wraps a sans-IO ``Replica`` with three kinds of I/O:
   it. At start the log is replayed through the same validation as network input; a torn tail is
   cut off. A full disk does not stop the node: the held records are written, in order, once
   space returns (warned once, shown in ``lattica status``); a kill meanwhile loses them.
-- **Anti-entropy.** One task per connected peer runs a sync session (``sync.initiate``)
-  whenever the local state changed since its last session, and at least every
-  ``sync_interval`` — the first is the prompt push, the second the repair that makes
-  partitions and lost messages harmless. New peers are found by polling the host's
-  connections (and ``notify_peer_connected``). A peer that misbehaves is backed off.
+- **Anti-entropy.** A loop runs waves of sync sessions (``sync.initiate``), at a change or
+  every ``sync_interval``, as ``sync_plan.SyncPlan`` plans them: a push of what changed here
+  lately to a few random peers, and now and then a full repair session with one (the repair
+  makes partitions and lost messages harmless). A peer that misbehaves or fails is backed off.
 - **Liveness.** A heartbeat task renews our lease; ``leave()`` writes ``left`` and pushes it
   to every connected peer at once.
 - **Proof of presence** (``liveness.ProvenPeers``). A completed sync session proves that its
@@ -39,7 +38,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from functools import partial
 from pathlib import Path
 
@@ -63,6 +62,7 @@ from lattica.crdt.liveness import (
     verified_writers,
 )
 from lattica.crdt.replica import Replica
+from lattica.crdt.sync_plan import News, Session, SyncPlan
 from lattica.errors import BrokenError, LocalProtocolError, RemoteError, RemoteProtocolError
 from lattica.net.serving_budget import AnswerSlots, ServingBudget
 from lattica.net.streams import close_quietly, reset_quietly
@@ -109,8 +109,12 @@ class ReplicatedState:
         self._changed = trio.Event()
         self._generation = 0
         self._snapshot_cache: tuple[int, documents.Snapshot] | None = None
-        self._peers: set[str] = set()
+        self._plan = SyncPlan(self.config.plan)
+        self._news = News(self.config.plan.news_window_s)  # streams changed lately (``sync_plan``)
+        self._wake = trio.Event()  # a change, or a new peer
         self._retry_at: dict[str, float] = {}  # outbound sessions that failed
+        self._failures: dict[str, int] = {}  # the failures in a row of each, for the backoff
+        self._in_flight: set[str] = set()  # peers in a session we started
         self._penalized_until: dict[str, float] = {}  # peers that sent bad input
         self._heartbeat = 0
         self._proven = ProvenPeers(lease_s=self.config.lease.lease)
@@ -131,7 +135,7 @@ class ReplicatedState:
                 self._nursery = nursery
                 await self.heartbeat()
                 nursery.start_soon(self._heartbeat_loop)
-                nursery.start_soon(self._watch_peers_loop)
+                nursery.start_soon(self._sync_loop)
                 nursery.start_soon(self._log.retry_held_records)
                 task_status.started()
         finally:
@@ -215,7 +219,7 @@ class ReplicatedState:
             raise LocalProtocolError("ReplicatedState.run() has not started")
         envelopes = await self._log.write(lambda: self._replica.local_write(doc_name, mutate))
         if envelopes:
-            self._bump()
+            self._bump(envelopes)
 
     async def _settle_own_streams(self) -> None:
         """After a completed sync session: publish our own streams (see "Our own history")."""
@@ -223,6 +227,7 @@ class ReplicatedState:
             return
         try:
             snapshots = await self._log.write(self._replica.settle)
+            self._news.note((env.stream for env in snapshots), trio.current_time())
         except LocalProtocolError as exc:  # a document past the snapshot cap: stays unpublished
             log.warning("state: cannot publish this node's own entries: %s", exc)
             return
@@ -335,10 +340,13 @@ class ReplicatedState:
         """Return at the next change of the state (local or remote)."""
         await self._changed.wait()
 
-    def _bump(self) -> None:
+    def _bump(self, envelopes: Iterable[Envelope] = ()) -> None:
+        """The state changed (``envelopes``: those applied, news to push)."""
+        self._news.note((env.stream for env in envelopes), trio.current_time())
         self._generation += 1
         self._changed.set()
         self._changed = trio.Event()
+        self._wake.set()
 
     # -- SyncEndpoint ----------------------------------------------------------------------------
 
@@ -364,32 +372,25 @@ class ReplicatedState:
             log.warning("state sync: banned %s: signed two different histories", evidence[0].writer)
         if applied or evidence:
             await self._log.append(applied + evidence)
-            self._bump()
+            self._bump(applied)
         if failure is not None:
             raise failure
 
     # -- peers -----------------------------------------------------------------------------------
 
     def notify_peer_connected(self, peer_id: ID | str) -> None:
-        """Start syncing with a peer now rather than at the next poll."""
-        self._ensure_peer(str(peer_id))
+        """A new peer: a node that has not synced yet starts with it now rather than later."""
+        self._wake.set()
 
     async def flush(self) -> None:
-        """One sync session with every connected peer, concurrently, bounded by sync_timeout
-        (two while our own streams are held: the first publishes them)."""
+        """One session (a push of our news) with every connected peer, concurrently, bounded by
+        sync_timeout (two full ones while our own streams are held: the first publishes them)."""
         with trio.move_on_after(self.config.sync_timeout):
             for _ in range(2 if self._replica.holding else 1):
+                full = self._replica.holding
                 async with trio.open_nursery() as nursery:
-                    for peer in self.host.get_connected_peers():
-                        nursery.start_soon(self._sync_once_quietly, peer.to_base58())
-
-    def _ensure_peer(self, peer: str) -> None:
-        if self._nursery is None or peer == self.peer_id or peer in self._peers:
-            return
-        if not sync.serves_sync(self.host, peer):  # e.g. a plain libp2p relay or DHT server
-            return
-        if self._spawn(self._peer_loop, peer):
-            self._peers.add(peer)
+                    for peer in self._sync_peers(now=None):
+                        nursery.start_soon(self._sync_once_quietly, Session(peer, full))
 
     def _spawn(self, fn: Callable[..., Awaitable[object]], *args: object) -> bool:
         """Start ``fn`` in the service's nursery; False once the service is closing (a stream
@@ -402,50 +403,42 @@ class ReplicatedState:
             return False
         return True
 
-    async def _watch_peers_loop(self) -> None:
-        while True:
-            for peer_id in self.host.get_connected_peers():
-                self._ensure_peer(peer_id.to_base58())
-            self._replica.tick(time.monotonic())
-            await trio.sleep(self.config.peer_poll_interval)
+    def _sync_peers(self, now: float | None) -> list[str]:
+        """Connected peers that serve state sync (at ``now``: neither in a session we started nor backed off)."""
+        peers = [p.to_base58() for p in self.host.get_connected_peers()]
+        return [p for p in peers if p != self.peer_id and sync.serves_sync(self.host, p) and (now is None or (
+            p not in self._in_flight and now >= max(self._retry_at.get(p, 0.0), self._penalized_until.get(p, 0.0))))]
 
-    def _connected(self, peer: str) -> bool:
-        return any(p.to_base58() == peer for p in self.host.get_connected_peers())
-
-    async def _peer_loop(self, peer: str) -> None:
+    async def _sync_loop(self) -> None:
+        """Waves of sessions planned by ``SyncPlan``: at a change or else every ``sync_interval``, at most one per."""
         synced_generation = -1
-        failures = 0
-        try:
-            while self._connected(peer) and sync.serves_sync(self.host, peer):
-                wait_until = max(
-                    self._retry_at.get(peer, 0.0),
-                    self._penalized_until.get(peer, 0.0),
-                    trio.current_time(),
-                )
-                await trio.sleep_until(wait_until)
-                if synced_generation == self._generation:
-                    with trio.move_on_after(self.config.sync_interval):
-                        await self._changed.wait()
-                start_generation = self._generation
-                if await self._sync_once_quietly(peer):
-                    synced_generation, failures = start_generation, 0
-                else:
-                    failures += 1
-                    backoff = min(self.config.max_backoff, 0.25 * 2**failures)
-                    self._retry_at[peer] = trio.current_time() + backoff
-        finally:
-            self._peers.discard(peer)
+        while True:
+            if synced_generation == self._generation:
+                with trio.move_on_after(self.config.sync_interval):
+                    await self._wake.wait()
+            self._wake = trio.Event()
+            started, synced_generation = trio.current_time(), self._generation
+            self._replica.tick(time.monotonic())
+            news = bool(self._news.keys(started))
+            for session in self._plan.due(self._sync_peers(started), started, news=news, holding=self._replica.holding):
+                self._spawn(self._sync_once_quietly, session)  # a slow peer does not hold up the next wave
+            await trio.sleep_until(started + self.config.sync_interval)
 
-    async def _sync_once_quietly(self, peer: str) -> bool:
-        """One initiated session; errors are logged and reported as False."""
+    async def _sync_once_quietly(self, session: Session) -> bool:
+        """One initiated session; errors are logged, the peer backed off, and False returned."""
+        peer = session.peer
+        self._in_flight.add(peer)
         try:
+            news = None if session.full else self._news.keys(trio.current_time())
             with trio.fail_after(self.config.sync_timeout):
                 stream = await self.host.new_stream(ID.from_base58(peer), [sync.SYNC_PROTOCOL])
                 try:
-                    await sync.initiate(stream, self, peer_id=peer)
+                    await sync.initiate(stream, self, peer_id=peer, news=news)
                 finally:
                     await close_quietly(stream)
             self._mark_proven(peer, stream)
+            self._plan.completed(Session(peer, news is None))
+            self._failures.pop(peer, None)
             await self._settle_own_streams()
         except RemoteProtocolError as exc:
             log.warning("state sync: dropping bad input from %s: %s", peer, exc)
@@ -456,6 +449,10 @@ class ReplicatedState:
             log.debug("state sync with %s could not start: %r", peer, exc)
         else:
             return True
+        finally:
+            self._in_flight.discard(peer)
+        self._failures[peer] = failures = self._failures.get(peer, 0) + 1
+        self._retry_at[peer] = trio.current_time() + min(self.config.max_backoff, 0.25 * 2**failures)
         return False
 
     async def _handle_stream(self, stream: INetStream) -> None:
@@ -468,7 +465,6 @@ class ReplicatedState:
                 await sync.refuse_busy(stream, peer_id=peer)
             await close_quietly(stream)
             return
-        self._ensure_peer(peer)
         try:
             with trio.fail_after(self.config.sync_timeout):
                 answered = await sync.respond(stream, self, peer_id=peer, take=self._take_answer_bytes)

@@ -2,11 +2,11 @@
 
 Theory of operation
 -------------------
-One session runs on one libp2p stream (``/lattica/state-sync/1.0.0``), framed by
+One session runs on one libp2p stream (``/lattica/state-sync/2.0.0``), framed by
 ``lattica.net.wire``::
 
-    initiator -> responder   {"t": "hello", "run": run_id, "sv": [[doc, writer, have], ...]}
-    responder -> initiator   {"t": "hello", "run": run_id, "sv": [...]}
+    initiator -> responder   {"t": "hello", "v": 2, "run": run_id, "part": bool, "sv": [[doc, writer, have, head], ...]}
+    responder -> initiator   {"t": "hello", "v": 2, "run": run_id, "part": bool, "sv": [...]}
     responder -> initiator   {"t": "envs", "envs": [envelope, ...]} * n, then {"t": "end"}
     initiator -> responder   {"t": "envs", ...} * m, then {"t": "end"}
 
@@ -22,6 +22,16 @@ A responder over its node-wide serving budget (``state.py``) answers the hello w
 again later, as after any failed session — busy is not bad input. The responder asks the budget
 for what it is about to send (``take``) before its hello, and answers busy if refused.
 
+A row of a writer's own document is written ``["", writer, have, head]`` (the document is the
+writer). A *full* hello lists every stream; a *partial* one (``"part": true``) is a push of the
+initiator's news (``sync_plan``): it lists some streams only, the answer lists the answerer's
+rows for those streams, and both sides send the envelopes of those streams alone. A hello
+without ``"v": 2``, with a ``part`` that is not a bool, or with a row that names no writer is
+malformed. Version 1 (``/lattica/state-sync/1.0.0``: full hellos only, rows spelled out) is
+neither served nor opened: a node of either version does not list the other's protocol, so the
+two are not synced with each other (``serves_sync``) rather than misreading each other's
+messages or leases (version 2 writers may renew more slowly, ``LeasePolicy``).
+
 A peer that sends a malformed frame, a wrong run id, or an envelope that fails its signature
 or permission check ends the session with ``RemoteProtocolError``; replays do not.
 Timeouts are the caller's (``trio.fail_after`` around a session). Sessions are opened only to
@@ -31,7 +41,7 @@ without it, such as a plain libp2p relay or DHT server among the bootstrap peers
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Protocol
 
 from libp2p.abc import IHost, INetStream
@@ -41,11 +51,13 @@ from libp2p.peer.id import ID
 
 from lattica.crdt.envelope import Envelope
 from lattica.crdt.liveness import network_origin
+from lattica.crdt.streams import StreamKey
 from lattica.errors import PeerBusyError, RemoteProtocolError
 from lattica.net.host import peer_may_support
 from lattica.net.wire import read_message, write_message
 
-SYNC_PROTOCOL = TProtocol("/lattica/state-sync/1.0.0")
+SYNC_PROTOCOL = TProtocol("/lattica/state-sync/2.0.0")
+VERSION = 2
 MAX_FRAME_BYTES = 2 * 1024 * 1024
 BATCH_BYTES = 512 * 1024
 MAX_BATCHES = 10_000
@@ -74,13 +86,14 @@ def serves_sync(host: IHost, peer: str) -> bool:
 # -- sans-IO message helpers ---------------------------------------------------------------------
 
 
-def hello(run_id: str, vector: list[list[str | int]]) -> dict[str, object]:
-    return {"t": "hello", "run": run_id, "sv": vector}
+def hello(run_id: str, vector: list[list[str | int]], *, partial: bool = False) -> dict[str, object]:
+    rows = [["" if row[0] == row[1] else row[0], *row[1:]] for row in vector]
+    return {"t": "hello", "v": VERSION, "run": run_id, "part": partial, "sv": rows}
 
 
-def parse_hello(obj: object, *, run_id: str, peer_id: str) -> list[object]:
-    """A ``hello`` -> the peer's state vector (its rows are checked by the replica); ``busy``
-    -> ``PeerBusyError``."""
+def parse_hello(obj: object, *, run_id: str, peer_id: str) -> tuple[list[object], bool]:
+    """A ``hello`` -> (the peer's state vector, whether it is partial); its rows are checked
+    by the replica. ``busy`` -> ``PeerBusyError``."""
     if obj == BUSY:
         raise PeerBusyError("peer is busy serving state; try again later", peer_id=peer_id)
     vector = obj.get("sv") if isinstance(obj, dict) and obj.get("t") == "hello" else None
@@ -88,7 +101,30 @@ def parse_hello(obj: object, *, run_id: str, peer_id: str) -> list[object]:
         raise RemoteProtocolError("expected a sync hello", peer_id=peer_id)
     if obj.get("run") != run_id:
         raise RemoteProtocolError(f"peer is in run {obj.get('run')!r}", peer_id=peer_id)
-    return list(vector)
+    partial = obj.get("part")
+    if obj.get("v") != VERSION or not isinstance(partial, bool):
+        raise RemoteProtocolError(f"expected a version-{VERSION} sync hello", peer_id=peer_id)
+    return [_expand_row(row, peer_id) for row in vector], partial
+
+
+def _expand_row(row: object, peer_id: str) -> object:
+    if not isinstance(row, list) or len(row) < 2 or not isinstance(row[1], str) or not row[1]:
+        raise RemoteProtocolError("a state-vector row names no writer", peer_id=peer_id)
+    return [row[1], *row[1:]] if row[0] == "" else row
+
+
+def keys_of(vector: Iterable[object]) -> set[StreamKey]:
+    """The streams a (checked) vector names."""
+    return {(row[0], row[1]) for row in vector if isinstance(row, list) and len(row) >= 2
+            and isinstance(row[0], str) and isinstance(row[1], str)}
+
+
+def rows_among(vector: Iterable[list[str | int]], keys: Collection[StreamKey]) -> list[list[str | int]]:
+    return [row for row in vector if (row[0], row[1]) in keys]
+
+
+def envelopes_among(envelopes: Iterable[Envelope], keys: Collection[StreamKey] | None) -> list[Envelope]:
+    return list(envelopes) if keys is None else [env for env in envelopes if env.stream in keys]
 
 
 def batches(envelopes: Iterable[Envelope], *, max_bytes: int = BATCH_BYTES) -> list[dict[str, object]]:
@@ -138,15 +174,19 @@ async def _receive_all(stream: INetStream, endpoint: SyncEndpoint, peer_id: str)
     raise RemoteProtocolError("too many batches in one session", peer_id=peer_id)
 
 
-async def initiate(stream: INetStream, endpoint: SyncEndpoint, *, peer_id: str) -> None:
-    await write_message(stream, hello(endpoint.run_id, endpoint.state_vector()), peer_id=peer_id)
-    theirs = parse_hello(
-        await read_message(stream, max_size=MAX_FRAME_BYTES, peer_id=peer_id),
-        run_id=endpoint.run_id,
-        peer_id=peer_id,
+async def initiate(
+    stream: INetStream, endpoint: SyncEndpoint, *, peer_id: str, news: Collection[StreamKey] | None = None,
+) -> None:
+    """One session; with ``news``, a partial one over those streams."""
+    vector = endpoint.state_vector()
+    mine = vector if news is None else rows_among(vector, news)
+    partial = news is not None
+    await write_message(stream, hello(endpoint.run_id, mine, partial=partial), peer_id=peer_id)
+    theirs, _ = parse_hello(
+        await read_message(stream, max_size=MAX_FRAME_BYTES, peer_id=peer_id), run_id=endpoint.run_id, peer_id=peer_id,
     )
     await _receive_all(stream, endpoint, peer_id)
-    await _send_all(stream, batches(endpoint.missing_for(theirs)), peer_id)
+    await _send_all(stream, batches(envelopes_among(endpoint.missing_for(theirs), news)), peer_id)
 
 
 async def respond(
@@ -154,17 +194,18 @@ async def respond(
 ) -> bool:
     """Answer one session; True when answered, False when ``take(nbytes)`` refused what this
     side would send and the session was answered busy."""
-    theirs = parse_hello(
-        await read_message(stream, max_size=MAX_FRAME_BYTES, peer_id=peer_id),
-        run_id=endpoint.run_id,
-        peer_id=peer_id,
+    theirs, partial = parse_hello(
+        await read_message(stream, max_size=MAX_FRAME_BYTES, peer_id=peer_id), run_id=endpoint.run_id, peer_id=peer_id,
     )
+    among = keys_of(theirs) if partial else None
     vector = endpoint.state_vector()
-    missing = endpoint.missing_for(theirs)
+    if among is not None:
+        vector = rows_among(vector, among)
+    missing = envelopes_among(endpoint.missing_for(theirs), among)
     if not take(len(vector) * _VECTOR_ROW_BYTES + sum(env.encoded_size() for env in missing)):
         await refuse_busy(stream, peer_id=peer_id)
         return False
-    await write_message(stream, hello(endpoint.run_id, vector), peer_id=peer_id)
+    await write_message(stream, hello(endpoint.run_id, vector, partial=partial), peer_id=peer_id)
     await _send_all(stream, batches(missing), peer_id)
     await _receive_all(stream, endpoint, peer_id)
     return True

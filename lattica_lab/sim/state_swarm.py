@@ -8,13 +8,17 @@ see the package docstring). Each observer, at every tick, runs one real session 
 reference: both hellos are packed with msgpack (``sync.hello``), the envelopes it lacks are
 batched (``sync.batches``) and packed, and received through ``Replica.receive``.
 
-Traffic per peer. In the daemon a member runs a session with each connected peer whenever its
-state changed (and at least every ``sync_interval``), and answers theirs: per tick and
-connected peer two sessions, each with one hello each way. The envelopes a member lacks reach
-it once (the first session that has them); each member forwards on average as much as it
-receives. So per tick an observer moves ``2 x degree x (hello sent + hello received)`` plus the
-envelopes of its real session, counted both ways; ``bytes_per_round`` is half of that total
-(per direction), per round of ``round_s``.
+Traffic per peer. In the daemon a member runs the sessions its ``sync_plan.SyncPlan`` plans
+each ``sync_interval`` (a push of its news to ``fanout`` random peers, a full repair session now
+and then, full sessions until its first one completed) and answers those of its peers. An
+observer keeps its own ``SyncPlan`` and ``News`` (the streams whose ``have`` rose at it, from
+its real session and its own writes) and plans among ``degree`` peers: each planned session
+moves its hello (version 2, partial over the news or full, packed) out and the answer (the
+same rows of the peer's vector: about the same size) in; as every member plans as many, it
+answers as many, of the same sizes. The envelopes a member lacks reach it once (the first
+session that has them); each member forwards on average as much as it receives, so the
+envelopes of the observer's real session are counted both ways. ``traffic`` is the total both
+ways; per direction is half of it.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from lattica.crdt.config import ReplicaLimits, StateConfig
 from lattica.crdt.envelope import Envelope, RejectedUpdate
 from lattica.crdt.liveness import LeasePolicy, live_members
 from lattica.crdt.replica import Replica
+from lattica.crdt.streams import StreamKey
+from lattica.crdt.sync_plan import News, SyncPlan, SyncPolicy
 
 RUN = "sim-run"
 
@@ -59,6 +65,7 @@ class Traffic:
     hello_bytes: int = 0
     envelope_bytes: int = 0
     sessions: int = 0
+    full_sessions: int = 0
 
     def total(self) -> int:
         return self.hello_bytes + self.envelope_bytes
@@ -84,6 +91,9 @@ class StateSwarm:
         self.reference = self._new_replica()
         self.watchers: list[Replica] = []
         self.admin: Member | None = None
+        self.plan_policy: SyncPolicy = self.state_config.plan
+        self._plans: dict[str, tuple[SyncPlan, News, dict[StreamKey, int]]] = {}  # watcher -> plan, news, haves
+        self._peer_names = [f"peer-{i}" for i in range(self.degree)]
 
     # -- membership ----------------------------------------------------------------------------
 
@@ -182,18 +192,30 @@ class StateSwarm:
         replica.forget_departed(replica.snapshot()["members"], now_ms=self.now_ms, after_ms=after_ms)
 
     def _session(self, replica: Replica) -> None:
-        """One real session of ``replica`` with the reference, and the hellos of its other ones."""
-        mine, theirs = replica.state_vector(), self.reference.state_vector()
-        hellos = packed_size(sync.hello(RUN, mine)) + packed_size(sync.hello(RUN, theirs))
-        missing = self.reference.missing_for(mine)
+        """One real session of ``replica`` with the reference (the envelopes it lacks), and the
+        hellos of the sessions its plan runs this tick (see the module docstring)."""
+        plan, news, haves = self._plans.setdefault(
+            replica.peer_id, (SyncPlan(self.plan_policy, rng=random.Random(self.rng.random())),
+                              News(self.plan_policy.news_window_s), {}))
+        missing = self.reference.missing_for(replica.state_vector())
         envelope_bytes = sum(packed_size(batch) for batch in sync.batches(missing)) + packed_size({"t": "end"})
         for env in missing:
             with contextlib.suppress(RejectedUpdate):
                 replica.receive(env, from_peer=self.reference.peer_id)
-        sessions = 2 * self.degree if missing or replica.state_vector() != mine else 0
-        self.traffic.hello_bytes += hellos * max(sessions, 1)
         self.traffic.envelope_bytes += 2 * envelope_bytes
-        self.traffic.sessions += sessions
+        vector = replica.state_vector()
+        rises = {(str(r[0]), str(r[1])) for r in vector if int(r[2]) > haves.get((str(r[0]), str(r[1])), 0)}
+        haves.clear()
+        haves.update({(str(r[0]), str(r[1])): int(r[2]) for r in vector})
+        news.note(rises, self.now_s)
+        recent = news.keys(self.now_s)
+        for session in plan.due(self._peer_names, self.now_s, news=bool(recent), holding=False):
+            rows = vector if session.full else sync.rows_among(vector, recent)
+            hello = packed_size(sync.hello(RUN, rows, partial=not session.full))
+            self.traffic.hello_bytes += 2 * 2 * hello  # ours and the answer; as many answered by us
+            self.traffic.sessions += 2
+            self.traffic.full_sessions += 2 * session.full
+            plan.completed(session)
 
     # -- measurements ------------------------------------------------------------------------------
 
@@ -213,7 +235,8 @@ class StateSwarm:
         newcomer = self._new_replica()
         missing = bootstrap.replica.missing_for([])
         batches = sync.batches(missing)
-        received = sum(packed_size(b) for b in batches) + packed_size(sync.hello(RUN, bootstrap.replica.state_vector()))
+        answer = sync.hello(RUN, bootstrap.replica.state_vector())
+        received = sum(packed_size(b) for b in batches) + packed_size(answer)
         for env in missing:
             with contextlib.suppress(RejectedUpdate):
                 newcomer.receive(env)

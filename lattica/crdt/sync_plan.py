@@ -1,0 +1,119 @@
+"""Which peers a node syncs with, when, and with which hello — sans-IO.
+
+Theory of operation
+-------------------
+A session opens with both sides' state vectors (one row per document and writer), so a
+session costs about two vectors, i.e. grows with the members; a node that ran one with every
+connected peer whenever its state changed (every lease renewal) moved ~2 x peers x members
+rows a second — quadratic in the swarm, 96 % of the sync bytes at 100 members
+(``docs/scale.md``). So a node pushes what it learns as a rumour and repairs rarely:
+
+- **News.** ``News`` records the streams whose ``have`` rose here (our writes and envelopes we
+  accepted) with the time. The rows of the streams that changed in the last ``news_window_s``
+  are the node's *news*.
+- **Push to a few.** Each period (the service's ``sync_interval``), when there is news, the node
+  runs a *partial* session with ``fanout`` peers drawn at random among those it may sync with:
+  its hello lists the news rows only, the answer lists the answerer's rows for those streams,
+  and each side sends the envelopes of those streams the other lacks. A peer that learns
+  something has news of it in turn, so an envelope reaches every member in about log_fanout(N)
+  periods, and a member hears each row ``fanout x news_window_s / period`` times, whatever
+  the number of its connections.
+- **Repair.** Every ``repair_interval_s`` (jittered +-50 %) the node runs one *full* session
+  (both whole vectors, as the first protocol version always did) with a random peer: what a
+  rumour missed (a lost session, a partition) is found there, and a banned writer's evidence
+  reaches those still holding it. The sessions of a node that has not completed a full one
+  yet (a newcomer, a restart that holds its own streams) are full, ``fanout`` at a time.
+
+``SyncPlan.due`` is the schedule: the peers and the kind of session for this period.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass
+
+from lattica.crdt.streams import StreamKey
+
+
+@dataclass(frozen=True, kw_only=True)
+class SyncPolicy:
+    fanout: int = 3
+    news_window_s: float = 1.5
+    repair_interval_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.fanout < 1:
+            raise ValueError("fanout must be >= 1")
+        if not self.news_window_s > 0:
+            raise ValueError("news_window_s must be positive")
+        if not self.repair_interval_s > 0:
+            raise ValueError("repair_interval_s must be positive")
+
+
+class News:
+    """The streams that changed here lately, with when."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self._changed: dict[StreamKey, float] = {}
+
+    def note(self, keys: Iterable[StreamKey], now: float) -> None:
+        for key in keys:
+            self._changed.pop(key, None)
+            self._changed[key] = now  # insertion order: oldest first
+
+    def keys(self, now: float) -> set[StreamKey]:
+        """The streams changed within the window (older ones are dropped)."""
+        horizon = now - self.window_s
+        for key, at in list(self._changed.items()):
+            if at >= horizon:
+                break
+            del self._changed[key]
+        return set(self._changed)
+
+
+@dataclass(frozen=True)
+class Session:
+    peer: str
+    full: bool
+
+
+class SyncPlan:
+    """The sessions a node starts, period by period (see the module docstring)."""
+
+    def __init__(self, policy: SyncPolicy, *, rng: random.Random | None = None) -> None:
+        self.policy = policy
+        self.rng = rng or random.Random()
+        self.repaired = False  # a full session completed (we hold the swarm's state once)
+        self._next_repair: float | None = None
+
+    def due(self, peers: Sequence[str], now: float, *, news: bool, holding: bool) -> list[Session]:
+        """The sessions to run now with some of ``peers`` (those we may sync with now)."""
+        if not peers:
+            return []
+        if holding or not self.repaired:
+            return [Session(p, True) for p in self._draw(peers, self.policy.fanout)]
+        sessions = [Session(p, False) for p in self._draw(peers, self.policy.fanout)] if news else []
+        if self._next_repair is None:
+            self._next_repair = now + self._jittered()
+        elif now >= self._next_repair:
+            self._next_repair = now + self._jittered()
+            repair = self._draw(peers, 1)[0]
+            sessions = [s for s in sessions if s.peer != repair] + [Session(repair, True)]
+        return sessions
+
+    def completed(self, session: Session) -> None:
+        if session.full:
+            self.repaired = True
+
+    def _draw(self, peers: Sequence[str], count: int) -> list[str]:
+        return self.rng.sample(list(peers), min(count, len(peers)))
+
+    def _jittered(self) -> float:
+        return self.policy.repair_interval_s * self.rng.uniform(0.5, 1.5)
+
+
+def news_rows(vector: Sequence[list[str | int]], keys: Collection[StreamKey]) -> list[list[str | int]]:
+    """The rows of ``vector`` for ``keys``."""
+    return [row for row in vector if (row[0], row[1]) in keys]
