@@ -10,12 +10,11 @@ The service wraps a sans-IO ``Replica`` with three kinds of I/O:
   it. At start the log is replayed through the same validation as network input; a torn tail is
   cut off. A full disk does not stop the node: the held records are written, in order, once
   space returns (warned once, shown in ``lattica status``); a kill meanwhile loses them.
-- **Anti-entropy.** A loop runs waves of sync sessions (``sync.initiate``), at a change or
-  every ``sync_interval``, as ``sync_plan.SyncPlan`` plans them: a push of what changed here
-  lately to a few random peers, and now and then a full repair session with one (the repair
-  makes partitions and lost messages harmless). A peer that misbehaves or fails is backed off.
-- **Liveness.** A heartbeat task renews our lease; ``leave()`` writes ``left`` and pushes it
-  to every connected peer at once.
+- **Anti-entropy.** Waves of sync sessions (``sync.initiate``) at a change or every ``sync_interval``,
+  as ``sync_plan.SyncPlan`` plans them: what changed here lately pushed to a few random peers, and
+  now and then a full session with one that repairs what pushes missed. Bad or failing peers are backed off.
+- **Liveness.** A heartbeat task renews our lease (less often in a larger swarm, ``LeasePolicy``);
+  ``leave()`` writes ``left`` and pushes it to every connected peer at once.
 - **Proof of presence** (``liveness.ProvenPeers``). A completed sync session proves that its
   peer is connected under the key it claims and was admitted by the access gate: the peer is
   *proven* for a lease, with the network origin of its connection and its standing. The
@@ -58,6 +57,7 @@ from lattica.crdt.liveness import (
     Proof,
     ProvenPeers,
     is_live,
+    leased,
     live_members,
     verified_writers,
 )
@@ -174,7 +174,7 @@ class ReplicatedState:
         """Renew our lease now (also done automatically); clears a previous ``leave()``."""
         self._left = False
         self._heartbeat += 1
-        expires = self.config.lease.lease_expiry_ms(_now_ms())
+        expires = self.config.lease.lease_expiry_ms(_now_ms(), self.heartbeat_interval())
         beat = self._heartbeat
         vouched = sorted(self.proven_peers())[:MAX_VOUCHES]
         changed, self._vouched = vouched != self._vouched, vouched
@@ -185,6 +185,10 @@ class ReplicatedState:
                 documents.write_vouches(doc, vouched)
 
         await self._write(self.peer_id, renew)
+
+    def heartbeat_interval(self) -> float:
+        """How often we renew our lease now: the slower the more members (``LeasePolicy``)."""
+        return self.config.lease.interval_for(leased(self.snapshot()["members"], now_ms=_now_ms()))
 
     async def leave(self) -> None:
         """Mark ourselves as left and push that to every connected peer (bounded by sync_timeout)."""
@@ -387,10 +391,9 @@ class ReplicatedState:
         sync_timeout (two full ones while our own streams are held: the first publishes them)."""
         with trio.move_on_after(self.config.sync_timeout):
             for _ in range(2 if self._replica.holding else 1):
-                full = self._replica.holding
                 async with trio.open_nursery() as nursery:
                     for peer in self._sync_peers(now=None):
-                        nursery.start_soon(self._sync_once_quietly, Session(peer, full))
+                        nursery.start_soon(self._sync_once_quietly, Session(peer, self._replica.holding))
 
     def _spawn(self, fn: Callable[..., Awaitable[object]], *args: object) -> bool:
         """Start ``fn`` in the service's nursery; False once the service is closing (a stream
@@ -487,7 +490,7 @@ class ReplicatedState:
 
     async def _heartbeat_loop(self) -> None:
         while True:
-            await trio.sleep(self.config.lease.heartbeat_interval)
+            await trio.sleep(self.heartbeat_interval())
             if not self._left:
                 await self.heartbeat()
             after_ms = int(self.config.forget_departed_after_s * 1000)  # members long gone are dropped

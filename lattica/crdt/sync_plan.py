@@ -17,7 +17,8 @@ rows a second — quadratic in the swarm, 96 % of the sync bytes at 100 members
   and each side sends the envelopes of those streams the other lacks. A peer that learns
   something has news of it in turn, so an envelope reaches every member in about log_fanout(N)
   periods, and a member hears each row ``fanout x news_window_s / period`` times, whatever
-  the number of its connections.
+  the number of its connections. A node with at most ``push_all_up_to`` peers pushes to all of
+  them: a small swarm learns every change within one period, as leases of a few seconds need.
 - **Repair.** Every ``repair_interval_s`` (jittered +-50 %) the node runs one *full* session
   (both whole vectors, as the first protocol version always did) with a random peer: what a
   rumour missed (a lost session, a partition) is found there, and a banned writer's evidence
@@ -39,12 +40,13 @@ from lattica.crdt.streams import StreamKey
 @dataclass(frozen=True, kw_only=True)
 class SyncPolicy:
     fanout: int = 3
+    push_all_up_to: int = 8
     news_window_s: float = 1.5
     repair_interval_s: float = 30.0
 
     def __post_init__(self) -> None:
-        if self.fanout < 1:
-            raise ValueError("fanout must be >= 1")
+        if self.fanout < 1 or self.push_all_up_to < 0:
+            raise ValueError("fanout must be >= 1 and push_all_up_to >= 0")
         if not self.news_window_s > 0:
             raise ValueError("news_window_s must be positive")
         if not self.repair_interval_s > 0:
@@ -92,9 +94,10 @@ class SyncPlan:
         """The sessions to run now with some of ``peers`` (those we may sync with now)."""
         if not peers:
             return []
+        fanout = len(peers) if len(peers) <= self.policy.push_all_up_to else self.policy.fanout
         if holding or not self.repaired:
-            return [Session(p, True) for p in self._draw(peers, self.policy.fanout)]
-        sessions = [Session(p, False) for p in self._draw(peers, self.policy.fanout)] if news else []
+            return [Session(p, True) for p in self._draw(peers, fanout)]
+        sessions = [Session(p, False) for p in self._draw(peers, fanout)] if news else []
         if self._next_repair is None:
             self._next_repair = now + self._jittered()
         elif now >= self._next_repair:

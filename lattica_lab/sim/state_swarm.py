@@ -2,10 +2,10 @@
 
 Every member writes its own document through its own ``Replica`` (membership record, role,
 lease renewals, round progress), as ``ReplicatedState`` does: ``heartbeat`` every
-``LeasePolicy.heartbeat_interval``, ``set_progress`` once per round, ``leave`` on a clean
-stop; a killed member just stops. Each write reaches the reference replica (the swarm's union,
-see the package docstring). Each observer, at every tick, runs one real session with the
-reference: both hellos are packed with msgpack (``sync.hello``), the envelopes it lacks are
+``LeasePolicy.interval_for`` the members holding a lease (counted every 10 s),
+``set_progress`` once per round, ``leave`` on a clean stop; a killed member just stops. Each
+write reaches the reference replica (the swarm's union, see the package docstring). Each
+observer, at every tick, runs one real session with the reference: the envelopes it lacks are
 batched (``sync.batches``) and packed, and received through ``Replica.receive``.
 
 Traffic per peer. In the daemon a member runs the sessions its ``sync_plan.SyncPlan`` plans
@@ -35,7 +35,7 @@ from pycrdt import Doc, Map
 from lattica.crdt import documents, sync
 from lattica.crdt.config import ReplicaLimits, StateConfig
 from lattica.crdt.envelope import Envelope, RejectedUpdate
-from lattica.crdt.liveness import LeasePolicy, live_members
+from lattica.crdt.liveness import LeasePolicy, leased, live_members
 from lattica.crdt.replica import Replica
 from lattica.crdt.streams import StreamKey
 from lattica.crdt.sync_plan import News, SyncPlan, SyncPolicy
@@ -94,6 +94,7 @@ class StateSwarm:
         self.plan_policy: SyncPolicy = self.state_config.plan
         self._plans: dict[str, tuple[SyncPlan, News, dict[StreamKey, int]]] = {}  # watcher -> plan, news, haves
         self._peer_names = [f"peer-{i}" for i in range(self.degree)]
+        self._interval = self.lease.heartbeat_interval
 
     # -- membership ----------------------------------------------------------------------------
 
@@ -156,13 +157,13 @@ class StateSwarm:
 
     def _beat(self, member: Member) -> None:
         member.heartbeat += 1
-        expires = self.lease.lease_expiry_ms(self.now_ms)
+        expires = self.lease.lease_expiry_ms(self.now_ms, self._interval)
         beat = member.heartbeat
         self._write(member, lambda d: documents.write_lease(d, lease_expires_ms=expires, heartbeat=beat))
-        member.next_beat_s = self.now_s + self.heartbeat_interval()
+        member.next_beat_s = self.now_s + self._interval
 
     def heartbeat_interval(self) -> float:
-        return self.lease.heartbeat_interval
+        return self._interval
 
     def progress(self, round_: int) -> None:
         for member in self.alive():
@@ -177,6 +178,8 @@ class StateSwarm:
     def tick(self, dt: float) -> None:
         """Advance ``dt`` seconds: due heartbeats, then every observer's session of this tick."""
         self.now_s += dt
+        if int(self.now_s) % 10 == 0:
+            self._interval = self.lease.interval_for(leased(self.reference.snapshot()["members"], now_ms=self.now_ms))
         for member in self.alive():
             if member.next_beat_s <= self.now_s:
                 self._beat(member)

@@ -36,6 +36,7 @@ def test_a_node_pushes_to_a_few_peers_per_period_and_repairs_with_one_now_and_th
     assert partial >= 600 * 3 - full
     assert [s for s in plan.due(PEERS, 601.0, news=False, holding=False) if not s.full] == []  # nothing to push
     assert all(s.full for s in plan.due(PEERS, 602.0, news=True, holding=True))  # our streams are held
+    assert len(plan.due(PEERS[:8], 603.0, news=True, holding=False)) == 8  # a small swarm: every peer
 
 
 def test_news_are_the_streams_changed_within_the_window():
