@@ -12,7 +12,8 @@ starts once ``--daemons`` members are live (``--min-peers``). Measured:
 - ``joined``: the most live members the first daemon's replicated state showed;
 - ``rounds_completed_min``: the fewest rounds any daemon completed;
 - ``rss_mb_per_daemon`` (mean) and ``rss_mb_max``: resident memory, sampled every few seconds
-  while the daemons train, each daemon's peak;
+  while the daemons train, each daemon's peak; ``pss_mb_per_daemon``: the same for the
+  proportional set size (shared library pages divided among the daemons that map them);
 - ``state_bytes``: the replicated state the first daemon holds (its replica's envelopes), at
   the end; ``state_log_bytes`` its state log on disk.
 
@@ -45,11 +46,14 @@ class BenchmarkFailed(RuntimeError):
     """A phase did not finish: the benchmark reports no figures."""
 
 
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
+def memory_mb(pid: int) -> tuple[float, float]:
+    """(resident, proportional) MiB of a process: PSS shares the pages it maps with others (the
+    same libraries in every daemon) among them, so PSS summed over the daemons is what they take."""
+    fields = {}
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]:
+        name, _, rest = line.partition(":")
+        fields[name] = int(rest.split()[0]) if rest.split() else 0
+    return fields.get("Rss", 0) / 1024, fields.get("Pss", 0) / 1024
 
 
 def _ask(daemon: DaemonProcess, method: str) -> dict[str, Any]:
@@ -85,7 +89,7 @@ def start_swarm(base: Path, args: argparse.Namespace) -> list[DaemonProcess]:
 
 def measure(daemons: list[DaemonProcess], args: argparse.Namespace) -> dict[str, Any]:
     deadline = time.monotonic() + args.timeout_s
-    peaks = [0.0] * len(daemons)
+    peaks, pss_peaks = [0.0] * len(daemons), [0.0] * len(daemons)
     joined, rounds = 0, [0] * len(daemons)
     while min(rounds) < args.rounds:
         if time.monotonic() > deadline:
@@ -93,7 +97,8 @@ def measure(daemons: list[DaemonProcess], args: argparse.Namespace) -> dict[str,
         for i, daemon in enumerate(daemons):
             if daemon.proc is None or daemon.proc.poll() is not None:
                 raise BenchmarkFailed(f"daemon {daemon.data_dir} exited: {daemon.log()[-600:]}")
-            peaks[i] = max(peaks[i], rss_mb(daemon.proc.pid))
+            rss, pss = memory_mb(daemon.proc.pid)
+            peaks[i], pss_peaks[i] = max(peaks[i], rss), max(pss_peaks[i], pss)
             rounds[i] = _rounds(daemon)
         joined = max(joined, len(_ask(daemons[0], "state").get("live") or []))
         print(f"rounds {min(rounds)}..{max(rounds)}, {joined} live", file=sys.stderr, flush=True)
@@ -105,6 +110,7 @@ def measure(daemons: list[DaemonProcess], args: argparse.Namespace) -> dict[str,
         "rounds_completed_min": min(rounds),
         "rss_mb_per_daemon": round(statistics.mean(peaks), 1),
         "rss_mb_max": round(max(peaks), 1),
+        "pss_mb_per_daemon": round(statistics.mean(pss_peaks), 1),
         "state_bytes": node.get("state_bytes"),
         "state_log_bytes": node.get("log_bytes"),
         "model": "tiny",
