@@ -49,7 +49,8 @@ member for a node that has other peers, and fresh identities cannot at all.
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Collection, Mapping
+import math
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 
@@ -189,6 +190,11 @@ class ProvenPeers:
         """Peers with a completed sync session within the last lease."""
         since = now - self.lease_s
         return {peer for peer, at in list(self._last.items()) if at >= since}  # a copy: threads read it
+
+    def aging(self, peers: Iterable[str], now: float) -> list[str]:
+        """Those of ``peers`` whose proof (if any) is older than half a lease: to be renewed."""
+        since = now - self.lease_s / 2
+        return [peer for peer in peers if self._last.get(peer, -math.inf) < since]
 
     def proofs(self, now: float) -> dict[str, Proof]:
         return {peer: Proof(self._origins.get(peer), now - self._since.get(peer, now)) for peer in self.current(now)}

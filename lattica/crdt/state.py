@@ -174,7 +174,9 @@ class ReplicatedState:
         """Renew our lease now (also done automatically); clears a previous ``leave()``."""
         self._left = False
         self._heartbeat += 1
-        expires = self.config.lease.lease_expiry_ms(_now_ms(), self.heartbeat_interval())
+        interval = self.heartbeat_interval()
+        self._proven.lease_s = self.config.lease.lease * interval / self.config.lease.heartbeat_interval
+        expires = self.config.lease.lease_expiry_ms(_now_ms(), interval)
         beat = self._heartbeat
         vouched = sorted(self.proven_peers())[:MAX_VOUCHES]
         changed, self._vouched = vouched != self._vouched, vouched
@@ -387,8 +389,7 @@ class ReplicatedState:
         self._wake.set()
 
     async def flush(self) -> None:
-        """One session (a push of our news) with every connected peer, concurrently, bounded by
-        sync_timeout (two full ones while our own streams are held: the first publishes them)."""
+        """A push of our news to every connected peer at once, within sync_timeout (two full sessions while held)."""
         with trio.move_on_after(self.config.sync_timeout):
             for _ in range(2 if self._replica.holding else 1):
                 async with trio.open_nursery() as nursery:
@@ -396,8 +397,7 @@ class ReplicatedState:
                         nursery.start_soon(self._sync_once_quietly, Session(peer, self._replica.holding))
 
     def _spawn(self, fn: Callable[..., Awaitable[object]], *args: object) -> bool:
-        """Start ``fn`` in the service's nursery; False once the service is closing (a stream
-        handler can run after the nursery has closed and before ``run`` has cleared it)."""
+        """Start ``fn`` in the service's nursery; False once it is closing (a handler may run after it closed)."""
         if self._nursery is None:
             return False
         try:
@@ -422,8 +422,9 @@ class ReplicatedState:
             self._wake = trio.Event()
             started, synced_generation = trio.current_time(), self._generation
             self._replica.tick(time.monotonic())
-            news = bool(self._news.keys(started))
-            for session in self._plan.due(self._sync_peers(started), started, news=news, holding=self._replica.holding):
+            peers, holding = self._sync_peers(started), self._replica.holding
+            for session in self._plan.due(peers, started, news=bool(self._news.keys(started)), holding=holding,
+                                          refresh=self._proven.aging(peers, time.monotonic())):  # proofs kept fresh
                 self._spawn(self._sync_once_quietly, session)  # a slow peer does not hold up the next wave
             await trio.sleep_until(started + self.config.sync_interval)
 
@@ -432,7 +433,7 @@ class ReplicatedState:
         peer = session.peer
         self._in_flight.add(peer)
         try:
-            news = None if session.full else self._news.keys(trio.current_time())
+            news = None if session.full else self._news.keys(trio.current_time()) if session.news else set()
             with trio.fail_after(self.config.sync_timeout):
                 stream = await self.host.new_stream(ID.from_base58(peer), [sync.SYNC_PROTOCOL])
                 try:

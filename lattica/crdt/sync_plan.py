@@ -19,6 +19,9 @@ rows a second — quadratic in the swarm, 96 % of the sync bytes at 100 members
   periods, and a member hears each row ``fanout x news_window_s / period`` times, whatever
   the number of its connections. A node with at most ``push_all_up_to`` peers pushes to all of
   them: a small swarm learns every change within one period, as leases of a few seconds need.
+- **Proofs.** A completed session proves a peer to us for a lease (``liveness.ProvenPeers``);
+  the peers whose proof is older than half a lease get a session too (``refresh``; its hello
+  lists no rows unless it also pushes), so a member with standing keeps it whatever the draw.
 - **Repair.** Every ``repair_interval_s`` (jittered +-50 %) the node runs one *full* session
   (both whole vectors, as the first protocol version always did) with a random peer: what a
   rumour missed (a lost session, a partition) is found there, and a banned writer's evidence
@@ -79,6 +82,7 @@ class News:
 class Session:
     peer: str
     full: bool
+    news: bool = True  # a partial session's hello lists our news (else nothing: a proof only)
 
 
 class SyncPlan:
@@ -90,8 +94,16 @@ class SyncPlan:
         self.repaired = False  # a full session completed (we hold the swarm's state once)
         self._next_repair: float | None = None
 
-    def due(self, peers: Sequence[str], now: float, *, news: bool, holding: bool) -> list[Session]:
-        """The sessions to run now with some of ``peers`` (those we may sync with now)."""
+    def due(
+        self, peers: Sequence[str], now: float, *, news: bool, holding: bool, refresh: Collection[str] = (),
+    ) -> list[Session]:
+        """The sessions to run now with some of ``peers`` (those we may sync with now), and with
+        those of ``refresh`` (peers whose proof ages) that no other session of the wave reaches."""
+        sessions = self._planned(peers, now, news=news, holding=holding)
+        reached = {s.peer for s in sessions}
+        return sessions + [Session(p, holding, news=False) for p in peers if p in refresh and p not in reached]
+
+    def _planned(self, peers: Sequence[str], now: float, *, news: bool, holding: bool) -> list[Session]:
         if not peers:
             return []
         fanout = len(peers) if len(peers) <= self.policy.push_all_up_to else self.policy.fanout

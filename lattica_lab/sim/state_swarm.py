@@ -12,7 +12,8 @@ Traffic per peer. In the daemon a member runs the sessions its ``sync_plan.SyncP
 each ``sync_interval`` (a push of its news to ``fanout`` random peers, a full repair session now
 and then, full sessions until its first one completed) and answers those of its peers. An
 observer keeps its own ``SyncPlan`` and ``News`` (the streams whose ``have`` rose at it, from
-its real session and its own writes) and plans among ``degree`` peers: each planned session
+its real session and its own writes) and plans among ``degree`` peers (those whose proof is
+older than half a lease refreshed, as ``ProvenPeers.aging`` asks): each planned session
 moves its hello (version 2, partial over the news or full, packed) out and the answer (the
 same rows of the peer's vector: about the same size) in; as every member plans as many, it
 answers as many, of the same sizes. The envelopes a member lacks reach it once (the first
@@ -93,6 +94,7 @@ class StateSwarm:
         self.admin: Member | None = None
         self.plan_policy: SyncPolicy = self.state_config.plan
         self._plans: dict[str, tuple[SyncPlan, News, dict[StreamKey, int]]] = {}  # watcher -> plan, news, haves
+        self._last_session: dict[tuple[str, str], float] = {}  # (watcher, peer) -> its last session
         self._peer_names = [f"peer-{i}" for i in range(self.degree)]
         self._interval = self.lease.heartbeat_interval
 
@@ -212,8 +214,12 @@ class StateSwarm:
         haves.update({(str(r[0]), str(r[1])): int(r[2]) for r in vector})
         news.note(rises, self.now_s)
         recent = news.keys(self.now_s)
-        for session in plan.due(self._peer_names, self.now_s, news=bool(recent), holding=False):
-            rows = vector if session.full else sync.rows_among(vector, recent)
+        proof_s = self.lease.lease * self._interval / self.lease.heartbeat_interval  # ProvenPeers' lease
+        refresh = [p for p in self._peer_names
+                   if self._last_session.get((replica.peer_id, p), -proof_s) < self.now_s - proof_s / 2]
+        for session in plan.due(self._peer_names, self.now_s, news=bool(recent), holding=False, refresh=refresh):
+            self._last_session[(replica.peer_id, session.peer)] = self.now_s
+            rows = vector if session.full else sync.rows_among(vector, recent) if session.news else []
             hello = packed_size(sync.hello(RUN, rows, partial=not session.full))
             self.traffic.hello_bytes += 2 * 2 * hello  # ours and the answer; as many answered by us
             self.traffic.sessions += 2

@@ -10,6 +10,7 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.peerinfo import info_from_p2p_addr
 from test_crdt_service import LOOPBACK, p2p_addr, running_node, wait_for
 
+from lattica.crdt.liveness import ProvenPeers
 from lattica.crdt.sync import SYNC_PROTOCOL, hello, parse_hello
 from lattica.crdt.sync_plan import News, SyncPlan, SyncPolicy
 from lattica.errors import RemoteProtocolError
@@ -89,3 +90,20 @@ async def test_a_daemon_backs_off_a_peer_that_sends_a_version_1_hello(tmp_path):
                 await write_message(stream, hello("svc", []))
                 await read_message(stream)
             await wait_for(lambda: a.live_members() == [a.peer_id], [a])
+
+
+def test_peers_whose_proof_ages_get_a_session_of_their_own():
+    """A completed session proves a peer for a lease; a push to 3 of 64 peers a second would let
+    many proofs lapse (and with them the standing that makes a member's vouches count)."""
+    proven = ProvenPeers(lease_s=10.0)
+    for peer in PEERS:
+        proven.mark(peer, None, 0.0)
+    assert proven.aging(PEERS, 4.0) == []
+    proven.mark(PEERS[0], None, 5.0)
+    aging = proven.aging(PEERS, 6.0)
+    assert set(aging) == set(PEERS[1:])
+    plan = SyncPlan(SyncPolicy(fanout=3), rng=random.Random(2))
+    plan.completed(plan.due(PEERS, 0.0, news=True, holding=False)[0])
+    sessions = plan.due(PEERS, 6.0, news=True, holding=False, refresh=aging)
+    assert {s.peer for s in sessions} >= set(aging)
+    assert sum(s.news for s in sessions) == 3  # the others carry no rows: a proof only
