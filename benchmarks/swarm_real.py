@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import statistics
 import sys
 import tempfile
@@ -126,6 +127,7 @@ def main() -> int:
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="for the rounds, once all started")
     parser.add_argument("--poll-s", type=float, default=5.0)
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # a timeout or a stop: the daemons are stopped first
     started = time.monotonic()
     daemons: list[DaemonProcess] = []
     try:
