@@ -7,7 +7,8 @@ second (every renewal is an envelope every member receives): with ``members`` li
 member renews every ``interval_for(members)`` (``members / renewals_per_s``, at least
 ``heartbeat_interval``, at most ``max_heartbeat_interval``) and its lease lasts as many times
 that as ``lease`` is of ``heartbeat_interval`` (``lease_for``): a crash is noticed after ~5 s
-with up to 8 members, ~60 s at 100, 150 s from 240 on.
+with up to 8 members, ~60 s at 100, 150 s from 240 on (members: the records that have not
+left, ``present``).
 A member that shuts down cleanly writes ``left = True`` and an expired lease, which reaches
 the others with the next push instead of after the lease runs out.
 
@@ -95,10 +96,12 @@ class LeasePolicy:
         return int((longest + self.max_clock_ahead) * 1000)
 
 
-def leased(members: Mapping[str, Mapping[str, object]], *, now_ms: int) -> int:
-    """How many of the ``members`` records hold a lease at ``now_ms`` (the swarm's size, as
-    ``LeasePolicy.interval_for`` counts it)."""
-    return sum(is_live(record, now_ms=now_ms) for record in members.values())
+def present(members: Mapping[str, Mapping[str, object]]) -> int:
+    """How many of the ``members`` records have not left (the swarm's size, as
+    ``LeasePolicy.interval_for`` counts it). Not the live ones: a view that lags (a loaded host)
+    would count fewer, renew faster, lag more and count fewer still; a crashed member counts
+    until it is forgotten (``StateConfig.forget_departed_after_s``)."""
+    return sum(record.get("left") is not True for record in members.values())
 
 
 def is_live(

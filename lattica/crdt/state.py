@@ -57,8 +57,8 @@ from lattica.crdt.liveness import (
     Proof,
     ProvenPeers,
     is_live,
-    leased,
     live_members,
+    present,
     verified_writers,
 )
 from lattica.crdt.replica import Replica
@@ -190,7 +190,7 @@ class ReplicatedState:
 
     def heartbeat_interval(self) -> float:
         """How often we renew our lease now: the slower the more members (``LeasePolicy``)."""
-        return self.config.lease.interval_for(leased(self.snapshot()["members"], now_ms=_now_ms()))
+        return self.config.lease.interval_for(present(self.snapshot()["members"]))
 
     async def leave(self) -> None:
         """Mark ourselves as left and push that to every connected peer (bounded by sync_timeout)."""

@@ -2,7 +2,7 @@
 
 Every member writes its own document through its own ``Replica`` (membership record, role,
 lease renewals, round progress), as ``ReplicatedState`` does: ``heartbeat`` every
-``LeasePolicy.interval_for`` the members holding a lease (counted every 10 s),
+``LeasePolicy.interval_for`` the members that have not left (counted every 10 s),
 ``set_progress`` once per round, ``leave`` on a clean stop; a killed member just stops. Each
 write reaches the reference replica (the swarm's union, see the package docstring). Each
 observer, at every tick, runs one real session with the reference: the envelopes it lacks are
@@ -36,7 +36,7 @@ from pycrdt import Doc, Map
 from lattica.crdt import documents, sync
 from lattica.crdt.config import ReplicaLimits, StateConfig
 from lattica.crdt.envelope import Envelope, RejectedUpdate
-from lattica.crdt.liveness import LeasePolicy, leased, live_members
+from lattica.crdt.liveness import LeasePolicy, live_members, present
 from lattica.crdt.replica import Replica
 from lattica.crdt.streams import StreamKey
 from lattica.crdt.sync_plan import News, SyncPlan, SyncPolicy
@@ -181,7 +181,7 @@ class StateSwarm:
         """Advance ``dt`` seconds: due heartbeats, then every observer's session of this tick."""
         self.now_s += dt
         if int(self.now_s) % 10 == 0:
-            self._interval = self.lease.interval_for(leased(self.reference.snapshot()["members"], now_ms=self.now_ms))
+            self._interval = self.lease.interval_for(present(self.reference.snapshot()["members"]))
         for member in self.alive():
             if member.next_beat_s <= self.now_s:
                 self._beat(member)

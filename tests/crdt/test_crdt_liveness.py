@@ -11,6 +11,7 @@ from lattica.crdt.liveness import (
     is_live,
     live_members,
     network_origin,
+    present,
     verified_writers,
 )
 
@@ -162,3 +163,10 @@ def test_vouch_policy_is_validated():
         VouchPolicy(quorum=0)
     with pytest.raises(ValueError, match="min_standing_s"):
         VouchPolicy(min_standing_s=-1.0)
+
+
+def test_the_swarm_size_that_paces_renewals_counts_expired_leases_but_not_leavers():
+    """A lagging view (a loaded host) sees leases expire: counting only live ones would renew
+    faster, lag more and see fewer still."""
+    members = {"a": _record(3000), "b": _record(-60_000), "c": _record(-60_000, left=True)}
+    assert present(members) == 2

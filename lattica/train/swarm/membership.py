@@ -46,7 +46,7 @@ from collections.abc import Collection, Iterable, Mapping
 from typing import TYPE_CHECKING
 
 from lattica.crdt.documents import MemberRecord, ProgressRecord
-from lattica.crdt.liveness import leased
+from lattica.crdt.liveness import present
 
 if TYPE_CHECKING:
     from lattica.train.ports import RunState
@@ -101,7 +101,7 @@ class MembershipView:
         """How often members renew their leases now: the slower the more members (``LeasePolicy``)."""
         now_ms = time.time_ns() // 1_000_000
         if self._interval is None or self._interval[0] != now_ms // 1000:
-            members = leased(self.members(), now_ms=now_ms)
+            members = present(self.members())
             self._interval = (now_ms // 1000, self.state.config.lease.interval_for(members))
         return self._interval[1]
 
