@@ -8,18 +8,25 @@ over libp2p), each on its own shard, all from the same weights. For each link ra
 
 - ``nocomm``: no communication — the reference wall time;
 - ``default``: DiLoCo as a user gets it untuned (H 50, fp32, blocking all-reduce);
-- ``tuned``: the configuration ``train/settings/autotune.py`` chooses for the measured inner step (the
-  ``nocomm`` phase's, this run's), the model's payload and the link (its configured rate and
-  RTT; ``benchmarks/wan_lab.py`` measures the delay line within a few percent of them) — H,
-  the codec and overlap (strategy ``co2``); the group stays the whole round (these peers
-  average by all-reduce; a gossip group would need the daemon's group coordination).
+- ``tuned``: the configuration ``train/settings/autotune.py`` chooses as ``tune = true`` would,
+  from what this run measured: the inner step (the first ``nocomm`` and ``default`` phases': a
+  blocking phase's steps run with no exchange in flight too), the model's payload, the link (its
+  configured rate and RTT; ``benchmarks/wan_lab.py`` measures the delay line within a few
+  percent of them) and the communication CPU per byte and per round — first the blocking ``default``
+  phase's process CPU in its syncs; when that choice overlaps (strategy ``co2``), one phase of it
+  is run and its inner steps' slow-down against that step is fed back for a second tuning, whose
+  choice the cycles run (H, the codec and overlap; the group stays the whole round: these peers
+  average by all-reduce, a gossip group would need the daemon's group coordination).
 
 ``<x>_util_vs_nocomm`` is the ``nocomm`` wall over the phase's wall (the wall from the first
 inner step to the return of the last one's ``after_inner_step``; overlap.py's measure), taken
 within each cycle (``--cycles``, default 3: the three phases in turn, so load that drifts hits
 them alike) and reported as the median over the cycles, every cycle's ratio beside it;
 ``tuned_loss_vs_diloco`` is the tuned phase's validation loss (mean over the peers) over the
-default's. Targets: tuned utilization ≥ 0.95 and loss ≤ 1.03 × DiLoCo's at both rates.
+default's. Targets: tuned utilization ≥ 0.95 and loss ≤ 1.03 × DiLoCo's at both rates. Beside
+them: each phase's mean inner step per cycle (``step_ms``), each tuning's choice and the CPU per
+byte and per round it was given (``tunings``), and the CPU per round the tuned phases then
+measured (``tuned_comm_cpu_round_ms``).
 
 A phase that does not finish — a peer that exits or misses its deadline, fewer steps than asked,
 a skipped sync — fails the run: exit status 1 and one line on stderr, no figures.
@@ -96,31 +103,38 @@ async def _train(service, corpus, cmd: dict) -> dict:
         rounds["skipped" if event.report.skipped else "done"] += 1
 
     trainer = Trainer(task, strategy, config, device=select_device("cpu"), on_round=count_round)
-    timing = {"inner": 0.0, "first": None, "last": None}
+    timing = {"inner": 0.0, "inner_cpu": 0.0, "sync_cpu": 0.0, "first": None, "last": None}
     whole_step, after_inner_step = trainer._whole_step, strategy.after_inner_step
 
     def timed_step() -> float:
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.thread_time()
         timing["first"] = timing["first"] or started
         try:
             return whole_step()
         finally:
             timing["inner"] += time.perf_counter() - started
+            timing["inner_cpu"] += time.thread_time() - cpu_started
 
     async def timed_after(step: int):
+        cpu_started = time.process_time()  # the worker thread is idle: a blocking sync's CPU
         reports = await after_inner_step(step)
+        timing["sync_cpu"] += time.process_time() - cpu_started
         if step == steps:
             timing["last"] = time.perf_counter()
         return reports
 
     trainer._whole_step = timed_step
     strategy.after_inner_step = timed_after
+    cpu_before = time.process_time()
     summary = await trainer.run()
+    process_cpu = time.process_time() - cpu_before
     if timing["first"] is None or timing["last"] is None or summary.steps != steps:
         return {"ok": False, "error": f"trained {summary.steps} of {steps} steps"}
     return {
         "ok": True, "steps": summary.steps, "syncs": rounds["done"], "skipped_syncs": rounds["skipped"],
         "wall_s": timing["last"] - timing["first"], "step_s": timing["inner"] / steps,
+        "step_cpu_s": timing["inner_cpu"] / steps, "other_cpu_s": process_cpu - timing["inner_cpu"],
+        "sync_cpu_s": timing["sync_cpu"], "bytes_sent": summary.bytes_sent,
         "val_loss": summary.val_loss, "model_bytes": 4 * sum(p.numel() for p in model.parameters()),
     }
 
@@ -169,7 +183,11 @@ def _phase(procs, peers: list[str], name: str, phase: dict, steps: int) -> list[
         raise BenchmarkFailed(f"{name} phase did not finish: {exc}") from None
     check_phase(name, rows, steps, phase)
     print(f"{name:<16} wall {statistics.fmean(r['wall_s'] for r in rows):.1f}s  "
-          f"step {1000 * statistics.fmean(r['step_s'] for r in rows):.1f} ms  "
+          f"step {1000 * statistics.fmean(r['step_s'] for r in rows):.1f} ms "
+          f"(CPU {1000 * statistics.fmean(r['step_cpu_s'] for r in rows):.1f} ms)  "
+          f"other CPU {statistics.fmean(r['other_cpu_s'] for r in rows):.2f}s "
+          f"(in syncs {statistics.fmean(r['sync_cpu_s'] for r in rows):.2f}s)  "
+          f"sent {statistics.fmean(r['bytes_sent'] for r in rows) / 1e6:.1f} MB  "
           f"val loss {statistics.fmean(r['val_loss'] for r in rows):.4f}", flush=True)
     return rows
 
@@ -191,24 +209,54 @@ def check_phase(name: str, rows: list[dict], steps: int, phase: dict) -> None:
             raise BenchmarkFailed(f"{name}: peer {i} reported no finite loss or no wall time")
 
 
-def _tuned(rows: list[dict], rate_mbit: float, rtt_ms: float, target: float):
+def _tuned(clean: list[dict], rate_mbit: float, args: argparse.Namespace, cpu: tuple[float, float], why: str):
+    """The tuner's choice for the measured step (a ``nocomm`` phase's), payload, link,
+    communication CPU per byte and the phase's steps (the rounds an H leaves them); every
+    search step printed."""
     from lattica.train.settings.autotune import Measurements, tune
 
     measured = Measurements(
-        step_s=statistics.fmean(r["step_s"] for r in rows), model_bytes=rows[0]["model_bytes"],
-        bandwidth_bps=rate_mbit * 1e6, rtt_s=rtt_ms / 1000, peers=WORKERS,
+        step_s=statistics.fmean(r["step_s"] for r in clean), model_bytes=clean[0]["model_bytes"],
+        bandwidth_bps=rate_mbit * 1e6, rtt_s=args.rtt_ms / 1000, peers=WORKERS, comm_cpu_s_per_byte=cpu[0],
+        comm_cpu_s_per_round=cpu[1], shared_cores=True, steps_left=args.steps,
     )
-    tuned = tune(measured, target=target, fixed={"group_size": 0})
+    tuned = tune(measured, target=args.target, fixed={"group_size": 0}, min_rounds=args.min_rounds)
+    print(f"  tuning ({why}): step {1000 * measured.step_s:.1f} ms, communication CPU {cpu[0] * 1e9:.0f} ns/byte, "
+          f"at least {1000 * cpu[1]:.0f} ms a round", flush=True)
     for choice in tuned.choices:
-        print(f"  {choice.line()}", flush=True)
+        print(f"    {choice.line()}", flush=True)
     return measured, tuned
 
 
+def _phase_of(config) -> dict:
+    return {"strategy": "co2" if config.overlap else "diloco", "inner_steps": config.inner_steps,
+            "codec": config.codec}
+
+
+def _comm_cpu(clean: list[dict], rows: list[dict], phase: dict) -> tuple[float, float]:
+    """CPU per byte sent and per round, as ``tune = true`` measures them
+    (``train/settings/retune.py``): a blocking phase's process CPU in its syncs; an overlapped
+    phase's step slow-down against the clean step; over its bytes, and over its rounds (the
+    rounds whose exchange overlapped a phase: CO2's landed ones). The mean over the peers."""
+    from lattica.train.settings.autotune import comm_cpu_per_byte, slowdown_cpu_per_byte
+
+    clean_step = statistics.fmean(r["step_s"] for r in clean)
+    if phase["strategy"] == "co2":
+        per_byte = [slowdown_cpu_per_byte(step_s=r["step_s"], clean_step_s=clean_step, steps=r["steps"],
+                                          bytes_sent=r["bytes_sent"]) for r in rows]
+    else:
+        per_byte = [comm_cpu_per_byte(cpu_s=r["sync_cpu_s"], bytes_sent=r["bytes_sent"]) for r in rows]
+    per_round = [b * r["bytes_sent"] / max(r["syncs"], 1) for b, r in zip(per_byte, rows, strict=True)]
+    return statistics.fmean(per_byte), statistics.fmean(per_round)
+
+
 def _run_rate(lab, procs, peers, args, rate: float) -> dict:
-    """The three phases at ``rate``, ``--cycles`` times in turn; the tuner's choice is made once,
-    from the first ``nocomm`` phase. Each utilization is the median over the cycles of that
-    cycle's ``nocomm`` wall over the phase's (load drifts between cycles and hits a cycle's
-    phases alike; overlap.py's paired ratio)."""
+    """The three phases at ``rate``, ``--cycles`` times in turn. The tuner chooses as ``tune =
+    true`` would: from the first ``nocomm`` phase's step and the first ``default`` (blocking)
+    phase's communication CPU; when that choice overlaps, one phase of it measures the
+    inner steps' slow-down, which is fed back for a second tuning, whose choice the cycles run.
+    Each utilization is the median over the cycles of that cycle's ``nocomm`` wall over the
+    phase's (load drifts between cycles and hits a cycle's phases alike; overlap.py's ratio)."""
     if lab.links:
         lab.unlink("a", "b")
     lab.link("a", "b", rtt_ms=args.rtt_ms, mbit=rate)
@@ -216,13 +264,25 @@ def _run_rate(lab, procs, peers, args, rate: float) -> dict:
     nocomm = {"strategy": "nocomm", "inner_steps": 1, "codec": "fp32"}
     rows: dict[str, list[list[dict]]] = {"nocomm": [], "default": [], "tuned": []}
     first = _phase(procs, peers, f"{rate:g} nocomm 1", nocomm, args.steps)
-    measured, tuned = _tuned(first, rate, args.rtt_ms, args.target)
-    c = tuned.config
-    tuned_phase = {"strategy": "co2" if c.overlap else "diloco", "inner_steps": c.inner_steps, "codec": c.codec}
+    first_default = _phase(procs, peers, f"{rate:g} default 1", default, args.steps)
+    clean = first + first_default  # steps with no exchange in flight, the closest in time to the probe
+    cpu = _comm_cpu(clean, first_default, default)
+    measured, tuned = _tuned(clean, rate, args, cpu, "the blocking default's sync CPU")
+    tunings = [{"phase": _phase_of(tuned.config), "comm_cpu_ns": round(cpu[0] * 1e9, 1),
+                "comm_cpu_round_ms": round(cpu[1] * 1000, 1)}]
+    if tuned.config.overlap:
+        probe_phase = _phase_of(tuned.config)
+        probe = _phase(procs, peers, f"{rate:g} first tuning", probe_phase, args.steps)
+        cpu = _comm_cpu(clean, probe, probe_phase)
+        measured, tuned = _tuned(clean, rate, args, cpu, "its overlapped phase's slow-down")
+        tunings.append({"phase": _phase_of(tuned.config), "comm_cpu_ns": round(cpu[0] * 1e9, 1),
+                        "comm_cpu_round_ms": round(cpu[1] * 1000, 1)})
+    tuned_phase = _phase_of(tuned.config)
     for cycle in range(args.cycles):
         rows["nocomm"].append(first if cycle == 0 else _phase(procs, peers, f"{rate:g} nocomm {cycle + 1}", nocomm,
                                                               args.steps))
-        rows["default"].append(_phase(procs, peers, f"{rate:g} default {cycle + 1}", default, args.steps))
+        rows["default"].append(first_default if cycle == 0 else _phase(
+            procs, peers, f"{rate:g} default {cycle + 1}", default, args.steps))
         rows["tuned"].append(_phase(procs, peers, f"{rate:g} tuned {cycle + 1}", tuned_phase, args.steps))
 
     def wall(phase_rows: list[dict]) -> float:
@@ -234,6 +294,9 @@ def _run_rate(lab, procs, peers, args, rate: float) -> dict:
     def loss(name: str) -> float:
         return statistics.fmean(r["val_loss"] for cycle in rows[name] for r in cycle)
 
+    def step_ms(name: str) -> list[float]:
+        return [round(1000 * statistics.fmean(r["step_s"] for r in cycle), 1) for cycle in rows[name]]
+
     utils = {name: util(name) for name in ("default", "tuned")}
     print(f"{rate:g} Mbit/s per cycle: default util {utils['default']}, tuned util {utils['tuned']}", flush=True)
     return {
@@ -242,9 +305,17 @@ def _run_rate(lab, procs, peers, args, rate: float) -> dict:
         "tuned_loss_vs_diloco": round(loss("tuned") / loss("default"), 4),
         "config": {**tuned_phase, "chunk_bytes": tuned.config.chunk_bytes,
                    "predicted_util": round(tuned.prediction.utilization, 4),
-                   "step_ms": round(1000 * measured.step_s, 1), "model_bytes": measured.model_bytes},
+                   "predicted_loss_cost": round(tuned.prediction.loss_cost, 4), "meets_target": tuned.meets_target,
+                   "shortfall": tuned.shortfall,
+                   "step_ms": round(1000 * measured.step_s, 1), "model_bytes": measured.model_bytes,
+                   "comm_cpu_ns_per_byte": round(measured.comm_cpu_s_per_byte * 1e9, 1),
+                   "comm_cpu_ms_per_round": round(measured.comm_cpu_s_per_round * 1000, 1)},
+        "tunings": tunings,
+        "tuned_comm_cpu_round_ms": [round(_comm_cpu(ref, x, tuned_phase)[1] * 1000, 1)
+                                    for ref, x in zip(rows["nocomm"], rows["tuned"], strict=True)],
         "loss": {name: round(loss(name), 4) for name in rows},
         "cycles": utils,
+        "step_ms": {name: step_ms(name) for name in rows},
     }
 
 
@@ -282,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rtt-ms", type=float, default=100.0)
     parser.add_argument("--steps", type=int, default=400, help="inner steps per phase (a multiple of 400)")
     parser.add_argument("--target", type=float, default=0.95, help="the tuner's utilization target")
+    parser.add_argument("--min-rounds", type=int, default=8,
+                        help="applied outer rounds an H must leave a phase to be a candidate (the tuner's default)")
     parser.add_argument("--cycles", type=int, default=3, help="run the three phases in turn this many times")
     parser.add_argument("--log-dir", default="", help="write each peer's stderr here")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
@@ -314,6 +387,9 @@ def main(argv: list[str] | None = None) -> int:
         "configs": {rate: r["config"] for rate, r in results.items()},
         "losses": {rate: r["loss"] for rate, r in results.items()},
         "cycles": {rate: r["cycles"] for rate, r in results.items()},
+        "step_ms": {rate: r["step_ms"] for rate, r in results.items()},
+        "tunings": {rate: r["tunings"] for rate, r in results.items()},
+        "tuned_comm_cpu_round_ms": {rate: r["tuned_comm_cpu_round_ms"] for rate, r in results.items()},
     }
     print(json.dumps(out))
     return 0

@@ -39,8 +39,11 @@ the strategy's default config on the tiny model), plus the extra methods of ``ME
 without a finite validation loss) fails the run: exit status 1, one line on stderr, no figures.
 
 Every method gets the same inner hyperparameters (AdamW, warmup + cosine over ``--steps``).
-``--outer-lr`` / ``--outer-momentum`` change only the two DiLoCo runs (``diloco``,
-``moe_diloco``), for sweeps; without them DiLoCo runs with its defaults η 0.7, μ 0.9.
+``--outer-lr`` / ``--outer-momentum`` change only the DiLoCo runs (``diloco``, its gossip
+variants, ``moe_diloco``), for sweeps; without them DiLoCo runs with its defaults η 0.7, μ 0.9.
+A method that trains ``--model`` other than ``tiny`` takes the strategy defaults of that
+model's family where they differ (``lattica/train/settings/family_defaults.py``: a Llama preset's
+DiLoCo η 0.5, …), as ``lattica join`` does; ``--outer-lr`` and ``--set`` still win.
 
 ``--device cuda`` trains the workers on one GPU (CPU stays the default): each worker's inner
 steps run in its own thread on its own CUDA stream (the trainer's), so the workers' steps
@@ -91,6 +94,7 @@ from lattica.train.engine.schedule import ScheduleConfig
 from lattica.train.engine.task import Task
 from lattica.train.engine.tokenized import bits_per_byte
 from lattica.train.engine.trainer import Trainer, TrainerConfig
+from lattica.train.settings.family_defaults import family_defaults
 from lattica.train.strategies import STRATEGIES, create_strategy
 from lattica.train.strategies.accounting import optimizer_state_bytes
 from lattica.train.strategies.co2 import CO2Config
@@ -202,7 +206,9 @@ def all_methods(workers: int = WORKERS) -> dict[str, Method]:
 
 
 def with_model(methods: dict[str, Method], model: str, vocab_size: int, context: int) -> dict[str, Method]:
-    """``methods`` training the preset ``model`` (sized for the data) where they train ``tiny``."""
+    """``methods`` training the preset ``model`` (sized for the data) where they train ``tiny``,
+    with the strategy defaults of the model's family where they differ (``family_defaults``, as
+    ``lattica join`` resolves them)."""
     if model == "tiny":
         return methods
     spec = resolve_model(model, vocab_size=vocab_size, seq_len=context)
@@ -212,9 +218,12 @@ def with_model(methods: dict[str, Method], model: str, vocab_size: int, context:
     def build(seed: int) -> torch.nn.Module:
         return spec.build(seed=seed)
 
-    return {
-        name: dataclasses.replace(m, build_model=build) if m.build_model is _tiny else m for name, m in methods.items()
-    }
+    def retarget(m: Method) -> Method:
+        defaults = family_defaults(m.strategy, spec.family)
+        config = dataclasses.replace(m.config, **defaults) if defaults and m.config is not None else m.config
+        return dataclasses.replace(m, build_model=build, config=config)
+
+    return {name: retarget(m) if m.build_model is _tiny else m for name, m in methods.items()}
 
 
 def peers_of(workers: int) -> tuple[str, ...]:
@@ -432,7 +441,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=Budget.warmup, help="inner warmup steps")
     parser.add_argument("--eval-batches", type=int, default=Budget.eval_batches)
     parser.add_argument(
-        "--outer-lr", type=float, default=None, help="DiLoCo's outer lr η, for sweeps (0.7)"
+        "--outer-lr", type=float, default=None,
+        help="DiLoCo's outer lr η, for sweeps (default 0.7; a llama preset's 0.5)"
     )
     parser.add_argument(
         "--outer-momentum", type=float, default=None, help="DiLoCo's outer μ, for sweeps (0.9)"
@@ -510,9 +520,13 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.workers} workers x {budget.steps} steps x {budget.batch_size}x{budget.context} "
         f"tokens = {tokens} tokens per method, seed {args.seed}, on {select_device(args.device).describe()}"
     )
-    methods = _with_outer(known, args.outer_lr, args.outer_momentum)
     try:
-        methods = with_model(with_overrides(methods, args.overrides), args.model, corpus.vocab_size, budget.context)
+        methods = with_model(known, args.model, corpus.vocab_size, budget.context)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        methods = with_command_line(methods, args.outer_lr, args.outer_momentum, args.overrides)
     except (ValueError, ConfigError) as exc:
         print(f"error: --set: {exc}", file=sys.stderr)
         return 2
@@ -610,6 +624,14 @@ def _measured(
     if status != "ok":
         raise BenchmarkFailed(payload)
     return payload
+
+
+def with_command_line(
+    methods: dict[str, Method], outer_lr: float | None, outer_momentum: float | None, overrides: list[str]
+) -> dict[str, Method]:
+    """``methods`` (already on their model, with its family's defaults) with what the command
+    line sets: ``--outer-lr`` / ``--outer-momentum``, then every ``--set``; these win."""
+    return with_overrides(_with_outer(methods, outer_lr, outer_momentum), overrides)
 
 
 def _with_outer(

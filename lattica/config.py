@@ -39,6 +39,8 @@ OuterStateDevice = Literal["cpu", "same"]
 TrainingDevice = Literal["auto", "cpu", "cuda"]
 InitFrom = Literal["seed", "weights"]
 STRATEGY_NAMES: tuple[StrategyName, ...] = get_args(StrategyName)
+# the wire codecs of a pseudo-gradient (``numerics/codecs.py``; run setting ``codec``)
+WIRE_CODECS = ("fp32", "fp16", "bf16", "int8", "int4")
 AGGREGATIONS: tuple[Aggregation, ...] = get_args(Aggregation)
 AVERAGINGS: tuple[Averaging, ...] = get_args(Averaging)
 OUTER_STATE_DEVICES: tuple[OuterStateDevice, ...] = get_args(OuterStateDevice)
@@ -210,6 +212,10 @@ class TrainSettings:
     momentum_clip: float | None = None
     # re-tune H from measured links between rounds (the admin decides; ``train/settings/retune.py``)
     tune: bool = False
+    # the tuner's minimum of applied outer rounds an H must leave the run (``autotune.DEFAULT_MIN_ROUNDS``)
+    tune_min_rounds: int = 8
+    # the DiLoCo family's wire codec for the pseudo-gradient (None: the strategy's own, fp32)
+    codec: str | None = None
 
     def __post_init__(self) -> None:
         positive = {
@@ -272,6 +278,10 @@ class TrainSettings:
                 raise ConfigError(f"train.{name} must be a positive integer, got {value!r}")
         if not isinstance(self.tune, bool):
             raise ConfigError(f"train.tune must be true or false, got {self.tune!r}")
+        if not _is_int(self.tune_min_rounds) or self.tune_min_rounds < 0:
+            raise ConfigError(f"train.tune_min_rounds must be an integer >= 0, got {self.tune_min_rounds!r}")
+        if self.codec is not None and self.codec not in WIRE_CODECS:
+            raise ConfigError(f"train.codec must be one of {', '.join(WIRE_CODECS)}, got {self.codec!r}")
         for name in ("staleness_penalty", "momentum_clip"):
             value = getattr(self, name)
             if value is not None and (not _is_finite(value) or value < 0):

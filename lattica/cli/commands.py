@@ -56,6 +56,8 @@ def join(args: argparse.Namespace) -> int:
         "group_size": args.group_size,
         "gossip_overlap": args.gossip_overlap,
         "tune": args.tune,
+        "tune_min_rounds": args.tune_min_rounds,
+        "codec": args.codec,
         "compile": {"true": True, "false": False}.get(args.compile, args.compile),
         "micro_batches": args.micro_batches,
         "activation_checkpointing": args.activation_checkpointing,

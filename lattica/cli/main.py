@@ -17,7 +17,7 @@ from lattica.cli import doctor as doctor_cli
 from lattica.cli import export as export_cli
 from lattica.cli import tune as tune_cli
 from lattica.cli.common import resolve_data_dir
-from lattica.config import DEFAULT_INNER_STEPS, DEMO_LONG_ROUNDS, DEMO_ROUNDS
+from lattica.config import DEFAULT_INNER_STEPS, DEMO_LONG_ROUNDS, DEMO_ROUNDS, WIRE_CODECS
 from lattica.errors import LatticaError, StorageError
 from lattica.files import DISK_FULL_ERRNOS, append_private, storage_error
 
@@ -29,6 +29,12 @@ MODEL_HELP = (
     "gpt-125m (121.5M), gpt-350m (303.6M); "
     "Llama presets (parameters at a 32k vocabulary; the vocabulary is the data's): "
     "llama-tiny (2.1M), llama-20m (21.7M), llama-150m (144.1M), llama-1b (1.10B); or hf:<local dir>"
+)
+
+# ``family_defaults.family_defaults_help()`` as text (a test keeps them equal)
+STRATEGY_DEFAULTS_HELP = (
+    "defaults that differ by model family (set explicitly, a value wins): llama presets: diloco outer_lr 0.5; "
+    "sparseloco density 0.1, outer_lr 1.75"
 )
 
 
@@ -77,7 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument(
         "--train", action="store_true", help="take part in training (default config unless [train] is set)",
     )
-    join.add_argument("--strategy", help="outer strategy: diloco, eager, streaming, streaming_eager, noloco, spes")
+    join.add_argument(
+        "--strategy",
+        help="outer strategy: diloco, eager, streaming, streaming_eager, noloco, spes, sparseloco, demo, …; "
+        + STRATEGY_DEFAULTS_HELP + " (docs/strategies.md)",
+    )
     join.add_argument("--model", help=MODEL_HELP.replace("%", "%%"))
     join.add_argument(
         "--init", choices=("seed", "weights"),
@@ -103,8 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--group-size", type=int, help="gossip averaging and NoLoCo: members per group (default 2)")
     join.add_argument("--gossip-overlap", action="store_const", const=True, default=None,
                       help="DiLoCo with gossip: each round's exchange runs during the next inner phase")
+    join.add_argument("--codec", choices=WIRE_CODECS,
+                      help="the DiLoCo family's wire codec for the pseudo-gradient (run-wide; default fp32)")
     join.add_argument("--tune", action="store_const", const=True, default=None,
                       help="re-tune H from measured links between rounds (run-wide; the admin decides)")
+    join.add_argument("--tune-min-rounds", type=int,
+                      help="tune: the fewest applied outer rounds a tuned H must leave the run (default 8)")
     join.add_argument("--compile", choices=("auto", "true", "false"),
                       help="torch.compile the model (default auto: on CUDA, not on the CPU)")
     join.add_argument("--micro-batches", type=int, help="gradient accumulation: each step's batch in this many parts")

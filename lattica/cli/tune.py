@@ -34,36 +34,66 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     tune.add_argument("--bandwidth-mbit", type=float, help="to the slowest peer of the group, Mbit/s" + measured)
     tune.add_argument("--rtt-ms", type=float, help="round-trip time to the farthest peer, ms" + measured)
     tune.add_argument("--peers", type=int, help="members of a round" + measured)
+    tune.add_argument("--comm-cpu-ns", type=float,
+                      help="CPU nanoseconds per byte sent in an all-reduce (default: as the running daemon measured "
+                           "it; 0 offline)")
+    tune.add_argument("--comm-cpu-round-ms", type=float,
+                      help="the least CPU milliseconds an exchange costs per round (default: as the running daemon "
+                           "measured it; 0 offline)")
+    tune.add_argument("--shared-cores", action=argparse.BooleanOptionalAction, default=None,
+                      help="the inner steps run on the cores communication runs on (default: as the daemon trains: "
+                           "yes on a CPU; yes offline)")
+    tune.add_argument("--steps", type=int,
+                      help="inner steps the run has left (default: as the running daemon counts them; offline: "
+                           "unknown, the rounds they leave are not counted)")
+    # the default is the tuner's (8), resolved when the command runs: building the parser must not
+    # import the training stack (an idle daemon parses the same CLI)
+    tune.add_argument("--min-rounds", type=int,
+                      help="applied outer rounds an H must leave in those steps to be a candidate (default 8)")
     tune.add_argument("--data-dir", help="the running daemon to measure (default: $LATTICA_DATA_DIR or the default)")
     tune.add_argument("--target", type=float, default=0.95, help="utilization to meet (default 0.95)")
     tune.add_argument("--json", action="store_true", help="one JSON object instead of lines")
 
 
 def tune(args: argparse.Namespace) -> int:
-    from lattica.train.settings.autotune import Measurements, run_settings, tune
+    from lattica.train.settings.autotune import DEFAULT_MIN_ROUNDS, Measurements, run_settings, tune
+
+    min_rounds = DEFAULT_MIN_ROUNDS if args.min_rounds is None else args.min_rounds
 
     figures = {name: getattr(args, name) for name in _FIGURES}
+    cores: dict[str, float | None] = {"comm_cpu_ns": args.comm_cpu_ns, "comm_cpu_round_ms": args.comm_cpu_round_ms,
+                                      "shared_cores": args.shared_cores, "steps_left": args.steps}
     if any(value is None for value in figures.values()):
-        figures = {**_measured(args), **{k: v for k, v in figures.items() if v is not None}}
+        daemon = _measured(args)
+        cores = {k: cores[k] if cores[k] is not None else daemon.pop(k) for k in cores}
+        figures = {**daemon, **{k: v for k, v in figures.items() if v is not None}}
         missing = [name for name, value in figures.items() if value is None]
         if missing:
             raise ConfigError(f"tune: the daemon has not measured {', '.join(missing)} yet (a round with peers "
                               "must have completed); wait, or give --" + missing[0].replace("_", "-"))
         if not args.json:
-            print("measured: " + ", ".join(f"{name} {value:g}" for name, value in figures.items()))
+            print("measured: " + ", ".join(f"{name} {value:g}" for name, value in {**figures, **cores}.items()
+                                           if value is not None))
+    cpu_ns, round_ms = cores["comm_cpu_ns"] or 0.0, cores["comm_cpu_round_ms"] or 0.0  # offline: none
+    shared = cores["shared_cores"] != 0
+    left = cores["steps_left"]
     try:
         measured = Measurements(
             step_s=figures["step_ms"] / 1000, model_bytes=int(figures["model_bytes"]),
             bandwidth_bps=figures["bandwidth_mbit"] * 1e6, rtt_s=figures["rtt_ms"] / 1000, peers=int(figures["peers"]),
+            comm_cpu_s_per_byte=cpu_ns / 1e9, comm_cpu_s_per_round=round_ms / 1000, shared_cores=shared,
+            steps_left=None if left is None else int(left),
         )
-        tuned = tune(measured, target=args.target)
+        tuned = tune(measured, target=args.target, min_rounds=min_rounds)
     except ValueError as exc:
         raise ConfigError(f"tune: {exc}") from None
     settings = run_settings(tuned.config)
     if args.json:
         print(json.dumps({
-            "measured": figures, "config": tuned.config.__dict__, "settings": settings,
-            "meets_target": tuned.meets_target,
+            "measured": {**figures, "comm_cpu_ns": cpu_ns, "comm_cpu_round_ms": round_ms, "shared_cores": shared,
+                         "steps_left": left},
+            "config": tuned.config.__dict__, "settings": settings,
+            "meets_target": tuned.meets_target, "shortfall": tuned.shortfall,
             "utilization": round(tuned.prediction.utilization, 4), "loss_cost": round(tuned.prediction.loss_cost, 4),
             "choices": [c.line() for c in tuned.choices],
         }))
@@ -72,7 +102,7 @@ def tune(args: argparse.Namespace) -> int:
         print(choice.line())
     verdict = "meets" if tuned.meets_target else "does NOT meet"
     print(f"chosen: {tuned.config.describe()} — predicted utilization {tuned.prediction.utilization:.3f} "
-          f"({verdict} {args.target})")
+          f"({verdict} {args.target})" + (f": {tuned.shortfall}" if tuned.shortfall else ""))
     print("[train]")
     for key, value in settings.items():
         print(f"{key} = {json.dumps(value)}")
@@ -87,7 +117,10 @@ def _measured(args: argparse.Namespace) -> dict[str, float | None]:
     return {
         "step_ms": _scaled(reply, "step_s", 1000), "model_bytes": _scaled(reply, "model_bytes", 1),
         "bandwidth_mbit": _scaled(reply, "bandwidth_bps", 1e-6), "rtt_ms": _scaled(reply, "rtt_s", 1000),
-        "peers": _scaled(reply, "peers", 1),
+        "peers": _scaled(reply, "peers", 1), "comm_cpu_ns": _scaled(reply, "comm_cpu_s_per_byte", 1e9),
+        "comm_cpu_round_ms": _scaled(reply, "comm_cpu_s_per_round", 1000),
+        "shared_cores": 0.0 if reply.get("shared_cores") is False else 1.0,
+        "steps_left": _scaled(reply, "steps_left", 1),
     }
 
 

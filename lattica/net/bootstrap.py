@@ -2,7 +2,10 @@
 
 Theory of operation: ``join_through`` dials every bootstrap address (``--peer``), with backoff,
 until the peer one of them names is connected within ``bootstrap_timeout_s`` — for a relay
-address the peer behind the relay, not the relay. Then the reached peers' identify tells run
+address the peer behind the relay, not the relay. The dials of one attempt run at once, and once
+one has reached its peer the others get ``_LINGER_S`` more: a bootstrap peer that is down or
+cut off would otherwise hold start-up (a restarted member's rejoining) for a whole dial timeout;
+the reconnector dials it again later. Then the reached peers' identify tells run
 members (they speak a Lattica protocol and pass the access check) from plain libp2p nodes (a
 relay or DHT server) and from peers that did not prove membership: the ``JoinOutcome``. A run
 with a secret is joined only through a member that proved it. When none is reached, start-up
@@ -26,6 +29,7 @@ from lattica.net.addrs import peer_info_from_addr
 from lattica.net.peerbook import PeerBook
 
 _IDENTIFY_WAIT_S = 3.0  # for a bootstrap peer's identify, to tell a Lattica node from others
+_LINGER_S = 0.5  # the other dials of an attempt, once one reached its peer
 
 PLAIN_PEER = "speaks no Lattica protocol (a plain libp2p node)"
 
@@ -80,9 +84,7 @@ async def join_through(
     with trio.move_on_after(config.bootstrap_timeout_s):
         delay = 0.5
         while True:
-            async with trio.open_nursery() as nursery:
-                for peer in config.peers:
-                    nursery.start_soon(dial, peer, errors)
+            await _dial_all(config.peers, dial, errors)
             if targets & connected():
                 outcome = await reached_members(host, access, config.peers, connected())
                 # a run with a secret is joined only through a member that proved it
@@ -100,6 +102,22 @@ async def join_through(
     raise ConfigError(
         f"could not reach any bootstrap peer within {config.bootstrap_timeout_s:g} s ({reasons})"
     )
+
+
+async def _dial_all(
+    peers: Sequence[str], dial: Callable[[str, dict[str, str]], Awaitable[bool]], errors: dict[str, str],
+) -> None:
+    """Dial every address at once, until every dial ended or ``_LINGER_S`` after the first one
+    that reached its peer."""
+    async with trio.open_nursery() as nursery:
+
+        async def dial_one(addr: str) -> None:
+            if await dial(addr, errors):
+                scope = nursery.cancel_scope
+                scope.deadline = min(scope.deadline, trio.current_time() + _LINGER_S)
+
+        for addr in peers:
+            nursery.start_soon(dial_one, addr)
 
 
 async def reached_members(

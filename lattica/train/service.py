@@ -53,6 +53,7 @@ from lattica.train.engine.tokenized import bits_per_byte
 from lattica.train.engine.trainer import Trainer
 from lattica.train.ports import ControlRequest, DataPlane, NodeHandle, RunState
 from lattica.train.settings import trainer_factory
+from lattica.train.settings.retune import fixed_knobs, step_and_comm_cpu
 from lattica.train.status import GossipFigures, ProgressFigures, TrainingStatus
 from lattica.train.strategies.base import OuterStrategy
 from lattica.train.swarm.liveness import PeerLiveness
@@ -100,11 +101,13 @@ class TrainingService:
         self.tuner: RunTuner | None = None  # ``tune = true``: the tuned schedule, the admin's tuning
         self._last_group: tuple[str, ...] = ()
         self._round_bps: float | None = None  # the last round with peers: its bytes sent over its wall time
+        self._round_bytes = 0  # and its bytes sent
         self.liveness = PeerLiveness(
             self.view, connected=self._connected, candidates=self._candidates, not_behind=self._not_behind,
         )
         self.outer_sync = OuterStateSync(
             self.view, tensors, settings, ran_alone=self.liveness.ran_alone,
+            others_in_rounds=self.liveness.others_in_rounds,
             on_fetched=node.metrics.checkpoint_fetch_seconds.observe,
         )
         self.coordinator = RoundCoordinator(
@@ -363,6 +366,7 @@ class TrainingService:
         log.info("sync %s done with %d member(s) in %.2f s", report.key, len(report.group), report.seconds)
         if len(report.group) > 1 and report.seconds > 0:
             self._last_group, self._round_bps = report.group, report.bytes_sent * 8 / report.seconds
+            self._round_bytes = report.bytes_sent
         if self.tuner is not None and self._nursery is not None and self.trainer is not None:
             self._nursery.start_soon(self.tuner.after_round, report, self.trainer.step)
         if self.outer_sync.round_completed(report, event.state_hash) and self._nursery is not None:
@@ -429,7 +433,11 @@ class TrainingService:
         if trainer is None:
             raise LocalProtocolError("tune: training has not started on this node yet")
         timed = self.tuner.strategy if self.tuner is not None else None
-        step_s = timed.timer.step_s if timed is not None else None
+        step_s, cpu = None, 0.0
+        if timed is not None:
+            s = self.settings
+            overlapped = bool(fixed_knobs(s.strategy, s.averaging, s.group_size, s.gossip_overlap)["overlap"])
+            step_s, cpu = step_and_comm_cpu(timed.timer, overlapped=overlapped, bytes_sent=self._round_bytes)
         rate = self.figures.tokens_per_s if self.figures is not None else None
         if step_s is None and rate is not None and rate > 0:  # wall time: syncs included
             step_s = self.settings.batch_size * self.settings.seq_len / rate
@@ -437,6 +445,9 @@ class TrainingService:
             self.node.round_trip_times, self.tensors.stats, peer_id=self.peer_id,
             group=self._last_group or tuple(self.view.trainers()), step_s=step_s,
             model_bytes=4 * sum(p.numel() for p in trainer.model.parameters()), round_bps=self._round_bps,
+            comm_cpu_s_per_byte=cpu, comm_cpu_s_per_round=cpu * self._round_bytes,
+            shared_cores=all(p.device.type == "cpu" for p in trainer.model.parameters()),
+            steps_left=max(0, self.settings.rounds * self.settings.inner_steps - trainer.step),
         )
 
 

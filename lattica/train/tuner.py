@@ -31,6 +31,7 @@ from lattica.train.settings.retune import (
     parse_entry,
     period_at,
     slowest_bandwidth_bps,
+    step_and_comm_cpu,
 )
 from lattica.train.strategies.base import OuterStepReport, OuterStrategy
 from lattica.train.swarm.membership import MembershipView
@@ -51,7 +52,8 @@ RoundTrips = Callable[[Sequence[str]], Awaitable[dict[str, float]]]
 
 async def measure(
     round_trip_times: RoundTrips, traffic: Traffic, *, peer_id: str, group: Sequence[str], step_s: float | None,
-    model_bytes: int, round_bps: float | None,
+    model_bytes: int, round_bps: float | None, comm_cpu_s_per_byte: float = 0.0, comm_cpu_s_per_round: float = 0.0,
+    shared_cores: bool = True, steps_left: int | None = None,
 ) -> dict[str, object]:
     """This node's figures for the tuner (module docstring), with each peer's; JSON.
 
@@ -74,6 +76,8 @@ async def measure(
     return {
         "step_s": step_s, "model_bytes": model_bytes, "bandwidth_bps": bandwidth,
         "rtt_s": max(rtts.values()) if rtts else None, "peers": len(group), "per_peer": per_peer,
+        "comm_cpu_s_per_byte": comm_cpu_s_per_byte, "comm_cpu_s_per_round": comm_cpu_s_per_round,
+        "shared_cores": shared_cores, "steps_left": steps_left,
     }
 
 
@@ -88,9 +92,19 @@ def measurements_of(figures: Mapping[str, object]) -> Measurements:
             raise ValueError(f"{key} must be a number, got {value!r}")  # noqa: TRY004 - bad input, one kind
         return float(value)
 
+    left = figures.get("steps_left")
+    if left is not None and (isinstance(left, bool) or not isinstance(left, int)):
+        raise ValueError(f"steps_left must be an integer, got {left!r}")
+    shared = figures.get("shared_cores", True)
+    if not isinstance(shared, bool):
+        raise ValueError(f"shared_cores must be true or false, got {shared!r}")  # noqa: TRY004 - bad input, one kind
     return Measurements(
         step_s=number("step_s"), model_bytes=int(number("model_bytes")), bandwidth_bps=number("bandwidth_bps"),
         rtt_s=number("rtt_s"), peers=int(number("peers")),
+        comm_cpu_s_per_byte=number("comm_cpu_s_per_byte") if figures.get("comm_cpu_s_per_byte") is not None else 0.0,
+        comm_cpu_s_per_round=number("comm_cpu_s_per_round") if figures.get("comm_cpu_s_per_round") is not None
+        else 0.0,
+        shared_cores=shared, steps_left=left,
     )
 
 
@@ -107,15 +121,18 @@ class RunTuner:
         self.peer_id = view.peer_id
         self.strategy: TunedPeriods | None = None
         self.model_bytes: Callable[[], int] = lambda: 0
+        self.shared_cores = True  # the inner steps run on the CPU, beside the communication
         self._entry: TunedEntry | None = None
         self._raw: object = None
         self._lock = trio.Lock()
+        self._rounds_seen = 0  # rounds with peers this node took part in
         self.last_decision: str | None = None
 
     def wrap(self, strategy: OuterStrategy[object]) -> OuterStrategy[object]:
         s = self.settings
         self.strategy = TunedPeriods(strategy, periods=self.periods, end=s.rounds * s.inner_steps)
         self.model_bytes = lambda: 4 * sum(p.numel() for p in strategy.model.parameters())
+        self.shared_cores = all(p.device.type == "cpu" for p in strategy.model.parameters())
         return self.strategy
 
     def entry(self) -> TunedEntry | None:
@@ -132,8 +149,9 @@ class RunTuner:
             return self._entry
         if self._entry is None or entry.periods != self._entry.periods:
             for period in entry.periods[len(self._entry.periods) if self._entry else 0:]:
-                log.info("tune: the run syncs every %d steps from step %d (tuned for %.1f Mbit/s)",
-                         period.inner_steps, period.from_step, entry.bandwidth_bps / 1e6)
+                log.info("tune: the run syncs every %d steps from step %d%s (tuned for %.1f Mbit/s)",
+                         period.inner_steps, period.from_step,
+                         f", sending {period.codec}" if period.codec else "", entry.bandwidth_bps / 1e6)
         self._entry = entry
         return entry
 
@@ -146,8 +164,11 @@ class RunTuner:
         ``retune.decide`` says so. Never fails the training: a failure is logged."""
         if self.peer_id not in self.view.admins or report.skipped or len(report.group) < 2 or self.strategy is None:
             return
-        if self.strategy.timer.step_s is None or report.seconds <= 0:
-            return  # the first round: no inner phase timed between two syncs yet
+        self._rounds_seen += 1
+        if self._rounds_seen < 2 or self.strategy.timer.step_s is None or report.seconds <= 0:
+            return  # the first round's wall time holds the members' start skew: its rate is not the link's
+        if step >= self.strategy.end:
+            return  # the run's last sync: no period would come into force
         async with self._lock:  # one decision at a time: each builds on the entry in force
             try:
                 await self._tune(report, step)
@@ -156,16 +177,22 @@ class RunTuner:
 
     async def _tune(self, report: OuterStepReport, step: int) -> None:
         assert self.strategy is not None
+        s = self.settings
+        fixed = fixed_knobs(s.strategy, s.averaging, s.group_size, s.gossip_overlap)
+        step_s, cpu = step_and_comm_cpu(self.strategy.timer, overlapped=bool(fixed["overlap"]),
+                                        bytes_sent=report.bytes_sent)
+        next_sync = self.strategy.sync_step_after(step)
         figures = await measure(
             self.round_trip_times, self.traffic, peer_id=self.peer_id, group=report.group,
-            step_s=self.strategy.timer.step_s, model_bytes=self.model_bytes(),
-            round_bps=report.bytes_sent * 8 / report.seconds,
+            step_s=step_s, model_bytes=self.model_bytes(), round_bps=report.bytes_sent * 8 / report.seconds,
+            comm_cpu_s_per_byte=cpu, comm_cpu_s_per_round=cpu * report.bytes_sent, shared_cores=self.shared_cores,
+            steps_left=max(0, self.strategy.end - next_sync),  # where a new period comes into force
         )
         measured = measurements_of(figures)
-        s = self.settings
         decision = decide(
-            measured, current=self.entry(), fixed=fixed_knobs(s.strategy, s.averaging, s.group_size, s.gossip_overlap),
-            next_sync=self.strategy.next_sync_step(step), base=self.strategy.base, target=self.target,
+            measured, current=self.entry(), fixed=fixed,
+            next_sync=next_sync, base=self.strategy.base, target=self.target,
+            base_codec=self.strategy.base_codec, min_rounds=s.tune_min_rounds,
         )
         if decision is None:
             return
@@ -176,10 +203,13 @@ class RunTuner:
         new = decision.entry.periods[-1] if decision.entry.periods else None
         self.last_decision = (
             f"{decision.reason}; step {measured.step_s * 1000:.1f} ms, payload {measured.model_bytes / 1e6:.1f} MB, "
-            f"RTT {measured.rtt_s * 1000:.1f} ms, {measured.peers} members -> H "
-            f"{decision.applied.config.inner_steps} "
-            f"(predicted utilization {decision.applied.prediction.utilization:.3f}, "
-            f"{'meets' if decision.applied.meets_target else 'below'} the target {self.target})"
+            f"RTT {measured.rtt_s * 1000:.1f} ms, communication CPU {measured.comm_cpu_s_per_byte * 1e9:.0f} ns/byte, "
+            f"at least {measured.comm_cpu_s_per_round * 1000:.0f} ms a round "
+            f"({'shared' if measured.shared_cores else 'own'} cores), {measured.peers} members -> H "
+            f"{decision.applied.config.inner_steps}"
+            + (f", {decision.applied.config.codec}" if self.strategy.base_codec is not None else "")
+            + f" (predicted utilization {decision.applied.prediction.utilization:.3f}, "
+            + f"{'meets' if decision.applied.meets_target else 'below'} the target {self.target})"
             + (f" from step {new.from_step}" if new is not None else "")
         )
         log.warning("tune: re-tuned after %s: %s", report.key, self.last_decision)
@@ -191,6 +221,9 @@ class RunTuner:
         entry = self.entry()
         base = self.strategy.base if self.strategy is not None else self.settings.inner_steps
         info: dict[str, object] = {"inner_steps": period_at(step, base=base, periods=self.periods())}
+        codec = self.strategy.codec_now(step) if self.strategy is not None else None
+        if codec is not None:
+            info["codec"] = codec
         if entry is not None:
             info |= {"periods": entry.to_json()["periods"], "tuned_for_mbit_s": round(entry.bandwidth_bps / 1e6, 2),
                      "not_applied": list(entry.not_applied)}

@@ -38,3 +38,20 @@ def test_a_bad_override_is_one_line_and_exit_2(capsys, item: str, message: str) 
     assert err.startswith("error: --set:")
     assert message in err
     assert "\n" not in err
+
+
+def test_a_llama_model_takes_its_family_defaults_and_the_command_line_still_wins() -> None:
+    from lattica.train.settings.family_defaults import FAMILY_DEFAULTS
+
+    convergence = load("convergence")
+    tiny = convergence.all_methods()
+    llama = convergence.with_model(tiny, "llama-tiny", 1024, 128)
+    for name in ("diloco", "diloco_gossip", "sparseloco", "demo"):
+        method = llama[name]
+        for field, value in FAMILY_DEFAULTS["llama"].get(method.strategy, {}).items():
+            assert getattr(method.config, field) == value != getattr(tiny[name].config, field), (name, field)
+    assert llama["diloco"].config.outer_lr == 0.5
+    assert llama["moe_diloco"] is tiny["moe_diloco"]  # the experts' model is not a Llama
+    assert convergence.with_model(tiny, "mini", 256, 128)["diloco"].config == tiny["diloco"].config
+    chosen = convergence.with_command_line(llama, 0.7, None, ["demo.topk=64"])
+    assert (chosen["diloco"].config.outer_lr, chosen["demo"].config.topk) == (0.7, 64)

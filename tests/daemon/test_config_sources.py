@@ -39,6 +39,7 @@ _SAMPLES: dict[str, Any] = {
     "averaging": "gossip",
     "compile": True,
     "outer_state_device": "same",
+    "codec": "int8",
 }
 
 

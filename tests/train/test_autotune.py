@@ -6,12 +6,19 @@ import pytest
 
 from lattica.train.settings.autotune import (
     CHUNK_BYTES,
+    CODEC_BITS,
+    FEW_ROUNDS_LOSS,
     LOSS_COST,
     PRIORITY,
     Candidate,
     Measurements,
+    comm_cpu_per_byte,
+    loss_cost,
     needs_retune,
     predict,
+    rounds_applied,
+    sent_bytes,
+    slowdown_cpu_per_byte,
     transfer_seconds,
     tune,
 )
@@ -38,6 +45,90 @@ def test_overlap_hides_what_fits_in_the_inner_phase():
     assert overlapped.loss_cost == LOSS_COST["overlap"][True]
 
 
+# SMALL's node spending 0.4 µs of CPU per byte it sends (Python transport, shared cores)
+BUSY = Measurements(step_s=0.1, model_bytes=800_000, bandwidth_bps=20e6, rtt_s=0.1, peers=4,
+                    comm_cpu_s_per_byte=4e-7)
+
+
+def test_overlap_on_shared_cores_pays_the_communication_cpu():
+    overlapped = predict(Candidate(inner_steps=50, overlap=True), BUSY)
+    # 1.2 MB sent: 0.48 s of CPU taken from the 5 s inner phase; the 1.56 s transfer fits beside it
+    assert sent_bytes(Candidate(inner_steps=50), BUSY) == pytest.approx(1.2e6)
+    assert overlapped.comm_cpu_s == pytest.approx(0.48)
+    assert overlapped.exposed_s == pytest.approx(0.48)
+    assert overlapped.utilization == pytest.approx(5.0 / 5.48)
+
+
+def test_overlap_on_cores_of_its_own_hides_the_communication_cpu():
+    own = Measurements(**{**BUSY.__dict__, "shared_cores": False})
+    assert predict(Candidate(inner_steps=50, overlap=True), own).utilization == 1.0
+    # ... unless the CPU outlasts the inner phase
+    slow_cpu = Measurements(**{**own.__dict__, "comm_cpu_s_per_byte": 5e-6})  # 6 s for 1.2 MB
+    assert predict(Candidate(inner_steps=50, overlap=True), slow_cpu).exposed_s == pytest.approx(1.0)
+
+
+def test_a_blocking_round_pays_the_slower_of_wire_and_cpu():
+    wire = predict(Candidate(inner_steps=50), BUSY)
+    assert wire.exposed_s == pytest.approx(wire.transfer_s)  # 1.56 s on the wire > 0.48 s of CPU
+    cpu_bound = Measurements(**{**BUSY.__dict__, "comm_cpu_s_per_byte": 2e-6})  # 2.4 s of CPU
+    assert predict(Candidate(inner_steps=50), cpu_bound).exposed_s == pytest.approx(2.4)
+
+
+def test_a_greedy_path_into_blocking_does_not_hide_a_cheaper_overlapped_choice():
+    # blocking, a longer H buys the most per loss cost at first, and H 400 meets the target at
+    # +5 %; overlapped with a smaller codec meets it at +3 %
+    m = Measurements(step_s=0.031, model_bytes=500_000, bandwidth_bps=200e6, rtt_s=0.1, peers=4,
+                     comm_cpu_s_per_byte=1.2e-6)
+    tuned = tune(m)
+    assert tuned.meets_target
+    assert tuned.config.overlap
+    assert tuned.prediction.loss_cost <= 0.03 + 1e-9
+    assert "with overlap off the search ends at H 400" in tuned.choices[-1].line()
+
+
+def test_on_shared_cores_the_search_buys_real_utilization_not_free_overlap():
+    # a 40 ms step and a 0.5 MB payload at 20 Mbit/s: the wire-only model takes CO2 at H 25 for
+    # utilization 1.0, which the exchange's CPU makes 1 / (1 + 0.3) here
+    m = Measurements(step_s=0.04, model_bytes=500_000, bandwidth_bps=20e6, rtt_s=0.1, peers=4,
+                     comm_cpu_s_per_byte=4e-7)
+    tuned = tune(m)
+    c = tuned.config
+    assert tuned.meets_target
+    real = c.inner_steps * 0.04 / (c.inner_steps * 0.04 + 750_000 * CODEC_BITS[c.codec] / 32 * 4e-7)
+    if c.overlap:
+        assert real >= 0.95
+    assert tuned.prediction.utilization >= 0.95
+    assert (c.inner_steps, c.codec, c.overlap) != (25, "fp32", True)
+    assert "comm CPU" in tuned.choices[-1].line()
+
+
+def test_a_smaller_codec_is_not_credited_below_the_measured_round():
+    # one measured fp32 round: 0.46 s taken from the steps for 750 kB sent (a floor per round
+    # and a rate per byte, both from it): int4 sends 1/8 of it but still pays the 0.46 s
+    m = Measurements(step_s=0.027, model_bytes=500_000, bandwidth_bps=20e6, rtt_s=0.1, peers=4,
+                     comm_cpu_s_per_byte=0.46 / 750_000, comm_cpu_s_per_round=0.46)
+    int4 = predict(Candidate(inner_steps=50, codec="int4", overlap=True), m)
+    assert int4.comm_cpu_s == pytest.approx(0.46)
+    assert predict(Candidate(inner_steps=50, codec="fp32", overlap=True), m).comm_cpu_s == pytest.approx(0.46)
+    bigger = Measurements(**{**m.__dict__, "model_bytes": 2_000_000})
+    assert predict(Candidate(inner_steps=50, overlap=True), bigger).comm_cpu_s == pytest.approx(4 * 0.46)
+    tuned = tune(m)
+    assert tuned.meets_target
+    c = tuned.config
+    # only a longer inner phase amortizes a floor: overlapped at H 400 (0.46 s in 10.8 s)
+    assert (c.inner_steps, c.overlap) == (400, True)
+    real = 400 * 0.027 / (400 * 0.027 + 0.46)
+    assert real >= 0.95
+
+
+def test_communication_cpu_is_measured_per_byte_sent():
+    assert comm_cpu_per_byte(cpu_s=0.3, bytes_sent=750_000) == pytest.approx(4e-7)
+    assert comm_cpu_per_byte(cpu_s=0.3, bytes_sent=0) == 0.0
+    # 50 overlapped steps of 48 ms against 40 ms clean: 0.4 s taken by 1 MB sent
+    assert slowdown_cpu_per_byte(step_s=0.048, clean_step_s=0.04, steps=50, bytes_sent=1e6) == pytest.approx(4e-7)
+    assert slowdown_cpu_per_byte(step_s=0.039, clean_step_s=0.04, steps=50, bytes_sent=1e6) == 0.0
+
+
 def _exhaustive_best(m, target):
     """The least loss cost meeting ``target`` over the whole cross product (for comparison)."""
     best = None
@@ -49,12 +140,15 @@ def _exhaustive_best(m, target):
     return best
 
 
-@pytest.mark.parametrize(("bandwidth", "step_s", "model_bytes"), [
-    (20e6, 0.1, 800_000), (200e6, 0.1, 800_000), (20e6, 0.05, 40_000_000), (1e9, 0.02, 400_000_000),
-    (100e6, 0.2, 4_000_000_000),
+@pytest.mark.parametrize(("bandwidth", "step_s", "model_bytes", "cpu_per_byte"), [
+    (20e6, 0.1, 800_000, 0.0), (200e6, 0.1, 800_000, 0.0), (20e6, 0.05, 40_000_000, 0.0),
+    (1e9, 0.02, 400_000_000, 0.0), (100e6, 0.2, 4_000_000_000, 0.0),
+    (20e6, 0.04, 500_000, 4e-7), (200e6, 0.04, 500_000, 4e-7), (1e9, 0.02, 400_000_000, 2e-9),
+    (200e6, 0.031, 500_000, 1.2e-6), (20e6, 0.031, 500_000, 1.2e-6),
 ])
-def test_the_search_meets_the_target_at_close_to_the_least_loss_cost(bandwidth, step_s, model_bytes):
-    m = Measurements(step_s=step_s, model_bytes=model_bytes, bandwidth_bps=bandwidth, rtt_s=0.1, peers=4)
+def test_the_search_meets_the_target_at_close_to_the_least_loss_cost(bandwidth, step_s, model_bytes, cpu_per_byte):
+    m = Measurements(step_s=step_s, model_bytes=model_bytes, bandwidth_bps=bandwidth, rtt_s=0.1, peers=4,
+                     comm_cpu_s_per_byte=cpu_per_byte)
     tuned = tune(m)
     best = _exhaustive_best(m, 0.95)
     if best is None:
@@ -70,8 +164,9 @@ def test_a_fast_link_changes_nothing_and_every_choice_is_explained():
     tuned = tune(fast)
     assert tuned.config == Candidate(chunk_bytes=tuned.config.chunk_bytes, inner_steps=25)
     assert tuned.prediction.loss_cost == 0.0
-    assert [c.knob for c in tuned.choices] == ["chunk_bytes"]
+    assert [c.knob for c in tuned.choices] == ["chunk_bytes", "overlap"]
     assert "utilization" in tuned.choices[0].line()
+    assert "the better regime: with overlap on" in tuned.choices[-1].line()
 
 
 def test_a_slow_link_prefers_overlap_to_a_longer_h():
@@ -89,7 +184,9 @@ def test_retune_when_bandwidth_moves_more_than_twofold():
     assert not needs_retune(20e6, 11e6)
 
 
-@pytest.mark.parametrize("bad", [{"step_s": 0.0}, {"bandwidth_bps": float("nan")}, {"rtt_s": -1.0}, {"peers": 1}])
+@pytest.mark.parametrize("bad", [{"step_s": 0.0}, {"bandwidth_bps": float("nan")}, {"rtt_s": -1.0}, {"peers": 1},
+                                 {"comm_cpu_s_per_byte": -1e-9}, {"comm_cpu_s_per_byte": float("inf")},
+                                 {"comm_cpu_s_per_round": -0.1}, {"steps_left": -1}, {"steps_left": 2.5}])
 def test_bad_measurements_are_refused(bad):
     values = {"step_s": 0.1, "model_bytes": 10, "bandwidth_bps": 1e6, "rtt_s": 0.0, "peers": 2} | bad
     with pytest.raises(ValueError, match="must"):
@@ -109,3 +206,111 @@ def test_the_tune_command_prints_each_choice_and_the_settings(capsys):
     assert main([*args[:2], "-5", *args[3:]]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["lattica: error: tune: step_s must be a finite positive number, got -0.005"]
+
+
+def test_the_tune_command_counts_the_communication_cpu_it_is_given(capsys):
+    from lattica.cli.main import main
+
+    args = ["tune", "--step-ms", "40", "--model-bytes", "500000", "--bandwidth-mbit", "20", "--rtt-ms", "100",
+            "--peers", "4"]
+    assert main([*args, "--comm-cpu-ns", "1200"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "comm CPU 0.90 s" in out[0]  # 750 kB sent x 1.2 µs
+    assert out[-4:] == ["[train]", "inner_steps = 100", 'codec = "int4"', 'strategy = "co2"']
+    assert main([*args, "--comm-cpu-ns", "1200", "--no-shared-cores"]) == 0
+    assert capsys.readouterr().out.splitlines()[-3:] == ["[train]", "inner_steps = 50", 'strategy = "co2"']
+
+
+# the benchmark's measured round (2 shared cores, 4 peers): a 30 ms step, 0.5 MB, a CPU floor of
+# 232 ms a round; the old model chose CO2 at H 200 here for a 400-step run: two rounds, one applied
+BENCH = Measurements(step_s=0.03, model_bytes=500_000, bandwidth_bps=20e6, rtt_s=0.1, peers=4,
+                     comm_cpu_s_per_byte=20e-9, comm_cpu_s_per_round=0.232)
+
+
+def test_an_overlapped_update_counts_one_round_fewer():
+    assert rounds_applied(Candidate(inner_steps=200), 400) == 2
+    assert rounds_applied(Candidate(inner_steps=200, overlap=True), 400) == 1
+    assert rounds_applied(Candidate(inner_steps=400, overlap=True), 300) == 0
+
+
+def test_the_loss_cost_grows_as_the_rounds_left_fall():
+    co2 = Candidate(inner_steps=200, overlap=True)
+    table = LOSS_COST["inner_steps"][200] + LOSS_COST["overlap"][True]
+    assert loss_cost(co2) == pytest.approx(table)  # steps unknown: the table alone
+    assert loss_cost(co2, 400) == pytest.approx(table + FEW_ROUNDS_LOSS)  # one applied round
+    costs = [loss_cost(co2, steps) for steps in (400, 800, 4000, 40_000)]
+    assert costs == sorted(costs, reverse=True)
+    assert costs[-1] - table < 0.001  # hundreds of rounds: the table's cost
+    # the same H and steps: the late update costs a round more than the blocking one
+    assert loss_cost(co2, 800) - loss_cost(Candidate(inner_steps=200), 800) > LOSS_COST["overlap"][True]
+
+
+def test_a_short_run_rules_out_an_h_that_leaves_few_rounds():
+    long_run = tune(BENCH, fixed={"group_size": 0})
+    assert long_run.config.inner_steps == 200
+    assert long_run.meets_target
+    short = Measurements(**{**BENCH.__dict__, "steps_left": 400})
+    tuned = tune(short, fixed={"group_size": 0})
+    assert rounds_applied(tuned.config, 400) >= 8
+    assert tuned.prediction.loss_cost < 0.03
+    # without the minimum, the utilization target comes first: the old choice, at its real cost
+    relaxed = tune(short, fixed={"group_size": 0}, min_rounds=0)
+    assert relaxed.config == long_run.config
+    assert relaxed.prediction.loss_cost == pytest.approx(0.035 + FEW_ROUNDS_LOSS)
+    assert "expected loss +11.5 %" in relaxed.choices[-1].line()
+
+
+def test_an_unreachable_target_takes_the_best_utilization_within_the_rounds_and_says_why():
+    short = Measurements(**{**BENCH.__dict__, "steps_left": 400})
+    tuned = tune(short, fixed={"group_size": 0})
+    assert not tuned.meets_target
+    allowed = [Candidate(inner_steps=h, codec=c, overlap=o, chunk_bytes=k)
+               for h, c, o, k in itertools.product(LOSS_COST["inner_steps"], CODEC_BITS, (False, True), CHUNK_BYTES)
+               if rounds_applied(Candidate(inner_steps=h, overlap=o), 400) >= 8]
+    best = max(predict(c, short).utilization for c in allowed)
+    assert tuned.prediction.utilization == pytest.approx(best)
+    assert "target 0.95 not reachable" in tuned.shortfall
+    assert "8 applied rounds in the 400 steps left allow H <= 25" in tuned.shortfall
+    assert tuned.shortfall in tuned.choices[-1].line()
+    assert any(c.knob == "target" for c in tuned.choices)
+
+
+def test_a_run_too_short_for_the_rounds_keeps_the_smallest_h():
+    tuned = tune(Measurements(**{**BENCH.__dict__, "steps_left": 100}), fixed={"group_size": 0})
+    assert tuned.config.inner_steps == 25
+    assert "even H 25 leaves fewer than 8 applied rounds in the 100 steps left" in tuned.shortfall
+    with pytest.raises(ValueError, match="min_rounds"):
+        tune(BENCH, min_rounds=-1)
+
+
+def test_the_tune_command_counts_the_rounds_the_steps_left_allow(capsys):
+    from lattica.cli.main import main
+
+    args = ["tune", "--step-ms", "30", "--model-bytes", "500000", "--bandwidth-mbit", "20", "--rtt-ms", "100",
+            "--peers", "4", "--comm-cpu-ns", "20", "--comm-cpu-round-ms", "232"]
+    def inner_steps(out: str) -> int:
+        return int(out.split("[train]\n")[1].split("inner_steps = ")[1].split()[0])
+
+    assert main(args) == 0
+    assert inner_steps(capsys.readouterr().out) == 200
+    assert main([*args, "--steps", "400"]) == 0
+    out = capsys.readouterr().out
+    assert inner_steps(out) <= 50
+    assert "(does NOT meet 0.95): target 0.95 not reachable: at least 8 applied rounds in the 400 steps" in out
+    assert main([*args, "--steps", "400", "--min-rounds", "1"]) == 0
+    assert inner_steps(capsys.readouterr().out) > 50
+
+
+def test_the_min_rounds_default_in_lattica_tune_help_is_the_tuners() -> None:
+    """The parser states the default without importing the tuner (an idle daemon builds it)."""
+    import argparse
+
+    from lattica.cli.tune import add_parser
+    from lattica.train.settings.autotune import DEFAULT_MIN_ROUNDS
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    [action] = [a for a in parser._subparsers._group_actions[0].choices["tune"]._actions  # type: ignore[union-attr]
+                if "--min-rounds" in a.option_strings]
+    assert action.default is None
+    assert f"(default {DEFAULT_MIN_ROUNDS})" in (action.help or "")

@@ -119,6 +119,30 @@ def test_a_round_of_one_after_the_others_were_killed_is_the_runs_round(clock: _C
     assert not peers.ran_alone(_report("me"))
 
 
+def test_a_round_run_alone_while_the_other_restarts_waits_for_nobody(clock: _Clock) -> None:
+    snapshot: dict[str, Any] = {"members": {"me": {"role": "trainer"}, "a": {"role": "trainer"}}, "progress": {}}
+    live, connected = ["a", "me"], ["a"]
+    peers = _liveness(snapshot, connected, clock, live=live)
+    assert not peers.ran_alone(_report("a", "me"))
+    connected.remove("a")  # killed: its lease is still current, so our next round ran alone
+    assert peers.ran_alone(_report("me"))
+    assert peers.others_in_rounds()  # a may still be in that round, as far as we know
+    snapshot["members"]["a"] = {"role": "joining"}  # back from its restart, loading its checkpoint
+    connected.append("a")
+    assert not peers.others_in_rounds()
+
+
+def test_a_member_cut_off_still_counts_as_in_the_rounds(clock: _Clock) -> None:
+    snapshot: dict[str, Any] = {"members": {"me": {"role": "trainer"}, "a": {"role": "trainer"}}, "progress": {}}
+    live = ["a", "me"]
+    peers = _liveness(snapshot, ["a"], clock, live=live)
+    peers.look()
+    live.remove("a")  # our link was cut: a's lease runs out here, its connection stays
+    clock.now += 6.0
+    assert peers.ran_alone(_report("me"))
+    assert peers.others_in_rounds()  # a trains on with the others: their result of it will come
+
+
 class _Strategy(OuterStrategy):
     def __init__(self) -> None:
         super().__init__(None, collective=None, groups=None)  # type: ignore[arg-type]

@@ -10,13 +10,16 @@ from lattica.train.settings.autotune import Measurements, tune
 from lattica.train.settings.retune import (
     MAX_PERIODS,
     Period,
+    PhaseTimer,
     TunedEntry,
+    codec_at,
     decide,
     fixed_knobs,
     next_sync_step,
     parse_entry,
     period_at,
     slowest_bandwidth_bps,
+    step_and_comm_cpu,
 )
 from lattica.train.settings.settings_check import check_tune
 from lattica.train.swarm.run_config import RUN_WIDE
@@ -59,6 +62,10 @@ def test_a_member_that_learns_of_a_period_late_syncs_where_the_others_do() -> No
     {"periods": [], "bandwidth_bps": float("inf")}, {"periods": [], "bandwidth_bps": -1},
     {"periods": [[i, 5] for i in range(MAX_PERIODS + 1)], "bandwidth_bps": 1.0},
     {"periods": [], "bandwidth_bps": 1.0, "not_applied": ["x" * 1000]},
+    {"periods": [], "bandwidth_bps": 1.0, "comm_cpu_s_per_byte": "slow"},
+    {"periods": [[10, 5, "int3"]], "bandwidth_bps": 1.0}, {"periods": [[10, 5, "int8", 1]], "bandwidth_bps": 1.0},
+    {"periods": [], "bandwidth_bps": 1.0, "comm_cpu_s_per_byte": -1.0},
+    {"periods": [], "bandwidth_bps": 1.0, "comm_cpu_s_per_byte": float("nan")},
 ])
 def test_a_malformed_tuned_entry_is_refused(raw: object) -> None:
     with pytest.raises(ValueError):  # noqa: PT011 - each names its own field
@@ -98,12 +105,13 @@ def test_what_the_run_cannot_change_is_reported_not_applied() -> None:
     decision = decide(slow, current=None, fixed=ALLREDUCE, next_sync=10, base=5, target=0.95)
     assert decision is not None
     assert decision.applied.config.overlap is False
-    assert decision.applied.config.codec == "fp32"
+    assert decision.applied.config.codec == "int4"  # the run's codec is a knob of the tuned periods
     free = decision.free.config
     assert free.overlap or free.codec != "fp32" or free.group_size  # the free search goes further
     changed = [line.split(" =")[0] for line in decision.entry.not_applied]
-    for knob in ("codec", "overlap", "group_size"):
+    for knob in ("overlap", "group_size"):  # held by the run: reported where the free search differs
         assert (knob in changed) == (getattr(free, knob) != getattr(decision.applied.config, knob))
+    assert "codec" not in changed  # applied, never reported
     assert "chunk_bytes" in changed
 
 
@@ -154,3 +162,90 @@ def test_a_member_keeps_the_last_valid_schedule_when_the_entry_turns_malformed(c
     config["tuned"] = {"periods": [[10, 25], [5, 400]], "bandwidth_bps": 2e7}
     assert tuner.periods() == (Period(from_step=10, inner_steps=25),)
     assert "tuned entry is refused (periods must have increasing from_step)" in caplog.text
+
+
+def _timer(*, clean: float, last: float, steps: int, sync_cpu: float) -> PhaseTimer:
+    timer = PhaseTimer()
+    timer.clean_step_s, timer.step_s, timer.phase_steps, timer.sync_cpu_s = clean, last, steps, sync_cpu
+    return timer
+
+
+def test_an_overlapped_run_measures_the_cpu_by_the_slowdown_of_its_steps() -> None:
+    timer = _timer(clean=0.040, last=0.048, steps=50, sync_cpu=0.01)
+    step, cpu = step_and_comm_cpu(timer, overlapped=True, bytes_sent=1_000_000)
+    assert step == 0.040  # the step with no exchange in flight, not the slowed one
+    assert cpu == pytest.approx(4e-7)  # 50 × 8 ms over 1 MB
+
+
+def test_a_blocking_run_measures_the_cpu_of_its_syncs() -> None:
+    timer = _timer(clean=0.040, last=0.045, steps=50, sync_cpu=0.3)
+    step, cpu = step_and_comm_cpu(timer, overlapped=False, bytes_sent=750_000)
+    assert step == 0.045
+    assert cpu == pytest.approx(4e-7)
+
+
+def test_a_changed_communication_cpu_retunes() -> None:
+    first = decide(LINK, current=None, fixed=ALLREDUCE, next_sync=10, base=5, target=0.95)
+    assert first is not None
+    assert first.entry.comm_cpu_s_per_byte == 0.0
+    busy = Measurements(**{**LINK.__dict__, "comm_cpu_s_per_byte": 5e-8})
+    again = decide(busy, current=first.entry, fixed=ALLREDUCE, next_sync=35, base=5, target=0.95)
+    assert again is not None
+    assert "communication CPU 50 ns/byte" in again.reason
+    assert again.entry.comm_cpu_s_per_byte == 5e-8
+    assert parse_entry(again.entry.to_json()) == again.entry
+    similar = Measurements(**{**LINK.__dict__, "comm_cpu_s_per_byte": 8e-8})
+    assert decide(similar, current=again.entry, fixed=ALLREDUCE, next_sync=60, base=5, target=0.95) is None
+
+
+def test_the_first_phase_is_timed_from_after_the_warmup_steps() -> None:
+    timer = PhaseTimer()
+    timer.phase_ended(5)  # not started: nothing timed
+    assert timer.step_s is None
+    timer.start(2)
+    timer.phase_ended(5)
+    assert timer.step_s is not None
+    assert timer.clean_step_s == timer.step_s
+    assert timer.phase_steps == 3
+
+
+def test_a_tuned_period_carries_the_codec_every_member_sends_with() -> None:
+    slow = Measurements(step_s=0.03, model_bytes=4_000_000, bandwidth_bps=2e6, rtt_s=0.1, peers=4)
+    decision = decide(slow, current=None, fixed=ALLREDUCE, next_sync=10, base=5, target=0.95, base_codec="fp32")
+    assert decision is not None
+    period = decision.entry.periods[-1]
+    assert (period.from_step, period.codec) == (10, decision.applied.config.codec)
+    assert period.codec != "fp32"
+    assert parse_entry(decision.entry.to_json()) == decision.entry
+    assert codec_at(9, base="fp32", periods=decision.entry.periods) == "fp32"  # the sync at 10 is the old period's
+    assert codec_at(10, base="fp32", periods=decision.entry.periods) == period.codec
+    # a strategy with a compression of its own: the codec is held and the periods carry none
+    sparse = decide(slow, current=None, fixed=fixed_knobs("sparseloco", "allreduce", 2, False), next_sync=10,
+                    base=5, target=0.95)
+    assert sparse is not None
+    assert sparse.applied.config.codec == "fp32"
+    assert all(p.codec is None for p in sparse.entry.periods)
+
+
+def test_a_codec_change_alone_starts_a_period() -> None:
+    m = Measurements(step_s=0.03, model_bytes=4_000_000, bandwidth_bps=2e6, rtt_s=0.1, peers=4,
+                     comm_cpu_s_per_byte=1e-7)  # tunes to H 400, int4
+    entry = TunedEntry(periods=(Period(from_step=10, inner_steps=400, codec="fp32"),), bandwidth_bps=2e6)
+    decision = decide(m, current=entry, fixed=ALLREDUCE, next_sync=410, base=5, target=0.95, base_codec="fp32")
+    assert decision is not None
+    assert decision.entry.periods[1:] == (Period(from_step=410, inner_steps=400, codec="int4"),)
+    same = TunedEntry(periods=(Period(from_step=10, inner_steps=400, codec="int4"),), bandwidth_bps=2e6)
+    again = decide(m, current=same, fixed=ALLREDUCE, next_sync=410, base=5, target=0.95, base_codec="fp32")
+    assert again is not None
+    assert again.entry.periods == same.periods  # nothing new to apply: no period
+
+
+def test_the_daemons_figures_carry_the_steps_the_run_has_left() -> None:
+    from lattica.train.tuner import measurements_of
+
+    figures = {"step_s": 0.03, "model_bytes": 500_000, "bandwidth_bps": 20e6, "rtt_s": 0.1, "peers": 4}
+    assert measurements_of(figures).steps_left is None
+    assert measurements_of({**figures, "steps_left": 400}).steps_left == 400
+    for bad in ("400", 2.5, True, -1):
+        with pytest.raises(ValueError, match="steps_left"):
+            measurements_of({**figures, "steps_left": bad})

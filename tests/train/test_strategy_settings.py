@@ -23,6 +23,7 @@ PROBE = {
     "inner_steps": 24, "outer_lr": 0.31, "outer_momentum": 0.37, "averaging": "gossip", "group_size": 3,
     "group_grace_s": 1.25, "gossip_overlap": True, "outer_state_device": "same",
     "first_moment_rounds": 2, "second_moment_rounds": 5, "staleness_penalty": 0.4, "momentum_clip": 0.6,
+    "codec": "int8",
 }
 SETTING_NAMES = {f.name for f in dataclasses.fields(TrainSettings)}
 

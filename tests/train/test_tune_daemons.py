@@ -4,9 +4,9 @@ Each daemon runs in its own host of the namespace lab (``lattica_lab.netlab``). 
 on the unshaped veth links; after a few rounds every host's egress is capped at 2 Mbit/s with
 a tbf qdisc. The admin (the swarm's creator) tunes once measurements exist, re-tunes when the
 bandwidth it measures falls by more than 2x, and logs both with their numbers; every member
-follows the tuned schedule from the run config: all end with the same periods, the same number
-of rounds and identical outer-state hashes. ``lattica tune --data-dir`` against the admin prints
-its measured figures.
+follows the tuned schedule from the run config — H and the codec each period sends with: all end
+with the same periods and codec, the same number of rounds and identical outer-state hashes.
+``lattica tune --data-dir`` against the admin prints its measured figures.
 """
 
 from __future__ import annotations
@@ -28,9 +28,10 @@ pytestmark = pytest.mark.skipif(REASON is not None, reason=f"namespace lab unava
 
 CAP_MBIT = 2
 # 24 rounds of the run's H (5): the run ends at step 120, a sync, whatever H was tuned to; steps
-# of batch 16 x 128 are slow enough that the unshaped link wants a short H and the capped one a long
+# of batch 16 x 128 are slow enough that the unshaped link wants a short H and the capped one a long;
+# one applied round is the least a tuned H must leave (the default 8 would hold this short run at H 25)
 ARGS = ("--train", "--tune", "--model", "tiny", "--device", "cpu", "--strategy", "diloco",
-        "--rounds", "24", "--inner-steps", "5", "--min-peers", "3")
+        "--rounds", "24", "--inner-steps", "5", "--min-peers", "3", "--tune-min-rounds", "1")
 ENV = {**TRAIN_ENV, "LATTICA_TRAIN_BATCH_SIZE": "16", "LATTICA_TRAIN_SEQ_LEN": "128"}
 
 
@@ -87,8 +88,12 @@ def test_a_rate_cap_makes_the_run_retune_and_every_member_follows(tmp_path: Path
     assert "more than 2x" in logs[0]
     periods = [i["tuned"]["periods"] for i in infos]
     assert periods[0] == periods[1] == periods[2]
-    assert periods[0][-1][1] > periods[0][0][1]  # the capped link syncs less often
+    # the capped link syncs less often (a later period may shorten H again: fewer steps are left)
+    assert max(p[1] for p in periods[0][1:]) > periods[0][0][1]
     assert [i["rounds_completed"] for i in infos] == [rounds] * 3
+    codecs = {i["tuned"]["codec"] for i in infos}  # the codec in force at the end, the same on all
+    assert len(codecs) == 1, codecs
+    assert codecs <= {p[2] for p in periods[0]}, (codecs, periods[0])
     for log in logs:
         assert f"the run syncs every {periods[0][-1][1]} steps from step {periods[0][-1][0]}" in log
     assert len(hashes) == 1, hashes

@@ -79,6 +79,16 @@ def model_names() -> list[str]:
     return [*PRESETS, *LLAMA_PRESETS]
 
 
+def model_family(name: str) -> str | None:
+    """The family of the ``model`` setting ``name`` ("gpt", "llama" or "hf") without building or
+    reading anything; None for a name that is none of them (``check_model`` refuses it)."""
+    if hf.is_hf_model(name):
+        return "hf"
+    if name in LLAMA_PRESETS:
+        return "llama"
+    return "gpt" if name in PRESETS else None
+
+
 def check_model(name: str, init: str) -> None:
     """Start-up check of the ``model`` and ``init`` settings (no model is built)."""
     if hf.is_hf_model(name):

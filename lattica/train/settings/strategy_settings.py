@@ -17,27 +17,36 @@ from collections.abc import Callable, Mapping
 from lattica.config import StrategyName, TrainSettings
 from lattica.errors import ConfigError
 from lattica.numerics.screen import ContributionScreen
+from lattica.train.settings.family_defaults import family_defaults, run_model_family
 
 # run setting -> config field, per strategy
 ROUTES: dict[StrategyName, Mapping[str, str]] = {
     "diloco": {
+        "codec": "codec",
         "inner_steps": "inner_steps", "outer_lr": "outer_lr", "outer_momentum": "outer_momentum",
         "averaging": "averaging", "group_size": "group_size", "group_grace_s": "exchange_timeout_s",
         "gossip_overlap": "overlap", "outer_state_device": "outer_state_device",
     },
     "eager": {
+        "codec": "codec",
         "inner_steps": "inner_steps", "outer_lr": "outer_lr", "outer_momentum": "outer_momentum",
         "outer_state_device": "outer_state_device",
     },
-    "streaming": {"inner_steps": "inner_steps", "outer_lr": "outer_lr", "outer_momentum": "outer_momentum"},
+    "streaming": {
+        "codec": "codec",
+        "inner_steps": "inner_steps", "outer_lr": "outer_lr", "outer_momentum": "outer_momentum",
+    },
     "streaming_eager": {
+        "codec": "codec",
         "inner_steps": "inner_steps", "outer_lr": "outer_lr", "outer_momentum": "outer_momentum",
     },
     "noloco": {
+        "codec": "codec",
         "inner_steps": "inner_steps", "outer_lr": "outer_lr", "outer_momentum": "momentum",
         "group_size": "group_size", "group_grace_s": "exchange_timeout_s",
     },
     "spes": {
+        "codec": "codec",
         "inner_steps": "sync_every", "averaging": "averaging", "group_size": "group_size",
         "group_grace_s": "exchange_timeout_s",
     },
@@ -48,28 +57,32 @@ ROUTES: dict[StrategyName, Mapping[str, str]] = {
     },
     "demo": {"inner_steps": "inner_steps"},  # syncs every step; H: steps per reported round
     "local_adam": {
+        "codec": "codec",
         "inner_steps": "inner_steps", "averaging": "averaging", "group_size": "group_size",
         "group_grace_s": "exchange_timeout_s", "first_moment_rounds": "first_moment_rounds",
         "second_moment_rounds": "second_moment_rounds",
     },
     "desloc": {
+        "codec": "codec",
         "inner_steps": "inner_steps", "averaging": "averaging", "group_size": "group_size",
         "group_grace_s": "exchange_timeout_s", "first_moment_rounds": "first_moment_rounds",
         "second_moment_rounds": "second_moment_rounds",
     },
     # momentum_clip 0 turns the clip off (``_co2_derived``)
     "co2": {
+        "codec": "codec",
         "inner_steps": "inner_steps", "outer_lr": "outer_lr", "outer_momentum": "outer_momentum",
         "staleness_penalty": "staleness_penalty", "momentum_clip": "momentum_clip",
         "outer_state_device": "outer_state_device",
     },
-    "ddp": {},  # averages gradients every step: H only sets the trainer's round length
+    "ddp": {"codec": "codec"},  # averages gradients every step: H only sets the trainer's round length
     "nocomm": {},
 }
 # settings that only a strategy uses; ``inner_steps`` is also the trainer's round length
 STRATEGY_SETTINGS = (
     "inner_steps", "outer_lr", "outer_momentum", "averaging", "group_size", "group_grace_s", "gossip_overlap",
     "outer_state_device", "first_moment_rounds", "second_moment_rounds", "staleness_penalty", "momentum_clip",
+    "codec",
 )
 _TRAINER_TOO = ("inner_steps",)
 _SPES_WARMUP_STEPS = 500  # SPES merges similar experts about every 500 steps, a multiple of S
@@ -91,14 +104,16 @@ def check_strategy_settings(settings: TrainSettings) -> None:
 
 def strategy_config(settings: TrainSettings, *, members: tuple[str, ...] = ()) -> object | None:
     """The config of ``settings.strategy`` (None for a strategy without one); unset settings
-    keep the strategy's own defaults. ``members``: SPES's initial expert owners."""
+    keep the strategy's own defaults, or its model family's where they differ
+    (``family_defaults``). ``members``: SPES's initial expert owners."""
     check_strategy_settings(settings)
     from lattica.train.strategies import strategy_class
 
     config_cls = strategy_class(settings.strategy).config_class
     if config_cls is None:
         return None
-    values: dict[str, object] = {}
+    # the model family's defaults first (``family_defaults``), then what the settings set
+    values = family_defaults(settings.strategy, run_model_family(settings.model, settings.task))
     for setting, field_name in ROUTES[settings.strategy].items():
         value = getattr(settings, setting)
         if value is not None:

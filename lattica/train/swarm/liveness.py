@@ -13,7 +13,10 @@ every other peer went silent and comes back ahead of it, and it must not take th
 stragglers (it would seal rounds without them, alone).
 
 A round of one was *run alone* when other trainers take part in the run, counting for a while
-those whose lease ran out while we stay connected (``membership.RecentTrainers``).
+those whose lease ran out while we stay connected (``membership.RecentTrainers``). Its state is
+then held back while the others' result of that round may still come (``outer_sync``); it
+cannot once every other member is restarting (``others_in_rounds``): a member back as
+``joining`` resumes from a checkpoint at or before that round, and brings no newer state of it.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import time
 from collections.abc import Callable, Collection, Sequence
 
 from lattica.train.strategies.base import OuterStepReport
-from lattica.train.swarm.membership import MembershipView, RecentTrainers
+from lattica.train.swarm.membership import TRAINER_ROLE, MembershipView, RecentTrainers
 
 SILENT_BEATS = 3.5  # heartbeat intervals without a lease renewal: unresponsive
 SETTLE_BEATS = 3.0  # heartbeat intervals a peer seen silent must be heard before it is again
@@ -86,6 +89,15 @@ class PeerLiveness:
         """Whether other trainers take part in the run (see the module docstring)."""
         self._recent.observe(self.view.members(), self.view.live(), set(self.connected()), self.clock())
         return bool(self._recent.others()) or len(self.candidates()) > 1
+
+    def others_in_rounds(self) -> bool:
+        """Whether another member may still complete a round we ran alone: a live trainer, or
+        one whose link was cut (remembered, see ``others_train``). Members back as ``joining``
+        (restarted from a checkpoint) do not, and a killed one is forgotten."""
+        self.others_train()
+        return any(self.view.role(peer) == TRAINER_ROLE for peer in self._recent.others()) or any(
+            peer != self.view.peer_id for peer in self.view.trainers()
+        )
 
     def ran_alone(self, report: OuterStepReport) -> bool:
         others = self.others_train()  # looked at every round: the memory must predate a cut

@@ -65,6 +65,7 @@ CATCH_UP_WAIT_S = 5.0  # after a round run alone: the others' result of it is on
 # all its members), so only a peer in another group may have completed it; waiting long for that
 # holds up a whole swarm whose round failed
 SKIPPED_WAIT_S = 1.0
+_OTHERS_LOOK_S = 0.5  # while catching up: how often to look whether the others still train
 _JOIN_ATTEMPTS = 3
 _REPAIR_RETRY_S = 2.0
 _HISTORY_ROUNDS = 64  # own outer-state hashes remembered per round (see ``repair_target``)
@@ -87,11 +88,13 @@ class OuterStateSync:
         settings: TrainSettings,
         *,
         ran_alone: Callable[[OuterStepReport], bool],
+        others_in_rounds: Callable[[], bool] = lambda: True,
         on_fetched: Callable[[float], None] = lambda seconds: None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.view, self.store, self.settings = view, store, settings
-        self.ran_alone, self.on_fetched, self.clock = ran_alone, on_fetched, clock
+        self.ran_alone, self.others_in_rounds = ran_alone, others_in_rounds
+        self.on_fetched, self.clock = on_fetched, clock
         self.trainer: Trainer | None = None
         self.mine: tuple[int, str | None] = (0, None)  # completed rounds, outer state hash
         self.history: dict[int, str] = {}  # our outer-state hash of recent rounds, on one line
@@ -327,7 +330,10 @@ class OuterStateSync:
 
     async def _catch_up(self, wait_s: float) -> bool:
         """After a round we skipped or ran alone: wait (briefly) for the others' result of it.
-        True when a state was adopted."""
+        True when a state was adopted. The wait ends early when every member we ran without is
+        restarting (``others_in_rounds``): none of them brings a result of that round, and a
+        restarted one must find ours published, or it resumes its checkpoint's round — one we
+        already ran — and runs that alone too."""
         with trio.move_on_after(wait_s):
             while True:
                 agreed = self.agreed()
@@ -336,7 +342,10 @@ class OuterStateSync:
                         await self.publish_round()
                         return True
                     return False
-                await self.view.wait_changed()
+                if not self.others_in_rounds():
+                    return False
+                with trio.move_on_after(_OTHERS_LOOK_S):  # a lease running out changes no record
+                    await self.view.wait_changed()
         return False
 
     async def repair_if_diverged(self) -> bool:

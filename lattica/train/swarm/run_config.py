@@ -46,6 +46,7 @@ RUN_WIDE: tuple[str, ...] = (
     "strategy", "model", "init", "inner_steps", "rounds", "seq_len", "inner_lr", "warmup_steps",
     "outer_lr", "outer_momentum", "seed", "averaging", "group_size", "group_grace_s", "gossip_overlap",
     "first_moment_rounds", "second_moment_rounds", "staleness_penalty", "momentum_clip", "tune",
+    "codec",
 )
 IDENTITY: tuple[str, ...] = ("model_hash", "data_hash")
 KEPT: tuple[str, ...] = (*IDENTITY, "tuned")  # kept when an admin republishes (the tuned schedule: ``retune``)
