@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from functools import partial
@@ -413,23 +414,44 @@ class ReplicatedState:
             p not in self._in_flight and now >= max(self._retry_at.get(p, 0.0), self._penalized_until.get(p, 0.0))))]
 
     async def _sync_loop(self) -> None:
-        """Waves of sessions planned by ``SyncPlan``: at a change or else every ``sync_interval``, at most one per."""
-        synced_generation = -1
+        """Sessions as ``SyncPlan`` plans them: a small swarm's at once at each change (``_eager_sessions``),
+        a larger one's in waves at a change or else every ``sync_interval``, at most one wave per."""
+        synced_generation, last_wave = -1, -math.inf
         while True:
-            if synced_generation == self._generation:
-                with trio.move_on_after(self.config.sync_interval):
-                    await self._wake.wait()
-            self._wake = trio.Event()
-            started, synced_generation = trio.current_time(), self._generation
+            now, period = trio.current_time(), self.config.sync_interval
             self._replica.tick(time.monotonic())
-            peers, holding = self._sync_peers(started), self._replica.holding
-            for session in self._plan.due(peers, started, news=bool(self._news.keys(started)), holding=holding,
-                                          refresh=self._proven.aging(peers, time.monotonic())):  # proofs kept fresh
-                self._spawn(self._sync_once_quietly, session)  # a slow peer does not hold up the next wave
-            await trio.sleep_until(started + self.config.sync_interval)
+            peers = self._sync_peers(now=None)
+            if self._plan.eager(peers):
+                wake_at = self._eager_sessions(peers, now)
+            elif now >= last_wave + (period if synced_generation != self._generation else 2 * period):
+                last_wave, synced_generation = now, self._generation
+                ready, holding = self._sync_peers(now), self._replica.holding
+                for session in self._plan.due(ready, now, news=bool(self._news.keys(now)), holding=holding,
+                                              refresh=self._proven.aging(ready, time.monotonic())):  # proofs kept fresh
+                    self._spawn(self._sync_once_quietly, session)  # a slow peer does not hold up the next wave
+                wake_at = now + period
+            else:
+                wake_at = last_wave + (period if synced_generation != self._generation else 2 * period)
+            self._wake = trio.Event()  # set by a change, a new peer or a finished session
+            with trio.move_on_at(min(wake_at, now + self.config.peer_poll_interval)):
+                await self._wake.wait()
 
-    async def _sync_once_quietly(self, session: Session) -> bool:
-        """One initiated session; errors are logged, the peer backed off, and False returned."""
+    def _eager_sessions(self, peers: list[str], now: float) -> float:
+        """Start a small swarm's due sessions (``SyncPlan.eager_due``); when the next falls due
+        (a session that ends wakes the loop before)."""
+        generation, period, ready = self._generation, self.config.sync_interval, self._sync_peers(now)
+        started = set()
+        for session in self._plan.eager_due(peers, ready, now, generation=generation, period=period):
+            if self._spawn(self._sync_once_quietly, session, generation):
+                started.add(session.peer)
+        idle = [p for p in ready if p not in started]
+        backed_off = [max(self._retry_at.get(p, 0.0), self._penalized_until.get(p, 0.0))
+                      for p in peers if p not in ready and p not in self._in_flight]
+        return min([self._plan.next_eager_at(idle, generation=generation, period=period), *backed_off])
+
+    async def _sync_once_quietly(self, session: Session, generation: int | None = None) -> bool:
+        """One initiated session (of a small swarm's, started at ``generation``); errors are logged,
+        the peer backed off, and False returned."""
         peer = session.peer
         self._in_flight.add(peer)
         try:
@@ -442,6 +464,8 @@ class ReplicatedState:
                     await close_quietly(stream)
             self._mark_proven(peer, stream)
             self._plan.completed(Session(peer, news is None))
+            if generation is not None:
+                self._plan.synced(peer, generation=generation, now=trio.current_time())
             self._failures.pop(peer, None)
             await self._settle_own_streams()
         except RemoteProtocolError as exc:
@@ -455,6 +479,7 @@ class ReplicatedState:
             return True
         finally:
             self._in_flight.discard(peer)
+            self._wake.set()  # a small swarm's peer may be due again
         self._failures[peer] = failures = self._failures.get(peer, 0) + 1
         self._retry_at[peer] = trio.current_time() + min(self.config.max_backoff, 0.25 * 2**failures)
         return False

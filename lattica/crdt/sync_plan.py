@@ -17,8 +17,12 @@ rows a second — quadratic in the swarm, 96 % of the sync bytes at 100 members
   and each side sends the envelopes of those streams the other lacks. A peer that learns
   something has news of it in turn, so an envelope reaches every member in about log_fanout(N)
   periods, and a member hears each row ``fanout x news_window_s / period`` times, whatever
-  the number of its connections. A node with at most ``push_all_up_to`` peers pushes to all of
-  them: a small swarm learns every change within one period, as leases of a few seconds need.
+  the number of its connections.
+- **A small swarm** (a node with at most ``push_all_up_to`` peers) syncs as version 1 did,
+  *eagerly*: a full session with each peer as soon as the state changed since the last one with
+  it, and at least every period (``eager_due``), so that its members see each other's leases,
+  progress and returns within a session's time, not a period's. Its sessions cost a few rows
+  each, whatever the swarm does.
 - **Proofs.** A completed session proves a peer to us for a lease (``liveness.ProvenPeers``);
   the peers whose proof is older than half a lease get a session too (``refresh``; its hello
   lists no rows unless it also pushes), so a member with standing keeps it whatever the draw.
@@ -28,11 +32,13 @@ rows a second — quadratic in the swarm, 96 % of the sync bytes at 100 members
   reaches those still holding it. The sessions of a node that has not completed a full one
   yet (a newcomer, a restart that holds its own streams) are full, ``fanout`` at a time.
 
-``SyncPlan.due`` is the schedule: the peers and the kind of session for this period.
+``SyncPlan.due`` is the schedule of a larger swarm: the peers and the kind of session for this
+period; ``SyncPlan.eager_due`` that of a small one.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
@@ -93,6 +99,32 @@ class SyncPlan:
         self.rng = rng or random.Random()
         self.repaired = False  # a full session completed (we hold the swarm's state once)
         self._next_repair: float | None = None
+        self._synced: dict[str, tuple[int, float]] = {}  # eager: peer -> (generation, when) of its last session
+
+    def eager(self, peers: Collection[str]) -> bool:
+        """Whether a node with ``peers`` (all it may sync with) is in a small swarm."""
+        return len(peers) <= self.policy.push_all_up_to
+
+    def eager_due(
+        self, peers: Collection[str], ready: Collection[str], now: float, *, generation: int, period: float,
+    ) -> list[Session]:
+        """A small swarm's sessions: a full one with each of ``ready`` (those of ``peers`` not
+        busy or backed off) whose last completed session started before the state's latest change
+        (``generation``) or ended ``period`` ago."""
+        self._synced = {p: at for p, at in self._synced.items() if p in peers}
+        return [Session(p, True) for p in ready if self._eager_next(p, generation, period) <= now]
+
+    def next_eager_at(self, peers: Iterable[str], *, generation: int, period: float) -> float:
+        """When the next of ``peers`` falls due in a small swarm, the state unchanged."""
+        return min((self._eager_next(p, generation, period) for p in peers), default=math.inf)
+
+    def synced(self, peer: str, *, generation: int, now: float) -> None:
+        """A session with ``peer`` that started at ``generation`` completed at ``now``."""
+        self._synced[peer] = (generation, now)
+
+    def _eager_next(self, peer: str, generation: int, period: float) -> float:
+        synced_generation, at = self._synced.get(peer, (-1, -math.inf))
+        return -math.inf if synced_generation != generation else at + period
 
     def due(
         self, peers: Sequence[str], now: float, *, news: bool, holding: bool, refresh: Collection[str] = (),

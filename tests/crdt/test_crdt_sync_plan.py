@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import random
 
 import pytest
@@ -10,6 +12,7 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.peerinfo import info_from_p2p_addr
 from test_crdt_service import LOOPBACK, p2p_addr, running_node, wait_for
 
+from lattica.crdt import LeasePolicy, ReplicatedState, StateConfig
 from lattica.crdt.liveness import ProvenPeers
 from lattica.crdt.sync import SYNC_PROTOCOL, hello, parse_hello
 from lattica.crdt.sync_plan import News, SyncPlan, SyncPolicy
@@ -107,3 +110,49 @@ def test_peers_whose_proof_ages_get_a_session_of_their_own():
     sessions = plan.due(PEERS, 6.0, news=True, holding=False, refresh=aging)
     assert {s.peer for s in sessions} >= set(aging)
     assert sum(s.news for s in sessions) == 3  # the others carry no rows: a proof only
+
+
+def test_a_small_swarm_syncs_with_each_peer_at_every_change_and_every_period():
+    plan = SyncPlan(SyncPolicy(push_all_up_to=8), rng=random.Random(3))
+    peers = PEERS[:8]
+    assert plan.eager(peers)
+    assert not plan.eager(PEERS[:9])
+    first = plan.eager_due(peers, peers, 0.0, generation=1, period=1.0)
+    assert [s.peer for s in first] == peers
+    assert all(s.full for s in first)
+    for peer in peers:
+        plan.synced(peer, generation=1, now=0.1)
+    assert plan.eager_due(peers, peers, 0.5, generation=1, period=1.0) == []  # nothing new
+    assert plan.next_eager_at(peers, generation=1, period=1.0) == pytest.approx(1.1)
+    assert len(plan.eager_due(peers, peers, 1.1, generation=1, period=1.0)) == 8  # the period's repair
+    changed = plan.eager_due(peers, peers[:3], 0.6, generation=2, period=1.0)  # the others busy or backed off
+    assert [s.peer for s in changed] == peers[:3]
+
+
+@contextlib.asynccontextmanager
+async def _node(tmp_path, name, config, *, admins=()):
+    key_pair = create_new_key_pair()
+    host = build_host(key_pair)
+    async with host.run([LOOPBACK]), trio.open_nursery() as nursery:
+        state = ReplicatedState(host, key_pair, data_dir=tmp_path / name, run_id="svc",
+                                config=dataclasses.replace(config, admins=tuple(admins)))
+        await nursery.start(state.run)
+        yield state
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_small_swarm_sees_each_change_within_a_session_not_a_period(tmp_path):
+    """Two nodes with a 10 s period: progress written three times in a row reaches the other at
+    once each time. Waves of pushes (a larger swarm's) wait a period after each, so a member of a
+    small swarm would see another's rounds or return seconds late."""
+    config = StateConfig(lease=LeasePolicy(heartbeat_interval=10.0, lease=30.0), sync_interval=10.0,
+                         peer_poll_interval=0.1, sync_timeout=3.0, max_backoff=1.0)
+    async with _node(tmp_path, "a", config) as a, _node(tmp_path, "b", config, admins=(a.peer_id,)) as b:
+        await a.host.connect(info_from_p2p_addr(p2p_addr(b)))
+        a.notify_peer_connected(b.peer_id)
+        await wait_for(lambda: a.snapshot() == b.snapshot() and len(b.live_members()) == 2, [a, b], timeout=25.0)
+        for round_ in range(1, 4):
+            await a.set_progress(round_, f"w{round_}")
+            with trio.fail_after(2.0):
+                while b.snapshot()["progress"].get(a.peer_id, {}).get("round") != round_:
+                    await b.wait_changed()
