@@ -9,7 +9,9 @@ import random
 import pytest
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
+from msgpack import packb
 from test_crdt_service import LOOPBACK, p2p_addr, running_node, wait_for
 
 from lattica.crdt import LeasePolicy, ReplicatedState, StateConfig
@@ -56,10 +58,16 @@ def test_news_are_the_streams_changed_within_the_window():
 
 
 def test_a_hello_round_trips_with_its_rows_compacted():
-    vector: list[list[str | int]] = [["config", "admin", 3, "ab"], ["w1", "w1", 7, "cd"]]
+    """A row names a writer by its key (32 bytes, not a 52-character id), the head by 8 bytes."""
+    writer = ID.from_pubkey(create_new_key_pair().public_key).to_base58()
+    vector: list[list[str | int]] = [["config", writer, 3, "00112233aabbccdd"], [writer, writer, 7, "ffeeddcc00112233"],
+                                     ["config", "admin", 2, "ab"]]
     wire = hello("run", vector, partial=True)
-    assert wire["sv"] == [["config", "admin", 3, "ab"], ["", "w1", 7, "cd"]]
+    key = ID.from_base58(writer).to_bytes()[-32:]
+    assert wire["sv"][:2] == [["config", key, 3, bytes.fromhex("00112233aabbccdd")],
+                              ["", key, 7, bytes.fromhex("ffeeddcc00112233")]]
     assert parse_hello(wire, run_id="run", peer_id="p") == (vector, True)
+    assert len(packb(wire["sv"][1])) <= 48  # 74 with the id and head spelled out
 
 
 @pytest.mark.parametrize(
@@ -69,6 +77,8 @@ def test_a_hello_round_trips_with_its_rows_compacted():
         {"t": "hello", "v": 3, "run": "run", "part": False, "sv": []},
         {"t": "hello", "v": 2, "run": "run", "part": "yes", "sv": []},
         {"t": "hello", "v": 2, "run": "run", "part": False, "sv": [["", "", 1]]},
+        {"t": "hello", "v": 2, "run": "run", "part": False, "sv": [["", b"", 1]]},
+        {"t": "hello", "v": 2, "run": "run", "part": False, "sv": [["", b"x" * 65, 1]]},
         {"t": "hello", "v": 2, "run": "run", "part": False, "sv": ["row"]},
         {"t": "hello", "v": 2, "run": "other", "part": False, "sv": []},
     ],
