@@ -15,8 +15,9 @@ from msgpack import packb
 from test_crdt_service import LOOPBACK, p2p_addr, running_node, wait_for
 
 from lattica.crdt import LeasePolicy, ReplicatedState, StateConfig
+from lattica.crdt.envelope import RejectedUpdate, envelope_from_wire, sign_envelope, verify_envelope
 from lattica.crdt.liveness import ProvenPeers
-from lattica.crdt.sync import SYNC_PROTOCOL, hello, parse_hello
+from lattica.crdt.sync import SYNC_PROTOCOL, batches, hello, parse_batch, parse_hello
 from lattica.crdt.sync_plan import News, SyncPlan, SyncPolicy
 from lattica.errors import RemoteProtocolError
 from lattica.net.host import build_host
@@ -166,3 +167,25 @@ async def test_a_small_swarm_sees_each_change_within_a_session_not_a_period(tmp_
             with trio.fail_after(2.0):
                 while b.snapshot()["progress"].get(a.peer_id, {}).get("round") != round_:
                     await b.wait_changed()
+
+
+def test_a_batch_sends_envelopes_without_what_the_receiver_derives():
+    """Run, writer and a writer's own document are the session's and the key's: an envelope of a
+    70-byte update takes 180 bytes, not 334, and arrives the same."""
+    key_pair = create_new_key_pair()
+    writer = ID.from_pubkey(key_pair.public_key).to_base58()
+    env = sign_envelope(key_pair, run="run", doc=writer, seq=5, full=False, update=b"u" * 70)
+    batch = batches([env])[0]
+    assert len(packb(batch["envs"][0])) <= 200 < len(packb(env.to_wire()))
+    raw = parse_batch(batch, peer_id="p", run_id="run")
+    assert raw is not None
+    received = envelope_from_wire(raw[0], max_update_bytes=1024)
+    assert received == env
+    verify_envelope(received, run="run")
+    elsewhere = envelope_from_wire(parse_batch(batch, peer_id="p", run_id="other")[0], max_update_bytes=1024)
+    with pytest.raises(RejectedUpdate):  # signed for another run
+        verify_envelope(elsewhere, run="other")
+    mangled = [["", 5, False, b"u", b"not a key", b"sig"], ["x"] * 6, 7]
+    for item in parse_batch({"t": "envs", "envs": mangled}, peer_id="p", run_id="run"):
+        with pytest.raises(RejectedUpdate):
+            envelope_from_wire(item, max_update_bytes=1024)
