@@ -7,12 +7,15 @@ One session runs on one libp2p stream (``/lattica/state-sync/2.0.0``), framed by
 
     initiator -> responder   {"t": "hello", "v": 2, "run": run_id, "part": bool, "sv": [[doc, writer, have, head], ...]}
     responder -> initiator   {"t": "hello", "v": 2, "run": run_id, "part": bool, "sv": [...]}
-    responder -> initiator   {"t": "envs", "envs": [envelope, ...]} * n, then {"t": "end"}
+    responder -> initiator   {"t": "envs", "envs": [[doc, seq, full, update, key, sig], ...]} * n, then {"t": "end"}
     initiator -> responder   {"t": "envs", ...} * m, then {"t": "end"}
 
-Each side computes what the other lacks from the other's vector, so one session leaves both
-with the union of what they held. Only one side writes at a time, so flow control cannot
-deadlock. Sessions are idempotent: an envelope that arrives twice is recognized as a replay.
+An envelope travels without what its receiver derives (``compact``): the run is the session's,
+the writer its key's peer id, ``""`` a writer's own document; a map as ``Envelope.to_wire``
+writes it (what the state log stores) is read too. Each side computes what the other lacks from
+the other's vector, so one session leaves both with the union of what they held. Only one side
+writes at a time, so flow control cannot deadlock. Sessions are idempotent: an envelope that
+arrives twice is recognized as a replay.
 The same session is used for prompt pushes (the service starts one as soon as it has
 something new) and for periodic repair, which is what makes the state converge after
 partitions heal or messages are lost.
