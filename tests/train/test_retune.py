@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from lattica.config import TrainSettings
@@ -84,6 +86,16 @@ def test_the_first_tuning_starts_its_period_at_the_next_sync() -> None:
     assert decision.entry.periods == (Period(from_step=10, inner_steps=h),)
     assert decision.entry.bandwidth_bps == LINK.bandwidth_bps
     assert "first tuning" in decision.reason
+
+
+def test_no_period_starts_at_the_runs_last_sync() -> None:
+    first = decide(LINK, current=None, fixed=ALLREDUCE, next_sync=10, base=5, target=0.95)
+    assert first is not None
+    much_slower = Measurements(**{**LINK.__dict__, "bandwidth_bps": 2e7})
+    assert decide(replace(much_slower, steps_left=5), current=first.entry, fixed=ALLREDUCE, next_sync=95,
+                  base=5, target=0.95, min_rounds=0) is not None
+    assert decide(replace(much_slower, steps_left=0), current=first.entry, fixed=ALLREDUCE, next_sync=100,
+                  base=5, target=0.95, min_rounds=0) is None
 
 
 def test_no_retune_within_twice_the_bandwidth_and_a_retune_beyond() -> None:

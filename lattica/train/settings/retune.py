@@ -356,7 +356,10 @@ def decide(
     communication CPU are within ``factor`` of the last tuning's, or the periods are full.
     ``next_sync``: the next sync step of the schedule in force, where a new period starts;
     ``base``, ``base_codec``: the run's H and codec (None: the strategy has no codec); ``min_rounds``:
-    the applied rounds an H must leave in ``measured.steps_left``."""
+    the applied rounds an H must leave in ``measured.steps_left``; none left (the next sync is the
+    run's last): ``None``, no period would come into force."""
+    if measured.steps_left == 0:
+        return None
     if current is not None:
         reason = retune_reason(current, measured, factor=factor)
         if reason is None:
