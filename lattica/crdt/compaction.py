@@ -39,16 +39,23 @@ from lattica.crdt.envelope import Envelope
 from lattica.crdt.streams import Stream, digest
 
 MAX_DEPARTED = 16_384  # forgotten writers remembered
+FIRST_SNAPSHOT_AFTER = 16  # envelopes of a stream that has no snapshot yet
 MAX_OWN_ENVELOPES = 65_536  # our own envelopes recognized after compaction (older: superseded again)
 
 
-def snapshot_due(stream: Stream, snapshot_every: int) -> bool:
+def snapshot_due(stream: Stream, snapshot_every: int, document_bytes: int) -> bool:
     """A snapshot after ``snapshot_every`` envelopes, or once the increments since the last
-    snapshot hold more bytes than it (so a stream holds about twice its document at most)."""
+    snapshot hold more bytes than it (a stream holds about twice its document at most); before
+    the first, from ``FIRST_SNAPSHOT_AFTER`` envelopes on, once they hold more than a snapshot
+    of the document (``document_bytes`` of update) would."""
     if len(stream.retained) >= snapshot_every:
         return True
-    head, increments = stream.retained[0], stream.retained[1:]
-    return head.full and sum(env.encoded_size() for env in increments) > head.encoded_size()
+    head = stream.retained[0]
+    if head.full:
+        return sum(env.encoded_size() for env in stream.retained[1:]) > head.encoded_size()
+    snapshot_bytes = document_bytes + head.encoded_size() - len(head.update)
+    held = sum(env.encoded_size() for env in stream.retained)
+    return len(stream.retained) >= FIRST_SNAPSHOT_AFTER and held > snapshot_bytes
 
 
 def without_history(doc_name: str, doc: Doc[Map[object]]) -> Doc[Map[object]]:

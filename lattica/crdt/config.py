@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lattica.crdt.liveness import LeasePolicy, VouchPolicy
+from lattica.crdt.sync_plan import SyncPolicy
 from lattica.net.serving_budget import ServingLimits
 
 
@@ -53,7 +54,8 @@ class StateConfig:
     ``vouching``: whose word makes a peer that never connected to us a member.
     ``serving``: the node-wide budget for answering state-sync sessions (``sync.py``).
     ``forget_departed_after_s``: a member whose lease ended this long ago is dropped from the
-    state (``Replica.forget_departed``)."""
+    state (``Replica.forget_departed``). ``plan``: how many peers a change is pushed to per
+    ``sync_interval`` and how often a full repair session runs (``sync_plan``)."""
 
     admins: tuple[str, ...] = ()
     anchors: tuple[str, ...] = ()
@@ -67,6 +69,7 @@ class StateConfig:
     compact_min_records: int = 1024
     forget_departed_after_s: float = 600.0
     serving: ServingLimits = field(default_factory=default_serving)
+    plan: SyncPolicy = field(default_factory=SyncPolicy)
 
     def __post_init__(self) -> None:
         for name in ("admins", "anchors"):

@@ -34,7 +34,7 @@ from lattica.decoding import bounded_text, finite_float, str_map
 CONFIG_DOC = "config"
 WRITER_ROOTS = ("member", "progress", "completed", "checkpoints", "experts")
 MEMBER_FIELDS = ("addrs", "device", "throughput", "reachability", "role")
-KEEP_COMPLETED_ROUNDS = 16
+KEEP_COMPLETED_ROUNDS = 4  # each holds a 64-character hash: the bulk of a member's record
 _MAX_TEXT = 512
 _MAX_ADDRS = 32
 _SEP = "|"

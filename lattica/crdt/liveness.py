@@ -1,7 +1,14 @@
 """Heartbeats, leases and proof of presence: who is a live member, decided the same way on every node.
 
 Each member renews its own lease by writing ``lease_expires_ms`` (wall-clock ms, its own
-clock) into its membership record every ``heartbeat_interval``; a lease lasts ``lease``.
+clock) into its membership record every ``heartbeat_interval``; a lease lasts ``lease``. In a
+larger swarm the renewals slow down so that the swarm writes about ``renewals_per_s`` of them a
+second (every renewal is an envelope every member receives): with ``members`` live members a
+member renews every ``interval_for(members)`` (``members / renewals_per_s``, at least
+``heartbeat_interval``, at most ``max_heartbeat_interval``) and its lease lasts as many times
+that as ``lease`` is of ``heartbeat_interval`` (``lease_for``): a crash is noticed after ~5 s
+with up to 8 members, ~60 s at 100, 150 s from 240 on (members: the records that have not
+left, ``present``).
 A member that shuts down cleanly writes ``left = True`` and an expired lease, which reaches
 the others with the next push instead of after the lease runs out.
 
@@ -12,7 +19,7 @@ exactly; evaluated on different nodes "now", they agree as long as clocks are wi
 runs slightly ahead does not evict members early. For a round-scoped decision the trainer
 should pass one agreed timestamp (e.g. the round's start) as ``now_ms``. A lease that ends more
 than ``lease + max_clock_ahead`` after the reader's clock is no lease at all (a record claiming
-to be live until 2036 is not live).
+to be live until 2036 is not live); ``lease`` there is the longest, a large swarm's.
 
 A record is only a claim: anyone who can write to the run can sign records with throwaway keys.
 So a member counts only when it is *verified* (``verified_writers``): it proved itself to us on
@@ -43,7 +50,8 @@ member for a node that has other peers, and fresh identities cannot at all.
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Collection, Mapping
+import math
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 
@@ -53,6 +61,8 @@ class LeasePolicy:
     lease: float = 5.0
     clock_skew: float = 0.5
     max_clock_ahead: float = 10.0  # how far a writer's clock may run ahead of the reader's
+    renewals_per_s: float = 8.0  # lease renewals a second the whole swarm aims at
+    max_heartbeat_interval: float = 30.0
 
     def __post_init__(self) -> None:
         if self.heartbeat_interval <= 0:
@@ -63,14 +73,35 @@ class LeasePolicy:
             raise ValueError("clock_skew must be >= 0")
         if self.max_clock_ahead < 0:
             raise ValueError("max_clock_ahead must be >= 0")
+        if not self.renewals_per_s > 0:
+            raise ValueError("renewals_per_s must be positive")
+        if self.max_heartbeat_interval < self.heartbeat_interval:
+            raise ValueError("max_heartbeat_interval must be at least heartbeat_interval")
 
-    def lease_expiry_ms(self, now_ms: int) -> int:
-        return now_ms + int(self.lease * 1000)
+    def interval_for(self, members: int) -> float:
+        """How often a member renews its lease in a swarm of ``members`` live members."""
+        return min(self.max_heartbeat_interval, max(self.heartbeat_interval, members / self.renewals_per_s))
+
+    def lease_for(self, members: int) -> float:
+        return self.lease * self.interval_for(members) / self.heartbeat_interval
+
+    def lease_expiry_ms(self, now_ms: int, interval: float | None = None) -> int:
+        """When a lease renewed at ``now_ms`` by a member renewing every ``interval`` ends."""
+        return now_ms + int(self.lease * (interval or self.heartbeat_interval) / self.heartbeat_interval * 1000)
 
     @property
     def max_ahead_ms(self) -> int:
-        """The furthest a lease may end after the reader's clock."""
-        return int((self.lease + self.max_clock_ahead) * 1000)
+        """The furthest a lease may end after the reader's clock: the longest lease and the skew."""
+        longest = self.lease * self.max_heartbeat_interval / self.heartbeat_interval
+        return int((longest + self.max_clock_ahead) * 1000)
+
+
+def present(members: Mapping[str, Mapping[str, object]]) -> int:
+    """How many of the ``members`` records have not left (the swarm's size, as
+    ``LeasePolicy.interval_for`` counts it). Not the live ones: a view that lags (a loaded host)
+    would count fewer, renew faster, lag more and count fewer still; a crashed member counts
+    until it is forgotten (``StateConfig.forget_departed_after_s``)."""
+    return sum(record.get("left") is not True for record in members.values())
 
 
 def is_live(
@@ -162,6 +193,11 @@ class ProvenPeers:
         """Peers with a completed sync session within the last lease."""
         since = now - self.lease_s
         return {peer for peer, at in list(self._last.items()) if at >= since}  # a copy: threads read it
+
+    def aging(self, peers: Iterable[str], now: float) -> list[str]:
+        """Those of ``peers`` whose proof (if any) is older than half a lease: to be renewed."""
+        since = now - self.lease_s / 2
+        return [peer for peer in peers if self._last.get(peer, -math.inf) < since]
 
     def proofs(self, now: float) -> dict[str, Proof]:
         return {peer: Proof(self._origins.get(peer), now - self._since.get(peer, now)) for peer in self.current(now)}

@@ -132,7 +132,7 @@ class Replica:
             return []
         stream = self._stream((doc_name, self.peer_id))
         envelopes = [self._sign_and_keep(stream, doc_name, update, full=False)]
-        if compaction.snapshot_due(stream, self.limits.snapshot_every):
+        if compaction.snapshot_due(stream, self.limits.snapshot_every, len(doc.get_update())):
             doc = self._docs[doc_name] = compaction.without_history(doc_name, doc)
             envelopes.append(self._sign_and_keep(stream, doc_name, doc.get_update(), full=True))
         return envelopes

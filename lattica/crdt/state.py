@@ -10,13 +10,11 @@ The service wraps a sans-IO ``Replica`` with three kinds of I/O:
   it. At start the log is replayed through the same validation as network input; a torn tail is
   cut off. A full disk does not stop the node: the held records are written, in order, once
   space returns (warned once, shown in ``lattica status``); a kill meanwhile loses them.
-- **Anti-entropy.** One task per connected peer runs a sync session (``sync.initiate``)
-  whenever the local state changed since its last session, and at least every
-  ``sync_interval`` — the first is the prompt push, the second the repair that makes
-  partitions and lost messages harmless. New peers are found by polling the host's
-  connections (and ``notify_peer_connected``). A peer that misbehaves is backed off.
-- **Liveness.** A heartbeat task renews our lease; ``leave()`` writes ``left`` and pushes it
-  to every connected peer at once.
+- **Anti-entropy.** Waves of sync sessions (``sync.initiate``) at a change or every ``sync_interval``,
+  as ``sync_plan.SyncPlan`` plans them: what changed here lately pushed to a few random peers, and
+  now and then a full session with one that repairs what pushes missed. Bad or failing peers are backed off.
+- **Liveness.** A heartbeat task renews our lease (less often in a larger swarm, ``LeasePolicy``);
+  ``leave()`` writes ``left`` and pushes it to every connected peer at once.
 - **Proof of presence** (``liveness.ProvenPeers``). A completed sync session proves that its
   peer is connected under the key it claims and was admitted by the access gate: the peer is
   *proven* for a lease, with the network origin of its connection and its standing. The
@@ -38,8 +36,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from functools import partial
 from pathlib import Path
 
@@ -60,9 +59,11 @@ from lattica.crdt.liveness import (
     ProvenPeers,
     is_live,
     live_members,
+    present,
     verified_writers,
 )
 from lattica.crdt.replica import Replica
+from lattica.crdt.sync_plan import News, Session, SyncPlan
 from lattica.errors import BrokenError, LocalProtocolError, RemoteError, RemoteProtocolError
 from lattica.net.serving_budget import AnswerSlots, ServingBudget
 from lattica.net.streams import close_quietly, reset_quietly
@@ -109,8 +110,12 @@ class ReplicatedState:
         self._changed = trio.Event()
         self._generation = 0
         self._snapshot_cache: tuple[int, documents.Snapshot] | None = None
-        self._peers: set[str] = set()
+        self._plan = SyncPlan(self.config.plan)
+        self._news = News(self.config.plan.news_window_s)  # streams changed lately (``sync_plan``)
+        self._wake = trio.Event()  # a change, or a new peer
         self._retry_at: dict[str, float] = {}  # outbound sessions that failed
+        self._failures: dict[str, int] = {}  # the failures in a row of each, for the backoff
+        self._in_flight: set[str] = set()  # peers in a session we started
         self._penalized_until: dict[str, float] = {}  # peers that sent bad input
         self._heartbeat = 0
         self._proven = ProvenPeers(lease_s=self.config.lease.lease)
@@ -131,7 +136,7 @@ class ReplicatedState:
                 self._nursery = nursery
                 await self.heartbeat()
                 nursery.start_soon(self._heartbeat_loop)
-                nursery.start_soon(self._watch_peers_loop)
+                nursery.start_soon(self._sync_loop)
                 nursery.start_soon(self._log.retry_held_records)
                 task_status.started()
         finally:
@@ -170,7 +175,9 @@ class ReplicatedState:
         """Renew our lease now (also done automatically); clears a previous ``leave()``."""
         self._left = False
         self._heartbeat += 1
-        expires = self.config.lease.lease_expiry_ms(_now_ms())
+        interval = self.heartbeat_interval()
+        self._proven.lease_s = self.config.lease.lease * interval / self.config.lease.heartbeat_interval
+        expires = self.config.lease.lease_expiry_ms(_now_ms(), interval)
         beat = self._heartbeat
         vouched = sorted(self.proven_peers())[:MAX_VOUCHES]
         changed, self._vouched = vouched != self._vouched, vouched
@@ -181,6 +188,10 @@ class ReplicatedState:
                 documents.write_vouches(doc, vouched)
 
         await self._write(self.peer_id, renew)
+
+    def heartbeat_interval(self) -> float:
+        """How often we renew our lease now: the slower the more members (``LeasePolicy``)."""
+        return self.config.lease.interval_for(present(self.snapshot()["members"]))
 
     async def leave(self) -> None:
         """Mark ourselves as left and push that to every connected peer (bounded by sync_timeout)."""
@@ -215,7 +226,7 @@ class ReplicatedState:
             raise LocalProtocolError("ReplicatedState.run() has not started")
         envelopes = await self._log.write(lambda: self._replica.local_write(doc_name, mutate))
         if envelopes:
-            self._bump()
+            self._bump(envelopes)
 
     async def _settle_own_streams(self) -> None:
         """After a completed sync session: publish our own streams (see "Our own history")."""
@@ -223,6 +234,7 @@ class ReplicatedState:
             return
         try:
             snapshots = await self._log.write(self._replica.settle)
+            self._news.note((env.stream for env in snapshots), trio.current_time())
         except LocalProtocolError as exc:  # a document past the snapshot cap: stays unpublished
             log.warning("state: cannot publish this node's own entries: %s", exc)
             return
@@ -335,10 +347,13 @@ class ReplicatedState:
         """Return at the next change of the state (local or remote)."""
         await self._changed.wait()
 
-    def _bump(self) -> None:
+    def _bump(self, envelopes: Iterable[Envelope] = ()) -> None:
+        """The state changed (``envelopes``: those applied, news to push)."""
+        self._news.note((env.stream for env in envelopes), trio.current_time())
         self._generation += 1
         self._changed.set()
         self._changed = trio.Event()
+        self._wake.set()
 
     # -- SyncEndpoint ----------------------------------------------------------------------------
 
@@ -364,36 +379,26 @@ class ReplicatedState:
             log.warning("state sync: banned %s: signed two different histories", evidence[0].writer)
         if applied or evidence:
             await self._log.append(applied + evidence)
-            self._bump()
+            self._bump(applied)
         if failure is not None:
             raise failure
 
     # -- peers -----------------------------------------------------------------------------------
 
     def notify_peer_connected(self, peer_id: ID | str) -> None:
-        """Start syncing with a peer now rather than at the next poll."""
-        self._ensure_peer(str(peer_id))
+        """A new peer: a node that has not synced yet starts with it now rather than later."""
+        self._wake.set()
 
     async def flush(self) -> None:
-        """One sync session with every connected peer, concurrently, bounded by sync_timeout
-        (two while our own streams are held: the first publishes them)."""
+        """A push of our news to every connected peer at once, within sync_timeout (two full sessions while held)."""
         with trio.move_on_after(self.config.sync_timeout):
             for _ in range(2 if self._replica.holding else 1):
                 async with trio.open_nursery() as nursery:
-                    for peer in self.host.get_connected_peers():
-                        nursery.start_soon(self._sync_once_quietly, peer.to_base58())
-
-    def _ensure_peer(self, peer: str) -> None:
-        if self._nursery is None or peer == self.peer_id or peer in self._peers:
-            return
-        if not sync.serves_sync(self.host, peer):  # e.g. a plain libp2p relay or DHT server
-            return
-        if self._spawn(self._peer_loop, peer):
-            self._peers.add(peer)
+                    for peer in self._sync_peers(now=None):
+                        nursery.start_soon(self._sync_once_quietly, Session(peer, self._replica.holding))
 
     def _spawn(self, fn: Callable[..., Awaitable[object]], *args: object) -> bool:
-        """Start ``fn`` in the service's nursery; False once the service is closing (a stream
-        handler can run after the nursery has closed and before ``run`` has cleared it)."""
+        """Start ``fn`` in the service's nursery; False once it is closing (a handler may run after it closed)."""
         if self._nursery is None:
             return False
         try:
@@ -402,50 +407,66 @@ class ReplicatedState:
             return False
         return True
 
-    async def _watch_peers_loop(self) -> None:
+    def _sync_peers(self, now: float | None) -> list[str]:
+        """Connected peers that serve state sync (at ``now``: neither in a session we started nor backed off)."""
+        peers = [p.to_base58() for p in self.host.get_connected_peers()]
+        return [p for p in peers if p != self.peer_id and sync.serves_sync(self.host, p) and (now is None or (
+            p not in self._in_flight and now >= max(self._retry_at.get(p, 0.0), self._penalized_until.get(p, 0.0))))]
+
+    async def _sync_loop(self) -> None:
+        """Sessions as ``SyncPlan`` plans them: a small swarm's at once at each change (``_eager_sessions``),
+        a larger one's in waves at a change or else every ``sync_interval``, at most one wave per."""
+        synced_generation, last_wave = -1, -math.inf
         while True:
-            for peer_id in self.host.get_connected_peers():
-                self._ensure_peer(peer_id.to_base58())
+            now, period = trio.current_time(), self.config.sync_interval
             self._replica.tick(time.monotonic())
-            await trio.sleep(self.config.peer_poll_interval)
+            peers = self._sync_peers(now=None)
+            if self._plan.eager(peers):
+                wake_at = self._eager_sessions(peers, now)
+            elif now >= last_wave + (period if synced_generation != self._generation else 2 * period):
+                last_wave, synced_generation = now, self._generation
+                ready, holding = self._sync_peers(now), self._replica.holding
+                for session in self._plan.due(ready, now, news=bool(self._news.keys(now)), holding=holding,
+                                              refresh=self._proven.aging(ready, time.monotonic())):  # proofs kept fresh
+                    self._spawn(self._sync_once_quietly, session)  # a slow peer does not hold up the next wave
+                wake_at = now + period
+            else:
+                wake_at = last_wave + (period if synced_generation != self._generation else 2 * period)
+            self._wake = trio.Event()  # set by a change, a new peer or a finished session
+            with trio.move_on_at(min(wake_at, now + self.config.peer_poll_interval)):
+                await self._wake.wait()
 
-    def _connected(self, peer: str) -> bool:
-        return any(p.to_base58() == peer for p in self.host.get_connected_peers())
+    def _eager_sessions(self, peers: list[str], now: float) -> float:
+        """Start a small swarm's due sessions (``SyncPlan.eager_due``); when the next falls due
+        (a session that ends wakes the loop before)."""
+        generation, period, ready = self._generation, self.config.sync_interval, self._sync_peers(now)
+        started = set()
+        for session in self._plan.eager_due(peers, ready, now, generation=generation, period=period):
+            if self._spawn(self._sync_once_quietly, session, generation):
+                started.add(session.peer)
+        idle = [p for p in ready if p not in started]
+        backed_off = [max(self._retry_at.get(p, 0.0), self._penalized_until.get(p, 0.0))
+                      for p in peers if p not in ready and p not in self._in_flight]
+        return min([self._plan.next_eager_at(idle, generation=generation, period=period), *backed_off])
 
-    async def _peer_loop(self, peer: str) -> None:
-        synced_generation = -1
-        failures = 0
+    async def _sync_once_quietly(self, session: Session, generation: int | None = None) -> bool:
+        """One initiated session (of a small swarm's, started at ``generation``); errors are logged,
+        the peer backed off, and False returned."""
+        peer = session.peer
+        self._in_flight.add(peer)
         try:
-            while self._connected(peer) and sync.serves_sync(self.host, peer):
-                wait_until = max(
-                    self._retry_at.get(peer, 0.0),
-                    self._penalized_until.get(peer, 0.0),
-                    trio.current_time(),
-                )
-                await trio.sleep_until(wait_until)
-                if synced_generation == self._generation:
-                    with trio.move_on_after(self.config.sync_interval):
-                        await self._changed.wait()
-                start_generation = self._generation
-                if await self._sync_once_quietly(peer):
-                    synced_generation, failures = start_generation, 0
-                else:
-                    failures += 1
-                    backoff = min(self.config.max_backoff, 0.25 * 2**failures)
-                    self._retry_at[peer] = trio.current_time() + backoff
-        finally:
-            self._peers.discard(peer)
-
-    async def _sync_once_quietly(self, peer: str) -> bool:
-        """One initiated session; errors are logged and reported as False."""
-        try:
+            news = None if session.full else self._news.keys(trio.current_time()) if session.news else set()
             with trio.fail_after(self.config.sync_timeout):
                 stream = await self.host.new_stream(ID.from_base58(peer), [sync.SYNC_PROTOCOL])
                 try:
-                    await sync.initiate(stream, self, peer_id=peer)
+                    await sync.initiate(stream, self, peer_id=peer, news=news)
                 finally:
                     await close_quietly(stream)
             self._mark_proven(peer, stream)
+            self._plan.completed(Session(peer, news is None))
+            if generation is not None:
+                self._plan.synced(peer, generation=generation, now=trio.current_time())
+            self._failures.pop(peer, None)
             await self._settle_own_streams()
         except RemoteProtocolError as exc:
             log.warning("state sync: dropping bad input from %s: %s", peer, exc)
@@ -456,6 +477,11 @@ class ReplicatedState:
             log.debug("state sync with %s could not start: %r", peer, exc)
         else:
             return True
+        finally:
+            self._in_flight.discard(peer)
+            self._wake.set()  # a small swarm's peer may be due again
+        self._failures[peer] = failures = self._failures.get(peer, 0) + 1
+        self._retry_at[peer] = trio.current_time() + min(self.config.max_backoff, 0.25 * 2**failures)
         return False
 
     async def _handle_stream(self, stream: INetStream) -> None:
@@ -468,7 +494,6 @@ class ReplicatedState:
                 await sync.refuse_busy(stream, peer_id=peer)
             await close_quietly(stream)
             return
-        self._ensure_peer(peer)
         try:
             with trio.fail_after(self.config.sync_timeout):
                 answered = await sync.respond(stream, self, peer_id=peer, take=self._take_answer_bytes)
@@ -491,7 +516,7 @@ class ReplicatedState:
 
     async def _heartbeat_loop(self) -> None:
         while True:
-            await trio.sleep(self.config.lease.heartbeat_interval)
+            await trio.sleep(self.heartbeat_interval())
             if not self._left:
                 await self.heartbeat()
             after_ms = int(self.config.forget_departed_after_s * 1000)  # members long gone are dropped

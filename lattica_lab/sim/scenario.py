@@ -114,6 +114,8 @@ def run(scenario: Scenario, *, lease: LeasePolicy | None = None, dht: DHTConfig 
         "state_growth_100_vs_10_rounds": round(final / state_at_10, 3),
         "state_sync_bytes_per_peer_per_round": int(sync_per_peer),
         "state_sync_bytes_per_member_per_peer_per_round": round(sync_per_peer / live_count, 1),
+        "state_sync_hello_share": round(state.traffic.hello_bytes / max(state.traffic.total(), 1), 3),
+        "state_sync_full_sessions_share": round(state.traffic.full_sessions / max(state.traffic.sessions, 1), 3),
         "heartbeat_interval_s": state.heartbeat_interval(),
         "dht_lookups": len(lookups),
         "dht_lookup_success": round(len(successes) / max(len(lookups), 1), 4),

@@ -2,19 +2,24 @@
 
 Every member writes its own document through its own ``Replica`` (membership record, role,
 lease renewals, round progress), as ``ReplicatedState`` does: ``heartbeat`` every
-``LeasePolicy.heartbeat_interval``, ``set_progress`` once per round, ``leave`` on a clean
-stop; a killed member just stops. Each write reaches the reference replica (the swarm's union,
-see the package docstring). Each observer, at every tick, runs one real session with the
-reference: both hellos are packed with msgpack (``sync.hello``), the envelopes it lacks are
+``LeasePolicy.interval_for`` the members that have not left (counted every 10 s),
+``set_progress`` once per round, ``leave`` on a clean stop; a killed member just stops. Each
+write reaches the reference replica (the swarm's union, see the package docstring). Each
+observer, at every tick, runs one real session with the reference: the envelopes it lacks are
 batched (``sync.batches``) and packed, and received through ``Replica.receive``.
 
-Traffic per peer. In the daemon a member runs a session with each connected peer whenever its
-state changed (and at least every ``sync_interval``), and answers theirs: per tick and
-connected peer two sessions, each with one hello each way. The envelopes a member lacks reach
-it once (the first session that has them); each member forwards on average as much as it
-receives. So per tick an observer moves ``2 x degree x (hello sent + hello received)`` plus the
-envelopes of its real session, counted both ways; ``bytes_per_round`` is half of that total
-(per direction), per round of ``round_s``.
+Traffic per peer. In the daemon a member runs the sessions its ``sync_plan.SyncPlan`` plans
+each ``sync_interval`` (a push of its news to ``fanout`` random peers, a full repair session now
+and then, full sessions until its first one completed) and answers those of its peers. An
+observer keeps its own ``SyncPlan`` and ``News`` (the streams whose ``have`` rose at it, from
+its real session and its own writes) and plans among ``degree`` peers (those whose proof is
+older than half a lease refreshed, as ``ProvenPeers.aging`` asks): each planned session
+moves its hello (version 2, partial over the news or full, packed) out and the answer (the
+same rows of the peer's vector: about the same size) in; as every member plans as many, it
+answers as many, of the same sizes. The envelopes a member lacks reach it once (the first
+session that has them); each member forwards on average as much as it receives, so the
+envelopes of the observer's real session are counted both ways. ``traffic`` is the total both
+ways; per direction is half of it.
 """
 
 from __future__ import annotations
@@ -31,8 +36,10 @@ from pycrdt import Doc, Map
 from lattica.crdt import documents, sync
 from lattica.crdt.config import ReplicaLimits, StateConfig
 from lattica.crdt.envelope import Envelope, RejectedUpdate
-from lattica.crdt.liveness import LeasePolicy, live_members
+from lattica.crdt.liveness import LeasePolicy, live_members, present
 from lattica.crdt.replica import Replica
+from lattica.crdt.streams import StreamKey
+from lattica.crdt.sync_plan import News, SyncPlan, SyncPolicy
 
 RUN = "sim-run"
 
@@ -59,6 +66,7 @@ class Traffic:
     hello_bytes: int = 0
     envelope_bytes: int = 0
     sessions: int = 0
+    full_sessions: int = 0
 
     def total(self) -> int:
         return self.hello_bytes + self.envelope_bytes
@@ -84,6 +92,11 @@ class StateSwarm:
         self.reference = self._new_replica()
         self.watchers: list[Replica] = []
         self.admin: Member | None = None
+        self.plan_policy: SyncPolicy = self.state_config.plan
+        self._plans: dict[str, tuple[SyncPlan, News, dict[StreamKey, int]]] = {}  # watcher -> plan, news, haves
+        self._last_session: dict[tuple[str, str], float] = {}  # (watcher, peer) -> its last session
+        self._peer_names = [f"peer-{i}" for i in range(self.degree)]
+        self._interval = self.lease.heartbeat_interval
 
     # -- membership ----------------------------------------------------------------------------
 
@@ -146,13 +159,13 @@ class StateSwarm:
 
     def _beat(self, member: Member) -> None:
         member.heartbeat += 1
-        expires = self.lease.lease_expiry_ms(self.now_ms)
+        expires = self.lease.lease_expiry_ms(self.now_ms, self._interval)
         beat = member.heartbeat
         self._write(member, lambda d: documents.write_lease(d, lease_expires_ms=expires, heartbeat=beat))
-        member.next_beat_s = self.now_s + self.heartbeat_interval()
+        member.next_beat_s = self.now_s + self._interval
 
     def heartbeat_interval(self) -> float:
-        return self.lease.heartbeat_interval
+        return self._interval
 
     def progress(self, round_: int) -> None:
         for member in self.alive():
@@ -167,6 +180,8 @@ class StateSwarm:
     def tick(self, dt: float) -> None:
         """Advance ``dt`` seconds: due heartbeats, then every observer's session of this tick."""
         self.now_s += dt
+        if int(self.now_s) % 10 == 0:
+            self._interval = self.lease.interval_for(present(self.reference.snapshot()["members"]))
         for member in self.alive():
             if member.next_beat_s <= self.now_s:
                 self._beat(member)
@@ -182,18 +197,34 @@ class StateSwarm:
         replica.forget_departed(replica.snapshot()["members"], now_ms=self.now_ms, after_ms=after_ms)
 
     def _session(self, replica: Replica) -> None:
-        """One real session of ``replica`` with the reference, and the hellos of its other ones."""
-        mine, theirs = replica.state_vector(), self.reference.state_vector()
-        hellos = packed_size(sync.hello(RUN, mine)) + packed_size(sync.hello(RUN, theirs))
-        missing = self.reference.missing_for(mine)
+        """One real session of ``replica`` with the reference (the envelopes it lacks), and the
+        hellos of the sessions its plan runs this tick (see the module docstring)."""
+        plan, news, haves = self._plans.setdefault(
+            replica.peer_id, (SyncPlan(self.plan_policy, rng=random.Random(self.rng.random())),
+                              News(self.plan_policy.news_window_s), {}))
+        missing = self.reference.missing_for(replica.state_vector())
         envelope_bytes = sum(packed_size(batch) for batch in sync.batches(missing)) + packed_size({"t": "end"})
         for env in missing:
             with contextlib.suppress(RejectedUpdate):
                 replica.receive(env, from_peer=self.reference.peer_id)
-        sessions = 2 * self.degree if missing or replica.state_vector() != mine else 0
-        self.traffic.hello_bytes += hellos * max(sessions, 1)
         self.traffic.envelope_bytes += 2 * envelope_bytes
-        self.traffic.sessions += sessions
+        vector = replica.state_vector()
+        rises = {(str(r[0]), str(r[1])) for r in vector if int(r[2]) > haves.get((str(r[0]), str(r[1])), 0)}
+        haves.clear()
+        haves.update({(str(r[0]), str(r[1])): int(r[2]) for r in vector})
+        news.note(rises, self.now_s)
+        recent = news.keys(self.now_s)
+        proof_s = self.lease.lease * self._interval / self.lease.heartbeat_interval  # ProvenPeers' lease
+        refresh = [p for p in self._peer_names
+                   if self._last_session.get((replica.peer_id, p), -proof_s) < self.now_s - proof_s / 2]
+        for session in plan.due(self._peer_names, self.now_s, news=bool(recent), holding=False, refresh=refresh):
+            self._last_session[(replica.peer_id, session.peer)] = self.now_s
+            rows = vector if session.full else sync.rows_among(vector, recent) if session.news else []
+            hello = packed_size(sync.hello(RUN, rows, partial=not session.full))
+            self.traffic.hello_bytes += 2 * 2 * hello  # ours and the answer; as many answered by us
+            self.traffic.sessions += 2
+            self.traffic.full_sessions += 2 * session.full
+            plan.completed(session)
 
     # -- measurements ------------------------------------------------------------------------------
 
@@ -213,7 +244,8 @@ class StateSwarm:
         newcomer = self._new_replica()
         missing = bootstrap.replica.missing_for([])
         batches = sync.batches(missing)
-        received = sum(packed_size(b) for b in batches) + packed_size(sync.hello(RUN, bootstrap.replica.state_vector()))
+        answer = sync.hello(RUN, bootstrap.replica.state_vector())
+        received = sum(packed_size(b) for b in batches) + packed_size(answer)
         for env in missing:
             with contextlib.suppress(RejectedUpdate):
                 newcomer.receive(env)

@@ -11,11 +11,14 @@ from lattica.crdt.liveness import (
     is_live,
     live_members,
     network_origin,
+    present,
     verified_writers,
 )
 
 NOW = 1_700_000_000_000
-POLICY = LeasePolicy(heartbeat_interval=1.0, lease=5.0, clock_skew=0.5, max_clock_ahead=10.0)
+POLICY = LeasePolicy(
+    heartbeat_interval=1.0, lease=5.0, clock_skew=0.5, max_clock_ahead=10.0, max_heartbeat_interval=1.0,
+)
 
 
 def _record(expires_in_ms: int = 3000, *, peers: list[str] | None = None, left: bool = False) -> dict:
@@ -31,6 +34,19 @@ def test_a_lease_far_beyond_the_reader_s_clock_is_no_lease():
     assert not is_live(_record(5000 + 11_000), now_ms=NOW, max_ahead_ms=POLICY.max_ahead_ms)
     with pytest.raises(ValueError, match="max_clock_ahead"):
         LeasePolicy(max_clock_ahead=-1)
+
+
+def test_renewals_slow_down_with_the_members_and_leases_grow_with_them():
+    policy = LeasePolicy(heartbeat_interval=1.0, lease=5.0, renewals_per_s=8.0, max_heartbeat_interval=30.0)
+    assert policy.interval_for(4) == 1.0
+    assert policy.interval_for(100) == 12.5
+    assert policy.lease_for(100) == 62.5
+    assert policy.interval_for(1000) == 30.0
+    assert policy.lease_expiry_ms(NOW, policy.interval_for(1000)) == NOW + 150_000
+    assert is_live(_record(150_000 + 9000), now_ms=NOW, max_ahead_ms=policy.max_ahead_ms)
+    assert not is_live(_record(150_000 + 11_000), now_ms=NOW, max_ahead_ms=policy.max_ahead_ms)
+    with pytest.raises(ValueError, match="max_heartbeat_interval"):
+        LeasePolicy(heartbeat_interval=2.0, lease=5.0, max_heartbeat_interval=1.0)
 
 
 SEASONED = 120.0  # seconds proven without a break: past the default standing
@@ -147,3 +163,10 @@ def test_vouch_policy_is_validated():
         VouchPolicy(quorum=0)
     with pytest.raises(ValueError, match="min_standing_s"):
         VouchPolicy(min_standing_s=-1.0)
+
+
+def test_the_swarm_size_that_paces_renewals_counts_expired_leases_but_not_leavers():
+    """A lagging view (a loaded host) sees leases expire: counting only live ones would renew
+    faster, lag more and see fewer still."""
+    members = {"a": _record(3000), "b": _record(-60_000), "c": _record(-60_000, left=True)}
+    assert present(members) == 2

@@ -26,6 +26,7 @@ from libp2p.security.insecure.transport import PLAINTEXT_PROTOCOL_ID, InsecureTr
 from standard_node import standard_node
 
 from lattica.config import NodeConfig
+from lattica.crdt.sync import SYNC_PROTOCOL
 from lattica.net.host import build_host
 from lattica.net.identity import peer_id_of
 from lattica.net.nat import AutoNATConfig, RelayReservations, RelayServer
@@ -245,7 +246,7 @@ async def test_no_stream_is_opened_again_and_again_for_a_protocol_the_peer_lacks
 
         host.new_stream = counting_new_stream  # type: ignore[method-assign]
         await trio.sleep(8.0)  # peer exchange runs every 2 s, AutoNAT retried at first after 2 s
-        for protocol in ("/lattica/px/1.0.0", "/lattica/state-sync/1.0.0", "/libp2p/autonat/1.0.0"):
+        for protocol in ("/lattica/px/1.0.0", str(SYNC_PROTOCOL), "/libp2p/autonat/1.0.0"):
             assert protocol not in opened, opened
         node.request_shutdown()
 

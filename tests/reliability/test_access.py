@@ -24,6 +24,7 @@ from libp2p.peer.peerinfo import info_from_p2p_addr
 
 from lattica.config import NodeConfig
 from lattica.coordination.rounds import ROUND_PROTOCOL, RoundCoordinator
+from lattica.crdt.sync import SYNC_PROTOCOL
 from lattica.errors import ConfigError, LatticaError
 from lattica.net.access import AUTH_PROTOCOL, AccessGate, RunAccess, read_secret_file
 from lattica.net.host import build_host
@@ -185,7 +186,7 @@ async def test_a_non_member_is_refused_on_every_protocol_and_a_member_is_served(
             assert c.peer_id not in _state_members(b)
             assert a.peer_id not in _state_members(c)
             denied = a.node.access.denied
-            for protocol in ("/lattica/state-sync/1.0.0", str(ROUND_PROTOCOL), str(PX_PROTOCOL),
+            for protocol in (str(SYNC_PROTOCOL), str(ROUND_PROTOCOL), str(PX_PROTOCOL),
                              "/lattica/tensors/1.0.0"):
                 assert denied[protocol] > 0, (protocol, dict(denied))
             assert a.node.status()["access"]["denied_streams"]

@@ -28,6 +28,7 @@ from lattica.crdt.envelope import Envelope
 from lattica.crdt.liveness import vouches
 from lattica.crdt.replica import Replica
 from lattica.crdt.state import ReplicatedState
+from lattica.crdt.sync import SYNC_PROTOCOL
 from lattica.net.host import build_host
 from lattica.node.composition import build_node
 from lattica_lab.daemons import DaemonProcess, cli_json
@@ -188,7 +189,7 @@ async def test_a_connected_peer_the_gate_refuses_is_no_member_even_when_a_member
                 await trio.sleep(0.2)
             await trio.sleep(2.0)  # a few heartbeats and sync sessions
             assert x_id in {p.to_base58() for p in a.running_host.get_connected_peers()}  # connected...
-            assert a.access.denied["/lattica/state-sync/1.0.0"] > 0  # ...but refused by the gate
+            assert a.access.denied[str(SYNC_PROTOCOL)] > 0  # ...but refused by the gate
             assert x_id not in a_state.live_members()
             assert x_id in a_state.dump()["unverified"]
             assert a_state.live_members() == sorted([a_state.peer_id, m_id])

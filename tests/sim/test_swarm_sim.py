@@ -20,3 +20,12 @@ def test_pairwise_gossip_agrees_within_twenty_rounds_at_a_hundred_members():
     rounds = consensus_rounds([f"p{i}" for i in range(100)], dim=16, group_size=2, seed=1)
     assert rounds is not None
     assert rounds <= 20
+
+
+def test_state_sync_costs_a_peer_a_bounded_share_per_member_at_a_hundred_members():
+    """News pushed to a few peers with rare full repairs, not whole vectors with every
+    connected peer at every change (that cost ~18 KB per member and second here)."""
+    result = run(Scenario(size=100, rounds=10, round_s=10.0, churn_per_10min=0.1, observers=2))
+    per_second = result["state_sync_bytes_per_member_per_peer_per_round"] / 10.0
+    assert per_second <= 2_000
+    assert result["state_sync_full_sessions_share"] < 0.1

@@ -40,11 +40,13 @@ failed fetch per period, not a fetch loop, and moves nobody's rounds.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Mapping
 from typing import TYPE_CHECKING
 
 from lattica.crdt.documents import MemberRecord, ProgressRecord
+from lattica.crdt.liveness import present
 
 if TYPE_CHECKING:
     from lattica.train.ports import RunState
@@ -58,6 +60,7 @@ class MembershipView:
 
     def __init__(self, state: RunState, *, peer_id: str) -> None:
         self.state, self.peer_id = state, peer_id
+        self._interval: tuple[int, float] | None = None  # (second, heartbeat interval then)
 
     # -- reads ------------------------------------------------------------------------------
 
@@ -95,7 +98,12 @@ class MembershipView:
 
     @property
     def heartbeat_interval(self) -> float:
-        return self.state.config.lease.heartbeat_interval
+        """How often members renew their leases now: the slower the more members (``LeasePolicy``)."""
+        now_ms = time.time_ns() // 1_000_000
+        if self._interval is None or self._interval[0] != now_ms // 1000:
+            members = present(self.members())
+            self._interval = (now_ms // 1000, self.state.config.lease.interval_for(members))
+        return self._interval[1]
 
     @property
     def admins(self) -> tuple[str, ...]:
