@@ -15,21 +15,7 @@ The service wraps a sans-IO ``Replica`` with three kinds of I/O:
   now and then a full session with one that repairs what pushes missed. Bad or failing peers are backed off.
 - **Liveness.** A heartbeat task renews our lease (less often in a larger swarm, ``LeasePolicy``);
   ``leave()`` writes ``left`` and pushes it to every connected peer at once.
-- **Proof of presence** (``liveness.ProvenPeers``). A completed sync session proves that its
-  peer is connected under the key it claims and was admitted by the access gate: the peer is
-  *proven* for a lease, with the network origin of its connection and its standing. The
-  heartbeat writes the proven peers into our record (our vouches); ``live_members`` counts only
-  verified writers (``liveness.verified_writers``), so throwaway keys are no members.
-- **Serving budget** (``AnswerSlots``, ``lattica.net.serving_budget``). Answering a session
-  sends whatever the asker lacks; beyond ``StateConfig.serving`` for all peers together, or two
-  sessions of one peer at once, a session is answered ``busy`` and the asker tries later.
-- **Equivocation.** A writer caught signing two histories is banned by the replica; the
-  evidence is persisted with the log and sent to peers that still hold the writer.
-- **Our own history.** After the log is replayed our own streams are held (``Replica``, "A
-  writer's own history"): our writes are persisted but published only after the first
-  completed sync session, which brings back whatever the swarm holds of ours — a data dir
-  restored from a backup then supersedes its past life's newer entries under a higher seq
-  instead of signing the same seqs again (which every peer would take for an equivocation).
+- Proof of presence, serving budget, equivocation, our own history: ``docs/replicated-state.md``.
 """
 
 from __future__ import annotations
@@ -53,15 +39,7 @@ from lattica.crdt import documents, sync
 from lattica.crdt.config import StateConfig
 from lattica.crdt.durable import DurableLog, state_log_path
 from lattica.crdt.envelope import Envelope, RejectedUpdate
-from lattica.crdt.liveness import (
-    MAX_VOUCHES,
-    Proof,
-    ProvenPeers,
-    is_live,
-    live_members,
-    present,
-    verified_writers,
-)
+from lattica.crdt.liveness import MAX_VOUCHES, Proof, ProvenPeers, is_live, live_members, present, verified_writers
 from lattica.crdt.replica import Replica
 from lattica.crdt.sync_plan import News, Session, SyncPlan
 from lattica.errors import BrokenError, LocalProtocolError, RemoteError, RemoteProtocolError
@@ -72,8 +50,7 @@ log = logging.getLogger(__name__)
 
 # not the relaying peer's fault: an honest peer relays a writer it has not caught or proven yet
 _BENIGN_REJECTIONS = frozenset({"replay", "equivocation", "banned", "evicted", "superseded", "departed"})
-# nor a run config record we refuse: who may write it is each node's own decision (its admins,
-# whom it joined through), so such a record is skipped and the rest of the session goes on
+# nor a run config record we refuse (each node decides its admins): skipped, the session goes on
 _SKIPPED_IN_SYNC = _BENIGN_REJECTIONS | {"unauthorized"}
 _MAX_ANSWERS_PER_PEER = 2  # an honest peer runs one session with us at a time
 
@@ -496,7 +473,8 @@ class ReplicatedState:
             return
         try:
             with trio.fail_after(self.config.sync_timeout):
-                answered = await sync.respond(stream, self, peer_id=peer, take=self._take_answer_bytes)
+                answered = await sync.respond(stream, self, peer_id=peer,
+                                              take=lambda n: self._answers.take(n, trio.current_time()))
             if answered:
                 self._mark_proven(peer, stream)
                 await self._settle_own_streams()
@@ -510,9 +488,6 @@ class ReplicatedState:
         finally:
             self._answers.end(peer)
             await close_quietly(stream)
-
-    def _take_answer_bytes(self, nbytes: int) -> bool:
-        return self._answers.take(nbytes, trio.current_time())
 
     async def _heartbeat_loop(self) -> None:
         while True:
