@@ -1,7 +1,7 @@
 """N real ``lattica join --train`` daemons on this machine, training together by gossip.
 
-    flock /work/wt/heavy.lock nice -n 10 .venv/bin/python benchmarks/swarm_real.py --daemons 8
-    flock /work/wt/heavy.lock nice -n 10 .venv/bin/python benchmarks/swarm_real.py           # 64
+    nice -n 10 .venv/bin/python benchmarks/swarm_real.py --daemons 8
+    nice -n 10 .venv/bin/python benchmarks/swarm_real.py           # 64
 
 The first daemon starts a run; the others join it from its address alone, ``--batch`` at a time
 (each waits until its control socket answers). Every daemon trains the ``tiny`` model on the
