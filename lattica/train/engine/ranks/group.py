@@ -162,6 +162,7 @@ class LocalGroup:
             "OMP_NUM_THREADS": str(self.spec.threads_per_rank),
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
             "LATTICA_RANK": str(rank),
+            "LATTICA_RANK_PARENT": str(os.getpid()),  # the rank dies with this process
         })
         return env
 

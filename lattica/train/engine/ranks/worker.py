@@ -4,7 +4,9 @@ Theory of operation
 -------------------
 ``python -m lattica.train.engine.ranks.worker`` reads its orders on stdin and answers on stdout
 (``messages.py``); its logs and tracebacks go to stderr, the daemon's log. It dies with the
-daemon (``PR_SET_PDEATHSIG``) and ends when its stdin closes.
+daemon (a watcher thread polls its parent: ``PR_SET_PDEATHSIG`` fires when the *thread* that
+started the process ends, and trio starts processes from worker threads that end after a few idle
+seconds) and ends when its stdin closes.
 
 1. ``init``: the rank, the world size, its device, the run settings and the node's peer id, the
    rendezvous (a ``TCPStore`` the daemon serves on 127.0.0.1 at a fresh port; every key under a
@@ -35,13 +37,13 @@ rank (its phase deadline).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import datetime
 import importlib
 import os
 import resource
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -67,7 +69,7 @@ from lattica.train.engine.schedule import ScheduleConfig, lr_multiplier
 from lattica.train.engine.task import Batch, Task
 from lattica.train.engine.utilization import device_peak_flops, mfu, model_flops_per_token
 
-_PR_SET_PDEATHSIG = 1
+_PARENT_POLL_S = 0.5
 
 
 class Channel:
@@ -294,10 +296,19 @@ def _device_info(name: str) -> DeviceInfo:
 
 
 def _die_with_parent() -> None:
-    """Linux: this process is killed when the daemon that started it dies, even mid-collective."""
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    """This process is killed when the daemon that started it dies, even mid-collective.
+
+    The daemon names itself in ``LATTICA_RANK_PARENT``; a daemon thread compares the parent's
+    pid with it twice a second (a collective in C++ releases the GIL, so it runs then too).
+    """
+    expected = int(os.environ.get("LATTICA_RANK_PARENT", os.getppid()))
+
+    def watch() -> None:
+        while os.getppid() == expected:
+            time.sleep(_PARENT_POLL_S)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="lattica-parent-watch", daemon=True).start()
 
 
 @contextlib.contextmanager
