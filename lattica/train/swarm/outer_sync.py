@@ -234,8 +234,8 @@ class OuterStateSync:
         a checkpoint the swarm has moved past); True when one was adopted. The holders move on
         every round and a fetch that straddles one fails its hash check: look at the state again
         and retry. A fetch that succeeded may have taken longer than a round too: while the swarm
-        is still ahead, adopt its newer state before the first inner step, rather than train a
-        round the swarm has sealed and throw it away at the first sync."""
+        is still ahead, adopt its newer state before the first inner step, rather than start
+        training and adopt it after that step (the repair check), a trainer start later."""
         adopted = False
         for _ in range(_JOIN_ATTEMPTS):
             agreed = self.agreed()
