@@ -33,6 +33,10 @@ Measured (from outside: the daemons' control sockets and ``lattica state``):
   member(s)`` log lines), and ``contributions_ratio``: how much of the undisturbed run's data the
   disturbed run trained on — a killed member misses every round until it trains again, so the
   loss ratio is to be read beside it.
+- ``restart_to_contribution_s``: the median, over the kills, of the seconds from the SIGKILL to
+  the victim's first round averaged with others (``sync round/N done with K member(s)``, K ≥ 2,
+  in its log) — a kill whose victim was killed again before that is left out; ``restarts_measured``
+  how many kills the median is of.
 
 By default the daemons share the machine's cores freely: while some restart, the others train
 faster and run more rounds without them (a 6-member round took ~0.6 s, a 3-member one ~0.2 s on
@@ -61,6 +65,7 @@ import os
 import random
 import re
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -245,6 +250,7 @@ class _Chaos:
     unmeasured: dict[int, int] = field(default_factory=dict)  # trains again, no progress yet -> round before
     # peer -> (round, since, swarm's newest then)
     progress: dict[int, tuple[int, float, int]] = field(default_factory=dict)
+    killed_at: list[tuple[int, float]] = field(default_factory=list)  # (peer, wall clock of the SIGKILL)
 
     def watch(self, swarm: Swarm, infos: list[dict[str, Any]], now: float, stuck_s: float) -> None:
         newest = max(_reached(i, swarm.inner_steps) for i in infos)
@@ -307,6 +313,7 @@ class _Chaos:
             _say(f"kill n{victim} (round {self.newest})")
             before = _reached(_training(swarm.daemons[victim]), swarm.inner_steps)
             self.resuming[victim] = (before, time.monotonic())
+            self.killed_at.append((victim, time.time()))
             swarm.restart(victim)
             self.kills += 1
 
@@ -329,6 +336,36 @@ def contributions(phase_dir: Path) -> int:
             rnd, k = int(match[1]), int(match[2])
             members[rnd] = max(members.get(rnd, 0), k)
     return sum(members.values())
+
+
+_LOGGED_SYNC = re.compile(r"^(\d\d):(\d\d):(\d\d\.\d+) .*sync round/\d+ done with (\d+) member", re.M)
+
+
+def _seconds_of_day(wall: float) -> float:
+    t = time.localtime(wall)
+    return t.tm_hour * 3600 + t.tm_min * 60 + t.tm_sec + wall % 1
+
+
+def restart_to_contribution(phase_dir: Path, killed_at: list[tuple[int, float]]) -> list[float]:
+    """Per kill, the seconds from the SIGKILL to the victim's first round averaged with others
+    after it (its daemon log's clock, the local time of day as the benchmark's); a kill whose
+    victim was killed again first has none."""
+    synced: dict[int, list[float]] = {}
+    for peer in {peer for peer, _ in killed_at}:
+        log = (phase_dir / f"n{peer}" / "daemon.log").read_text(errors="replace")
+        synced[peer] = [
+            int(m[1]) * 3600 + int(m[2]) * 60 + float(m[3])
+            for m in _LOGGED_SYNC.finditer(log) if int(m[4]) >= 2
+        ] if log else []
+    seconds = []
+    for index, (peer, wall) in enumerate(killed_at):
+        killed = _seconds_of_day(wall)
+        next_kill = min((w for p, w in killed_at[index + 1:] if p == peer), default=math.inf)
+        after = [(t - killed) % 86400 for t in synced[peer]]  # across midnight too
+        first = min((s for s in after if s < 43200), default=math.inf)
+        if wall + first < next_kill:
+            seconds.append(first)
+    return seconds
 
 
 def _say(line: str) -> None:
@@ -381,11 +418,17 @@ def run_chaos(root: Path, args: argparse.Namespace) -> dict[str, Any]:
                 "lost_rounds": chaos.lost, "max_stall_s": round(chaos.stall, 2),
                 "deadline_s": args.deadline_s, "final_loss": round(final_loss, 4),
                 "replicas_identical": identical, "contributions": contributions(root / "chaos"),
+                **_restart_figures(restart_to_contribution(root / "chaos", chaos.killed_at)),
             }
         finally:
             swarm.stop()
             if caps is not None:
                 caps.close()
+
+
+def _restart_figures(seconds: list[float]) -> dict[str, Any]:
+    median = round(statistics.median(seconds), 2) if seconds else None
+    return {"restart_to_contribution_s": median, "restarts_measured": len(seconds)}
 
 
 def run_undisturbed(root: Path, args: argparse.Namespace) -> float:

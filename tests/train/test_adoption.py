@@ -308,3 +308,46 @@ async def test_a_good_state_is_adopted() -> None:
     assert outer_state_hash(trainer.strategy.outer_state_dict()) == agreed[1]
     assert trainer.step == 4
     assert sync.refused_states() == {}
+
+
+class _MovingSwarm(_Holder):
+    """Serves the states of two rounds; while a member fetches the first, the holder publishes
+    the second (a swarm of fast rounds moves on during a restarted member's fetch)."""
+
+    def __init__(self, snapshot: dict[str, Any], first: tuple[int, dict[str, Any]], second: tuple[int, dict[str, Any]]):
+        super().__init__(*first)
+        self.served.update(_Holder(*second).served)
+        self.snapshot, self.second = snapshot, second
+
+    async def fetch(self, peer: str, names: list[str]) -> dict[str, torch.Tensor]:
+        rnd, state = self.second
+        self.snapshot["progress"]["a"] = _record(rnd, outer_state_hash(state))
+        return await super().fetch(peer, names)
+
+
+async def test_a_joining_member_adopts_again_before_its_first_inner_step_when_the_swarm_moved_on() -> None:
+    """Before, it took round 2 and trained its inner steps from there, only to find at its
+    first sync that the swarm had sealed round 3 meanwhile: those steps were thrown away for
+    another adoption, a round later."""
+    trainer = _trainer()
+    first, second = (2, _claimed(trainer, 2)), (3, _claimed(trainer, 3))
+    snapshot: dict[str, Any] = {
+        "members": {"me": {"role": "joining"}, "a": {"role": "trainer"}},
+        "progress": {"a": _record(2, outer_state_hash(first[1]))},
+    }
+
+    async def set_progress(rnd: int, digest: str) -> None:
+        snapshot["progress"]["me"] = _record(rnd, digest)
+
+    state_view = SimpleNamespace(
+        snapshot=lambda: snapshot, config=SimpleNamespace(lease=LeasePolicy()), live_members=lambda: ["me", "a"],
+        set_progress=set_progress,
+    )
+    view = MembershipView(state_view, peer_id="me")  # type: ignore[arg-type]
+    sync = OuterStateSync(view, _MovingSwarm(snapshot, first, second), TrainSettings(rounds=4, inner_steps=2),  # type: ignore[arg-type]
+                          ran_alone=lambda report: False)
+    sync.bind(trainer)
+    assert await sync.join_running_swarm() is True
+    assert trainer.strategy.completed_rounds == 3
+    assert outer_state_hash(trainer.strategy.outer_state_dict()) == outer_state_hash(second[1])
+    assert snapshot["progress"]["me"]["round"] == 3

@@ -14,6 +14,8 @@ from collections.abc import Iterable
 
 import torch
 
+from lattica.train.engine.eager_optimizers import EagerAdamW
+
 BETAS = (0.9, 0.95)
 
 
@@ -25,6 +27,6 @@ def adamw_implementation(device: torch.device) -> dict[str, bool]:
 def build_adamw(
     params: Iterable[torch.nn.Parameter], *, device: torch.device, lr: float, weight_decay: float,
 ) -> torch.optim.AdamW:
-    return torch.optim.AdamW(
+    return EagerAdamW(  # torch.optim.AdamW's arithmetic, without importing torch._dynamo
         params, lr=lr, betas=BETAS, weight_decay=weight_decay, **adamw_implementation(device),
     )

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
+from lattica.train.engine.eager_optimizers import EagerSGD
 from lattica.train.engine.outer_placement import OuterPlacement
 from lattica.train.engine.outer_placement import pseudo_gradient as placed_pseudo_gradient
 
@@ -81,7 +82,7 @@ def outer_copy(
 
 def nesterov_sgd(outer: list[torch.Tensor], lr: float, momentum: float) -> torch.optim.SGD:
     """The DiLoCo outer optimizer: plain SGD with Nesterov momentum (plain SGD at momentum 0)."""
-    return torch.optim.SGD(
+    return EagerSGD(  # torch.optim.SGD's arithmetic, without importing torch._dynamo
         outer, lr=lr, momentum=momentum,
         nesterov=momentum > 0,  # torch refuses Nesterov without momentum
         foreach=False,

@@ -66,7 +66,7 @@ CATCH_UP_WAIT_S = 5.0  # after a round run alone: the others' result of it is on
 # holds up a whole swarm whose round failed
 SKIPPED_WAIT_S = 1.0
 _OTHERS_LOOK_S = 0.5  # while catching up: how often to look whether the others still train
-_JOIN_ATTEMPTS = 3
+_JOIN_ATTEMPTS = 4  # fetches when joining, failed or not
 _REPAIR_RETRY_S = 2.0
 _HISTORY_ROUNDS = 64  # own outer-state hashes remembered per round (see ``repair_target``)
 _PROBE_TIMEOUT_S = 10.0  # asking a holder for the manifest of the state it published
@@ -231,17 +231,21 @@ class OuterStateSync:
 
     async def join_running_swarm(self, on_fetch: Callable[[], None] = lambda: None) -> bool:
         """Take the swarm's state when it is ahead of ours (a joiner, or a peer restarted from
-        a checkpoint the swarm has moved past). The holders move on every round and a fetch that
-        straddles one fails its hash check: look at the state again and retry."""
+        a checkpoint the swarm has moved past); True when one was adopted. The holders move on
+        every round and a fetch that straddles one fails its hash check: look at the state again
+        and retry. A fetch that succeeded may have taken longer than a round too: while the swarm
+        is still ahead, adopt its newer state before the first inner step, rather than start
+        training and adopt it after that step (the repair check), a trainer start later."""
+        adopted = False
         for _ in range(_JOIN_ATTEMPTS):
             agreed = self.agreed()
             if agreed is None or agreed[0] <= self._trainer().strategy.completed_rounds:
-                return False
+                return adopted
             on_fetch()
             if await self.adopt(agreed):
                 await self.publish_round()  # a holder now, and counted at that round
-                return True
-        return False
+                adopted = True
+        return adopted
 
     async def adopt(self, agreed: Agreed) -> bool:
         """Fetch, check and load the state of ``agreed``; True when it is now ours. A state that
