@@ -51,7 +51,7 @@ class SyncPolicy:
     fanout: int = 3
     push_all_up_to: int = 8
     news_window_s: float = 1.5
-    repair_interval_s: float = 30.0
+    repair_interval_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.fanout < 1 or self.push_all_up_to < 0:
