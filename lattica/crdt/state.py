@@ -156,7 +156,7 @@ class ReplicatedState:
         """``mutate`` and a renewal of our lease (our vouches too, if changed) in one envelope (``LeasePolicy``)."""
         self._heartbeat += 1
         interval, lease = self.heartbeat_interval(), self.config.lease
-        self._proven.lease_s, self._renewed_at = lease.scaled_lease(interval), trio.current_time()
+        self._proven.lease_s, now = lease.scaled_lease(interval), trio.current_time()
         expires, beat = lease.lease_expiry_ms(_now_ms(), interval), self._heartbeat
         vouched = sorted(self.proven_peers())[:MAX_VOUCHES]
         vouches, self._vouched = vouched if vouched != self._vouched else None, vouched
@@ -164,6 +164,7 @@ class ReplicatedState:
         def renewed(doc: Doc[Map[object]]) -> None:
             mutate(doc)
             documents.write_lease(doc, lease_expires_ms=expires, heartbeat=beat, vouches=vouches)
+            self._renewed_at = now  # written (a write that raised renews nothing)
 
         return renewed
 
