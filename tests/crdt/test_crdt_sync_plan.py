@@ -241,3 +241,21 @@ def test_a_batch_sends_envelopes_without_what_the_receiver_derives():
     for item in parse_batch({"t": "envs", "envs": mangled}, peer_id="p", run_id="run"):
         with pytest.raises(RejectedUpdate):
             envelope_from_wire(item, max_update_bytes=1024)
+
+
+def test_an_envelope_names_its_writer_by_tag_to_a_peer_that_holds_the_writer():
+    """The key (36 bytes) follows from an Ed25519 writer's peer id: a receiver holding the
+    writer's stream gets its 8-byte tag; one that does not, the key; a tag the receiver cannot
+    resolve (a writer it forgot meanwhile) is skipped, not taken for bad input."""
+    key_pair = create_new_key_pair()
+    writer = ID.from_pubkey(key_pair.public_key).to_base58()
+    env = sign_envelope(key_pair, run="run", doc=writer, seq=6, full=False, update=b"u" * 120)
+    to_holder, to_newcomer = batches([env], holders={writer})[0], batches([env])[0]
+    assert to_holder["envs"][0][4] == writer_tag(writer)
+    assert to_newcomer["envs"][0][4] == env.key
+    assert len(packb(to_holder["envs"][0])) <= len(packb(to_newcomer["envs"][0])) - 26
+    raw = parse_batch(to_holder, peer_id="p", run_id="run", by_tag=sync.tags_of([writer, "other"]))
+    received = envelope_from_wire(raw[0], max_update_bytes=1024)
+    assert received == env
+    verify_envelope(received, run="run")
+    assert parse_batch(to_holder, peer_id="p", run_id="run", by_tag=sync.tags_of(["other"])) == []
