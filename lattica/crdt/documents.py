@@ -6,8 +6,10 @@ the shared ``config`` document. A writer's document holds these root maps:
 - ``member``      its membership record: addrs, device, throughput, reachability, lease,
                   heartbeat count, left flag, and ``peers``: the peers that proved themselves to
                   it on a live connection (its vouches, see ``liveness.py``);
-- ``progress``    its current outer round and weights hash;
-- ``completed``   round -> weights hash of its last completed rounds;
+- ``progress``    its current outer round (its weights hash is that round's in ``completed``, or
+                  here when the round is older than those);
+- ``completed``   round -> weights hash of its last completed rounds (64 hex digits stored as
+                  their 32 bytes);
 - ``checkpoints`` ``"<round>|<hash>|<holder>"`` -> True (a flat set, merge-friendly);
 - ``experts``     expert id -> True for the experts it owns (SPES).
 
@@ -34,10 +36,11 @@ from lattica.decoding import bounded_text, finite_float, str_map
 CONFIG_DOC = "config"
 WRITER_ROOTS = ("member", "progress", "completed", "checkpoints", "experts")
 MEMBER_FIELDS = ("addrs", "device", "throughput", "reachability", "role")
-KEEP_COMPLETED_ROUNDS = 4  # each holds a 64-character hash: the bulk of a member's record
+KEEP_COMPLETED_ROUNDS = 2  # each holds a 64-character hash: the bulk of a member's record
 _MAX_TEXT = 512
 _MAX_ADDRS = 32
 _SEP = "|"
+_HEX = frozenset("0123456789abcdef")
 
 
 # -- typed views (what the readers below return) ------------------------------------------------
@@ -150,11 +153,18 @@ def write_member(doc: Doc[Map[object]], fields: Mapping[str, object]) -> None:
         member[name] = value
 
 
-def write_lease(doc: Doc[Map[object]], *, lease_expires_ms: int, heartbeat: int, left: bool = False) -> None:
+def write_lease(
+    doc: Doc[Map[object]], *, lease_expires_ms: int, heartbeat: int, left: bool = False,
+    vouches: Iterable[str] | None = None,
+) -> None:
+    """A lease renewal (or, ``left``, its end), with the writer's vouches when given (``write_vouches``)."""
     member = doc.get("member", type=Map)
     member["lease_expires_ms"] = encode_int(lease_expires_ms)
     member["heartbeat"] = encode_int(heartbeat)
-    member["left"] = left
+    if member.get("left") is not left:  # unchanged, it is not written again (every renewal would carry it)
+        member["left"] = left
+    if vouches is not None:
+        write_vouches(doc, vouches)
 
 
 def write_vouches(doc: Doc[Map[object]], peers: Iterable[str]) -> None:
@@ -166,14 +176,31 @@ def write_vouches(doc: Doc[Map[object]], peers: Iterable[str]) -> None:
 def write_progress(doc: Doc[Map[object]], *, round: int, weights_hash: str) -> None:
     _check_round(round)
     _check_text("weights_hash", weights_hash)
+    """The round and its hash, kept in ``completed`` (the newest ``KEEP_COMPLETED_ROUNDS``); the
+    hash is written again in ``progress`` only for a round older than those (a restart behind)."""
     progress = doc.get("progress", type=Map)
     progress["round"] = encode_int(round)
-    progress["weights_hash"] = weights_hash
     completed = doc.get("completed", type=Map)
-    completed[encode_int(round)] = weights_hash
+    completed[encode_int(round)] = _packed_hash(weights_hash)
     rounds = sorted(r for r in map(decode_int, completed.keys()) if r is not None)
     for old in rounds[:-KEEP_COMPLETED_ROUNDS]:
         del completed[encode_int(old)]
+    if round in rounds[-KEEP_COMPLETED_ROUNDS:]:
+        if "weights_hash" in progress:
+            del progress["weights_hash"]
+    else:
+        progress["weights_hash"] = weights_hash
+
+
+def _packed_hash(text: str) -> str | bytes:
+    """A hash of 64 hex digits as its 32 bytes (half the bytes in every progress write); any other text as is."""
+    return bytes.fromhex(text) if len(text) == 64 and all(c in _HEX for c in text) else text
+
+
+def _hash_text(value: object) -> str | None:
+    if isinstance(value, bytes | bytearray):
+        return value.hex() if len(value) == 32 else None
+    return _text_or_none(value)
 
 
 def write_checkpoint(doc: Doc[Map[object]], *, round: int, hashes: Iterable[str], holder: str) -> None:
@@ -232,7 +259,7 @@ def reassert(doc: Doc[Map[object]], wanted: Doc[Map[object]]) -> None:
             del root[key]
         for key, value in want.items():
             if have.get(key) != value:
-                root[key] = value
+                root[key] = bytes(value) if isinstance(value, bytearray) else value  # read back as a bytearray
 
 
 def compacted(doc: Doc[Map[object]]) -> Doc[Map[object]]:
@@ -246,7 +273,7 @@ def compacted(doc: Doc[Map[object]]) -> Doc[Map[object]]:
         if content:
             root = fresh.get(name, type=Map)
             for key, value in sorted(content.items()):
-                root[key] = value
+                root[key] = bytes(value) if isinstance(value, bytearray) else value  # read back as a bytearray
     return fresh
 
 
@@ -289,15 +316,17 @@ def read_progress(doc: Doc[Map[object]]) -> ProgressRecord | None:
     completed: list[CompletedRound] = []
     for key, value in _root(doc, "completed").items():
         round_ = decode_int(key)
-        weights_hash = _text_or_none(value)
+        weights_hash = _hash_text(value)
         if round_ is not None and weights_hash:
             completed.append({"round": round_, "weights_hash": weights_hash})
     if not raw and not completed:
         return None
     completed.sort(key=lambda item: item["round"])
+    round_ = decode_int(raw.get("round"))
+    in_completed = [item["weights_hash"] for item in completed if item["round"] == round_]
     return {
-        "round": decode_int(raw.get("round")),
-        "weights_hash": _text_or_none(raw.get("weights_hash")),
+        "round": round_,
+        "weights_hash": _text_or_none(raw.get("weights_hash")) or (in_completed[0] if in_completed else None),
         "completed": completed[-KEEP_COMPLETED_ROUNDS:],
     }
 

@@ -1,14 +1,16 @@
 """Heartbeats, leases and proof of presence: who is a live member, decided the same way on every node.
 
 Each member renews its own lease by writing ``lease_expires_ms`` (wall-clock ms, its own
-clock) into its membership record every ``heartbeat_interval``; a lease lasts ``lease``. In a
-larger swarm the renewals slow down so that the swarm writes about ``renewals_per_s`` of them a
-second (every renewal is an envelope every member receives): with ``members`` live members a
-member renews every ``interval_for(members)`` (``members / renewals_per_s``, at least
-``heartbeat_interval``, at most ``max_heartbeat_interval``) and its lease lasts as many times
-that as ``lease`` is of ``heartbeat_interval`` (``lease_for``): a crash is noticed after ~5 s
-with up to 8 members, ~60 s at 100, 150 s from 240 on (members: the records that have not
-left, ``present``).
+clock) into its membership record; a lease lasts ``lease``. Any write of a member's own record
+(its round's progress, a role, its vouches) renews the lease with it, in the same envelope, and
+the next renewal on its own falls due ``interval_for`` later: a member that publishes a round
+at least that often renews no more than once a round. The interval grows with the swarm
+(every renewal is an envelope every member receives): ``heartbeat_interval`` up to
+``small_swarm`` members, then ``1 / renewals_per_s`` seconds more per member, at most
+``max_heartbeat_interval``; a lease lasts ``lease`` plus ``scaled_lease_intervals`` times what
+the interval grew (``lease_for``). With the defaults a crash is noticed after ~5 s with up to 8
+members, ~18 s at 16, ~2.6 min at 100 (62 s renewals), ~3.8 min from 142 members on (90 s
+renewals); members: the records that have not left (``present``).
 A member that shuts down cleanly writes ``left = True`` and an expired lease, which reaches
 the others with the next push instead of after the lease runs out.
 
@@ -61,8 +63,10 @@ class LeasePolicy:
     lease: float = 5.0
     clock_skew: float = 0.5
     max_clock_ahead: float = 10.0  # how far a writer's clock may run ahead of the reader's
-    renewals_per_s: float = 8.0  # lease renewals a second the whole swarm aims at
-    max_heartbeat_interval: float = 30.0
+    small_swarm: int = 8  # members that renew every heartbeat_interval
+    renewals_per_s: float = 1.5  # past small_swarm, each member adds 1 / renewals_per_s s to the interval
+    max_heartbeat_interval: float = 90.0
+    scaled_lease_intervals: float = 2.5  # a scaled lease: lease + this x what the interval grew
 
     def __post_init__(self) -> None:
         if self.heartbeat_interval <= 0:
@@ -73,27 +77,33 @@ class LeasePolicy:
             raise ValueError("clock_skew must be >= 0")
         if self.max_clock_ahead < 0:
             raise ValueError("max_clock_ahead must be >= 0")
-        if not self.renewals_per_s > 0:
-            raise ValueError("renewals_per_s must be positive")
+        if not self.renewals_per_s > 0 or self.small_swarm < 0:
+            raise ValueError("renewals_per_s must be positive and small_swarm >= 0")
         if self.max_heartbeat_interval < self.heartbeat_interval:
             raise ValueError("max_heartbeat_interval must be at least heartbeat_interval")
+        if not self.scaled_lease_intervals >= 2:
+            raise ValueError("scaled_lease_intervals must be >= 2 (a lease outlasts two renewals)")
 
     def interval_for(self, members: int) -> float:
-        """How often a member renews its lease in a swarm of ``members`` live members."""
-        return min(self.max_heartbeat_interval, max(self.heartbeat_interval, members / self.renewals_per_s))
+        """How often a member renews its lease in a swarm of ``members`` members (module docstring)."""
+        grown = max(0, members - self.small_swarm) / self.renewals_per_s
+        return min(self.max_heartbeat_interval, self.heartbeat_interval + grown)
 
     def lease_for(self, members: int) -> float:
-        return self.lease * self.interval_for(members) / self.heartbeat_interval
+        return self.scaled_lease(self.interval_for(members))
+
+    def scaled_lease(self, interval: float) -> float:
+        """How long a lease lasts when renewed every ``interval``."""
+        return self.lease + self.scaled_lease_intervals * max(0.0, interval - self.heartbeat_interval)
 
     def lease_expiry_ms(self, now_ms: int, interval: float | None = None) -> int:
         """When a lease renewed at ``now_ms`` by a member renewing every ``interval`` ends."""
-        return now_ms + int(self.lease * (interval or self.heartbeat_interval) / self.heartbeat_interval * 1000)
+        return now_ms + int(self.scaled_lease(interval or self.heartbeat_interval) * 1000)
 
     @property
     def max_ahead_ms(self) -> int:
         """The furthest a lease may end after the reader's clock: the longest lease and the skew."""
-        longest = self.lease * self.max_heartbeat_interval / self.heartbeat_interval
-        return int((longest + self.max_clock_ahead) * 1000)
+        return int((self.scaled_lease(self.max_heartbeat_interval) + self.max_clock_ahead) * 1000)
 
 
 def present(members: Mapping[str, Mapping[str, object]]) -> int:

@@ -4,17 +4,17 @@ Theory of operation
 -------------------
 The service wraps a sans-IO ``Replica`` with three kinds of I/O:
 
-- **Durability** (``durable.DurableLog``). Every envelope the replica accepts (our own writes
-  and peers') is appended to ``data_dir/state-<run>.log`` and fsync'd in a worker thread. Our
-  own writes return (are *acknowledged*) only after that, and are not offered to peers before
-  it. At start the log is replayed through the same validation as network input; a torn tail is
-  cut off. A full disk does not stop the node: the held records are written, in order, once
-  space returns (warned once, shown in ``lattica status``); a kill meanwhile loses them.
+- **Durability** (``durable.DurableLog``). Every envelope the replica accepts (our own writes and peers')
+  is appended to ``data_dir/state-<run>.log`` and fsync'd in a worker thread. Our own writes return
+  (are *acknowledged*) only after that, and are not offered to peers before it. At start the log is
+  replayed through the same validation as network input; a torn tail is cut off. A full disk does not
+  stop the node: the held records are written, in order, once space returns (warned once, shown in
+  ``lattica status``); a kill meanwhile loses them.
 - **Anti-entropy.** Waves of sync sessions (``sync.initiate``) at a change or every ``sync_interval``,
   as ``sync_plan.SyncPlan`` plans them: what changed here lately pushed to a few random peers, and
   now and then a full session with one that repairs what pushes missed. Bad or failing peers are backed off.
-- **Liveness.** A heartbeat task renews our lease (less often in a larger swarm, ``LeasePolicy``);
-  ``leave()`` writes ``left`` and pushes it to every connected peer at once.
+- **Liveness.** Every write of our record renews our lease; a heartbeat task renews it when none
+  did for an interval (longer in a larger swarm, ``LeasePolicy``); ``leave()`` writes ``left`` and pushes it at once.
 - Proof of presence, serving budget, equivocation, our own history: ``docs/replicated-state.md``.
 """
 
@@ -94,7 +94,7 @@ class ReplicatedState:
         self._failures: dict[str, int] = {}  # the failures in a row of each, for the backoff
         self._in_flight: set[str] = set()  # peers in a session we started
         self._penalized_until: dict[str, float] = {}  # peers that sent bad input
-        self._heartbeat = 0
+        self._heartbeat, self._renewed_at = 0, -math.inf  # our lease's counter; when (trio time) it was renewed
         self._proven = ProvenPeers(lease_s=self.config.lease.lease)
         self._vouched: list[str] | None = None  # the proven peers our record lists
         self._verified_cache: tuple[tuple[int, int], set[str]] | None = None  # see ``_trusted``
@@ -117,9 +117,8 @@ class ReplicatedState:
                 nursery.start_soon(self._log.retry_held_records)
                 task_status.started()
         finally:
-            # The handler stays registered: py-libp2p 0.8.1 raises KeyError inside the swarm
-            # (taking the host down) if a handler is removed while a stream negotiates it.
-            # With no nursery the handler resets every stream.
+            # The handler stays registered: py-libp2p 0.8.1 raises KeyError inside the swarm (taking the host
+            # down) if a handler is removed while a stream negotiates it. With no nursery it resets every stream.
             self._nursery = None
             await self._log.close()
 
@@ -151,20 +150,23 @@ class ReplicatedState:
     async def heartbeat(self) -> None:
         """Renew our lease now (also done automatically); clears a previous ``leave()``."""
         self._left = False
+        await self._write(self.peer_id, lambda doc: None)
+
+    def _renewing(self, mutate: Callable[[Doc[Map[object]]], None]) -> Callable[[Doc[Map[object]]], None]:
+        """``mutate`` and a renewal of our lease (our vouches too, if changed) in one envelope (``LeasePolicy``)."""
         self._heartbeat += 1
-        interval = self.heartbeat_interval()
-        self._proven.lease_s = self.config.lease.lease * interval / self.config.lease.heartbeat_interval
-        expires = self.config.lease.lease_expiry_ms(_now_ms(), interval)
-        beat = self._heartbeat
+        interval, lease = self.heartbeat_interval(), self.config.lease
+        self._proven.lease_s, now = lease.scaled_lease(interval), trio.current_time()
+        expires, beat = lease.lease_expiry_ms(_now_ms(), interval), self._heartbeat
         vouched = sorted(self.proven_peers())[:MAX_VOUCHES]
-        changed, self._vouched = vouched != self._vouched, vouched
+        vouches, self._vouched = vouched if vouched != self._vouched else None, vouched
 
-        def renew(doc: Doc[Map[object]]) -> None:
-            documents.write_lease(doc, lease_expires_ms=expires, heartbeat=beat)
-            if changed:
-                documents.write_vouches(doc, vouched)
+        def renewed(doc: Doc[Map[object]]) -> None:
+            mutate(doc)
+            documents.write_lease(doc, lease_expires_ms=expires, heartbeat=beat, vouches=vouches)
+            self._renewed_at = now  # written (a write that raised renews nothing)
 
-        await self._write(self.peer_id, renew)
+        return renewed
 
     def heartbeat_interval(self) -> float:
         """How often we renew our lease now: the slower the more members (``LeasePolicy``)."""
@@ -172,10 +174,9 @@ class ReplicatedState:
 
     async def leave(self) -> None:
         """Mark ourselves as left and push that to every connected peer (bounded by sync_timeout)."""
-        self._left = True
-        self._heartbeat += 1
-        beat = self._heartbeat
-        await self._write(self.peer_id, partial(documents.write_lease, lease_expires_ms=0, heartbeat=beat, left=True))
+        self._left, self._heartbeat = True, self._heartbeat + 1
+        await self._write(self.peer_id, partial(documents.write_lease, lease_expires_ms=0, heartbeat=self._heartbeat,
+                                                left=True))
         await self.flush()
 
     async def set_progress(self, round: int, weights_hash: str) -> None:
@@ -201,6 +202,8 @@ class ReplicatedState:
     async def _write(self, doc_name: str, mutate: Callable[[Doc[Map[object]]], None]) -> None:
         if not self._log.started:
             raise LocalProtocolError("ReplicatedState.run() has not started")
+        if doc_name == self.peer_id and not self._left:
+            mutate = self._renewing(mutate)
         envelopes = await self._log.write(lambda: self._replica.local_write(doc_name, mutate))
         if envelopes:
             self._bump(envelopes)
@@ -262,9 +265,9 @@ class ReplicatedState:
         return {"clock_skew_ms": int(lease.clock_skew * 1000), "max_ahead_ms": lease.max_ahead_ms}
 
     def _trusted(self, writer: str) -> bool:
-        """Never evicted from a full table: peers that proved themselves to us (in this run of
-        the process) or that our members vouch for. Asked for writer after writer while a
-        batch fills the table: the verified set is computed once per state generation and second."""
+        """Never evicted from a full table: peers that proved themselves to us (in this run of the process)
+        or that our members vouch for. Asked for writer after writer while a batch fills the table: the
+        verified set is computed once per state generation and second."""
         if writer in self._proven:
             return True
         key = (self._generation, int(time.monotonic()))
@@ -273,16 +276,12 @@ class ReplicatedState:
         return writer in self._verified_cache[1]
 
     def _mark_proven(self, peer: str, stream: INetStream) -> None:
-        fresh = self._proven.mark(peer, sync.observed_origin(stream), time.monotonic())
-        if fresh:  # others may be waiting for our word on it
+        if self._proven.mark(peer, sync.observed_origin(stream), time.monotonic()):  # others may wait for our word
             self._spawn(self._refresh_vouches)
 
     async def _refresh_vouches(self) -> None:
-        vouched = sorted(self.proven_peers())[:MAX_VOUCHES]
-        if self._left or vouched == self._vouched:
-            return
-        self._vouched = vouched
-        await self._write(self.peer_id, lambda doc: documents.write_vouches(doc, vouched))
+        if not self._left and sorted(self.proven_peers())[:MAX_VOUCHES] != self._vouched:
+            await self._write(self.peer_id, lambda doc: None)  # the renewal writes them
 
     @property
     def admins(self) -> frozenset[str]:
@@ -290,12 +289,8 @@ class ReplicatedState:
         return self._replica.admins
 
     def counters(self) -> dict[str, int | dict[str, int]]:
-        counters = self._replica.counters()
-        counters["log_bytes"] = self._log.size_bytes
-        counters["log_held_records"] = self._log.held
-        counters["sync_answers_busy"] = self.serving.busy
-        counters["sync_answer_bytes"] = self.serving.served_bytes
-        return counters
+        return {**self._replica.counters(), "log_bytes": self._log.size_bytes, "log_held_records": self._log.held,
+                "sync_answers_busy": self.serving.busy, "sync_answer_bytes": self.serving.served_bytes}
 
     @property
     def log_failing(self) -> str | None:
@@ -336,6 +331,9 @@ class ReplicatedState:
 
     def state_vector(self) -> list[list[str | int]]:
         return self._replica.state_vector()
+
+    def writers(self) -> set[str]:
+        return self._replica.writers() | set(self._replica.banned())
 
     def missing_for(self, vector: object) -> list[Envelope]:
         return self._log.only_durable(self._replica.missing_for(vector))
@@ -391,8 +389,8 @@ class ReplicatedState:
             p not in self._in_flight and now >= max(self._retry_at.get(p, 0.0), self._penalized_until.get(p, 0.0))))]
 
     async def _sync_loop(self) -> None:
-        """Sessions as ``SyncPlan`` plans them: a small swarm's at once at each change (``_eager_sessions``),
-        a larger one's in waves at a change or else every ``sync_interval``, at most one wave per."""
+        """Sessions as ``SyncPlan`` plans: a small swarm's at once at each change (``_eager_sessions``), a
+        larger one's in waves at a change or else every ``sync_interval``, at most one wave per."""
         synced_generation, last_wave = -1, -math.inf
         while True:
             now, period = trio.current_time(), self.config.sync_interval
@@ -490,9 +488,11 @@ class ReplicatedState:
             await close_quietly(stream)
 
     async def _heartbeat_loop(self) -> None:
+        """A renewal when none was written for an interval (another write of our record renews too)."""
         while True:
-            await trio.sleep(self.heartbeat_interval())
-            if not self._left:
+            now, interval = trio.current_time(), self.heartbeat_interval()
+            await trio.sleep_until(now + interval if self._left else max(self._renewed_at + interval, now))
+            if not self._left and trio.current_time() >= self._renewed_at + self.heartbeat_interval():
                 await self.heartbeat()
             after_ms = int(self.config.forget_departed_after_s * 1000)  # members long gone are dropped
             if self._replica.forget_departed(self.snapshot()["members"], now_ms=_now_ms(), after_ms=after_ms):

@@ -13,11 +13,12 @@ rows a second — quadratic in the swarm, 96 % of the sync bytes at 100 members
   are the node's *news*.
 - **Push to a few.** Each period (the service's ``sync_interval``), when there is news, the node
   runs a *partial* session with ``fanout`` peers drawn at random among those it may sync with:
-  its hello lists the news rows only, the answer lists the answerer's rows for those streams,
-  and each side sends the envelopes of those streams the other lacks. A peer that learns
+  its hello lists the news rows only, the answer lists the answerer's rows for those streams
+  where it differs (nothing for a rumour it heard already), and each side sends the envelopes of
+  those streams the other lacks. A peer that learns
   something has news of it in turn, so an envelope reaches every member in about log_fanout(N)
-  periods, and a member hears each row ``fanout x news_window_s / period`` times, whatever
-  the number of its connections.
+  periods, and a member hears each row about ``fanout x news_window_s / period`` times and
+  answers it once, whatever the number of its connections.
 - **A small swarm** (a node with at most ``push_all_up_to`` peers) syncs as version 1 did,
   *eagerly*: a full session with each peer as soon as the state changed since the last one with
   it, and at least every period (``eager_due``), so that its members see each other's leases,
@@ -51,7 +52,7 @@ class SyncPolicy:
     fanout: int = 3
     push_all_up_to: int = 8
     news_window_s: float = 1.5
-    repair_interval_s: float = 30.0
+    repair_interval_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.fanout < 1 or self.push_all_up_to < 0:

@@ -1,9 +1,10 @@
 """The replicated run state of a virtual swarm: real replicas, real sessions, counted bytes.
 
 Every member writes its own document through its own ``Replica`` (membership record, role,
-lease renewals, round progress), as ``ReplicatedState`` does: ``heartbeat`` every
-``LeasePolicy.interval_for`` the members that have not left (counted every 10 s),
-``set_progress`` once per round, ``leave`` on a clean stop; a killed member just stops. Each
+lease renewals, round progress), as ``ReplicatedState`` does: ``set_progress`` once per round,
+each write renewing the lease with it, a renewal on its own when none was written for
+``LeasePolicy.interval_for`` the members that have not left (counted every 10 s), ``leave`` on a
+clean stop; a killed member just stops. Each
 write reaches the reference replica (the swarm's union, see the package docstring). Each
 observer, at every tick, runs one real session with the reference: the envelopes it lacks are
 batched (``sync.batches``) and packed, and received through ``Replica.receive``.
@@ -14,9 +15,13 @@ and then, full sessions until its first one completed) and answers those of its 
 observer keeps its own ``SyncPlan`` and ``News`` (the streams whose ``have`` rose at it, from
 its real session and its own writes) and plans among ``degree`` peers (those whose proof is
 older than half a lease refreshed, as ``ProvenPeers.aging`` asks): each planned session
-moves its hello (version 2, partial over the news or full, packed) out and the answer (the
-same rows of the peer's vector: about the same size) in; as every member plans as many, it
-answers as many, of the same sizes. The envelopes a member lacks reach it once (the first
+moves its hello (version 3, partial over the news or full, packed) out and the answer in: to a
+full hello the peer's whole vector (about the same size), to a push the rows where the peer
+differs. Which those are is modelled, not run: every member hears of a change once, from the
+first push that reaches it, and answers that one with the row, so a change's row is in one
+answer per member; an observer's answer lists the rows it pushes for the first time, and
+nothing to a push of rows it pushed before. As every member plans as many sessions, it answers
+as many, of the same sizes. The envelopes a member lacks reach it once (the first
 session that has them); each member forwards on average as much as it receives, so the
 envelopes of the observer's real session are counted both ways. ``traffic`` is the total both
 ways; per direction is half of it.
@@ -95,6 +100,7 @@ class StateSwarm:
         self.plan_policy: SyncPolicy = self.state_config.plan
         self._plans: dict[str, tuple[SyncPlan, News, dict[StreamKey, int]]] = {}  # watcher -> plan, news, haves
         self._last_session: dict[tuple[str, str], float] = {}  # (watcher, peer) -> its last session
+        self._pushed: dict[str, dict[StreamKey, int]] = {}  # watcher -> the have it last pushed of each stream
         self._peer_names = [f"peer-{i}" for i in range(self.degree)]
         self._interval = self.lease.heartbeat_interval
 
@@ -118,10 +124,9 @@ class StateSwarm:
                 watcher.adopt_admin(member.peer_id)
             self._publish(replica.local_write(documents.CONFIG_DOC, lambda d: documents.write_config(
                 d, {"strategy": "diloco", "averaging": "gossip", "inner_steps": 50})))
-        self._write(member, lambda d: documents.write_member(
+        self._beat(member, lambda d: documents.write_member(
             d, {"addrs": [f"/ip4/10.{member.index // 250}.{member.index % 250}.1/tcp/4001"],
                 "device": "cpu", "role": "trainer", "reachability": "public"}))
-        self._beat(member)
         return member
 
     def add_observers(self) -> None:
@@ -157,11 +162,18 @@ class StateSwarm:
             with contextlib.suppress(RejectedUpdate):
                 self.reference.receive(env)
 
-    def _beat(self, member: Member) -> None:
+    def _beat(self, member: Member, mutate: Callable[[Doc[Map[object]]], None] = lambda d: None) -> None:
+        """A write of ``member``'s record with its lease renewed in it, as ``ReplicatedState`` writes
+        every write of its own record; the next renewal on its own is due an interval later."""
         member.heartbeat += 1
         expires = self.lease.lease_expiry_ms(self.now_ms, self._interval)
         beat = member.heartbeat
-        self._write(member, lambda d: documents.write_lease(d, lease_expires_ms=expires, heartbeat=beat))
+
+        def renewed(doc: Doc[Map[object]]) -> None:
+            mutate(doc)
+            documents.write_lease(doc, lease_expires_ms=expires, heartbeat=beat)
+
+        self._write(member, renewed)
         member.next_beat_s = self.now_s + self._interval
 
     def heartbeat_interval(self) -> float:
@@ -169,7 +181,7 @@ class StateSwarm:
 
     def progress(self, round_: int) -> None:
         for member in self.alive():
-            self._write(member, lambda d: documents.write_progress(d, round=round_, weights_hash=f"{round_:064x}"))
+            self._beat(member, lambda d: documents.write_progress(d, round=round_, weights_hash=f"{round_:064x}"))
 
     # -- time ------------------------------------------------------------------------------------
 
@@ -202,8 +214,10 @@ class StateSwarm:
         plan, news, haves = self._plans.setdefault(
             replica.peer_id, (SyncPlan(self.plan_policy, rng=random.Random(self.rng.random())),
                               News(self.plan_policy.news_window_s), {}))
-        missing = self.reference.missing_for(replica.state_vector())
-        envelope_bytes = sum(packed_size(batch) for batch in sync.batches(missing)) + packed_size({"t": "end"})
+        held = replica.state_vector()
+        missing = self.reference.missing_for(held)
+        batches = sync.batches(missing, holders=sync.holders(held))  # type: ignore[arg-type]
+        envelope_bytes = sum(packed_size(batch) for batch in batches) + packed_size({"t": "end"})
         for env in missing:
             with contextlib.suppress(RejectedUpdate):
                 replica.receive(env, from_peer=self.reference.peer_id)
@@ -214,17 +228,27 @@ class StateSwarm:
         haves.update({(str(r[0]), str(r[1])): int(r[2]) for r in vector})
         news.note(rises, self.now_s)
         recent = news.keys(self.now_s)
-        proof_s = self.lease.lease * self._interval / self.lease.heartbeat_interval  # ProvenPeers' lease
+        proof_s = self.lease.scaled_lease(self._interval)  # ProvenPeers' lease
         refresh = [p for p in self._peer_names
                    if self._last_session.get((replica.peer_id, p), -proof_s) < self.now_s - proof_s / 2]
+        pushed = self._pushed.setdefault(replica.peer_id, {})
         for session in plan.due(self._peer_names, self.now_s, news=bool(recent), holding=False, refresh=refresh):
             self._last_session[(replica.peer_id, session.peer)] = self.now_s
             rows = vector if session.full else sync.rows_among(vector, recent) if session.news else []
             hello = packed_size(sync.hello(RUN, rows, partial=not session.full))
-            self.traffic.hello_bytes += 2 * 2 * hello  # ours and the answer; as many answered by us
+            answer = hello if session.full else packed_size(sync.hello(RUN, self._unheard(rows, pushed), partial=True))
+            self.traffic.hello_bytes += 2 * (hello + answer)  # ours and the answer; as many answered by us
             self.traffic.sessions += 2
             self.traffic.full_sessions += 2 * session.full
             plan.completed(session)
+
+    @staticmethod
+    def _unheard(rows: list[list[str | int]], pushed: dict[StreamKey, int]) -> list[list[str | int]]:
+        """The rows of a push its answer lists (see the module docstring): those this observer
+        pushes for the first time."""
+        unheard = [row for row in rows if pushed.get((str(row[0]), str(row[1])), 0) < int(row[2])]
+        pushed.update({(str(row[0]), str(row[1])): int(row[2]) for row in unheard})
+        return unheard
 
     # -- measurements ------------------------------------------------------------------------------
 

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 
 from crdt_helpers import RUN, make_replicas
+from msgpack import packb
 
 from lattica.crdt import documents
 from lattica.crdt.envelope import RejectedUpdate
 from lattica.crdt.replica import Replica
+from lattica.crdt.sync import compact
 
 
 def _live_for(replica: Replica, beats: int, *, rounds_every: int = 60) -> None:
@@ -66,5 +69,29 @@ def test_a_member_record_keeps_only_its_last_rounds_hashes():
     for r in range(1, 11):
         hash_ = f"{r:064x}"
         writer.local_write(writer.peer_id, lambda d, r=r, h=hash_: documents.write_progress(d, round=r, weights_hash=h))
-    completed = writer.snapshot()["progress"][writer.peer_id]["completed"]
-    assert [c["round"] for c in completed] == [7, 8, 9, 10]
+    progress = writer.snapshot()["progress"][writer.peer_id]
+    assert [c["round"] for c in progress["completed"]] == [9, 10]
+    assert all(c["weights_hash"] == f"{c['round']:064x}" for c in progress["completed"])
+    assert (progress["round"], progress["weights_hash"]) == (10, f"{10:064x}")
+    writer.local_write(writer.peer_id, lambda d: documents.write_progress(d, round=3, weights_hash="back"))
+    progress = writer.snapshot()["progress"][writer.peer_id]  # restarted behind the rounds it keeps
+    assert (progress["round"], progress["weights_hash"]) == (3, "back")
+    writer.local_write(writer.peer_id, lambda d: documents.write_progress(d, round=11, weights_hash="h11"))
+    assert writer.snapshot()["progress"][writer.peer_id]["weights_hash"] == "h11"
+
+
+def test_a_round_s_progress_and_lease_renewal_take_one_small_envelope():
+    """A member writes its progress and renews its lease with it once a round: the weights hash
+    once (not also in ``progress``) and as its 32 bytes, the unchanged ``left`` flag not again —
+    about 240 bytes on the wire where the same write took 363."""
+    (writer,) = make_replicas(1)
+    writer.local_write(writer.peer_id, lambda d: documents.write_lease(d, lease_expires_ms=1, heartbeat=1))
+    sizes = []
+    for r in range(1, 6):
+        def renewed(d, r=r):
+            documents.write_progress(d, round=r, weights_hash=hashlib.sha256(bytes([r])).hexdigest())
+            documents.write_lease(d, lease_expires_ms=1_700_000_000_000 + r * 60_000, heartbeat=r + 1)
+        sizes += [len(packb(compact(env))) for env in writer.local_write(writer.peer_id, renewed) if not env.full]
+    assert max(sizes[1:]) <= 250
+    progress = writer.snapshot()["progress"][writer.peer_id]
+    assert progress["weights_hash"] == hashlib.sha256(bytes([5])).hexdigest()

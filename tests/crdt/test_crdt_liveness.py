@@ -37,16 +37,23 @@ def test_a_lease_far_beyond_the_reader_s_clock_is_no_lease():
 
 
 def test_renewals_slow_down_with_the_members_and_leases_grow_with_them():
-    policy = LeasePolicy(heartbeat_interval=1.0, lease=5.0, renewals_per_s=8.0, max_heartbeat_interval=30.0)
-    assert policy.interval_for(4) == 1.0
-    assert policy.interval_for(100) == 12.5
-    assert policy.lease_for(100) == 62.5
-    assert policy.interval_for(1000) == 30.0
-    assert policy.lease_expiry_ms(NOW, policy.interval_for(1000)) == NOW + 150_000
-    assert is_live(_record(150_000 + 9000), now_ms=NOW, max_ahead_ms=policy.max_ahead_ms)
-    assert not is_live(_record(150_000 + 11_000), now_ms=NOW, max_ahead_ms=policy.max_ahead_ms)
+    """Up to 8 members renew every second (5-s leases); past that a member renews about once a
+    60-s round from 100 members on, at most every 90 s, its lease outlasting two renewals."""
+    policy = LeasePolicy()
+    assert policy.interval_for(4) == policy.interval_for(8) == 1.0
+    assert policy.lease_for(8) == 5.0
+    assert policy.interval_for(16) == pytest.approx(1 + 8 / 1.5)
+    assert policy.interval_for(100) > 60.0
+    assert policy.lease_for(100) == pytest.approx(5 + 2.5 * 92 / 1.5)
+    assert policy.interval_for(1000) == 90.0
+    longest = 5 + 2.5 * 89
+    assert policy.lease_expiry_ms(NOW, policy.interval_for(1000)) == NOW + longest * 1000
+    assert is_live(_record(int(longest * 1000) + 9000), now_ms=NOW, max_ahead_ms=policy.max_ahead_ms)
+    assert not is_live(_record(int(longest * 1000) + 11_000), now_ms=NOW, max_ahead_ms=policy.max_ahead_ms)
     with pytest.raises(ValueError, match="max_heartbeat_interval"):
         LeasePolicy(heartbeat_interval=2.0, lease=5.0, max_heartbeat_interval=1.0)
+    with pytest.raises(ValueError, match="scaled_lease_intervals"):
+        LeasePolicy(scaled_lease_intervals=1.5)
 
 
 SEASONED = 120.0  # seconds proven without a break: past the default standing

@@ -130,3 +130,26 @@ async def test_hostile_peer_is_rejected_counted_and_harmless(tmp_path):
                 await read_message(stream, max_size=1 << 22)
             assert set(a.snapshot()["members"]) == set(before["members"]) == {a.peer_id}
             assert a.live_members() == [a.peer_id]
+
+
+async def test_a_member_s_progress_renews_its_lease_in_the_same_envelope(tmp_path):
+    """Every write of its record renews a member's lease, and the next renewal of its own falls
+    due an interval after it: a member publishing rounds faster than it renews writes one
+    envelope per round (rounds and renewals were two envelopes, every member receiving both)."""
+    key_pair = create_new_key_pair()
+    host = build_host(key_pair)
+    config = StateConfig(**{**FAST, "lease": LeasePolicy(heartbeat_interval=0.5, lease=2.0, clock_skew=0.0)})
+    async with host.run([LOOPBACK]), trio.open_nursery() as nursery:
+        state = ReplicatedState(host, key_pair, data_dir=tmp_path / "a", run_id="svc", config=config)
+        await nursery.start(state.run)
+        first = state.snapshot()["members"][state.peer_id]
+        for round_ in range(1, 11):
+            await trio.sleep(0.2)
+            await state.set_progress(round_, f"w{round_}")
+        record = state.snapshot()["members"][state.peer_id]
+        assert record["heartbeat"] == first["heartbeat"] + 10  # one renewal per round, none of its own
+        assert record["lease_expires_ms"] >= first["lease_expires_ms"] + 1800
+        assert state.counters()["updates_accepted"] <= 12
+        await trio.sleep(0.8)  # no round for more than an interval: a renewal of its own
+        assert state.snapshot()["members"][state.peer_id]["heartbeat"] == record["heartbeat"] + 1
+        nursery.cancel_scope.cancel()

@@ -29,6 +29,9 @@ class EmptyReplica:
     def state_vector(self) -> list[list[str | int]]:
         return []
 
+    def writers(self) -> set[str]:
+        return set()
+
     def missing_for(self, vector: object) -> list:
         return []
 

@@ -1,4 +1,5 @@
-"""Sync version 2: news pushed to a few peers, rare full repairs, hellos that old daemons cannot misread."""
+"""Sync version 3: news pushed to a few peers, answers only where they differ, rare full repairs, hellos that
+old daemons cannot misread."""
 
 from __future__ import annotations
 
@@ -14,10 +15,20 @@ from libp2p.peer.peerinfo import info_from_p2p_addr
 from msgpack import packb
 from test_crdt_service import LOOPBACK, p2p_addr, running_node, wait_for
 
-from lattica.crdt import LeasePolicy, ReplicatedState, StateConfig
+from lattica.crdt import LeasePolicy, ReplicatedState, StateConfig, sync
 from lattica.crdt.envelope import RejectedUpdate, envelope_from_wire, sign_envelope, verify_envelope
 from lattica.crdt.liveness import ProvenPeers
-from lattica.crdt.sync import SYNC_PROTOCOL, batches, hello, parse_batch, parse_hello
+from lattica.crdt.sync import (
+    SYNC_PROTOCOL,
+    as_answered,
+    batches,
+    differing,
+    hello,
+    parse_batch,
+    parse_hello,
+    resolved,
+    writer_tag,
+)
 from lattica.crdt.sync_plan import News, SyncPlan, SyncPolicy
 from lattica.errors import RemoteProtocolError
 from lattica.net.host import build_host
@@ -59,29 +70,70 @@ def test_news_are_the_streams_changed_within_the_window():
 
 
 def test_a_hello_round_trips_with_its_rows_compacted():
-    """A row names a writer by its key (32 bytes, not a 52-character id), the head by 8 bytes."""
+    """A row names a writer by an 8-byte tag (not its 32-byte key or 52-character id) and the
+    head by 8 bytes; a partial hello (a push) leaves the head out."""
     writer = ID.from_pubkey(create_new_key_pair().public_key).to_base58()
     vector: list[list[str | int]] = [["config", writer, 3, "00112233aabbccdd"], [writer, writer, 7, "ffeeddcc00112233"],
                                      ["config", "admin", 2, "ab"]]
-    wire = hello("run", vector, partial=True)
-    key = ID.from_base58(writer).to_bytes()[-32:]
-    assert wire["sv"][:2] == [["config", key, 3, bytes.fromhex("00112233aabbccdd")],
-                              ["", key, 7, bytes.fromhex("ffeeddcc00112233")]]
-    assert parse_hello(wire, run_id="run", peer_id="p") == (vector, True)
-    assert len(packb(wire["sv"][1])) <= 48  # 74 with the id and head spelled out
+    wire = hello("run", vector)
+    tag = writer_tag(writer)
+    assert len(tag) == 8
+    assert wire["sv"][:2] == [["config", tag, 3, bytes.fromhex("00112233aabbccdd")],
+                              ["", tag, 7, bytes.fromhex("ffeeddcc00112233")]]
+    rows, partial = parse_hello(wire, run_id="run", peer_id="p")
+    assert not partial
+    assert resolved(rows, [writer, "admin", "someone else"]) == (vector, [])
+    assert resolved(rows, ["admin"]) == ([vector[2]], rows[:2])  # a writer we do not know
+    assert len(packb(wire["sv"][1])) <= 25  # 74 with the id and head spelled out, 47 with the key
+    pushed = hello("run", vector, partial=True)
+    assert pushed["sv"][1] == ["", tag, 7]
+    assert len(packb(pushed["sv"][1])) <= 14
+
+
+def test_the_answer_to_a_rumour_already_heard_is_empty():
+    """A push's answer lists only the rows where the answerer differs: 47-byte rows echoed back
+    at every push made each change cost a member its row ~9 times."""
+    a, b, c = (ID.from_pubkey(create_new_key_pair().public_key).to_base58() for _ in range(3))
+    mine: list[list[str | int]] = [[a, a, 5, "aa" * 8], [b, b, 2, "bb" * 8], ["config", a, 1, "cc" * 8]]
+    pushed = [[a, a, 5], [b, b, 2]]
+    rows, partial = parse_hello(hello("run", pushed, partial=True), run_id="run", peer_id="p")
+    assert partial
+    theirs, unknown = resolved(rows, [a, b, c])
+    assert differing(mine, theirs, unknown) == []  # heard it already
+    assert packb(hello("run", differing(mine, theirs, unknown), partial=True)["sv"]) == packb([])
+    behind = [[a, a, 4, "dd" * 8], ["config", a, 1, "cc" * 8]]  # an older seq of a, no b
+    assert differing(behind, theirs, unknown) == [[a, a, 4], [b, b, 0]]
+    theirs, unknown = resolved(rows, [b])  # a is a writer the answerer never heard of
+    assert differing([[b, b, 2, "bb" * 8]], theirs, unknown) == [["", writer_tag(a), 0]]
+    answer, _ = resolved(parse_hello(hello("run", [[a, a, 4], [b, b, 0]], partial=True), run_id="run",
+                                     peer_id="p")[0], [a, b])
+    assert as_answered(pushed, answer) == [[a, a, 4], [b, b, 0]]
+    assert as_answered(pushed, []) == pushed  # an empty answer: it holds what we pushed
+
+
+def test_a_tag_two_known_writers_share_names_neither(monkeypatch):
+    """Tags of 8 bytes: two writers collide only when ground together (~2^32 tries); their rows
+    then name neither, and their envelopes go whole, as to a peer that holds none."""
+    rows = [["", b"12345678", 3]]
+    real_tag = sync.writer_tag
+    monkeypatch.setattr(sync, "writer_tag", lambda w: b"12345678" if w in ("x", "y") else real_tag(w))
+    assert resolved(rows, ["x"]) == ([["x", "x", 3]], [])
+    assert resolved(rows, ["x", "y"]) == ([], rows)
 
 
 @pytest.mark.parametrize(
     "bad",
     [
         {"t": "hello", "run": "run", "sv": []},  # version 1
-        {"t": "hello", "v": 3, "run": "run", "part": False, "sv": []},
-        {"t": "hello", "v": 2, "run": "run", "part": "yes", "sv": []},
-        {"t": "hello", "v": 2, "run": "run", "part": False, "sv": [["", "", 1]]},
-        {"t": "hello", "v": 2, "run": "run", "part": False, "sv": [["", b"", 1]]},
-        {"t": "hello", "v": 2, "run": "run", "part": False, "sv": [["", b"x" * 65, 1]]},
-        {"t": "hello", "v": 2, "run": "run", "part": False, "sv": ["row"]},
-        {"t": "hello", "v": 2, "run": "other", "part": False, "sv": []},
+        {"t": "hello", "v": 2, "run": "run", "part": False, "sv": []},  # version 2
+        {"t": "hello", "v": 3, "run": "run", "part": "yes", "sv": []},
+        {"t": "hello", "v": 3, "run": "run", "part": False, "sv": [["", "", 1]]},
+        {"t": "hello", "v": 3, "run": "run", "part": False, "sv": [["", b"", 1]]},
+        {"t": "hello", "v": 3, "run": "run", "part": False, "sv": [["", b"x" * 32, 1]]},  # a version-2 key
+        {"t": "hello", "v": 3, "run": "run", "part": False, "sv": [[b"", b"x" * 8, 1]]},
+        {"t": "hello", "v": 3, "run": "run", "part": False, "sv": [["", b"x" * 8]]},
+        {"t": "hello", "v": 3, "run": "run", "part": False, "sv": ["row"]},
+        {"t": "hello", "v": 3, "run": "other", "part": False, "sv": []},
     ],
 )
 def test_a_malformed_or_old_hello_is_refused(bad):
@@ -189,3 +241,21 @@ def test_a_batch_sends_envelopes_without_what_the_receiver_derives():
     for item in parse_batch({"t": "envs", "envs": mangled}, peer_id="p", run_id="run"):
         with pytest.raises(RejectedUpdate):
             envelope_from_wire(item, max_update_bytes=1024)
+
+
+def test_an_envelope_names_its_writer_by_tag_to_a_peer_that_holds_the_writer():
+    """The key (36 bytes) follows from an Ed25519 writer's peer id: a receiver holding the
+    writer's stream gets its 8-byte tag; one that does not, the key; a tag the receiver cannot
+    resolve (a writer it forgot meanwhile) is skipped, not taken for bad input."""
+    key_pair = create_new_key_pair()
+    writer = ID.from_pubkey(key_pair.public_key).to_base58()
+    env = sign_envelope(key_pair, run="run", doc=writer, seq=6, full=False, update=b"u" * 120)
+    to_holder, to_newcomer = batches([env], holders={writer})[0], batches([env])[0]
+    assert to_holder["envs"][0][4] == writer_tag(writer)
+    assert to_newcomer["envs"][0][4] == env.key
+    assert len(packb(to_holder["envs"][0])) <= len(packb(to_newcomer["envs"][0])) - 26
+    raw = parse_batch(to_holder, peer_id="p", run_id="run", by_tag=sync.tags_of([writer, "other"]))
+    received = envelope_from_wire(raw[0], max_update_bytes=1024)
+    assert received == env
+    verify_envelope(received, run="run")
+    assert parse_batch(to_holder, peer_id="p", run_id="run", by_tag=sync.tags_of(["other"])) == []

@@ -1,7 +1,8 @@
 """Which peers a training member waits for: heartbeats, settling, and "did I run alone?".
 
-Theory of operation: every member renews its lease once per heartbeat interval, and the
-counter it bumps travels with the replicated state through whichever peer relays it. A peer is
+Theory of operation: every member renews its lease at least once per heartbeat interval (each
+write of its record, its round's progress included, renews it), and the counter it bumps
+travels with the replicated state through whichever peer relays it. A peer is
 *heard* while that counter keeps changing (a change is timed when this peer first sees it); it
 is *alive* when it is also connected to us. A member cut off or killed stops renewing for
 everyone, whereas one we have just not dialled yet is still heard.
