@@ -107,7 +107,7 @@ def tune(args: argparse.Namespace) -> int:
     verdict = "meets" if tuned.meets_target else "does NOT meet"
     within = "within" if tuned.within_loss_budget else "NOT within"
     print(f"chosen: {tuned.config.describe()} — predicted utilization {tuned.prediction.utilization:.3f} "
-          f"({verdict} {args.target}), expected loss +{100 * tuned.prediction.loss_cost:.1f} % ({within} "
+          f"({verdict} {args.target}), expected loss {100 * tuned.prediction.loss_cost:+.1f} % ({within} "
           f"+{args.max_loss:g} %)" + (f": {tuned.shortfall}" if tuned.shortfall else ""))
     print("[train]")
     for key, value in settings.items():

@@ -167,7 +167,7 @@ def test_a_fast_link_changes_nothing_and_every_choice_is_explained():
     fast = Measurements(step_s=0.5, model_bytes=800_000, bandwidth_bps=10e9, rtt_s=0.001, peers=4)
     tuned = tune(fast)
     assert tuned.config == Candidate(chunk_bytes=tuned.config.chunk_bytes, inner_steps=25)
-    assert tuned.prediction.loss_cost == 0.0
+    assert tuned.prediction.loss_cost == LOSS_COST["inner_steps"][25]  # the least: H 25
     assert [c.knob for c in tuned.choices] == ["chunk_bytes", "overlap"]
     assert "utilization" in tuned.choices[0].line()
     assert "the better regime: with overlap on" in tuned.choices[-1].line()
@@ -239,19 +239,19 @@ def test_an_overlapped_update_counts_one_round_fewer():
 
 def test_the_loss_cost_grows_as_the_rounds_left_fall():
     co2 = Candidate(inner_steps=200, overlap=True)
-    table = LOSS_COST["inner_steps"][200] + LOSS_COST["overlap"][True]
+    table = LOSS_COST["inner_steps"][200] + LOSS_COST["overlap_at_h"][200]
     assert loss_cost(co2) == pytest.approx(table)  # steps unknown: the longest run's table alone
-    short = loss_table(400)["inner_steps"][200] + loss_table(400)["overlap"][True]
+    short = loss_table(400)["inner_steps"][200] + loss_table(400)["overlap_at_h"][200]
     assert loss_cost(co2, 400) == pytest.approx(short + FEW_ROUNDS_LOSS)  # one applied round
     def beyond_table(steps: int) -> float:
         costs = loss_table(steps)
-        return loss_cost(co2, steps) - costs["inner_steps"][200] - costs["overlap"][True]
+        return loss_cost(co2, steps) - costs["inner_steps"][200] - costs["overlap_at_h"][200]
 
     few = [beyond_table(steps) for steps in (400, 800, 4000, 40_000)]
     assert few == sorted(few, reverse=True)
     assert few[-1] < 0.001  # hundreds of rounds: the table's cost
     # the same H and steps: the late update costs a round more than the blocking one
-    assert loss_cost(co2, 800) - loss_cost(Candidate(inner_steps=200), 800) > loss_table(800)["overlap"][True]
+    assert loss_cost(co2, 800) - loss_cost(Candidate(inner_steps=200), 800) > loss_table(800)["overlap_at_h"][200]
 
 
 def test_a_short_run_rules_out_an_h_that_leaves_few_rounds():

@@ -87,12 +87,14 @@ LOSS_COST_AT: dict[int, dict[str, dict[object, float]]] = {
         "inner_steps": {25: 0.0, 50: 0.0, 100: 0.01, 200: 0.025, 400: 0.05},
         "codec": {"fp32": 0.0, "bf16": 0.001, "int8": 0.003, "int4": 0.01},
         "overlap": {False: 0.0, True: 0.01},
+        "overlap_at_h": dict.fromkeys((25, 50, 100, 200, 400), 0.01),  # overlap's cost at each H
         "group_size": {0: 0.0, 4: 0.005, 2: 0.02},  # 0: every member of the round
     },
     2000: {
-        "inner_steps": {25: 0.0, 50: 0.0, 100: 0.047, 200: 0.084, 400: 0.15},
+        "inner_steps": {25: -0.034, 50: 0.0, 100: 0.047, 200: 0.084, 400: 0.15},
         "codec": {"fp32": 0.0, "bf16": 0.001, "int8": 0.003, "int4": 0.01},
         "overlap": {False: 0.0, True: 0.064},
+        "overlap_at_h": {25: 0.1, 50: 0.064, 100: 0.045, 200: 0.038, 400: 0.038},
         "group_size": {0: 0.0, 4: 0.005, 2: 0.02},
     },
 }
@@ -210,7 +212,9 @@ def loss_cost(candidate: Candidate, steps_left: int | None = None) -> float:
     """The table of the run's length (``loss_table``), plus ``FEW_ROUNDS_LOSS`` per 1 / applied
     round when the steps left are known (none applied counts as half a round: worse than one)."""
     costs = loss_table(steps_left)
-    table = sum(costs[knob][getattr(candidate, knob)] for knob in PRIORITY)
+    table = sum(costs[knob][getattr(candidate, knob)] for knob in PRIORITY if knob != "overlap")
+    if candidate.overlap:  # a round late costs less the longer the round (measured per H)
+        table += costs["overlap_at_h"].get(candidate.inner_steps, costs["overlap"][True])
     if steps_left is None:
         return table
     return table + FEW_ROUNDS_LOSS / max(rounds_applied(candidate, steps_left), 0.5)
@@ -250,7 +254,7 @@ class Choice:
         p = self.prediction
         return (f"{self.knob} = {self.value}: utilization {p.utilization:.3f} (compute {p.compute_s:.2f} s, "
                 f"transfer {p.transfer_s:.2f} s, comm CPU {p.comm_cpu_s:.2f} s, exposed {p.exposed_s:.2f} s), "
-                f"expected loss +{100 * p.loss_cost:.1f} % — {self.reason}")
+                f"expected loss {100 * p.loss_cost:+.1f} % — {self.reason}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -306,7 +310,7 @@ def tune(
     bp = budgeted.prediction
     why = (f"no candidate meets both utilization {target} and expected loss <= +{100 * max_loss:.1f} % (within "
            f"that loss the best is {budgeted.config.describe()}, utilization {bp.utilization:.3f}, expected loss "
-           f"+{100 * bp.loss_cost:.1f} %); utilization first")
+           f"{100 * bp.loss_cost:+.1f} %); utilization first")
     shortfall = f"{free.shortfall}; {why}" if free.shortfall else why
     last = Choice(knob="loss budget", value=max_loss, prediction=free.prediction, reason=shortfall)
     return Tuned(config=free.config, prediction=free.prediction, choices=(*free.choices, last),
@@ -324,7 +328,7 @@ def _regimes(m: Measurements, target: float, fixed: dict[str, object], min_round
     best, other = (on, off) if _better(on, off, max_loss) else (off, on)
     p = other.prediction
     verdict = (f"with overlap {'on' if other.config.overlap else 'off'} the search ends at "
-               f"{other.config.describe()}, utilization {p.utilization:.3f}, expected loss +{100 * p.loss_cost:.1f} %")
+               f"{other.config.describe()}, utilization {p.utilization:.3f}, expected loss {100 * p.loss_cost:+.1f} %")
     reason = f"the better regime: {verdict}"
     if best.shortfall:
         reason = f"{best.shortfall}; {reason}"
