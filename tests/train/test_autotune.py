@@ -222,7 +222,8 @@ def test_the_tune_command_counts_the_communication_cpu_it_is_given(capsys):
     assert "comm CPU 0.90 s" in out[0]  # 750 kB sent x 1.2 µs
     assert out[-4:] == ["[train]", "inner_steps = 100", 'codec = "int4"', 'strategy = "co2"']
     assert main([*args, "--comm-cpu-ns", "1200", "--no-shared-cores"]) == 0
-    assert capsys.readouterr().out.splitlines()[-3:] == ["[train]", "inner_steps = 50", 'strategy = "co2"']
+    assert capsys.readouterr().out.splitlines()[-4:] == ["[train]", "inner_steps = 25", 'codec = "bf16"',
+                                                         'strategy = "co2"']
 
 
 # the benchmark's measured round (2 shared cores, 4 peers): a 30 ms step, 0.5 MB, a CPU floor of
