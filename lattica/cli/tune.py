@@ -62,6 +62,8 @@ def tune(args: argparse.Namespace) -> int:
     from lattica.train.settings.autotune import DEFAULT_MIN_ROUNDS, Measurements, run_settings, tune
 
     min_rounds = DEFAULT_MIN_ROUNDS if args.min_rounds is None else args.min_rounds
+    if not args.max_loss >= 0:
+        raise ConfigError(f"tune: --max-loss must be a percentage >= 0 (inf: no budget), got {args.max_loss!r}")
 
     figures = {name: getattr(args, name) for name in _FIGURES}
     cores: dict[str, float | None] = {"comm_cpu_ns": args.comm_cpu_ns, "comm_cpu_round_ms": args.comm_cpu_round_ms,

@@ -402,3 +402,19 @@ def test_where_a_choice_meets_both_targets_it_is_taken_over_overlap():
     assert not tuned.config.overlap
     assert tuned.config.inner_steps <= 50
     assert tuned.shortfall == ""
+
+
+def test_the_tune_command_takes_a_loss_budget(capsys):
+    from lattica.cli.main import main
+
+    args = ["tune", "--step-ms", "100", "--model-bytes", "800000", "--bandwidth-mbit", "20", "--rtt-ms", "100",
+            "--peers", "4"]
+    assert main([*args, "--max-loss", "inf"]) == 0
+    out = capsys.readouterr().out
+    assert "(within +inf %)" in out
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "expected loss +6.2 % (NOT within +3 %): no candidate meets both" in out
+    assert main([*args, "--max-loss", "-1"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["lattica: error: tune: --max-loss must be a percentage >= 0 (inf: no budget), got -1.0"]
