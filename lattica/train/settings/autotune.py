@@ -201,10 +201,8 @@ def loss_table(steps: int | None) -> dict[str, dict[object, float]]:
         return LOSS_COST_AT[lengths[-1]]
     if steps <= lengths[0]:
         return LOSS_COST_AT[lengths[0]]
-    low = max(n for n in lengths if n <= steps)
-    high = min(n for n in lengths if n > steps)
-    w = math.log(steps / low) / math.log(high / low)
-    a, b = LOSS_COST_AT[low], LOSS_COST_AT[high]
+    low, high = max(n for n in lengths if n <= steps), min(n for n in lengths if n > steps)
+    w, a, b = math.log(steps / low) / math.log(high / low), LOSS_COST_AT[low], LOSS_COST_AT[high]
     return {knob: {v: (1 - w) * a[knob][v] + w * b[knob][v] for v in b[knob]} for knob in b}
 
 
@@ -377,8 +375,7 @@ def _why_unreachable(target: float, hs: list[object], overlaps: list[object], m:
 def _allowed(m: Measurements, fixed: Mapping[str, object], min_rounds: int) -> dict[str, list[object]]:
     """Each knob's values, cheapest first, H within the rounds constraint."""
     values = {knob: _values(knob, fixed, m.steps_left) for knob in PRIORITY}
-    values["inner_steps"] = _enough_rounds(values["inner_steps"], values["overlap"], m, min_rounds)
-    return values
+    return {**values, "inner_steps": _enough_rounds(values["inner_steps"], values["overlap"], m, min_rounds)}
 
 
 def _candidates(values: Mapping[str, list[object]], m: Measurements) -> list[Candidate]:
