@@ -266,8 +266,10 @@ def test_a_short_run_rules_out_an_h_that_leaves_few_rounds():
     # without the minimum, the utilization target comes first: the old choice, at its real cost
     relaxed = tune(short, fixed={"group_size": 0}, min_rounds=0)
     assert relaxed.config == long_run.config
-    assert relaxed.prediction.loss_cost == pytest.approx(0.035 + FEW_ROUNDS_LOSS)
-    assert "expected loss +11.5 %" in relaxed.choices[-1].line()
+    costs = loss_table(400)
+    expected = costs["inner_steps"][200] + costs["overlap_at_h"][200] + FEW_ROUNDS_LOSS
+    assert relaxed.prediction.loss_cost == pytest.approx(expected)
+    assert f"expected loss {100 * expected:+.1f} %" in relaxed.choices[-1].line()
 
 
 def test_an_unreachable_target_takes_the_best_utilization_within_the_rounds_and_says_why():
@@ -337,8 +339,8 @@ def test_the_loss_table_is_read_at_the_run_length():
         for value, cost in costs.items():
             assert middle[knob][value] == pytest.approx((cost + LOSS_COST_AT[short][knob][value]) / 2, abs=1e-3)
     # the measured growth with the run's length: H 100 and overlap cost more over 2,000 steps than 500
-    assert LOSS_COST_AT[long]["inner_steps"][100] >= 3 * LOSS_COST_AT[short]["inner_steps"][100]
-    assert LOSS_COST_AT[long]["overlap"][True] > LOSS_COST_AT[short]["overlap"][True]
+    assert LOSS_COST_AT[long]["inner_steps"][100] > 1.5 * LOSS_COST_AT[short]["inner_steps"][100]
+    assert LOSS_COST_AT[long]["overlap_at_h"][50] > 5 * LOSS_COST_AT[short]["overlap_at_h"][50]
 
 
 def _both_best(m, target, max_loss, fixed):

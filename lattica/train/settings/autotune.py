@@ -84,15 +84,15 @@ CODEC_BITS = {"fp32": 32, "bf16": 16, "int8": 8, "int4": 4}
 # measured on runs of the keyed length (docs/strategies.md, "What a choice costs in loss")
 LOSS_COST_AT: dict[int, dict[str, dict[object, float]]] = {
     500: {
-        "inner_steps": {25: 0.0, 50: 0.0, 100: 0.01, 200: 0.025, 400: 0.05},
+        "inner_steps": {25: -0.013, 50: 0.0, 100: 0.026, 200: 0.032, 400: 0.05},
         "codec": {"fp32": 0.0, "bf16": 0.001, "int8": 0.003, "int4": 0.01},
-        "overlap": {False: 0.0, True: 0.01},
-        "overlap_at_h": dict.fromkeys((25, 50, 100, 200, 400), 0.01),  # overlap's cost at each H
+        "overlap": {False: 0.0, True: 0.009},
+        "overlap_at_h": {25: 0.018, 50: 0.009, 100: 0.01, 200: 0.01, 400: 0.01},  # overlap's cost at each H
         "group_size": {0: 0.0, 4: 0.005, 2: 0.02},  # 0: every member of the round
     },
     2000: {
         "inner_steps": {25: -0.034, 50: 0.0, 100: 0.047, 200: 0.084, 400: 0.15},
-        "codec": {"fp32": 0.0, "bf16": 0.001, "int8": 0.003, "int4": 0.01},
+        "codec": {"fp32": 0.0, "bf16": 0.0, "int8": 0.0, "int4": 0.0},  # int4 measured -0.7 %: none
         "overlap": {False: 0.0, True: 0.064},
         "overlap_at_h": {25: 0.096, 50: 0.064, 100: 0.047, 200: 0.041, 400: 0.041},
         "group_size": {0: 0.0, 4: 0.005, 2: 0.02},
