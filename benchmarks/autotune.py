@@ -252,7 +252,8 @@ def _tuned(step_s: float, model_bytes: int, rate_mbit: float, args: argparse.Nam
         bandwidth_bps=rate_mbit * 1e6, rtt_s=args.rtt_ms / 1000, peers=WORKERS, comm_cpu_s_per_byte=cpu[0],
         comm_cpu_s_per_round=cpu[1], shared_cores=True, steps_left=args.steps,
     )
-    tuned = tune(measured, target=args.target, fixed={"group_size": 0}, min_rounds=args.min_rounds)
+    tuned = tune(measured, target=args.target, fixed={"group_size": 0}, min_rounds=args.min_rounds,
+                 max_loss=args.max_loss / 100)
     print(f"  tuning ({why}): step {1000 * measured.step_s:.1f} ms, communication CPU {cpu[0] * 1e9:.0f} ns/byte, "
           f"at least {1000 * cpu[1]:.0f} ms a round", flush=True)
     for choice in tuned.choices:
@@ -351,6 +352,7 @@ def _run_rate(lab, procs, peers, args, rate: float) -> dict:
         "config": {**tuned_phase, "chunk_bytes": tuned.config.chunk_bytes,
                    "predicted_util": round(tuned.prediction.utilization, 4),
                    "predicted_loss_cost": round(tuned.prediction.loss_cost, 4), "meets_target": tuned.meets_target,
+                   "within_loss_budget": tuned.within_loss_budget,
                    "shortfall": tuned.shortfall,
                    "step_ms": round(1000 * measured.step_s, 1), "model_bytes": measured.model_bytes,
                    "comm_cpu_ns_per_byte": round(measured.comm_cpu_s_per_byte * 1e9, 1),
@@ -400,6 +402,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", type=float, default=0.95, help="the tuner's utilization target")
     parser.add_argument("--min-rounds", type=int, default=8,
                         help="applied outer rounds an H must leave a phase to be a candidate (the tuner's default)")
+    parser.add_argument("--max-loss", type=float, default=3.0,
+                        help="the tuner's loss budget, percent of expected loss increase (its default)")
     parser.add_argument("--cycles", type=int, default=3, help="run the three phases in turn this many times")
     parser.add_argument("--log-dir", default="", help="write each peer's stderr here")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)

@@ -52,6 +52,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                       help="applied outer rounds an H must leave in those steps to be a candidate (default 8)")
     tune.add_argument("--data-dir", help="the running daemon to measure (default: $LATTICA_DATA_DIR or the default)")
     tune.add_argument("--target", type=float, default=0.95, help="utilization to meet (default 0.95)")
+    tune.add_argument("--max-loss", type=float, default=3.0,
+                      help="expected loss increase a choice may cost, percent (default 3; utilization first when "
+                           "no choice meets both)")
     tune.add_argument("--json", action="store_true", help="one JSON object instead of lines")
 
 
@@ -59,6 +62,8 @@ def tune(args: argparse.Namespace) -> int:
     from lattica.train.settings.autotune import DEFAULT_MIN_ROUNDS, Measurements, run_settings, tune
 
     min_rounds = DEFAULT_MIN_ROUNDS if args.min_rounds is None else args.min_rounds
+    if not args.max_loss >= 0:
+        raise ConfigError(f"tune: --max-loss must be a percentage >= 0 (inf: no budget), got {args.max_loss!r}")
 
     figures = {name: getattr(args, name) for name in _FIGURES}
     cores: dict[str, float | None] = {"comm_cpu_ns": args.comm_cpu_ns, "comm_cpu_round_ms": args.comm_cpu_round_ms,
@@ -84,7 +89,7 @@ def tune(args: argparse.Namespace) -> int:
             comm_cpu_s_per_byte=cpu_ns / 1e9, comm_cpu_s_per_round=round_ms / 1000, shared_cores=shared,
             steps_left=None if left is None else int(left),
         )
-        tuned = tune(measured, target=args.target, min_rounds=min_rounds)
+        tuned = tune(measured, target=args.target, min_rounds=min_rounds, max_loss=args.max_loss / 100)
     except ValueError as exc:
         raise ConfigError(f"tune: {exc}") from None
     settings = run_settings(tuned.config)
@@ -93,7 +98,8 @@ def tune(args: argparse.Namespace) -> int:
             "measured": {**figures, "comm_cpu_ns": cpu_ns, "comm_cpu_round_ms": round_ms, "shared_cores": shared,
                          "steps_left": left},
             "config": tuned.config.__dict__, "settings": settings,
-            "meets_target": tuned.meets_target, "shortfall": tuned.shortfall,
+            "meets_target": tuned.meets_target, "within_loss_budget": tuned.within_loss_budget,
+            "shortfall": tuned.shortfall,
             "utilization": round(tuned.prediction.utilization, 4), "loss_cost": round(tuned.prediction.loss_cost, 4),
             "choices": [c.line() for c in tuned.choices],
         }))
@@ -101,8 +107,10 @@ def tune(args: argparse.Namespace) -> int:
     for choice in tuned.choices:
         print(choice.line())
     verdict = "meets" if tuned.meets_target else "does NOT meet"
+    within = "within" if tuned.within_loss_budget else "NOT within"
     print(f"chosen: {tuned.config.describe()} — predicted utilization {tuned.prediction.utilization:.3f} "
-          f"({verdict} {args.target})" + (f": {tuned.shortfall}" if tuned.shortfall else ""))
+          f"({verdict} {args.target}), expected loss {100 * tuned.prediction.loss_cost:+.1f} % ({within} "
+          f"+{args.max_loss:g} %)" + (f": {tuned.shortfall}" if tuned.shortfall else ""))
     print("[train]")
     for key, value in settings.items():
         print(f"{key} = {json.dumps(value)}")

@@ -1,19 +1,23 @@
 """The auto-tuner's cost model and priority search, against hand-computed rounds."""
 
 import itertools
+import math
 
 import pytest
 
 from lattica.train.settings.autotune import (
     CHUNK_BYTES,
     CODEC_BITS,
+    DEFAULT_MAX_LOSS,
     FEW_ROUNDS_LOSS,
     LOSS_COST,
+    LOSS_COST_AT,
     PRIORITY,
     Candidate,
     Measurements,
     comm_cpu_per_byte,
     loss_cost,
+    loss_table,
     needs_retune,
     predict,
     rounds_applied,
@@ -75,14 +79,14 @@ def test_a_blocking_round_pays_the_slower_of_wire_and_cpu():
 
 
 def test_a_greedy_path_into_blocking_does_not_hide_a_cheaper_overlapped_choice():
-    # blocking, a longer H buys the most per loss cost at first, and H 400 meets the target at
-    # +5 %; overlapped with a smaller codec meets it at +3 %
+    # blocking, a longer H buys the most per loss cost at first, and H 400 meets the target;
+    # overlapped with a smaller codec meets it for less (no loss budget here)
     m = Measurements(step_s=0.031, model_bytes=500_000, bandwidth_bps=200e6, rtt_s=0.1, peers=4,
                      comm_cpu_s_per_byte=1.2e-6)
-    tuned = tune(m)
+    tuned = tune(m, max_loss=math.inf)
     assert tuned.meets_target
     assert tuned.config.overlap
-    assert tuned.prediction.loss_cost <= 0.03 + 1e-9
+    assert tuned.prediction.loss_cost < LOSS_COST["inner_steps"][400]
     assert "with overlap off the search ends at H 400" in tuned.choices[-1].line()
 
 
@@ -112,11 +116,11 @@ def test_a_smaller_codec_is_not_credited_below_the_measured_round():
     assert predict(Candidate(inner_steps=50, codec="fp32", overlap=True), m).comm_cpu_s == pytest.approx(0.46)
     bigger = Measurements(**{**m.__dict__, "model_bytes": 2_000_000})
     assert predict(Candidate(inner_steps=50, overlap=True), bigger).comm_cpu_s == pytest.approx(4 * 0.46)
-    tuned = tune(m)
+    tuned = tune(m, max_loss=math.inf)
     assert tuned.meets_target
     c = tuned.config
-    # only a longer inner phase amortizes a floor: overlapped at H 400 (0.46 s in 10.8 s)
-    assert (c.inner_steps, c.overlap) == (400, True)
+    # only a longer inner phase amortizes a floor: H 400 (0.46 s in 10.8 s)
+    assert c.inner_steps == 400
     real = 400 * 0.027 / (400 * 0.027 + 0.46)
     assert real >= 0.95
 
@@ -149,28 +153,28 @@ def _exhaustive_best(m, target):
 def test_the_search_meets_the_target_at_close_to_the_least_loss_cost(bandwidth, step_s, model_bytes, cpu_per_byte):
     m = Measurements(step_s=step_s, model_bytes=model_bytes, bandwidth_bps=bandwidth, rtt_s=0.1, peers=4,
                      comm_cpu_s_per_byte=cpu_per_byte)
-    tuned = tune(m)
+    tuned = tune(m, max_loss=math.inf)
     best = _exhaustive_best(m, 0.95)
     if best is None:
         assert not tuned.meets_target
         return
     assert tuned.meets_target
     assert tuned.prediction.utilization >= 0.95
-    assert tuned.prediction.loss_cost <= best + 0.011  # within about one notch of the optimum
+    assert tuned.prediction.loss_cost <= best + 0.05  # within about one notch of H of the optimum
 
 
 def test_a_fast_link_changes_nothing_and_every_choice_is_explained():
     fast = Measurements(step_s=0.5, model_bytes=800_000, bandwidth_bps=10e9, rtt_s=0.001, peers=4)
     tuned = tune(fast)
     assert tuned.config == Candidate(chunk_bytes=tuned.config.chunk_bytes, inner_steps=25)
-    assert tuned.prediction.loss_cost == 0.0
+    assert tuned.prediction.loss_cost == LOSS_COST["inner_steps"][25]  # the least: H 25
     assert [c.knob for c in tuned.choices] == ["chunk_bytes", "overlap"]
     assert "utilization" in tuned.choices[0].line()
     assert "the better regime: with overlap on" in tuned.choices[-1].line()
 
 
 def test_a_slow_link_prefers_overlap_to_a_longer_h():
-    tuned = tune(SMALL)
+    tuned = tune(SMALL, max_loss=math.inf)
     assert tuned.config.overlap
     assert tuned.config.inner_steps == 25
     assert tuned.config.codec == "fp32"
@@ -218,7 +222,8 @@ def test_the_tune_command_counts_the_communication_cpu_it_is_given(capsys):
     assert "comm CPU 0.90 s" in out[0]  # 750 kB sent x 1.2 µs
     assert out[-4:] == ["[train]", "inner_steps = 100", 'codec = "int4"', 'strategy = "co2"']
     assert main([*args, "--comm-cpu-ns", "1200", "--no-shared-cores"]) == 0
-    assert capsys.readouterr().out.splitlines()[-3:] == ["[train]", "inner_steps = 50", 'strategy = "co2"']
+    assert capsys.readouterr().out.splitlines()[-4:] == ["[train]", "inner_steps = 25", 'codec = "bf16"',
+                                                         'strategy = "co2"']
 
 
 # the benchmark's measured round (2 shared cores, 4 peers): a 30 ms step, 0.5 MB, a CPU floor of
@@ -235,14 +240,19 @@ def test_an_overlapped_update_counts_one_round_fewer():
 
 def test_the_loss_cost_grows_as_the_rounds_left_fall():
     co2 = Candidate(inner_steps=200, overlap=True)
-    table = LOSS_COST["inner_steps"][200] + LOSS_COST["overlap"][True]
-    assert loss_cost(co2) == pytest.approx(table)  # steps unknown: the table alone
-    assert loss_cost(co2, 400) == pytest.approx(table + FEW_ROUNDS_LOSS)  # one applied round
-    costs = [loss_cost(co2, steps) for steps in (400, 800, 4000, 40_000)]
-    assert costs == sorted(costs, reverse=True)
-    assert costs[-1] - table < 0.001  # hundreds of rounds: the table's cost
+    table = LOSS_COST["inner_steps"][200] + LOSS_COST["overlap_at_h"][200]
+    assert loss_cost(co2) == pytest.approx(table)  # steps unknown: the longest run's table alone
+    short = loss_table(400)["inner_steps"][200] + loss_table(400)["overlap_at_h"][200]
+    assert loss_cost(co2, 400) == pytest.approx(short + FEW_ROUNDS_LOSS)  # one applied round
+    def beyond_table(steps: int) -> float:
+        costs = loss_table(steps)
+        return loss_cost(co2, steps) - costs["inner_steps"][200] - costs["overlap_at_h"][200]
+
+    few = [beyond_table(steps) for steps in (400, 800, 4000, 40_000)]
+    assert few == sorted(few, reverse=True)
+    assert few[-1] < 0.001  # hundreds of rounds: the table's cost
     # the same H and steps: the late update costs a round more than the blocking one
-    assert loss_cost(co2, 800) - loss_cost(Candidate(inner_steps=200), 800) > LOSS_COST["overlap"][True]
+    assert loss_cost(co2, 800) - loss_cost(Candidate(inner_steps=200), 800) > loss_table(800)["overlap_at_h"][200]
 
 
 def test_a_short_run_rules_out_an_h_that_leaves_few_rounds():
@@ -256,8 +266,10 @@ def test_a_short_run_rules_out_an_h_that_leaves_few_rounds():
     # without the minimum, the utilization target comes first: the old choice, at its real cost
     relaxed = tune(short, fixed={"group_size": 0}, min_rounds=0)
     assert relaxed.config == long_run.config
-    assert relaxed.prediction.loss_cost == pytest.approx(0.035 + FEW_ROUNDS_LOSS)
-    assert "expected loss +11.5 %" in relaxed.choices[-1].line()
+    costs = loss_table(400)
+    expected = costs["inner_steps"][200] + costs["overlap_at_h"][200] + FEW_ROUNDS_LOSS
+    assert relaxed.prediction.loss_cost == pytest.approx(expected)
+    assert f"expected loss {100 * expected:+.1f} %" in relaxed.choices[-1].line()
 
 
 def test_an_unreachable_target_takes_the_best_utilization_within_the_rounds_and_says_why():
@@ -296,7 +308,8 @@ def test_the_tune_command_counts_the_rounds_the_steps_left_allow(capsys):
     assert main([*args, "--steps", "400"]) == 0
     out = capsys.readouterr().out
     assert inner_steps(out) <= 50
-    assert "(does NOT meet 0.95): target 0.95 not reachable: at least 8 applied rounds in the 400 steps" in out
+    assert "(does NOT meet 0.95), expected loss +" in out
+    assert "target 0.95 not reachable: at least 8 applied rounds in the 400 steps" in out
     assert main([*args, "--steps", "400", "--min-rounds", "1"]) == 0
     assert inner_steps(capsys.readouterr().out) > 50
 
@@ -314,3 +327,96 @@ def test_the_min_rounds_default_in_lattica_tune_help_is_the_tuners() -> None:
                 if "--min-rounds" in a.option_strings]
     assert action.default is None
     assert f"(default {DEFAULT_MIN_ROUNDS})" in (action.help or "")
+
+
+def test_the_loss_table_is_read_at_the_run_length():
+    short, long = min(LOSS_COST_AT), max(LOSS_COST_AT)
+    assert loss_table(None) == LOSS_COST_AT[long] == LOSS_COST
+    assert loss_table(10 * long) == LOSS_COST_AT[long]
+    assert loss_table(short // 2) == LOSS_COST_AT[short]
+    middle = loss_table(int(math.sqrt(short * long)))  # halfway in log(steps)
+    for knob, costs in LOSS_COST_AT[long].items():
+        for value, cost in costs.items():
+            assert middle[knob][value] == pytest.approx((cost + LOSS_COST_AT[short][knob][value]) / 2, abs=1e-3)
+    # the measured growth with the run's length: H 100 and overlap cost more over 2,000 steps than 500
+    assert LOSS_COST_AT[long]["inner_steps"][100] > 1.5 * LOSS_COST_AT[short]["inner_steps"][100]
+    assert LOSS_COST_AT[long]["overlap_at_h"][50] > 5 * LOSS_COST_AT[short]["overlap_at_h"][50]
+
+
+def _both_best(m, target, max_loss, fixed):
+    """The least loss cost over every candidate meeting both targets (None: none does)."""
+    values = {k: [fixed[k]] if k in fixed else list(LOSS_COST[k]) for k in PRIORITY}
+    best = None
+    for combo in itertools.product(*(values[k] for k in PRIORITY)):
+        for chunk in CHUNK_BYTES:
+            c = Candidate(chunk_bytes=chunk, **dict(zip(PRIORITY, combo, strict=True)))
+            if m.steps_left is not None and rounds_applied(c, m.steps_left) < 8:
+                continue
+            p = predict(c, m)
+            if p.utilization >= target and p.loss_cost <= max_loss and (best is None or p.loss_cost < best):
+                best = p.loss_cost
+    return best
+
+
+@pytest.mark.parametrize(("bandwidth", "step_s", "cpu_round_s", "steps"), [
+    (20e6, 0.03, 0.0, 2000), (200e6, 0.03, 0.0, 2000), (20e6, 0.09, 0.0, 2000), (20e6, 0.03, 0.232, 2000),
+    (20e6, 0.09, 0.2, 2000), (200e6, 0.09, 0.15, 2000), (2e6, 0.03, 0.0, 20_000), (20e6, 0.03, 0.0, 500),
+    (200e6, 0.5, 0.0, None), (1e9, 0.03, 0.0, None),
+])
+def test_a_choice_meeting_both_targets_is_found_where_one_exists(bandwidth, step_s, cpu_round_s, steps):
+    m = Measurements(step_s=step_s, model_bytes=500_000, bandwidth_bps=bandwidth, rtt_s=0.1, peers=4,
+                     comm_cpu_s_per_byte=20e-9, comm_cpu_s_per_round=cpu_round_s, steps_left=steps)
+    fixed = {"group_size": 0}
+    tuned = tune(m, fixed=fixed)
+    best = _both_best(m, 0.95, DEFAULT_MAX_LOSS, fixed)
+    if best is None:
+        assert not (tuned.meets_target and tuned.within_loss_budget)
+        assert "no candidate meets both utilization 0.95 and expected loss <= +3.0 %" in tuned.shortfall
+        assert tuned.shortfall in tuned.choices[-1].line()
+        return
+    assert tuned.meets_target
+    assert tuned.within_loss_budget
+    assert tuned.shortfall == ""
+    assert tuned.prediction.loss_cost <= best + 0.011  # within about one notch of the least that meets both
+
+
+@pytest.mark.parametrize("bandwidth", [20e6, 200e6])
+def test_at_the_benchmarks_figures_no_choice_meets_both_targets_and_the_tuner_says_so(bandwidth):
+    # 2,000 steps measured (docs/strategies.md): every overlapped config costs >= +5 % and a
+    # blocking H <= 50 exposes the butterfly's RTTs; the old table put CO2 at H 200 at +4.4 %
+    m = Measurements(**{**BENCH.__dict__, "bandwidth_bps": bandwidth, "steps_left": 2000})
+    tuned = tune(m, fixed={"group_size": 0})
+    assert tuned.meets_target
+    assert not tuned.within_loss_budget
+    assert tuned.config.overlap
+    assert tuned.prediction.loss_cost > 0.08
+    assert "no candidate meets both utilization 0.95 and expected loss <= +3.0 %" in tuned.choices[-1].line()
+    assert "within that loss the best is" in tuned.shortfall
+
+
+def test_where_a_choice_meets_both_targets_it_is_taken_over_overlap():
+    # a slow step on a fast link: blocking at H 50 meets 0.95 within the budget; overlap at H 25
+    # (the old table's +1 %) is now +6.2 %
+    m = Measurements(step_s=0.1, model_bytes=800_000, bandwidth_bps=200e6, rtt_s=0.02, peers=4, steps_left=2000)
+    tuned = tune(m, fixed={"group_size": 0})
+    assert tuned.meets_target
+    assert tuned.within_loss_budget
+    assert not tuned.config.overlap
+    assert tuned.config.inner_steps <= 50
+    assert tuned.shortfall == ""
+
+
+def test_the_tune_command_takes_a_loss_budget(capsys):
+    from lattica.cli.main import main
+
+    args = ["tune", "--step-ms", "100", "--model-bytes", "800000", "--bandwidth-mbit", "20", "--rtt-ms", "100",
+            "--peers", "4"]
+    assert main([*args, "--max-loss", "inf"]) == 0
+    out = capsys.readouterr().out
+    assert "(within +inf %)" in out
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "expected loss +6.2 % (NOT within +3 %): no candidate meets both" in out
+    assert main([*args, "--max-loss", "-1"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["lattica: error: tune: --max-loss must be a percentage >= 0 (inf: no budget), got -1.0"]

@@ -36,44 +36,39 @@ any exchange shorter than the inner phase while the exchange's CPU slows every s
 The CPU term is what makes a longer H or a smaller codec worth its loss cost there — both divide
 the CPU a step pays.
 
-Every choice also has an expected loss cost, a relative loss increase taken from this
-project's own convergence measurements (``LOSS_COST``; docs/strategies.md): a longer H, a lossier
-codec, overlap (a one-round-late update) and a smaller group each cost a little quality. The
-search wants the configuration with the least loss cost whose predicted utilization meets the
-target (default 0.95) — "prefer less compression and smaller H when both meet it".
+Every choice also has an expected loss cost, a relative loss increase against DiLoCo at H 50,
+fp32, blocking, measured with this project's convergence benchmark (``LOSS_COST_AT``,
+docs/strategies.md "What a choice costs in loss"): a longer H, a lossier codec, overlap (a
+one-round-late update) and a smaller group each cost some quality, and the costs add. They
+depend on the run's length: the same H and overlap cost 3–6× more over 2,000 steps than over
+500, so the table is kept per measured length and read at the steps the run has left
+(``loss_table``: linear in log(steps) between two lengths, the nearest outside them, the
+longest when unknown). And few rounds cost more than the table's sum (CO2 at H 200 on a 400-step
+run, one applied round: +13.6 %), so when the steps left are known (an overlapped update counts
+one round fewer: the last is never applied) an H that leaves fewer than ``min_rounds`` (8)
+applied rounds is no candidate (only the smallest H when none leaves that many), and every
+candidate adds ``FEW_ROUNDS_LOSS`` ÷ applied rounds (fitted to that run).
 
-The table was measured on runs of many rounds; what a longer H costs depends on how many outer
-rounds the run has left to do (``Measurements.steps_left`` ÷ H; an overlapped update lands one
-round late, so it counts one round fewer — the last exchange is never applied). Few rounds cost
-far more than the table's sum: CO2 at H 200 on a 400-step run (two rounds, one applied) came out
-+13.6 % against DiLoCo H 50, worse than no communication (+3.1 %), where the table said +3.5 %.
-So when the steps left are known:
+The tuner wants the least expected loss cost among the configurations whose predicted
+utilization meets the target (default 0.95) and whose loss cost is within the loss budget
+(``max_loss``, default 3 %) — "prefer less compression and smaller H when both meet it" (ties:
+less compression, then the smaller H). The priority search below runs within the budget (no move
+past it); when it ends short, every candidate is checked, so a configuration that meets both is
+found where one exists. Where none does, utilization comes first: the search without the budget,
+and its last line says that no candidate meets both, with the best one within the budget. When
+the utilization target itself is out of reach, the candidate of highest predicted utilization
+is taken (ties: the least loss cost), and the last line says why.
 
-- an H that leaves fewer than ``min_rounds`` (default ``DEFAULT_MIN_ROUNDS`` = 8) applied rounds
-  is no candidate (``rounds_applied``); when even the smallest H leaves fewer, only the smallest
-  is kept;
-- every candidate's loss cost adds ``FEW_ROUNDS_LOSS`` ÷ applied rounds (fitted to that run: one
-  applied round, +8 % beyond the table's +3.5 %), which is small over hundreds of rounds and
-  grows as they fall.
-
-When no candidate within that constraint meets the target, the search picks the one of highest
-predicted utilization within it (ties: the least loss cost), and its last line says the target
-was not reachable and why.
-
-The search is a priority search in the manner of Lagom (Xu et al., arXiv 2602.20656), not an
-exhaustive one. The chunk size costs no quality: it is set first, to the value that minimizes
-the transfer. Every other knob starts at its cheapest value (its values ordered from the
-cheapest in loss to the dearest) and moves one notch at a time: each step moves the knob of
-highest priority — the most predicted utilization bought per unit of expected loss cost — or,
-when some one-notch move meets the target, the cheapest such move, and stops. A last pass backs
-off every knob whose last notch the target no longer needs. Each knob moves through its values
-at most once each way, so the search is linear in the number of values, where the cross
-product of the knobs is exponential. Overlap switches the regime — what is exposed is the wire
-when blocking, the CPU when overlapped on shared cores — so one greedy path can commit to the
-wrong one (a longer H bought while blocking, where overlap and a smaller codec were cheaper):
-the search runs once with overlap off and once with it on, and keeps the cheaper result that
-meets the target (twice linear). Every step is printed with its numbers (``Choice.line``), so the choice
-explains itself, as OptiCo asks of a configurator (Chen et al., ACL 2026).
+The search is a priority search in the manner of Lagom (Xu et al., arXiv 2602.20656). The chunk
+size costs no quality: it is set first, to the fastest transfer. Every other knob starts at its
+cheapest value and moves one notch at a time: the knob that buys the most predicted utilization
+per unit of loss cost — or, when some one-notch move meets the target, the cheapest such move,
+and stops; a last pass backs off every notch the target no longer needs. Linear in the number of
+values, where their product is exponential. Overlap switches the regime (the wire exposed when
+blocking, the CPU when overlapped on shared cores), so one greedy path can commit to the wrong
+one: the search runs with overlap off and on and keeps the better. Every step is printed with
+its numbers (``Choice.line``), so the choice explains itself, as OptiCo asks of a configurator
+(Chen et al., ACL 2026).
 """
 
 from __future__ import annotations
@@ -85,13 +80,26 @@ from dataclasses import dataclass, replace
 
 # bits per value on the wire, per codec (a per-block scale is negligible at these sizes)
 CODEC_BITS = {"fp32": 32, "bf16": 16, "int8": 8, "int4": 4}
-# expected relative loss increase of each choice against DiLoCo H = 50, fp32, blocking, all peers
-LOSS_COST: dict[str, dict[object, float]] = {
-    "inner_steps": {25: 0.0, 50: 0.0, 100: 0.01, 200: 0.025, 400: 0.05},
-    "codec": {"fp32": 0.0, "bf16": 0.001, "int8": 0.003, "int4": 0.01},
-    "overlap": {False: 0.0, True: 0.01},
-    "group_size": {0: 0.0, 4: 0.005, 2: 0.02},  # 0: every member of the round
+# expected relative loss increase of each choice against DiLoCo H = 50, fp32, blocking, all peers,
+# measured on runs of the keyed length (docs/strategies.md, "What a choice costs in loss")
+LOSS_COST_AT: dict[int, dict[str, dict[object, float]]] = {
+    500: {
+        "inner_steps": {25: -0.013, 50: 0.0, 100: 0.026, 200: 0.032, 400: 0.05},
+        "codec": {"fp32": 0.0, "bf16": 0.001, "int8": 0.003, "int4": 0.01},
+        "overlap": {False: 0.0, True: 0.009},
+        "overlap_at_h": {25: 0.018, 50: 0.009, 100: 0.01, 200: 0.01, 400: 0.01},  # overlap's cost at each H
+        "group_size": {0: 0.0, 4: 0.005, 2: 0.02},  # 0: every member of the round
+    },
+    2000: {
+        "inner_steps": {25: -0.034, 50: 0.0, 100: 0.047, 200: 0.084, 400: 0.15},
+        "codec": {"fp32": 0.0, "bf16": 0.0, "int8": 0.0, "int4": 0.0},  # int4 measured -0.7 %: none
+        "overlap": {False: 0.0, True: 0.064},
+        "overlap_at_h": {25: 0.096, 50: 0.064, 100: 0.047, 200: 0.041, 400: 0.041},
+        "group_size": {0: 0.0, 4: 0.005, 2: 0.02},
+    },
 }
+LOSS_COST = LOSS_COST_AT[max(LOSS_COST_AT)]  # the longest run measured: a run of unknown length
+DEFAULT_MAX_LOSS = 0.03  # the loss budget: expected loss cost a choice may carry (module docstring)
 CHUNK_BYTES = (256 << 10, 1 << 20, 4 << 20, 16 << 20)
 PER_CHUNK_OVERHEAD_S = 0.002  # framing, a hand-off to the event loop, an acknowledgement
 DEFAULT_TARGET = 0.95
@@ -185,10 +193,26 @@ def rounds_applied(candidate: Candidate, steps_left: int) -> int:
     return max(0, steps_left // candidate.inner_steps - int(candidate.overlap))
 
 
+def loss_table(steps: int | None) -> dict[str, dict[object, float]]:
+    """``LOSS_COST_AT`` for a run of ``steps``: the measured table at a measured length, linear in
+    log(steps) between two, the nearest outside them; the longest when ``steps`` is unknown."""
+    lengths = sorted(LOSS_COST_AT)
+    if steps is None or steps >= lengths[-1]:
+        return LOSS_COST_AT[lengths[-1]]
+    if steps <= lengths[0]:
+        return LOSS_COST_AT[lengths[0]]
+    low, high = max(n for n in lengths if n <= steps), min(n for n in lengths if n > steps)
+    w, a, b = math.log(steps / low) / math.log(high / low), LOSS_COST_AT[low], LOSS_COST_AT[high]
+    return {knob: {v: (1 - w) * a[knob][v] + w * b[knob][v] for v in b[knob]} for knob in b}
+
+
 def loss_cost(candidate: Candidate, steps_left: int | None = None) -> float:
-    """The table's costs, plus ``FEW_ROUNDS_LOSS`` per 1 / applied round when the steps left
-    are known (none applied counts as half a round: worse than one)."""
-    table = sum(LOSS_COST[knob][getattr(candidate, knob)] for knob in PRIORITY)
+    """The table of the run's length (``loss_table``), plus ``FEW_ROUNDS_LOSS`` per 1 / applied
+    round when the steps left are known (none applied counts as half a round: worse than one)."""
+    costs = loss_table(steps_left)
+    table = sum(costs[knob][getattr(candidate, knob)] for knob in PRIORITY if knob != "overlap")
+    if candidate.overlap:  # a round late costs less the longer the round (measured per H)
+        table += costs["overlap_at_h"].get(candidate.inner_steps, costs["overlap"][True])
     if steps_left is None:
         return table
     return table + FEW_ROUNDS_LOSS / max(rounds_applied(candidate, steps_left), 0.5)
@@ -228,7 +252,7 @@ class Choice:
         p = self.prediction
         return (f"{self.knob} = {self.value}: utilization {p.utilization:.3f} (compute {p.compute_s:.2f} s, "
                 f"transfer {p.transfer_s:.2f} s, comm CPU {p.comm_cpu_s:.2f} s, exposed {p.exposed_s:.2f} s), "
-                f"expected loss +{100 * p.loss_cost:.1f} % — {self.reason}")
+                f"expected loss {100 * p.loss_cost:+.1f} % — {self.reason}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -236,41 +260,73 @@ class Tuned:
     config: Candidate
     prediction: Prediction
     choices: tuple[Choice, ...]
-    meets_target: bool
-    shortfall: str = ""  # why the target was not reachable ("" when met)
+    meets_target: bool  # the utilization target
+    shortfall: str = ""  # why a target was not reachable ("" when both were met)
+    within_loss_budget: bool = True  # the expected loss cost is within ``max_loss``
 
 
-def _values(knob: str, fixed: Mapping[str, object]) -> list[object]:
-    """A knob's values from the cheapest in loss to the dearest (ties: the smaller H first);
-    only its value in ``fixed`` when the run cannot change it."""
+def _values(knob: str, fixed: Mapping[str, object], steps: int | None) -> list[object]:
+    """A knob's values from the cheapest in loss to the dearest at the run's length (ties: the
+    smaller H first); only its value in ``fixed`` when the run cannot change it."""
     if knob in fixed:
         if fixed[knob] not in LOSS_COST[knob]:
             raise ValueError(f"{knob} = {fixed[knob]!r} is not one of {sorted(LOSS_COST[knob], key=str)}")
         return [fixed[knob]]
-    costs = LOSS_COST[knob]
+    costs = loss_table(steps)[knob]
     return sorted(costs, key=lambda v: (costs[v], v if isinstance(v, int) and knob == "inner_steps" else 0))
 
 
 def tune(
     m: Measurements, *, target: float = DEFAULT_TARGET, fixed: Mapping[str, object] | None = None,
-    min_rounds: int = DEFAULT_MIN_ROUNDS,
+    min_rounds: int = DEFAULT_MIN_ROUNDS, max_loss: float = DEFAULT_MAX_LOSS,
 ) -> Tuned:
-    """The priority search (module docstring), once per regime when overlap is free: the
-    cheapest result meeting the target (else the higher utilization), with a last line that
-    names the other. ``fixed``: knobs held at a value (those a running swarm cannot change);
-    ``min_rounds``: the applied rounds an H must leave in ``m.steps_left`` (when known)."""
+    """The least expected loss cost meeting both ``target`` and the loss budget ``max_loss``
+    (module docstring): the priority search within the budget, checked against every candidate
+    when it misses; when none meets both, utilization first, and the last line says so.
+    ``fixed``: knobs held at a value (those a running swarm cannot change); ``min_rounds``: the
+    applied rounds an H must leave in ``m.steps_left`` (when known)."""
     if not 0 < target <= 1:
         raise ValueError(f"target must be in (0, 1], got {target!r}")
     if isinstance(min_rounds, bool) or not isinstance(min_rounds, int) or min_rounds < 0:
         raise ValueError(f"min_rounds must be an integer >= 0, got {min_rounds!r}")
+    if not max_loss >= 0:
+        raise ValueError(f"max_loss must be a number >= 0 (inf: no budget), got {max_loss!r}")
     fixed = dict(fixed or {})
+    budgeted = _regimes(m, target, fixed, min_rounds, max_loss)
+    if budgeted.meets_target and budgeted.prediction.loss_cost <= max_loss:
+        return budgeted
+    values = _allowed(m, fixed, min_rounds)
+    predicted = [(c, predict(c, m)) for c in _candidates(values, m)]
+    meeting = [c for c, p in predicted if p.utilization >= target and p.loss_cost <= max_loss]
+    if meeting:
+        best = min(meeting, key=lambda c: (predict(c, m).loss_cost, list(CODEC_BITS).index(c.codec), c.inner_steps))
+        p = predict(best, m)
+        last = Choice(knob="checked", value=best.describe(), prediction=p,
+                      reason="the least loss cost of every candidate that meets both targets")
+        return Tuned(config=best, prediction=p, choices=(*budgeted.choices, last), meets_target=True)
+    free = _regimes(m, target, fixed, min_rounds, math.inf)
+    bp = budgeted.prediction
+    why = (f"no candidate meets both utilization {target} and expected loss <= +{100 * max_loss:.1f} % (within "
+           f"that loss the best is {budgeted.config.describe()}, utilization {bp.utilization:.3f}, expected loss "
+           f"{100 * bp.loss_cost:+.1f} %); utilization first")
+    shortfall = f"{free.shortfall}; {why}" if free.shortfall else why
+    last = Choice(knob="loss budget", value=max_loss, prediction=free.prediction, reason=shortfall)
+    return Tuned(config=free.config, prediction=free.prediction, choices=(*free.choices, last),
+                 meets_target=free.meets_target, shortfall=shortfall,
+                 within_loss_budget=free.prediction.loss_cost <= max_loss)
+
+
+def _regimes(m: Measurements, target: float, fixed: dict[str, object], min_rounds: int, max_loss: float) -> Tuned:
+    """The priority search once per regime when overlap is free: the cheapest result meeting
+    the target (else the higher utilization), with a last line that names the other."""
     if "overlap" in fixed:
-        return _search(m, target=target, fixed=fixed, min_rounds=min_rounds)
-    off, on = (_search(m, target=target, fixed={**fixed, "overlap": o}, min_rounds=min_rounds) for o in (False, True))
-    best, other = (on, off) if _better(on, off) else (off, on)
+        return _search(m, target=target, fixed=fixed, min_rounds=min_rounds, max_loss=max_loss)
+    off, on = (_search(m, target=target, fixed={**fixed, "overlap": o}, min_rounds=min_rounds, max_loss=max_loss)
+               for o in (False, True))
+    best, other = (on, off) if _better(on, off, max_loss) else (off, on)
     p = other.prediction
     verdict = (f"with overlap {'on' if other.config.overlap else 'off'} the search ends at "
-               f"{other.config.describe()}, utilization {p.utilization:.3f}, expected loss +{100 * p.loss_cost:.1f} %")
+               f"{other.config.describe()}, utilization {p.utilization:.3f}, expected loss {100 * p.loss_cost:+.1f} %")
     reason = f"the better regime: {verdict}"
     if best.shortfall:
         reason = f"{best.shortfall}; {reason}"
@@ -279,14 +335,16 @@ def tune(
                  meets_target=best.meets_target, shortfall=best.shortfall)
 
 
-def _better(a: Tuned, b: Tuned) -> bool:
-    """Whether ``a`` is the better result: meeting the target at less loss cost, or the higher
-    utilization when neither meets it."""
-    if a.meets_target != b.meets_target:
-        return a.meets_target
-    if a.meets_target:
-        return a.prediction.loss_cost < b.prediction.loss_cost
-    return a.prediction.utilization > b.prediction.utilization
+def _better(a: Tuned, b: Tuned, max_loss: float) -> bool:
+    """Whether ``a`` is the better result: meeting the target within the loss budget at less
+    loss cost; else the higher utilization within the budget; else the higher utilization."""
+    def rank(t: Tuned) -> tuple[int, float]:
+        p = t.prediction
+        if p.loss_cost > max_loss:
+            return (0, p.utilization)
+        return (2, -p.loss_cost) if t.meets_target else (1, p.utilization)
+
+    return rank(a) > rank(b)
 
 
 def _enough_rounds(hs: list[object], overlaps: list[object], m: Measurements, min_rounds: int) -> list[object]:
@@ -314,29 +372,40 @@ def _why_unreachable(target: float, hs: list[object], overlaps: list[object], m:
     return f"target {target} not reachable: {limit}; the highest predicted utilization within that is chosen"
 
 
-def _best_utilization(values: Mapping[str, list[object]], m: Measurements) -> Candidate:
-    """The candidate of highest predicted utilization over ``values`` (ties: the least loss
-    cost), each at its fastest chunk size; exhaustive, for the case no candidate meets the
-    target (a few hundred predictions)."""
-    best: tuple[float, float] | None = None
-    chosen = Candidate()
+def _allowed(m: Measurements, fixed: Mapping[str, object], min_rounds: int) -> dict[str, list[object]]:
+    """Each knob's values, cheapest first, H within the rounds constraint."""
+    values = {knob: _values(knob, fixed, m.steps_left) for knob in PRIORITY}
+    return {**values, "inner_steps": _enough_rounds(values["inner_steps"], values["overlap"], m, min_rounds)}
+
+
+def _candidates(values: Mapping[str, list[object]], m: Measurements) -> list[Candidate]:
+    """Every combination of ``values``, each at its fastest chunk size (a few hundred)."""
+    out = []
     for combo in itertools.product(*(values[k] for k in PRIORITY)):
         base = Candidate(**dict(zip(PRIORITY, combo, strict=True)))  # type: ignore[arg-type]
         chunk = min(CHUNK_BYTES, key=lambda c: transfer_seconds(replace(base, chunk_bytes=c), m))
-        candidate = replace(base, chunk_bytes=chunk)
-        p = predict(candidate, m)
-        if best is None or (p.utilization, -p.loss_cost) > best:
-            best, chosen = (p.utilization, -p.loss_cost), candidate
-    return chosen
+        out.append(replace(base, chunk_bytes=chunk))
+    return out
 
 
-def _search(m: Measurements, *, target: float, fixed: Mapping[str, object], min_rounds: int) -> Tuned:
+def _best_utilization(values: Mapping[str, list[object]], m: Measurements, max_loss: float) -> Candidate:
+    """The candidate of highest predicted utilization over ``values`` within the loss budget
+    (ties: the least loss cost; none within it: the least loss cost); exhaustive, for the case
+    no candidate meets the target."""
+    candidates = _candidates(values, m)
+    within = [c for c in candidates if predict(c, m).loss_cost <= max_loss]
+    if not within:  # every candidate is past the budget: the least loss cost
+        return min(candidates, key=lambda c: (predict(c, m).loss_cost, -predict(c, m).utilization))
+    return max(within, key=lambda c: (predict(c, m).utilization, -predict(c, m).loss_cost))
+
+
+def _search(m: Measurements, *, target: float, fixed: Mapping[str, object], min_rounds: int,
+            max_loss: float) -> Tuned:
     """One priority search (module docstring): the chunk size first, then one notch at a time
     on the knob that buys the most utilization per unit of loss cost, then back off what the
     target no longer needs; the highest utilization within the rounds constraint when the
-    target is not reachable."""
-    values = {knob: _values(knob, fixed) for knob in PRIORITY}
-    values["inner_steps"] = _enough_rounds(values["inner_steps"], values["overlap"], m, min_rounds)
+    target is not reachable. No move takes the loss cost past ``max_loss``."""
+    values = _allowed(m, fixed, min_rounds)
     index = dict.fromkeys(PRIORITY, 0)
 
     def at(idx: dict[str, int], chunk: int) -> Candidate:
@@ -351,7 +420,8 @@ def _search(m: Measurements, *, target: float, fixed: Mapping[str, object], min_
         for knob in PRIORITY:
             if index[knob] + 1 < len(values[knob]):
                 moved = at({**index, knob: index[knob] + 1}, chunk)
-                moves.append((knob, moved, predict(moved, m)))
+                if (p := predict(moved, m)).loss_cost <= max_loss:
+                    moves.append((knob, moved, p))
         if not moves:
             break
         now = predict(current, m)
@@ -378,7 +448,7 @@ def _search(m: Measurements, *, target: float, fixed: Mapping[str, object], min_
     if final.utilization >= target:
         return Tuned(config=current, prediction=final, choices=tuple(choices), meets_target=True)
     shortfall = _why_unreachable(target, values["inner_steps"], values["overlap"], m, min_rounds)
-    current = _best_utilization(values, m)
+    current = _best_utilization(values, m, max_loss)
     final = predict(current, m)
     choices.append(Choice(knob="target", value=target, prediction=final,
                           reason=f"{shortfall}: {current.describe()}"))
@@ -397,10 +467,9 @@ def comm_cpu_per_byte(*, cpu_s: float, bytes_sent: float) -> float:
 
 
 def slowdown_cpu_per_byte(*, step_s: float, clean_step_s: float, steps: int, bytes_sent: float) -> float:
-    """CPU seconds per byte sent, from the inner steps of an overlapped phase (``step_s``) against
-    steps with no exchange in flight (``clean_step_s``): the time the exchange took from the
-    ``steps`` it overlapped, over its bytes. This counts what a process's own CPU time misses on
-    shared cores — the GIL handed back and forth, other processes' share of the cores."""
+    """CPU seconds per byte sent: the time an overlapped exchange took from the ``steps`` it ran
+    beside (``step_s`` against ``clean_step_s``, no exchange in flight), over its bytes — what
+    a process's own CPU time misses on shared cores (the GIL, other processes' share)."""
     if bytes_sent <= 0 or steps <= 0:
         return 0.0
     return max(0.0, step_s - clean_step_s) * steps / bytes_sent
