@@ -133,14 +133,14 @@ class StreamingMean:
                 ob = out[lo:hi]
                 if self._keep is not None:
                     np.copyto(parts[self._keep][lo:hi], ob)
-                blocks = [p[lo:hi] for p in parts]
-                for i, block in enumerate(blocks):
+                for i, part in enumerate(parts):  # each block's square and add back to back
+                    block = part[lo:hi]
                     self.squares[i] += float(np.einsum("i,i->", block, block))
-                if n == 1:
-                    np.copyto(ob, blocks[0])
-                else:
-                    np.add(blocks[0], blocks[1], out=ob)
-                    for block in blocks[2:]:
+                    if n == 1:
+                        np.copyto(ob, block)
+                    elif i == 1:
+                        np.add(parts[0][lo:hi], block, out=ob)
+                    elif i > 1:
                         np.add(ob, block, out=ob)
                 np.divide(ob, np.float32(n), out=ob)
         self._done = stop

@@ -10,10 +10,11 @@ All-gather: the owner of part ``i`` sends the mean, again in the codec, to every
 ``<tag>/ag``, and keeps for itself the *decoded* copy of what it sent — all members therefore
 end with bit-identical results. Each member sends ``2 (N-1)/N`` of the encoded payload.
 
-Screening: the owner of a part checks every contribution to it before summing (non-finite
-values always; outliers by norm and robust aggregation on request, see ``screen.py``). It
-decides once, so every member still ends with the same bits; excluded peers are reported to
-``on_reject`` for scoring.
+Screening: the owner of a part checks every contribution to it (non-finite values always;
+outliers by norm and robust aggregation on request, see ``screen.py``). It decides once, so
+every member still ends with the same bits; excluded peers are reported to ``on_reject`` for
+scoring. With ``fp32`` and a screen of norms only, the owner sums while the contributions
+arrive (``streaming_mean.py``) and decides when all are in, falling back to the exact path.
 
 Failure: if any send fails, any awaited sender disappears or sends something malformed, every
 transfer of this collective is cancelled, its leftover parts are discarded, and
