@@ -97,7 +97,12 @@ class StreamingMean:
 
     def landed(self, j: int, contribution: torch.Tensor) -> None:
         """Contribution ``j`` is whole in ``contribution``: its slot, or a buffer of its own
-        when it arrived before the slot was offered (nothing of it is summed yet then)."""
+        when it arrived before the slot was offered (nothing of it is summed yet then).
+
+        ``ValueError`` when part of another copy of it already reached the slot (a sender
+        never sends a contribution twice once any of it left: the caller treats that as a
+        protocol violation by the sender).
+        """
         if contribution.numel() != self._out.size or contribution.dtype != torch.float32:
             raise ValueError("a streamed contribution must be an fp32 tensor of the part's length")
         values = contribution.detach().reshape(-1).numpy()

@@ -127,3 +127,13 @@ def test_the_verdict_waits_for_every_contribution() -> None:
     mean = StreamingMean([contributions[0], torch.empty(NUMEL)], torch.empty(NUMEL), whole=[0])
     with pytest.raises(ValueError, match="not landed"):
         mean.finish(DEFAULT_SCREEN, PEERS[:2])
+
+
+def test_a_second_copy_after_part_of_a_first_reached_the_slot_is_refused() -> None:
+    contributions = _contributions()
+    slot = torch.zeros(NUMEL)
+    mean = StreamingMean([contributions[0], slot], torch.empty(NUMEL), whole=[0])
+    slot[: screen.BLOCK] = contributions[1][: screen.BLOCK]
+    mean.arrived(1, screen.BLOCK * 4)  # a first copy broke off here
+    with pytest.raises(ValueError, match="both in its slot and elsewhere"):
+        mean.landed(1, contributions[1].clone())

@@ -267,7 +267,10 @@ async def _reduce_scatter(
     async def take(j: int) -> None:
         received[j] = _single_part(await transport.receive(group[j], phase.tag, part=rank), hi - lo, group[j])
         if streaming is not None:
-            streaming.landed(j, received[j])
+            try:
+                streaming.landed(j, received[j])
+            except ValueError as exc:  # part of a first copy reached the slot: a resend
+                raise RemoteProtocolError(str(exc), peer_id=group[j]) from None
 
     def body(nursery: trio.Nursery) -> None:
         for j, peer in enumerate(group):
