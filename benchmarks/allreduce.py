@@ -120,7 +120,12 @@ def lattica_seconds(world: int, numel: int, reps: int) -> tuple[float, float, in
                 replies = run_all(peers, cmds, timeout=400)
             except (TimeoutError, EOFError) as exc:
                 raise BenchmarkFailed(f"lattica: a peer did not finish: {exc}") from None
-            check_replies("lattica", replies, world)
+            try:
+                check_replies("lattica", replies, world)
+            except BenchmarkFailed as exc:  # what the failed members logged says why
+                logs = [f"member {i}: {p.error_log()[-600:]}" for i, p in enumerate(peers)
+                        if not replies[i].get("ok", True)] if len(replies) == world else []
+                raise BenchmarkFailed(f"{exc}; {' | '.join(logs)}") from None
             if rep and max(r["seconds"] for r in replies) < best:
                 best = max(r["seconds"] for r in replies)
                 cpu = max(r["cpu_s"] for r in replies)

@@ -79,7 +79,7 @@ DEFAULT_MAX_NORM_RATIO = 10.0
 DEFAULT_SCREEN = ContributionScreen(max_norm_ratio=DEFAULT_MAX_NORM_RATIO)
 PLAIN_MEAN = ContributionScreen()
 _warned_trim: set[tuple[int, int]] = set()  # (contributions, trim) already warned about
-_BLOCK = 1 << 16  # fp32 elements (256 KiB): a block of every part stays in cache through its additions
+BLOCK = 1 << 16  # fp32 elements (256 KiB): a block of every part stays in cache through its additions
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,14 +100,14 @@ def reduce_parts(
     numel = parts[0].numel() if parts else 0
     if out is None:
         out = torch.empty(numel, dtype=torch.float32)
-    if parts and _only_screens_norms(screen):
+    if parts and only_screens_norms(screen):
         # the common case, on this thread as in ``_plain_mean_into``: finite parts of similar
         # norms give their plain mean; anything else takes the exact path below
         floats = [p.to(torch.float32) for p in parts]
         ratio = screen.max_norm_ratio
         squares: list[float] | None = None if ratio is None else []
         if _plain_mean_into(out, floats, squares) and (
-            ratio is None or squares is None or _no_norm_outlier([math.sqrt(q) for q in squares], ratio)
+            ratio is None or squares is None or no_norm_outlier([math.sqrt(q) for q in squares], ratio)
         ):
             return out, []
     accepted, rejected, norms = _screened(parts, peers, screen)
@@ -169,11 +169,11 @@ def _screened(
     return accepted, rejected, norms
 
 
-def _only_screens_norms(screen: ContributionScreen) -> bool:
+def only_screens_norms(screen: ContributionScreen) -> bool:
     return screen.clip_ratio is None and not screen.trim and not screen.median
 
 
-def _no_norm_outlier(norms: Sequence[float], ratio: float) -> bool:
+def no_norm_outlier(norms: Sequence[float], ratio: float) -> bool:
     """Every norm finite and none above ``ratio`` x the median (as the exact path decides)."""
     if not all(math.isfinite(n) for n in norms):
         return False
@@ -188,8 +188,8 @@ def _norm(part: torch.Tensor) -> float:
     a = part.detach().reshape(-1).numpy()
     total = 0.0
     with np.errstate(over="ignore", invalid="ignore"):
-        for start in range(0, a.size, _BLOCK):
-            block = a[start : start + _BLOCK]
+        for start in range(0, a.size, BLOCK):
+            block = a[start : start + BLOCK]
             total += float(np.einsum("i,i->", block, block))
     return math.sqrt(total) if math.isfinite(total) else math.inf
 
@@ -218,8 +218,8 @@ def _plain_mean_into(out: torch.Tensor, parts: Sequence[torch.Tensor], squares: 
     total = 0.0
     sums_of_squares = [0.0] * len(ps)
     with np.errstate(over="ignore", invalid="ignore"):  # non-finite sums are handled below
-        for start in range(0, o.size, _BLOCK):
-            ob, pb = o[start : start + _BLOCK], [p[start : start + _BLOCK] for p in ps]
+        for start in range(0, o.size, BLOCK):
+            ob, pb = o[start : start + BLOCK], [p[start : start + BLOCK] for p in ps]
             if squares is not None:
                 for i, block in enumerate(pb):
                     sums_of_squares[i] += float(np.einsum("i,i->", block, block))

@@ -21,7 +21,7 @@ def _parts(numel: int) -> list[torch.Tensor]:
 
 
 def test_an_outlier_whose_mass_lies_in_the_last_block_is_excluded() -> None:
-    numel = 3 * screen._BLOCK + 17
+    numel = 3 * screen.BLOCK + 17
     parts = _parts(numel)
     parts[2][-10:] = 1e6  # finite, its norm ~3e6 against honest norms of ~900
     mean, rejected = reduce_parts(parts, PEERS)
@@ -31,7 +31,7 @@ def test_an_outlier_whose_mass_lies_in_the_last_block_is_excluded() -> None:
 
 
 def test_the_screened_mean_over_many_blocks_is_the_plain_mean_bit_for_bit() -> None:
-    parts = _parts(2 * screen._BLOCK + 5)
+    parts = _parts(2 * screen.BLOCK + 5)
     out = torch.empty_like(parts[0])
     mean, rejected = reduce_parts(parts, PEERS, out=out)
     plain, _ = reduce_parts(parts, PEERS, PLAIN_MEAN)

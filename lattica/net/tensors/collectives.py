@@ -10,10 +10,11 @@ All-gather: the owner of part ``i`` sends the mean, again in the codec, to every
 ``<tag>/ag``, and keeps for itself the *decoded* copy of what it sent — all members therefore
 end with bit-identical results. Each member sends ``2 (N-1)/N`` of the encoded payload.
 
-Screening: the owner of a part checks every contribution to it before summing (non-finite
-values always; outliers by norm and robust aggregation on request, see ``screen.py``). It
-decides once, so every member still ends with the same bits; excluded peers are reported to
-``on_reject`` for scoring.
+Screening: the owner of a part checks every contribution to it (non-finite values always;
+outliers by norm and robust aggregation on request, see ``screen.py``). It decides once, so
+every member still ends with the same bits; excluded peers are reported to ``on_reject`` for
+scoring. With ``fp32`` and a screen of norms only, the owner sums while the contributions
+arrive (``streaming_mean.py``) and decides when all are in, falling back to the exact path.
 
 Failure: if any send fails, any awaited sender disappears or sends something malformed, every
 transfer of this collective is cancelled, its leftover parts are discarded, and
@@ -41,6 +42,7 @@ from lattica.errors import (
 )
 from lattica.numerics import codecs
 from lattica.numerics.screen import DEFAULT_SCREEN, ContributionScreen, Rejection, reduce_parts
+from lattica.numerics.streaming_mean import StreamingMean, streams
 
 
 class CollectiveAbortedError(PeerUnavailableError):
@@ -65,7 +67,10 @@ class TensorTransport(Protocol):
 
     async def receive(self, peer: str, tag: str, *, part: int = 0) -> list[tuple[str, torch.Tensor]]: ...
 
-    def post_receive(self, peer: str, tag: str, part: int, buffer: memoryview | None) -> None: ...
+    def post_receive(
+        self, peer: str, tag: str, part: int, buffer: memoryview | None,
+        on_progress: Callable[[int], None] | None = None,
+    ) -> None: ...
 
     def lease_scratch(self, nbytes: int) -> AbstractContextManager[torch.Tensor]: ...
 
@@ -136,11 +141,14 @@ async def allreduce(
     # it received all of that part.
     aliased = result.numel() > 0 and result.data_ptr() == flat.data_ptr()
     with ExitStack() as stack:
-        scratch = None
+        scratch = streaming = None
         if codec == "fp32":  # every incoming part can land in its final place, with no copy
-            scratch = _post_in_place(transport, stack, result, group, rank, bounds, tag)
+            scratch = _lease_scratch(transport, stack, bounds[rank], n)
+            if scratch is not None and streams(screen):
+                streaming = _streaming_mean(flat, result, scratch, rank, bounds, aliased)
+            _post_in_place(transport, stack, result, group, rank, bounds, tag, scratch, streaming)
         rejected = await _reduce_scatter(
-            transport, flat, result, group, rank, bounds, tag, codec, screen, scratch, aliased
+            transport, flat, result, group, rank, bounds, tag, codec, screen, scratch, aliased, streaming
         )
         for rejection in rejected:
             if on_reject is not None:
@@ -186,42 +194,71 @@ def _copy_results(out: Sequence[torch.Tensor], means: Sequence[torch.Tensor]) ->
             o.copy_(m)
 
 
-def _post_in_place(
-    transport: TensorTransport, stack: ExitStack, out: torch.Tensor, group: Sequence[str], rank: int,
-    bounds: Sequence[tuple[int, int]], tag: str,
+def _lease_scratch(
+    transport: TensorTransport, stack: ExitStack, own: tuple[int, int], n: int
 ) -> torch.Tensor | None:
-    """Post gathered parts into ``out`` and reduce-scatter parts into a leased scratch buffer
-    (one slot per member; this member's own slot stays free). Returns the scratch buffer."""
+    """A scratch buffer (uint8) with one slot per member for this member's part, or None
+    when the part is empty."""
+    part_bytes = (own[1] - own[0]) * 4
+    return stack.enter_context(transport.lease_scratch(part_bytes * n)) if part_bytes else None
+
+
+def _slot(scratch: torch.Tensor, j: int, part_bytes: int) -> torch.Tensor:
+    return scratch[j * part_bytes : (j + 1) * part_bytes]
+
+
+def _streaming_mean(
+    flat: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor, rank: int,
+    bounds: Sequence[tuple[int, int]], aliased: bool,
+) -> StreamingMean:
+    """Sums this member's part into ``out`` while the contributions land in their slots;
+    in place, its own contribution is kept in its free slot as the sum overwrites it."""
     lo, hi = bounds[rank]
     part_bytes = (hi - lo) * 4
-    scratch = None
-    if part_bytes:
-        scratch = stack.enter_context(transport.lease_scratch(part_bytes * len(group)))
+    parts = [_slot(scratch, j, part_bytes).view(torch.float32) for j in range(len(bounds))]
+    if not aliased:
+        parts[rank] = flat[lo:hi]
+    return StreamingMean(parts, out[lo:hi], whole=[rank], keep_index=rank if aliased else None)
+
+
+def _post_in_place(
+    transport: TensorTransport, stack: ExitStack, out: torch.Tensor, group: Sequence[str], rank: int,
+    bounds: Sequence[tuple[int, int]], tag: str, scratch: torch.Tensor | None, streaming: StreamingMean | None,
+) -> None:
+    """Post gathered parts into ``out`` and reduce-scatter parts into their ``scratch`` slots
+    (this member's own slot stays free), each reporting its progress to ``streaming``."""
+    lo, hi = bounds[rank]
+    part_bytes = (hi - lo) * 4
+    if scratch is not None:
         for j, peer in enumerate(group):
             if j != rank:
-                view = codecs.byte_view(scratch[j * part_bytes : (j + 1) * part_bytes])
-                _post(transport, stack, peer, tag + "/rs", rank, view)
+                view = codecs.byte_view(_slot(scratch, j, part_bytes))
+                watch = partial(streaming.arrived, j) if streaming is not None else None
+                _post(transport, stack, peer, tag + "/rs", rank, view, watch)
     for j, peer in enumerate(group):
         a, b = bounds[j]
         if j != rank and b > a:
             _post(transport, stack, peer, tag + "/ag", j, codecs.byte_view(out[a:b]))
-    return scratch
 
 
-def _post(transport: TensorTransport, stack: ExitStack, peer: str, tag: str, part: int, view: memoryview) -> None:
-    transport.post_receive(peer, tag, part, view)
+def _post(
+    transport: TensorTransport, stack: ExitStack, peer: str, tag: str, part: int, view: memoryview,
+    on_progress: Callable[[int], None] | None = None,
+) -> None:
+    transport.post_receive(peer, tag, part, view, on_progress)
     stack.callback(transport.post_receive, peer, tag, part, None)
 
 
 async def _reduce_scatter(
     transport: TensorTransport, flat: torch.Tensor, out: torch.Tensor, group: Sequence[str], rank: int,
     bounds: Sequence[tuple[int, int]], tag: str, codec: str, screen: ContributionScreen,
-    scratch: torch.Tensor | None, aliased: bool,
+    scratch: torch.Tensor | None, aliased: bool, streaming: StreamingMean | None,
 ) -> list[Rejection]:
     """Leave the screened mean of this member's part in ``out`` (as every receiver will decode it).
 
     When ``out`` is ``flat`` (in place), the part sent to ``group[j]`` is overwritten only by
-    what ``group[j]`` gathers back, which it sends after it received all of that part.
+    what ``group[j]`` gathers back, which it sends after it received all of that part. With
+    ``streaming``, the sum was taken while the contributions arrived; only its verdict is left.
     """
     lo, hi = bounds[rank]
     received: dict[int, torch.Tensor] = {}
@@ -229,6 +266,11 @@ async def _reduce_scatter(
 
     async def take(j: int) -> None:
         received[j] = _single_part(await transport.receive(group[j], phase.tag, part=rank), hi - lo, group[j])
+        if streaming is not None:
+            try:
+                streaming.landed(j, received[j])
+            except ValueError as exc:  # part of a first copy reached the slot: a resend
+                raise RemoteProtocolError(str(exc), peer_id=group[j]) from None
 
     def body(nursery: trio.Nursery) -> None:
         for j, peer in enumerate(group):
@@ -239,6 +281,8 @@ async def _reduce_scatter(
                 nursery.start_soon(phase.guarded, peer, take, j)
 
     await phase.run(body)
+    if streaming is not None:
+        return streaming.finish(screen, group)
     own = _through(flat[lo:hi], codec)
     if aliased and own.numel() and own.data_ptr() == out[lo:hi].data_ptr():
         # The sum is written over this member's own contribution: keep a copy in its free slot.

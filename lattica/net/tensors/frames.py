@@ -125,6 +125,11 @@ class FrameDecoder:
         assert self._incoming is not None
         return self._target[self._filled : self._incoming.payload_size]
 
+    @property
+    def payload_filled(self) -> int:
+        """How many bytes of the current payload have been stored (or skipped) so far."""
+        return self._filled
+
     def wrote_directly(self, n: int) -> None:
         """``n`` bytes of the stream were written into ``payload_window()``."""
         window = self.payload_window()

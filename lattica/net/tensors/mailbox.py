@@ -39,6 +39,7 @@ class Mailbox:
         self._parcels: dict[Key, Parcel] = {}
         self._arrived: dict[Key, trio.Event] = {}
         self._posted: dict[Key, memoryview] = {}
+        self._progress: dict[Key, Callable[[int], None]] = {}  # posted buffers' fill watchers
         self._claimed: dict[Key, bool] = {}  # posted buffers being written: key -> withdrawn
 
     def __len__(self) -> int:
@@ -71,15 +72,20 @@ class Mailbox:
             if self._arrived.get(key) is event and event.is_set():
                 del self._arrived[key]
 
-    def post(self, key: Key, buffer: memoryview) -> None:
+    def post(self, key: Key, buffer: memoryview, on_progress: Callable[[int], None] | None = None) -> None:
         """Offer ``buffer`` as the destination of the payload of ``key`` if it arrives later
-        with exactly that size (a receive that lands in place, with no copy)."""
+        with exactly that size (a receive that lands in place, with no copy). ``on_progress``
+        is told how many of its first bytes are written (authenticated, on the fast path)
+        while the message arrives, until the message is complete or the offer withdrawn."""
         self._posted[key] = buffer
+        if on_progress is not None:
+            self._progress[key] = on_progress
 
     def unpost(self, key: Key) -> None:
         """Withdraw the offer. If a message is already being written into the buffer, the
         writer sees ``revoked(key)`` before its next write and drops the rest of it."""
         self._posted.pop(key, None)
+        self._progress.pop(key, None)
         if key in self._claimed:
             self._claimed[key] = True
 
@@ -94,9 +100,16 @@ class Mailbox:
     def revoked(self, key: Key) -> bool:
         return self._claimed.get(key, False)
 
+    def written(self, key: Key, nbytes: int) -> None:
+        """The writer of a claimed buffer has filled its first ``nbytes``."""
+        watcher = self._progress.get(key)
+        if watcher is not None and self._claimed.get(key) is False:
+            watcher(nbytes)
+
     def end_claim(self, key: Key) -> None:
         """The writer of a claimed buffer is done with it (complete, dropped or broken)."""
         self._claimed.pop(key, None)
+        self._progress.pop(key, None)
 
     def peer_lost(self, peer: str) -> None:
         """Wake everyone waiting on ``peer`` so they re-check its liveness now."""

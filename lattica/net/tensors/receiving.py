@@ -72,6 +72,8 @@ class MessageReader:
                 self.stats.bytes_received[(peer, path)] += len(data)
                 if direct:
                     decoder.wrote_directly(len(data))
+                    if posted is not None:  # the consumer may use what landed (see Mailbox.post)
+                        self.mailbox.written(posted, decoder.payload_filled)
                 else:
                     window()
                     decoder.feed(data)

@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
@@ -221,16 +221,20 @@ class TensorService:
             raise
         return out
 
-    def post_receive(self, peer: str, tag: str, part: int, buffer: memoryview | None) -> None:
+    def post_receive(
+        self, peer: str, tag: str, part: int, buffer: memoryview | None,
+        on_progress: Callable[[int], None] | None = None,
+    ) -> None:
         """Let ``(tag, peer, part)`` land directly in ``buffer`` (None: withdraw the offer).
 
         Only the payload bytes go there; ``receive`` still validates the header, and a tensor
-        it returns may share memory with ``buffer``.
+        it returns may share memory with ``buffer``. ``on_progress(nbytes)``, called on the
+        reading task, tells how much of the buffer is already written while it arrives.
         """
         if buffer is None:
             self.mailbox.unpost((tag, peer, part))
         else:
-            self.mailbox.post((tag, peer, part), buffer)
+            self.mailbox.post((tag, peer, part), buffer, on_progress)
 
     def lease_scratch(self, nbytes: int) -> AbstractContextManager[torch.Tensor]:
         """A context manager lending a uint8 buffer of ``nbytes`` (see ``ScratchPool``)."""

@@ -97,3 +97,39 @@ async def test_the_wake_threshold_never_exceeds_what_the_frame_still_needs() -> 
         sender.close()
         assert len(await receiver.receive_some()) == 0  # a clean end still wakes it
     receiver.close()
+
+
+async def test_a_large_frame_wakes_the_receiver_once_it_is_whole_not_every_256_kib() -> None:
+    # 4 MiB (the default frame) written in 64 KiB pieces: each wake-up is a trip through the
+    # event loop, so the receiver reads the frame in a few calls, not one per 256 KiB
+    big_frame, piece = 4 << 20, 64 << 10
+    client, server = await _tcp_pair()
+    counting = _CountingReceiver(server)
+    receiver = FastChannel(counting, send_key=KEY_B, recv_key=KEY_A, peer_id="s", frame_bytes=big_frame)  # type: ignore[arg-type]
+    sealed = bytearray()
+
+    class _Capture:  # seals the frame as a sender would, to be written in pieces below
+        async def send(self, data) -> int:
+            sealed.extend(data)
+            return len(data)
+
+        def setsockopt(self, *args: object) -> None:
+            pass
+
+    capture = FastChannel(_Capture(), send_key=KEY_A, recv_key=KEY_B, peer_id="r", frame_bytes=big_frame)  # type: ignore[arg-type]
+    payload = bytes(range(256)) * (big_frame // 256)
+    await capture.send_all(payload)
+
+    async def write_in_pieces() -> None:
+        for start in range(0, len(sealed), piece):
+            await client.send(sealed[start : start + piece])
+            await trio.sleep(0.001)
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(write_in_pieces)
+            got = bytes(await receiver.receive_some())
+    assert got == payload
+    assert counting.receives <= 6, f"{counting.receives} receive calls for a 4 MiB frame"
+    client.close()
+    receiver.close()
