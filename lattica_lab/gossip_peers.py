@@ -27,9 +27,13 @@ async def run_host(host: IHost, *, task_status: trio.TaskStatus[None] = trio.TAS
 async def gossip_peers(
     nursery: trio.Nursery, count: int, *, grace_s: float,
     views: Callable[[str, list[str]], Sequence[str]] | None = None,
+    max_hold_s: float = GossipGroupsConfig.max_hold_s,
 ) -> dict[str, GossipGroups]:
     """``count`` running, fully connected peers by id; ``views(me, everyone)``: the members ``me``
-    holds (default: everyone)."""
+    holds (default: everyone). ``max_hold_s``: the longest hold a peer asks for or grants
+    (``GossipGroupsConfig``) — peers that step back to back without inner work, each drawn with
+    a peer that does not step, ask for twice their last interval, i.e. double it each step."""
+    config = GossipGroupsConfig(grace_s=grace_s, max_hold_s=max_hold_s)
     ids: list[str] = []
     peers: dict[str, GossipGroups] = {}
     for _ in range(count):
@@ -39,7 +43,7 @@ async def gossip_peers(
         ids.append(me)
         members = (lambda me=me: views(me, ids)) if views is not None else (lambda: list(ids))
         peers[me] = GossipGroups(
-            host, peer_id=me, run_id="run", members=members, config=GossipGroupsConfig(grace_s=grace_s)
+            host, peer_id=me, run_id="run", members=members, config=config
         )
         await nursery.start(peers[me].run)
     hosts = [p.host for p in peers.values()]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import trio
 
+from lattica.train.engine.data import DataConfig, load_corpus
+from lattica_lab import convergence_workers
 from lattica_lab.benchmark_scripts import load
 
 
@@ -26,11 +28,11 @@ def test_gossip_on_four_workers_averages_in_pairs_and_reports_the_ratio(tmp_path
     convergence = load("convergence")
     corpus_path = tmp_path / "corpus.txt"
     corpus_path.write_text("".join(f"def f{i}(x):\n    return x * {i}\n\n" for i in range(3000)))
-    corpus = convergence.load_corpus(convergence.DataConfig(source=str(corpus_path)))
-    budget = convergence.Budget(steps=50, batch_size=2, context=32, warmup=5, eval_batches=2)
+    corpus = load_corpus(DataConfig(source=str(corpus_path)))
+    budget = convergence_workers.Budget(steps=50, batch_size=2, context=32, warmup=5, eval_batches=2)
     methods = convergence.all_methods(4)
     results = {
-        name: trio.run(convergence.run_method, name, methods[name], corpus, budget, 0, None, 4)
+        name: trio.run(convergence_workers.run_method, name, methods[name], corpus, budget, 0, None, 4)
         for name in ("diloco", "diloco_gossip")
     }
     # pairs send φ and Δ to one partner: 2 x the weights; a 4-peer all-reduce 2 (N-1)/N = 1.5 x

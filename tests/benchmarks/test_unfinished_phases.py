@@ -16,6 +16,7 @@ import pytest
 
 from lattica.train.engine.reports import TrainingSummary
 from lattica.train.strategies import STRATEGIES
+from lattica_lab import convergence_workers
 from lattica_lab.benchmark_scripts import load
 
 # ---------------------------------------------------------------------------- chaos
@@ -219,15 +220,14 @@ def _summary(steps: int, val_loss: float | None) -> TrainingSummary:
 
 
 def test_convergence_method_that_did_not_finish_fails():
-    convergence = load("convergence")
-    done = {i: _summary(100, 2.5) for i in range(convergence.WORKERS)}
-    assert convergence.finished_losses("diloco", done, 100) == [2.5] * convergence.WORKERS
-    with pytest.raises(convergence.BenchmarkFailed, match="worker 1 trained 50 of 100"):
-        convergence.finished_losses("diloco", done | {1: _summary(50, 2.5)}, 100)
-    with pytest.raises(convergence.BenchmarkFailed, match="worker 2 ended with validation loss nan"):
-        convergence.finished_losses("eager", done | {2: _summary(100, math.nan)}, 100)
-    with pytest.raises(convergence.BenchmarkFailed, match="worker 3 did not report"):
-        convergence.finished_losses("eager", {i: done[i] for i in range(3)}, 100)
+    done = {i: _summary(100, 2.5) for i in range(convergence_workers.WORKERS)}
+    assert convergence_workers.finished_losses("diloco", done, 100) == [2.5] * convergence_workers.WORKERS
+    with pytest.raises(convergence_workers.BenchmarkFailed, match="worker 1 trained 50 of 100"):
+        convergence_workers.finished_losses("diloco", done | {1: _summary(50, 2.5)}, 100)
+    with pytest.raises(convergence_workers.BenchmarkFailed, match="worker 2 ended with validation loss nan"):
+        convergence_workers.finished_losses("eager", done | {2: _summary(100, math.nan)}, 100)
+    with pytest.raises(convergence_workers.BenchmarkFailed, match="worker 3 did not report"):
+        convergence_workers.finished_losses("eager", {i: done[i] for i in range(3)}, 100)
 
 
 def test_convergence_rejects_an_unknown_strategy(capsys):

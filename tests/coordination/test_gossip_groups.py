@@ -140,7 +140,9 @@ async def test_a_straggler_is_left_out_at_once_by_whoever_draws_it() -> None:
 async def test_a_peer_behind_learns_the_swarms_step_and_pairs_again() -> None:
     with trio.fail_after(90):
         async with trio.open_nursery() as nursery:
-            peers = await gossip_peers(nursery, 5, grace_s=GRACE_S)
+            # the peer behind holds its partners' requests for their hold, which doubles each step
+            # they sync back to back: kept at its least (half the grace), five steps take seconds, not ~25
+            peers = await gossip_peers(nursery, 5, grace_s=GRACE_S, max_hold_s=GRACE_S / 2)
             def partners(p: str) -> set[str]:
                 return {q for t in range(5) for s in draw_step_groups(peers, key=f"round/{t}", group_size=2)
                         if p in s for q in s if q != p}

@@ -2,6 +2,11 @@
 
 Each test builds its own lab (``lattica_lab.nat_daemons``), and reads the outcome the way a
 user would: ``lattica peers --json`` / ``lattica status --json`` through ``--data-dir``.
+
+In the two scenarios behind two NATs (``b`` behind a port-preserving NAT, ``c`` behind a
+symmetric one or a second port-preserving NAT, both joined through public ``a``), ``lattica
+doctor`` must also tell each node what kind of NAT it is behind, from what its peers observe,
+and why a peer is relayed. Each report is kept as ``doctor-<node>.json`` in the test's tmp dir.
 """
 
 from __future__ import annotations
@@ -28,6 +33,25 @@ def cli(command: str, data_dir: Path) -> Any:
 
 def peer_via_cli(daemon: LabDaemon, peer_id: str) -> dict[str, Any]:
     return next((p for p in cli("peers", daemon.data_dir) if p["peer_id"] == peer_id), {})
+
+
+def doctor_reports(daemons: dict[str, LabDaemon], keep: Path) -> dict[str, dict[str, Any]]:
+    """``lattica doctor --json`` of every daemon, run at once (each is a CLI start of seconds)."""
+    runs = {name: subprocess.Popen([sys.executable, "-m", "lattica.cli.main", "doctor", "--data-dir",
+                                    str(d.data_dir), "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   text=True) for name, d in daemons.items()}
+    reports = {}
+    for name, process in runs.items():
+        out, err = process.communicate(timeout=60)
+        assert "Traceback" not in err, err
+        reports[name] = json.loads(out)
+        (keep / f"doctor-{name}.json").write_text(json.dumps(reports[name], indent=2))
+    return reports
+
+
+def peer_finding(report: dict[str, Any], peer_id: str) -> dict[str, Any]:
+    short = f"{peer_id[:8]}…{peer_id[-6:]}"
+    return next(f for f in report["findings"] if f["check"] == f"peer {short}")
 
 
 def run(scenario, tmp_path: Path, check) -> ScenarioResult:
@@ -79,7 +103,7 @@ def test_nat_public_both_directions(tmp_path):
     run(nat_daemons.nat_public, tmp_path, check)
 
 
-def test_nat_nat_relayed_then_hole_punched(tmp_path):
+def test_nat_nat_relayed_then_hole_punched_and_the_doctor_says_so(tmp_path):
     def check(r: ScenarioResult, d: dict[str, LabDaemon]) -> None:
         logs = nat_daemons.log_tail(tmp_path)
         assert r.connected, (r, logs)
@@ -93,11 +117,20 @@ def test_nat_nat_relayed_then_hole_punched(tmp_path):
             assert entry["path"] == "hole-punched", (me, entry, logs)
             assert entry["relay"] is None, entry
             assert entry["rtt_ms"] is not None, entry
+        # the doctor tells both cone NAT nodes that they hole-punched
+        reports = doctor_reports({name: d[name] for name in ("b", "c")}, tmp_path)
+        for me, other in (("b", "c"), ("c", "b")):
+            report = reports[me]
+            assert report["nat"]["kind"] == "cone", report["nat"]
+            finding = peer_finding(report, d[other].peer_id)
+            assert finding["detail"].startswith("hole-punched"), finding
+            # no warning but, on a loaded machine, a slow RTT
+            assert finding["status"] == "ok" or "slow link" in finding["detail"], finding
 
     run(lambda root, **kw: nat_daemons.nat_nat(root, symmetric=False, **kw), tmp_path, check)
 
 
-def test_symmetric_nat_stays_relayed_and_trains(tmp_path):
+def test_symmetric_nat_stays_relayed_and_trains_and_the_doctor_says_why(tmp_path):
     def check(r: ScenarioResult, d: dict[str, LabDaemon]) -> None:
         logs = nat_daemons.log_tail(tmp_path)
         assert r.connected, (r, logs)
@@ -110,8 +143,34 @@ def test_symmetric_nat_stays_relayed_and_trains(tmp_path):
         assert min(r.details["rounds_completed"]) >= 1, (r, logs)
         assert all((n or 0) > 0 for n in r.details["bytes_sent"]), r
         assert r.details["path_after_training"] == "relayed", r
+        _doctor_tells_the_symmetric_nat_node_why(doctor_reports(d, tmp_path), d)
 
     run(lambda root, **kw: nat_daemons.nat_nat(root, symmetric=True, **kw), tmp_path, check)
+
+
+def _doctor_tells_the_symmetric_nat_node_why(reports: dict[str, dict[str, Any]], d: dict[str, LabDaemon]) -> None:
+    a, b, c = reports["a"], reports["b"], reports["c"]
+    assert a["nat"]["kind"] == "public", a["nat"]
+    assert b["nat"]["kind"] == "cone", b["nat"]
+    assert c["nat"]["kind"] == "symmetric", c["nat"]
+    assert "rewrites ports" in c["nat"]["evidence"]
+    relayed = peer_finding(c, d["b"].peer_id)
+    assert relayed["status"] == "warn", relayed
+    assert "relayed via" in relayed["detail"], relayed
+    assert "symmetric NAT" in relayed["detail"], relayed
+    assert "--announce" in relayed["advice"], relayed
+    # the relay is a's reservation, and the path to a is direct with an RTT and a clock figure
+    assert c["node"]["relay_addrs"], c["node"]
+    assert next(f for f in c["findings"] if f["check"] == "relay")["status"] == "ok"
+    to_a = next(p for p in c["node"]["peers"] if p["peer_id"] == d["a"].peer_id)
+    assert to_a["path"] == "direct", to_a
+    assert to_a["rtt_ms"] is not None, to_a
+    assert to_a["clock_offset_s"] is not None, to_a
+    # b, behind the port-preserving NAT, is told the other side is the reason
+    assert "relayed" in peer_finding(b, d["c"].peer_id)["detail"]
+    # the two trained together over the relay: the last transfer's rate is known to one of them
+    transfers = [p["last_transfer_mbit_s"] for r in (b, c) for p in r["node"]["peers"]]
+    assert any(t for t in transfers), transfers
 
 
 def test_relay_killed_peers_move_to_the_other_relay(tmp_path):

@@ -19,6 +19,10 @@ from lattica_lab.gossip_peers import gossip_peers
 
 GRACE_S = 3.0  # generous: a loaded machine must not turn a hold or an exchange into a timeout
 AHEAD = 5  # steps the swarm syncs without the replica that fell behind
+# the partner of the replica behind is held by it (it does not step) for the hold it asks, and
+# asks twice its last interval at the next step: uncapped, the five steps ahead take ~50 s; the
+# hold stays at its least (half the grace), which the wake-up steps need a fraction of
+MAX_HOLD_S = GRACE_S / 2
 
 
 def _behind(ids: list[str]) -> str | None:
@@ -37,7 +41,7 @@ def _behind(ids: list[str]) -> str | None:
 async def _peers_with_one_behind(nursery: trio.Nursery) -> tuple[dict[str, GossipGroups], str]:
     """Four gossip peers and the one to freeze (fresh identities until one qualifies)."""
     for _ in range(5):
-        peers = await gossip_peers(nursery, 4, grace_s=GRACE_S)
+        peers = await gossip_peers(nursery, 4, grace_s=GRACE_S, max_hold_s=MAX_HOLD_S)
         behind = _behind(list(peers))
         if behind is not None:
             return peers, behind

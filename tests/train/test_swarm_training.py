@@ -15,9 +15,16 @@ from typing import Any
 
 import pytest
 
-from lattica_lab.daemons import DaemonProcess, cli_json, free_port
+from lattica_lab.daemons import DaemonProcess, free_port
 from lattica_lab.daemons import wait_for as _wait_for
-from lattica_lab.training_daemons import TRAIN_ENV, final_hashes, train_args, training, wait_done
+from lattica_lab.training_daemons import (
+    TRAIN_ENV,
+    final_hashes,
+    rounds_completed,
+    train_args,
+    training,
+    wait_done,
+)
 
 INNER_STEPS = 5
 
@@ -185,9 +192,11 @@ def test_a_peer_restarted_after_kill_9_rejoins_without_waiting_for_min_peers(swa
 NUM_EXPERTS = 8  # tiny-moe
 
 
-def _expert_owners(data_dir: Path, live: set[str]) -> dict[int, list[str]] | None:
-    """expert -> claimants among ``live``, from one node's replica; None until it is complete."""
-    experts = cli_json("state", "--data-dir", str(data_dir))["experts"]
+def _expert_owners(daemon: DaemonProcess, live: set[str]) -> dict[int, list[str]] | None:
+    """expert -> claimants among ``live``, from one node's replica (``lattica state`` over the
+    control socket: a CLI process per read costs seconds under load, rounds here take a fraction
+    of one); None until it is complete."""
+    experts = daemon.call("state")["experts"]
     owners = {int(e): sorted(set(c) & live) for e, c in experts.items()}
     if sorted(e for e, c in owners.items() if c) != list(range(NUM_EXPERTS)):
         return None
@@ -211,8 +220,8 @@ def test_owner_leaves_its_experts_are_reassigned_and_training_goes_on(swarm: Swa
     assert _wait_for(lambda: all(training(d)["rounds_completed"] >= 2 for d in daemons), 90), [
         d.log() for d in daemons
     ]
-    before = _wait_for(lambda: _expert_owners(daemons[0].data_dir, ids), 15)
-    assert before, cli_json("state", "--data-dir", str(daemons[0].data_dir))
+    before = _wait_for(lambda: _expert_owners(daemons[0], ids), 15)
+    assert before, daemons[0].call("state")
     # one owner per expert, every node owns some (8 experts over 3 nodes: 3, 3, 2)
     assert all(len(c) == 1 for c in before.values()), before
     assert sorted(sum(1 for c in before.values() if c == [p]) for p in ids) == [2, 3, 3]
@@ -225,6 +234,8 @@ def test_owner_leaves_its_experts_are_reassigned_and_training_goes_on(swarm: Swa
         assert victim.stop() == 0, victim.log()  # it writes "left" to the state
     else:
         victim.kill()  # its lease expires
+    # the map moves only at a sync without the victim: it must leave while rounds remain
+    assert all(rounds_completed(d) < rounds for d in survivors), "the run ended before the victim left"
 
     infos = wait_done(survivors, timeout=120)
     assert [i["rounds_completed"] for i in infos] == [rounds, rounds], [d.log()[-6000:] for d in survivors]
@@ -232,8 +243,8 @@ def test_owner_leaves_its_experts_are_reassigned_and_training_goes_on(swarm: Swa
 
     alive = {d.peer_id for d in survivors}
     for d in survivors:
-        after = _wait_for(lambda d=d: _expert_owners(d.data_dir, alive), 15)
-        assert after, cli_json("state", "--data-dir", str(d.data_dir))
+        after = _wait_for(lambda d=d: _expert_owners(d, alive), 15)
+        assert after, d.call("state")
         assert all(len(c) == 1 for c in after.values()), after
         # survivors keep their experts; the victim's went to them, four each
         assert all(after[e] == c for e, c in before.items() if e not in orphaned)
