@@ -88,6 +88,15 @@ def test_where_replicas_agree_moving_ahead_takes_two_holders() -> None:
     assert _rule((11, "h"), ["a"], {"a": 11, "b": 10}, GOSSIP) is None  # gossip: a claim has one holder
 
 
+def test_a_founder_that_trained_alone_is_followed_by_newcomers_that_have_no_round() -> None:
+    """Three members, only the founder has a round: refusing its state would leave the two
+    newcomers at round 0 and the founder at round 3, never in one collective."""
+    fresh = replace(ALLREDUCE, my_round=0)
+    assert _rule((3, "h"), ["a"], {"a": 3}, fresh) is None
+    assert _rule((3, "h"), ["a"], {"a": 3, "b": 1}, fresh) == "alone"  # another member's round: two words needed
+    assert _rule((3, "h"), ["a"], {"a": 3}, replace(fresh, my_round=1)) == "alone"  # and so does ours
+
+
 def test_a_lone_holder_is_followed_at_or_below_our_round_and_in_a_run_of_two() -> None:
     """The tie-break that re-converges replicas which each ran a round alone stays possible."""
     assert _rule((10, "h"), ["a"], {"a": 10, "b": 10}, ALLREDUCE) is None

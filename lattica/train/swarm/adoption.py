@@ -22,8 +22,10 @@ when:
 3. the replicas of the run agree (all-reduce), the run has more than two live members, the claim
    is ahead of this replica's round, and only one verified member holds it: moving forward takes
    the word of two (a lone holder is followed only at or below our round — the tie-break that
-   re-converges replicas which each ran a round alone — and in a run of two, where nobody else
-   could confirm anything).
+   re-converges replicas which each ran a round alone — in a run of two, where nobody else
+   could confirm anything, and when neither this replica nor any other member has a round yet: a founder that
+   trained alone before the others came is the run's only progress, and refusing it would leave
+   the newcomers at round 0 and the founder ahead, never in one collective).
 
 These refusals cost no fetch and score nobody down: an honest member can be ahead (partitioned,
 or the run's config not agreed yet), and it is adopted once the rule no longer holds.
@@ -109,7 +111,8 @@ def refusal_before_fetch(
             f"{rnd - max(others)} rounds beyond any other member's round {max(others)} "
             f"(at most {limits.max_rounds_ahead})", "ahead",
         )
-    if run.replicas_agree and run.members > 2 and len(holders) < 2 and rnd > run.my_round:
+    if (run.replicas_agree and run.members > 2 and len(holders) < 2 and rnd > run.my_round
+            and (others or run.my_round > 0)):
         return Refusal(claim, holders, f"ahead of our round {run.my_round} and held by no other member", "alone")
     return None
 
