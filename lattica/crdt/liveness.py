@@ -1,7 +1,7 @@
 """Heartbeats, leases and proof of presence: who is a live member, decided the same way on every node.
 
 Each member renews its own lease by writing ``lease_expires_ms`` (wall-clock ms, its own
-clock) into its membership record; a lease lasts ``lease``. Any write of a member's own record
+clock) into its membership record; a lease lasts ``lease``. Every write of a member's own record
 (its round's progress, a role, its vouches) renews the lease with it, in the same envelope, and
 the next renewal on its own falls due ``interval_for`` later: a member that publishes a round
 at least that often renews no more than once a round. The interval grows with the swarm
