@@ -37,21 +37,22 @@ def _plain_step(cls: type[_Optimizer]) -> Callable[..., Any]:
     return step
 
 
-class EagerAdamW(torch.optim.AdamW):
-    """``torch.optim.AdamW`` that never imports ``torch._dynamo`` (module docstring)."""
+class _PlainMethods(_Optimizer):
+    """``torch.optim.Optimizer``'s methods without the wrappers that import dynamo."""
 
     add_param_group = inspect.unwrap(_Optimizer.add_param_group)
     zero_grad = inspect.unwrap(_Optimizer.zero_grad)
     state_dict = inspect.unwrap(_Optimizer.state_dict)
     load_state_dict = inspect.unwrap(_Optimizer.load_state_dict)
+
+
+class EagerAdamW(_PlainMethods, torch.optim.AdamW):
+    """``torch.optim.AdamW`` that never imports ``torch._dynamo`` (module docstring)."""
+
     step = _plain_step(torch.optim.AdamW)
 
 
-class EagerSGD(torch.optim.SGD):
+class EagerSGD(_PlainMethods, torch.optim.SGD):
     """``torch.optim.SGD`` that never imports ``torch._dynamo`` (module docstring)."""
 
-    add_param_group = inspect.unwrap(_Optimizer.add_param_group)
-    zero_grad = inspect.unwrap(_Optimizer.zero_grad)
-    state_dict = inspect.unwrap(_Optimizer.state_dict)
-    load_state_dict = inspect.unwrap(_Optimizer.load_state_dict)
     step = _plain_step(torch.optim.SGD)
