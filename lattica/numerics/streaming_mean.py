@@ -25,7 +25,7 @@ its slot was offered lands elsewhere whole (``landed``) and is summed from there
 
 When the mean is written over this member's own contribution (an in-place all-reduce), each
 block of it is first copied into ``keep`` (its free slot), so the exact path still finds it.
-Only screens that look at norms alone can stream (``streams(screen)``): clipping, trimming and
+Only screens that look at norms alone can stream (``screen.only_screens_norms``): clipping, trimming and
 the median need every contribution at once.
 
 Everything runs on the calling thread with numpy (no intra-op worker threads).
@@ -44,14 +44,8 @@ from lattica.numerics.screen import (
     ContributionScreen,
     Rejection,
     no_norm_outlier,
-    only_screens_norms,
     reduce_parts,
 )
-
-
-def streams(screen: ContributionScreen) -> bool:
-    """Whether ``StreamingMean`` can reduce under ``screen`` (only the non-finite and norm rules)."""
-    return only_screens_norms(screen)
 
 
 class StreamingMean:

@@ -10,7 +10,7 @@ import torch
 
 from lattica.numerics import screen
 from lattica.numerics.screen import DEFAULT_SCREEN, PLAIN_MEAN, reduce_parts
-from lattica.numerics.streaming_mean import StreamingMean, streams
+from lattica.numerics.streaming_mean import StreamingMean
 
 PEERS = ["a", "b", "c", "d"]
 NUMEL = 3 * screen.BLOCK + 1000  # several blocks and a partial one
@@ -99,11 +99,11 @@ def test_values_whose_squares_overflow_take_the_exact_path() -> None:
 
 
 def test_only_norm_screens_stream() -> None:
-    assert streams(DEFAULT_SCREEN)
-    assert streams(PLAIN_MEAN)
-    assert not streams(screen.ContributionScreen(trim=1))
-    assert not streams(screen.ContributionScreen(median=True))
-    assert not streams(screen.ContributionScreen(clip_ratio=2.0))
+    assert screen.only_screens_norms(DEFAULT_SCREEN)
+    assert screen.only_screens_norms(PLAIN_MEAN)
+    assert not screen.only_screens_norms(screen.ContributionScreen(trim=1))
+    assert not screen.only_screens_norms(screen.ContributionScreen(median=True))
+    assert not screen.only_screens_norms(screen.ContributionScreen(clip_ratio=2.0))
 
 
 def test_a_contribution_that_came_before_its_slot_was_offered_is_summed_from_where_it_landed() -> None:

@@ -41,8 +41,8 @@ from lattica.errors import (
     RemoteProtocolError,
 )
 from lattica.numerics import codecs
-from lattica.numerics.screen import DEFAULT_SCREEN, ContributionScreen, Rejection, reduce_parts
-from lattica.numerics.streaming_mean import StreamingMean, streams
+from lattica.numerics.screen import DEFAULT_SCREEN, ContributionScreen, Rejection, only_screens_norms, reduce_parts
+from lattica.numerics.streaming_mean import StreamingMean
 
 
 class CollectiveAbortedError(PeerUnavailableError):
@@ -144,7 +144,7 @@ async def allreduce(
         scratch = streaming = None
         if codec == "fp32":  # every incoming part can land in its final place, with no copy
             scratch = _lease_scratch(transport, stack, bounds[rank], n)
-            if scratch is not None and streams(screen):
+            if scratch is not None and only_screens_norms(screen):
                 streaming = _streaming_mean(flat, result, scratch, rank, bounds, aliased)
             _post_in_place(transport, stack, result, group, rank, bounds, tag, scratch, streaming)
         rejected = await _reduce_scatter(
