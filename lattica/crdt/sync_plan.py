@@ -161,7 +161,3 @@ class SyncPlan:
     def _jittered(self) -> float:
         return self.policy.repair_interval_s * self.rng.uniform(0.5, 1.5)
 
-
-def news_rows(vector: Sequence[list[str | int]], keys: Collection[StreamKey]) -> list[list[str | int]]:
-    """The rows of ``vector`` for ``keys``."""
-    return [row for row in vector if (row[0], row[1]) in keys]
