@@ -37,17 +37,19 @@ def _poisoned(honest: dict[str, Any], poison: str, claimed: int, inner_steps: in
 
 def _install(poison: str, offsets: list[int]) -> None:
     ahead = itertools.cycle(offsets)
+    # one shelf per offset: with a single one, keeping the highest rounds, a claim 50 ahead
+    # unserved the claim 4 ahead one round after it was published — before a peer could fetch it
+    served: dict[int, ServedRounds] = {}
 
     async def publish_round(self: OuterStateSync) -> None:
         strategy = self._trainer().strategy
         honest = strategy.outer_state_dict()
         completed = strategy.completed_rounds
         self.remember(completed, outer_state_hash(honest))  # its own view of its rounds stays true
-        claimed = min(completed + next(ahead), self.settings.rounds)
+        offset = next(ahead)
+        claimed = min(completed + offset, self.settings.rounds)
         state = _poisoned(honest, poison, claimed, self.settings.inner_steps)
-        if self._served is None:
-            self._served = ServedRounds(self.store)
-        self._served.publish(claimed, state)
+        served.setdefault(offset, ServedRounds(self.store, keep=4)).publish(claimed, state)
         await self.view.publish_progress(claimed, outer_state_hash(state))
 
     OuterStateSync.publish_round = publish_round  # type: ignore[method-assign]

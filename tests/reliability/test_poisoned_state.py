@@ -102,8 +102,8 @@ def test_gossip_trainers_refuse_a_malformed_state_claimed_ahead(tmp_path: Path, 
         assert all(hostile_id in line for line in refusals), refusals
         assert len(refusals) <= 2, refusals  # once per reason (implausible, malformed), not per poll
     # the claim 4 rounds ahead was fetched by whoever was behind it, and refused for its manifest
-    logs = "".join(log_from(d) for d in honest)
-    assert "'round' is not a valid count: 'not-a-round'" in logs, logs[-6000:]
+    malformed = "'round' is not a valid count: 'not-a-round'"
+    assert wait_for(lambda: any(malformed in log_from(d) for d in honest), 60), [log_from(d)[-3000:] for d in honest]
     assert any(training(d).get("refused_states") == {hostile_id: 1} for d in honest), [training(d) for d in honest]
 
 
