@@ -26,12 +26,13 @@ heard by some before others), and then about who coordinates: a coordinator C wo
 lower candidate L that is coordinating a group of its own, and L for C's askers, both until the
 deadline, each sealing a part of the round. So the lower id wins as soon as anyone notices: a
 coordinator that sees a responsive candidate below itself while a key is pending answers its
-askers ``{"redirect": L}`` and they (and C itself) ask L. Redirects only go down in peer id, so
-they end. A coordinator that redirected us is not given up on: when the peer it named fails (it
-died, and we noticed before the redirecting one did), we ask the redirecting one again after a
-short pause — its view catches up within ``_OPEN_TIMEOUT_S`` — rather than coordinating alone
-while it waits for us (two survivors of a dead coordinator sealed a 1-member round each). One
-that keeps naming a failed peer for a whole deadline counts as failed itself.
+askers ``{"redirect": L}`` and they (and C itself) ask L — also an asker whose view of the
+members does not list L yet. Redirects only go down in peer id, so they end. A coordinator
+that redirected us is not given up on: when the peer it named fails (it died, and we noticed
+before the redirecting one did), we ask the redirecting one again after a short pause — its
+view catches up within ``_OPEN_TIMEOUT_S`` — rather than coordinating alone while it waits for
+us (two survivors of a dead coordinator sealed a 1-member round each). One that keeps naming a
+failed peer for a whole deadline counts as failed itself.
 
 Given the published rounds, a candidate two or more behind the round at least half the
 candidates have published (it is fetching the run's state) is not waited for, and only
@@ -199,8 +200,13 @@ class RoundCoordinator:
         candidate whose ask has not failed (one that only redirected us may be asked again) —
         looked up afresh after every failure, so a peer that became responsive meanwhile (back
         from a restart) is not passed over. For a retry key, the
-        members of the previous attempt when we know them: every asker knows them."""
-        if redirect is not None and redirect not in failed and redirect in self._candidates():
+        members of the previous attempt when we know them: every asker knows them.
+
+        A redirect is followed even to a peer that is not among our candidates: the coordinator
+        that sent us there hears it, and our own view of the members can lag (back from a link
+        cut, the others' leases look expired until their renewals arrive). Passing it over sent
+        us back to the same coordinator, which redirected again, for the rest of the round."""
+        if redirect is not None and redirect not in failed:
             return redirect
         pool = self._candidates()
         expected = self._expected(key)

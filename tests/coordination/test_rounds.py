@@ -34,10 +34,11 @@ class _Member:
 
 async def _members(
     nursery: trio.Nursery, *, deadline_s: float, count: int = 3, silent: set[str] | None = None,
-    silent_for: dict[str, set[str]] | None = None,
+    silent_for: dict[str, set[str]] | None = None, unlisted_for: dict[str, set[str]] | None = None,
 ) -> list[_Member]:
     """``count`` connected members, sorted by peer id (the first coordinates every key).
-    ``silent``: peers no one finds responsive; ``silent_for[me]``: peers ``me`` alone does not."""
+    ``silent``: peers no one finds responsive; ``silent_for[me]``: peers ``me`` alone does not;
+    ``unlisted_for[me]``: peers missing from ``me``'s candidates (its view of the members lags)."""
     ids: list[str] = []
     members = []
     for _ in range(count):
@@ -46,8 +47,8 @@ async def _members(
         peer_id = host.get_id().to_base58()
         ids.append(peer_id)
         coordinator = RoundCoordinator(
-            host, peer_id=peer_id, run_id="test-run", candidates=lambda: list(ids), deadline_s=deadline_s,
-            responsive=_view(peer_id, silent, silent_for),
+            host, peer_id=peer_id, run_id="test-run", candidates=_listed(peer_id, ids, unlisted_for),
+            deadline_s=deadline_s, responsive=_view(peer_id, silent, silent_for),
         )
         await nursery.start(coordinator.run)
         members.append(_Member(host, scope, coordinator))
@@ -55,6 +56,10 @@ async def _members(
         for other in members[i + 1 :]:
             await member.host.connect(info_from_p2p_addr(other.host.get_addrs()[0]))
     return sorted(members, key=lambda m: m.peer_id)
+
+
+def _listed(me: str, ids: list[str], unlisted_for: dict[str, set[str]] | None):
+    return lambda: [p for p in ids if p not in (unlisted_for or {}).get(me, set())]
 
 
 def _view(me: str, silent: set[str] | None, silent_for: dict[str, set[str]] | None):
@@ -249,6 +254,24 @@ async def test_a_coordinator_that_sees_a_lower_one_redirects_its_askers_there() 
             nursery.cancel_scope.cancel()
 
 
+async def test_a_redirect_is_followed_to_a_peer_missing_from_our_own_view() -> None:
+    """Back from a link cut, the highest peer does not list the lowest among its candidates yet
+    (its lease looks expired until a renewal arrives), but the middle one hears it and
+    redirects there: the highest must follow, not ask the middle one again and again (it
+    redirects every time) until the round is over without it."""
+    with trio.fail_after(40):
+        async with trio.open_nursery() as nursery:
+            unlisted_for: dict[str, set[str]] = {}
+            members = await _members(nursery, deadline_s=20.0, unlisted_for=unlisted_for)
+            low, _middle, high = members
+            unlisted_for[high.peer_id] = {low.peer_id}
+            started = trio.current_time()
+            groups = await _groups(members, "round/0")
+            assert set(groups.values()) == {tuple(m.peer_id for m in members)}
+            assert trio.current_time() - started < 10  # one group, at once
+            nursery.cancel_scope.cancel()
+
+
 async def test_a_coordinator_catching_up_does_not_hold_a_later_round_for_itself() -> None:
     with trio.fail_after(40):
         async with trio.open_nursery() as nursery:
@@ -276,6 +299,7 @@ def test_the_next_coordinator_is_looked_up_afresh_after_each_failure() -> None:
     assert rounds._next_coordinator("round/1", {"a", "b"}, None) == "c"
     assert rounds._next_coordinator("round/1", {"a", "b", "c"}, None) is None
     assert rounds._next_coordinator("round/1", {"c"}, "b") == "b"  # redirected
+    assert rounds._next_coordinator("round/1", set(), "0") == "0"  # also to a peer we do not list (yet)
     rounds._learn("round/1", ("b", "c"))  # a retry asks among the failed attempt's members
     assert rounds._next_coordinator("round/1/retry/1", set(), None) == "b"
 
