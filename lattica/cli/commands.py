@@ -7,24 +7,38 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from lattica.cli.common import install_signal_exit, print_json, resolve_data_dir
+from lattica.cli.common import collector_paused_for_start_up, install_signal_exit, print_json, resolve_data_dir
 from lattica.cli.render import key_values, short_id, table
 from lattica.control import client
 from lattica.decoding import str_list, str_map
 from lattica.errors import DaemonNotRunningError, LocalProtocolError
 
 if TYPE_CHECKING:
+    from libp2p.crypto.keys import KeyPair
+
+    from lattica.config import NodeConfig
     from lattica.node.node import Node
 
 
 def join(args: argparse.Namespace) -> int:
+    with collector_paused_for_start_up():
+        config, key_pair, secret = _prepared_join(args)
+    from lattica.node.daemon import run_until_stopped  # imported above, by the preparation
+
+    return run_until_stopped(config, key_pair, secret=secret, on_started=_announce_started)
+
+
+def _prepared_join(args: argparse.Namespace) -> tuple[NodeConfig, KeyPair, bytes | None]:
+    """The node config, identity and run secret of ``lattica join``, with the daemon's modules
+    imported (the training stack too, for a trainer): everything that can be checked fails
+    here, as one line, before anything is started."""
     from lattica.cli.logs import configure_logging
     from lattica.cli.preflight import check_metrics_host, prepare_data_dir
     from lattica.cli.settings import build_node_config
     from lattica.config import parse_host_port
     from lattica.net.access import read_secret_file
     from lattica.net.identity import load_or_create_identity
-    from lattica.node.daemon import run_until_stopped
+    from lattica.node import daemon  # noqa: F401 - the daemon's modules load with the collector paused
 
     flags = {
         "data_dir": args.data_dir,
@@ -70,7 +84,6 @@ def join(args: argparse.Namespace) -> int:
         environ=os.environ,
         with_training=args.train,
     )
-    # everything that can be checked here fails now, as one line, before anything is started
     prepare_data_dir(config.data_dir)
     if config.metrics_addr is not None:
         check_metrics_host(parse_host_port(config.metrics_addr, what="--metrics-addr")[0])
@@ -80,8 +93,7 @@ def join(args: argparse.Namespace) -> int:
         check_settings(config.train)
     secret = read_secret_file(config.secret_file) if config.secret_file is not None else None
     configure_logging(config.log_level)
-    key_pair = load_or_create_identity(config.data_dir)
-    return run_until_stopped(config, key_pair, secret=secret, on_started=_announce_started)
+    return config, load_or_create_identity(config.data_dir), secret
 
 
 def _announce_started(node: Node) -> None:
