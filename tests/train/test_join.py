@@ -5,7 +5,7 @@ import trio.lowlevel
 
 from lattica.errors import PeerUnavailableError, RemoteProtocolError
 from lattica.train.engine.model import GPTConfig, build_model
-from lattica.train.engine.outer_state import flatten_outer_state, outer_state_hash, unflatten_outer_state
+from lattica.train.engine.outer_state import MANIFEST, flatten_outer_state, outer_state_hash, unflatten_outer_state
 from lattica.train.strategies.diloco import DiLoCo, DiLoCoConfig
 from lattica.train.swarm.join import FetchPacing, fetch_outer_state, first_answer
 from lattica_lab.collective import InMemoryCollectiveGroup
@@ -141,6 +141,37 @@ async def test_a_holder_only_slower_than_the_others_keeps_its_share(autojump_clo
     holders = SilentHolders(flat, delays={"h1": 3.0, "h2": 5.0})
     await fetch_outer_state(["h1", "h2"], holders.fetch, expected_hash=outer_state_hash(state))
     assert [p for p, _ in holders.calls] == ["h1", "h1", "h2"]  # manifest, then one share each
+
+
+class MovedOnHolders(SilentHolders):
+    """Holders that move on while the fetch runs: ``shares_served[peer]`` share requests are
+    answered, later ones find the round's state no longer on offer; beside silent holders."""
+
+    def __init__(self, flat, *, silent=(), shares_served=None):
+        super().__init__(flat, silent=silent)
+        self.shares_left = dict(shares_served or {})
+
+    async def fetch(self, peer, names):
+        if peer in self.shares_left and names != [MANIFEST]:
+            if self.shares_left[peer] == 0:
+                self.calls.append((peer, len(names)))
+                await trio.lowlevel.checkpoint()
+                raise PeerUnavailableError("peer does not serve the round's tensors", peer_id=peer)
+            self.shares_left[peer] -= 1
+        return await super().fetch(peer, names)
+
+
+async def test_a_fetch_whose_holders_all_failed_is_not_retried_on_the_silent_one(autojump_clock):
+    # h1 delivered its share, the cut holder stalled and its share went to the others, which had
+    # moved on by then (the round's state no longer on offer): the fetch then asked each holder
+    # alone, in turn, and waited on the cut one (4-6 s in the chaos benchmark, up to the caller's
+    # limit) for a state the run had left. It fails now, and the caller fetches the next claim.
+    state = await _trained_state()
+    holders = MovedOnHolders(flatten_outer_state(state), silent={"cut"}, shares_served={"h1": 1, "h2": 0})
+    started = trio.current_time()
+    with trio.fail_after(30), pytest.raises(PeerUnavailableError):
+        await fetch_outer_state(["h1", "h2", "cut"], holders.fetch, expected_hash=outer_state_hash(state))
+    assert trio.current_time() - started <= FetchPacing().straggler_min_s + 0.5
 
 
 async def test_first_answer_asks_the_next_holder_after_a_failure_or_the_hedge(autojump_clock):

@@ -14,7 +14,11 @@ A joiner picks the holders that published the newest round with the same hash an
    to the remaining holders;
 3. the assembled state must hash to ``expected_hash``; if it does not (someone sent wrong
    bytes), every holder is tried alone, in turn, and only a state whose hash matches is
-   accepted. A holder whose state mismatches is reported as a ``RemoteProtocolError``.
+   accepted. A holder whose state mismatches is reported as a ``RemoteProtocolError``. When
+   instead every holder failed in step 2, the fetch fails at once (``PeerUnavailableError``):
+   asking each holder alone again waited on a silent one (its link cut) for 4-6 s in the chaos
+   benchmark, for a state the others had already stopped offering — the run had moved on, and
+   its newer state is the one to fetch.
 
 A holder that has gone silent — its link cut, so its connection neither answers nor breaks for
 many seconds — must not hold the fetch: the holders move on every round and keep only their last
@@ -114,7 +118,10 @@ async def fetch_outer_state(
             return parallel
         log.warning("outer state assembled from %d holders does not match; retrying", len(holders))
     except PeerUnavailableError as exc:
+        # every holder failed or stalled: asking each alone again waits on the silent ones for
+        # a state the others no longer offer (they moved on); the caller fetches the next claim
         log.warning("parallel fetch failed: %s", exc)
+        raise
     for holder in holders:
         try:
             alone = await _fetch_checked(holder, [MANIFEST, *names], fetch)
