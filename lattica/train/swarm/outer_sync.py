@@ -358,6 +358,8 @@ class OuterStateSync:
             while True:
                 agreed = self.agreed()
                 if agreed is not None and (agreed[0], agreed[1]) != self.mine and agreed[0] >= self.mine[0]:
+                    if self._reached_at_next_sync(agreed):  # a faster member's: ours lands it
+                        return False
                     if await self.adopt(agreed):
                         await self.publish_round()
                         return True
