@@ -54,10 +54,12 @@ def test_members_joining_a_running_co2_swarm_end_on_its_line(
     late = [_start(tmp_path / f"j{i}", started, min_peers=1) for i in range(joiners)]
     for daemon in late:
         daemon.wait_ready(timeout=60)
-    infos = wait_done(started, timeout=120)
+    wait_done(started, timeout=120)
     for daemon in late:  # joined mid-run
         adopted = re.search(r"adopted outer state of round (\d+)", daemon.log())
         assert adopted, daemon.log()
         assert int(adopted.group(1)) < ROUNDS - 5, daemon.log()
-    assert [i["rounds_completed"] for i in infos] == [ROUNDS] * len(started), infos
+    # a member whose last sync had no mean to land (it adopted a state just before) takes the
+    # final state once the others publish it, as a DiLoCo member whose last round failed does
     assert len(final_hashes(started, ROUNDS)) == 1
+    assert [rounds_completed(d) for d in started] == [ROUNDS] * len(started), [d.log()[-3000:] for d in started]
