@@ -13,8 +13,8 @@ over libp2p), each on its own shard, all from the same weights. For each link ra
   blocking phase's steps run with no exchange in flight too), the model's payload, the link (its
   configured rate and RTT; ``benchmarks/wan_lab.py`` measures the delay line within a few
   percent of them) and the communication CPU per byte and per round — first the blocking ``default``
-  phase's process CPU in its syncs; when that choice overlaps (strategy ``co2``), one phase of it
-  is run and its inner steps' slow-down — the steps an exchange ran beside against the same
+  phase's process CPU in its syncs; when that choice overlaps (strategy ``eager`` or ``co2``), one
+  phase of it is run and its inner steps' slow-down — the steps an exchange ran beside against the same
   phase's steps before its first sync, as ``tune = true`` times them, so a change in the
   machine's load between phases is not taken for the exchange's cost — is fed back, with that
   clean step, for a second tuning, whose choice the cycles run (H, the codec and overlap; the
@@ -77,10 +77,11 @@ class BenchmarkFailed(RuntimeError):
 def _config(cmd: dict):
     from lattica.train.strategies.co2 import CO2Config
     from lattica.train.strategies.diloco import DiLoCoConfig
+    from lattica.train.strategies.eager import EagerDiLoCoConfig
 
     if cmd["strategy"] == "nocomm":
         return None
-    config_class = CO2Config if cmd["strategy"] == "co2" else DiLoCoConfig
+    config_class = {"co2": CO2Config, "eager": EagerDiLoCoConfig}.get(cmd["strategy"], DiLoCoConfig)
     return config_class(inner_steps=cmd["inner_steps"], codec=cmd["codec"])
 
 
@@ -226,7 +227,7 @@ def _phase(procs, peers: list[str], name: str, phase: dict, steps: int) -> list[
 def check_phase(name: str, rows: list[dict], steps: int, phase: dict) -> None:
     """Raise ``BenchmarkFailed`` unless every peer trained every step, completed its syncs (CO2:
     all but the last, whose mean lands after training) and measured a finite loss."""
-    syncs = 0 if phase["strategy"] == "nocomm" else steps // phase["inner_steps"] - (phase["strategy"] == "co2")
+    syncs = 0 if phase["strategy"] == "nocomm" else steps // phase["inner_steps"] - _overlapped(phase)
     if len(rows) != WORKERS:
         raise BenchmarkFailed(f"{name}: {len(rows)} peer reports, not {WORKERS}")
     for i, row in enumerate(rows):
@@ -262,8 +263,14 @@ def _tuned(step_s: float, model_bytes: int, rate_mbit: float, args: argparse.Nam
 
 
 def _phase_of(config) -> dict:
-    return {"strategy": "co2" if config.overlap else "diloco", "inner_steps": config.inner_steps,
-            "codec": config.codec}
+    """The phase of a tuned all-reduce configuration: its overlap method's strategy (``eager`` or
+    ``co2``), else ``diloco``."""
+    return {"strategy": config.overlap or "diloco", "inner_steps": config.inner_steps, "codec": config.codec}
+
+
+def _overlapped(phase: dict) -> bool:
+    """A phase whose round's mean lands a round late, its exchange beside the next steps."""
+    return phase["strategy"] in ("co2", "eager")
 
 
 def _comm_cpu(rows: list[dict], phase: dict) -> tuple[float, float]:
@@ -278,13 +285,13 @@ def _comm_cpu(rows: list[dict], phase: dict) -> tuple[float, float]:
 
     per_byte, per_round = [], []
     for r in rows:
-        if phase["strategy"] == "co2" and "later_step_s" in r:  # else one exchange, beside no step
+        if _overlapped(phase) and "later_step_s" in r:  # else one exchange, beside no step
             exchanges = r["steps"] // phase["inner_steps"]
             rounds = exchanges - 1
             sent = r["bytes_sent"] * rounds / exchanges
             cost = slowdown_cpu_per_byte(step_s=r["later_step_s"], clean_step_s=r["clean_step_s"],
                                          steps=r["steps"] - phase["inner_steps"], bytes_sent=sent)
-        elif phase["strategy"] == "co2":
+        elif _overlapped(phase):
             rounds, sent, cost = 0, 0.0, 0.0
         else:
             rounds, sent = r["syncs"], r["bytes_sent"]

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+import trio
 
 from lattica.config import TrainSettings
 from lattica.crdt.liveness import LeasePolicy
@@ -360,3 +361,55 @@ async def test_a_joining_member_adopts_again_before_its_first_inner_step_when_th
     assert trainer.strategy.completed_rounds == 3
     assert outer_state_hash(trainer.strategy.outer_state_dict()) == outer_state_hash(second[1])
     assert snapshot["progress"]["me"]["round"] == 3
+
+
+# -- a strategy that lands each round's mean one sync late (CO2) ---------------------------------
+
+
+def _landing_late(*, lands_next: bool) -> Any:
+    """A trainer whose strategy lands means a sync late and holds (or not) the awaited one."""
+    strategy = SimpleNamespace(replicas_agree=True, lands_next_round=lambda: lands_next, rounds_landed_late=lambda: 1,
+                               completed_rounds=1)
+    return SimpleNamespace(strategy=strategy, annotations={})
+
+
+def test_a_state_one_round_ahead_is_left_to_the_sync_that_lands_it() -> None:
+    state = {"params": {"w": torch.zeros(2)}, "round": 3, "completed_rounds": 2, "step": 4}
+    trainer = _landing_late(lands_next=True)
+    sync, (_, digest, _) = _sync_serving(trainer, 2, state)
+    sync.remember(1, "ours-at-1")
+    # a faster member landed round 2 first: our own next sync lands the same mean, so no fetch
+    assert trio.run(sync.repair_if_diverged) is False
+    assert sync.refused_states() == {}
+    trainer.strategy.completed_rounds = 2
+    sync.round_completed(_report(), digest)  # ours matched: nothing owed
+    assert sync.catch_up_owed is None
+    trainer.strategy.completed_rounds = 1
+    sync.remember(1, "ours-at-1")
+    assert trio.run(sync.repair_if_diverged) is False
+    trainer.strategy.completed_rounds = 2
+    sync.round_completed(_report(), "another-line")  # ours did not: catch up at once
+    assert sync.catch_up_owed is not None
+
+
+def test_without_the_awaited_mean_a_state_one_round_ahead_is_adopted() -> None:
+    state = {"params": {"w": torch.zeros(2)}, "round": 3, "completed_rounds": 2, "step": 4}
+    sync, _ = _sync_serving(_landing_late(lands_next=False), 2, state)
+    sync.remember(1, "ours-at-1")
+    trio.run(sync.repair_if_diverged)  # tried: the stub trainer cannot load it, so it is refused
+    assert sync.refused_states() == {"a": 1}
+
+
+def test_a_member_one_landing_behind_is_not_behind_where_means_land_late() -> None:
+    state = {"params": {"w": torch.zeros(2)}, "round": 2, "completed_rounds": 1, "step": 2}
+    sync, _ = _sync_serving(_landing_late(lands_next=True), 1, state)
+    sync.remember(2, "ours-at-2")
+    assert sync.not_behind("a")  # published 1, we landed 2: the same round of the all-reduce
+    sync.remember(3, "ours-at-3")
+    assert not sync.not_behind("a")
+
+
+def _report() -> Any:
+    from lattica.train.strategies.base import OuterStepReport
+
+    return OuterStepReport(round=1, key="round/1", group=("a", "me"), bytes_sent=0, seconds=0.0)

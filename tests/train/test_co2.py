@@ -5,9 +5,11 @@ import torch
 import trio
 
 from lattica.config import TrainSettings
+from lattica.train.engine.outer_state import outer_state_hash
 from lattica.train.settings.strategy_settings import strategy_config
 from lattica.train.strategies.co2 import (
     CO2,
+    MEAN_NOT_HELD,
     CO2Config,
     co2_outer_step,
     look_ahead,
@@ -103,6 +105,95 @@ async def test_replicas_hold_bit_identical_outer_state_and_a_joiner_adopts_it():
     assert fresh.completed_rounds == 5
     with pytest.raises(ValueError, match="momentum"):
         fresh.load_outer_state_dict({**states[0], "momentum": {}})
+
+
+def _replicas(peers, config):
+    group = InMemoryCollectiveGroup(peers)
+    models = [scalar_model(1.0) for _ in peers]
+    return models, [CO2(m, collective=group.member(p), groups=FixedGroups(peers), config=config)
+                    for m, p in zip(models, peers, strict=True)]
+
+
+async def _all(fn, count):
+    async with trio.open_nursery() as nursery:
+        for i in range(count):
+            nursery.start_soon(fn, i)
+
+
+async def test_a_member_that_adopts_the_state_keeps_the_mean_it_awaits_in_flight():
+    peers, drift = ["a", "b", "c"], [1.0, 2.0, 4.0]
+    models, strategies = _replicas(peers, CO2Config(inner_steps=1))
+    finished = [[] for _ in peers]
+    async with trio.open_nursery() as nursery:
+        for strategy in strategies:
+            strategy.bind_nursery(nursery)
+        for step in (1, 2, 3):
+            async def inner_step(i, step=step):
+                with torch.no_grad():
+                    models[i].weight.add_(drift[i])
+                await strategies[i].after_inner_step(step)
+            await _all(inner_step, 3)
+        held = strategies[0].outer_state_dict()  # round 2's all-reduce launched, its mean not landed
+        assert held["awaiting"] == [2]
+        assert held["completed_rounds"] == 2
+        strategies[2].load_outer_state_dict(held)  # a repair: c took part in round 2's all-reduce
+        assert strategies[2].lands_next_round()
+
+        async def finish(i):
+            finished[i] = await strategies[i].finish()
+        await _all(finish, 3)
+    assert [s.completed_rounds for s in strategies] == [3, 3, 3]
+    assert [len(reports) for reports in finished] == [1, 1, 1]
+    assert not finished[2][0].skipped
+    hashes = {outer_state_hash(s.outer_state_dict()) for s in strategies}
+    assert len(hashes) == 1
+    assert strategies[2].outer_state_dict()["awaiting"] == []  # finished: nothing in flight
+
+
+async def test_a_joiner_without_the_awaited_mean_reports_it_and_catches_up_with_the_holders_state():
+    peers = ["a", "b"]
+    models, strategies = _replicas(peers, CO2Config(inner_steps=1))
+    async with trio.open_nursery() as nursery:
+        for strategy in strategies:
+            strategy.bind_nursery(nursery)
+        for step in (1, 2):
+            async def inner_step(i, step=step):
+                with torch.no_grad():
+                    models[i].weight.add_(1.0 + i)
+                await strategies[i].after_inner_step(step)
+            await _all(inner_step, 2)
+        held = strategies[0].outer_state_dict()
+        joiner = scalar_model(-7.0)
+        fresh = CO2(joiner, collective=InMemoryCollectiveGroup(["j"]).member("j"), groups=FixedGroups(["j"]),
+                    config=CO2Config(inner_steps=1))
+        fresh.load_outer_state_dict(held)
+        # the adopted state hashes as the holder's: the joiner publishes it as one more holder
+        assert outer_state_hash(fresh.outer_state_dict()) == outer_state_hash(held)
+        assert not fresh.lands_next_round()  # round 1's mean was in flight among a and b only
+        fresh.bind_nursery(nursery)
+        with torch.no_grad():
+            joiner.weight.add_(1.0)
+        [report] = await fresh.after_inner_step(3)
+        assert report.skipped
+        assert report.detail == MEAN_NOT_HELD
+        assert fresh.completed_rounds == held["completed_rounds"]
+        assert not fresh.lands_next_round()  # off the line until it adopts the holders' next state
+        fresh.load_outer_state_dict(held | {"round": 3, "awaiting": [2], "completed_rounds": 2})
+        assert fresh.lands_next_round()  # its own round-2 all-reduce is the one that state awaits
+        await fresh.finish()
+        await _all(lambda i: strategies[i].finish(), 2)
+
+
+def test_an_awaited_round_other_than_the_last_launched_is_refused():
+    _, [strategy] = _replicas(["a"], CO2Config())
+    state = strategy.outer_state_dict()
+    assert state["awaiting"] == []
+    with pytest.raises(ValueError, match="awaiting"):
+        strategy.load_outer_state_dict(state | {"round": 3, "awaiting": [1]})
+    with pytest.raises(ValueError, match="awaiting"):
+        strategy.load_outer_state_dict(state | {"round": 0, "awaiting": [-1]})
+    strategy.load_outer_state_dict(state | {"round": 3, "awaiting": [2]})
+    assert strategy.outer_state_dict()["awaiting"] == [2]
 
 
 async def test_a_failed_all_reduce_skips_that_rounds_outer_step():

@@ -129,10 +129,19 @@ def test_what_the_run_cannot_change_is_reported_not_applied() -> None:
 
 def test_fixed_knobs_hold_the_search() -> None:
     slow = Measurements(step_s=0.03, model_bytes=4_000_000, bandwidth_bps=2e6, rtt_s=0.1, peers=4)
-    held = tune(slow, fixed={"codec": "fp32", "overlap": True, "group_size": 0})
-    assert (held.config.codec, held.config.overlap, held.config.group_size) == ("fp32", True, 0)
+    held = tune(slow, fixed={"codec": "fp32", "overlap": "co2", "group_size": 0})
+    assert (held.config.codec, held.config.overlap, held.config.group_size) == ("fp32", "co2", 0)
     with pytest.raises(ValueError, match="codec"):
         tune(slow, fixed={"codec": "int3"})
+
+
+@pytest.mark.parametrize(("strategy", "averaging", "gossip_overlap", "overlap"), [
+    ("co2", "allreduce", False, "co2"), ("eager", "allreduce", False, "eager"),
+    ("diloco", "gossip", True, "eager"), ("diloco", "allreduce", False, False),
+])
+def test_a_running_swarm_holds_its_overlap_method(strategy, averaging, gossip_overlap, overlap) -> None:
+    # gossip_overlap lands an exchange a round late from eager's look-ahead: charged as eager
+    assert fixed_knobs(strategy, averaging, 2, gossip_overlap)["overlap"] == overlap
 
 
 def test_the_slowest_timed_peer_sets_the_bandwidth() -> None:

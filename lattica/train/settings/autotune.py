@@ -7,10 +7,12 @@ inner step, the model's fp32 payload, the bandwidth and round-trip time to its g
 ``predict`` models a round of a candidate configuration:
 
 - compute: H × step time;
-- transfer: a butterfly all-reduce over a group of n sends 2(n−1)/n of the encoded payload
-  (``codec`` bits per value) per member in 2(n−1) sequential phases; the data plane moves it in
-  chunks, so a phase costs its bytes over the bandwidth, one RTT, and a per-chunk overhead, and
-  a chunk too large for the pipeline adds its own transfer time once per phase (fill);
+- transfer: the data plane's all-reduce over a group of n (``net/tensors/collectives.py``) is a
+  reduce-scatter and an all-gather, two all-to-all phases: in each a member sends its n − 1
+  parts of the encoded payload (``codec`` bits per value) at once, (n−1)/n of it, 2(n−1)/n in
+  all; the data plane moves it in chunks, so a phase costs its bytes over the bandwidth (the
+  parts share the uplink), one RTT, and a per-chunk overhead, and a chunk too large for the
+  pipeline adds its own transfer time once per phase (fill);
 - communication CPU: encoding, encryption, framing, copies and the reduction cost the node CPU
   time per byte it sends (``comm_cpu_s_per_byte``), and an exchange costs at least a floor per
   round whatever its size (``comm_cpu_s_per_round``: its phases' wake-ups of the event loop, the
@@ -22,7 +24,7 @@ inner step, the model's fp32 payload, the bandwidth and round-trip time to its g
 
   - blocking: the slower of the transfer and the communication CPU (the data plane pipelines
     chunks, so one chunk's CPU runs while the next is on the wire);
-  - overlapped (eager / CO2: the round's all-reduce runs during the next H steps), cores shared
+  - overlapped (eager DiLoCo or CO2: the round's all-reduce runs during the next H steps), cores shared
     with the inner steps (CPU training): the communication CPU is taken from the inner steps —
     the inner phase lasts compute + CPU — and the wire runs beside it, so the round lasts the
     longer of that and the transfer: exposed = max(CPU, transfer − compute);
@@ -66,7 +68,10 @@ per unit of loss cost — or, when some one-notch move meets the target, the che
 and stops; a last pass backs off every notch the target no longer needs. Linear in the number of
 values, where their product is exponential. Overlap switches the regime (the wire exposed when
 blocking, the CPU when overlapped on shared cores), so one greedy path can commit to the wrong
-one: the search runs with overlap off and on and keeps the better. Every step is printed with
+one: the search runs once per regime — blocking, and each overlapped method (``eager``: eager
+DiLoCo; ``co2``), whose late update costs differ per H (eager less at H <= 50, CO2 less above) —
+and keeps the best. A gossip group overlaps with ``gossip_overlap``, eager's look-ahead: CO2 with
+a group is no candidate (``runnable``). Every step is printed with
 its numbers (``Choice.line``), so the choice explains itself, as OptiCo asks of a configurator
 (Chen et al., ACL 2026).
 """
@@ -77,30 +82,49 @@ import itertools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from typing import Any
 
 # bits per value on the wire, per codec (a per-block scale is negligible at these sizes)
 CODEC_BITS = {"fp32": 32, "bf16": 16, "int8": 8, "int4": 4}
 # expected relative loss increase of each choice against DiLoCo H = 50, fp32, blocking, all peers,
 # measured on runs of the keyed length (docs/strategies.md, "What a choice costs in loss")
-LOSS_COST_AT: dict[int, dict[str, dict[object, float]]] = {
+# overlap: False (blocking) or the overlapped method — "eager" (eager DiLoCo, strategy ``eager``)
+# or "co2" (strategy ``co2``); its cost is kept per method and per H (``overlap_at_h``)
+OVERLAP_METHODS: tuple[object, ...] = (False, "eager", "co2")
+LOSS_COST_AT: dict[int, dict[str, dict[object, Any]]] = {  # LossTable per run length
     500: {
         "inner_steps": {25: -0.013, 50: 0.0, 100: 0.026, 200: 0.032, 400: 0.05},
         "codec": {"fp32": 0.0, "bf16": 0.001, "int8": 0.003, "int4": 0.01},
-        "overlap": {False: 0.0, True: 0.009},
-        "overlap_at_h": {25: 0.018, 50: 0.009, 100: 0.01, 200: 0.01, 400: 0.01},  # overlap's cost at each H
+        "overlap": {False: 0.0, "eager": 0.031, "co2": 0.009},
+        "overlap_at_h": {  # each method's cost at each H
+            # convergence.py --steps 500 … --strategies eager --set eager.inner_steps=H: val loss
+            # 2.2159 / 2.2805 / 2.3529 / 2.5317 at H 25 / 50 / 100 / 200, over DiLoCo at that H
+            # (H 400 not run: H 200's)
+            "eager": {25: 0.015, 50: 0.031, 100: 0.038, 200: 0.112, 400: 0.112},
+            "co2": {25: 0.018, 50: 0.009, 100: 0.01, 200: 0.01, 400: 0.01},
+        },
         "group_size": {0: 0.0, 4: 0.005, 2: 0.02},  # 0: every member of the round
     },
     2000: {
         "inner_steps": {25: -0.034, 50: 0.0, 100: 0.047, 200: 0.084, 400: 0.15},
         "codec": {"fp32": 0.0, "bf16": 0.0, "int8": 0.0, "int4": 0.0},  # int4 measured -0.7 %: none
-        "overlap": {False: 0.0, True: 0.064},
-        "overlap_at_h": {25: 0.096, 50: 0.064, 100: 0.047, 200: 0.041, 400: 0.041},
+        "overlap": {False: 0.0, "eager": 0.053, "co2": 0.064},
+        "overlap_at_h": {
+            # convergence.py --steps 2000 --lr 1e-3 --warmup 20 --threads 1 --strategies eager
+            # --set eager.inner_steps=H: 1.8028 / 1.8523 / 1.9339 / 1.9983 at H 25 / 50 / 100 /
+            # 200, over DiLoCo at that H (1.6982 / 1.7586 / 1.8409 / 1.9069; H 400: H 200's)
+            "eager": {25: 0.059, 50: 0.053, 100: 0.053, 200: 0.052, 400: 0.052},
+            "co2": {25: 0.096, 50: 0.064, 100: 0.047, 200: 0.041, 400: 0.041},
+        },
         "group_size": {0: 0.0, 4: 0.005, 2: 0.02},
     },
 }
 LOSS_COST = LOSS_COST_AT[max(LOSS_COST_AT)]  # the longest run measured: a run of unknown length
 DEFAULT_MAX_LOSS = 0.03  # the loss budget: expected loss cost a choice may carry (module docstring)
 CHUNK_BYTES = (256 << 10, 1 << 20, 4 << 20, 16 << 20)
+# the data plane's all-reduce (``net/tensors/collectives.py``): a reduce-scatter, then an
+# all-gather, each one all-to-all phase in which a member sends its n − 1 parts at once
+ALLREDUCE_PHASES = 2
 PER_CHUNK_OVERHEAD_S = 0.002  # framing, a hand-off to the event loop, an acknowledgement
 DEFAULT_TARGET = 0.95
 PRIORITY = ("inner_steps", "codec", "overlap", "group_size")  # most influential first
@@ -146,13 +170,17 @@ class Measurements:
 class Candidate:
     inner_steps: int = 50
     codec: str = "fp32"
-    overlap: bool = False
+    overlap: object = False  # False, or the overlapped method: "eager" or "co2" (``OVERLAP_METHODS``)
     group_size: int = 0  # 0: every member of the round
     chunk_bytes: int = 1 << 20
 
+    def __post_init__(self) -> None:
+        if self.overlap not in OVERLAP_METHODS or self.overlap is True:
+            raise ValueError(f"overlap must be one of {OVERLAP_METHODS}, got {self.overlap!r}")
+
     def describe(self) -> str:
         group = "all" if self.group_size == 0 else str(self.group_size)
-        return (f"H {self.inner_steps}, {self.codec}, overlap {'on' if self.overlap else 'off'}, "
+        return (f"H {self.inner_steps}, {self.codec}, overlap {self.overlap or 'off'}, "
                 f"group {group}, chunk {self.chunk_bytes >> 10} KiB")
 
 
@@ -177,23 +205,26 @@ def sent_bytes(candidate: Candidate, m: Measurements) -> float:
 
 
 def transfer_seconds(candidate: Candidate, m: Measurements) -> float:
-    """One all-reduce of the encoded payload over the candidate's group (module docstring)."""
+    """One all-reduce of the encoded payload over the candidate's group: two all-to-all phases
+    (module docstring)."""
     n = group_of(candidate, m.peers)
     payload = m.model_bytes * CODEC_BITS[candidate.codec] / 32
-    phases = 2 * (n - 1)
     sent = sent_bytes(candidate, m)
     chunks = math.ceil(sent / candidate.chunk_bytes)
-    fill = min(candidate.chunk_bytes, payload / n) * 8 / m.bandwidth_bps * phases
-    return sent * 8 / m.bandwidth_bps + phases * m.rtt_s + chunks * PER_CHUNK_OVERHEAD_S + fill
+    fill = min(candidate.chunk_bytes, payload / n) * 8 / m.bandwidth_bps * ALLREDUCE_PHASES
+    return sent * 8 / m.bandwidth_bps + ALLREDUCE_PHASES * m.rtt_s + chunks * PER_CHUNK_OVERHEAD_S + fill
 
 
 def rounds_applied(candidate: Candidate, steps_left: int) -> int:
     """The outer updates a run with ``steps_left`` steps applies at the candidate's H: one a
     round, one fewer when overlapped (each lands a round late; the last never does)."""
-    return max(0, steps_left // candidate.inner_steps - int(candidate.overlap))
+    return max(0, steps_left // candidate.inner_steps - int(bool(candidate.overlap)))
 
 
-def loss_table(steps: int | None) -> dict[str, dict[object, float]]:
+LossTable = dict[str, dict[object, Any]]  # knob -> value -> cost (``overlap_at_h``: method -> H -> cost)
+
+
+def loss_table(steps: int | None) -> LossTable:
     """``LOSS_COST_AT`` for a run of ``steps``: the measured table at a measured length, linear in
     log(steps) between two, the nearest outside them; the longest when ``steps`` is unknown."""
     lengths = sorted(LOSS_COST_AT)
@@ -203,16 +234,22 @@ def loss_table(steps: int | None) -> dict[str, dict[object, float]]:
         return LOSS_COST_AT[lengths[0]]
     low, high = max(n for n in lengths if n <= steps), min(n for n in lengths if n > steps)
     w, a, b = math.log(steps / low) / math.log(high / low), LOSS_COST_AT[low], LOSS_COST_AT[high]
-    return {knob: {v: (1 - w) * a[knob][v] + w * b[knob][v] for v in b[knob]} for knob in b}
+    return {knob: _between(a[knob], b[knob], w) for knob in b}
+
+
+def _between(a: Mapping[object, Any], b: Mapping[object, Any], w: float) -> dict[object, Any]:
+    """(1 − w)·a + w·b, value by value (nested: per method, per H)."""
+    return {v: _between(a[v], b[v], w) if isinstance(b[v], Mapping) else (1 - w) * a[v] + w * b[v] for v in b}
 
 
 def loss_cost(candidate: Candidate, steps_left: int | None = None) -> float:
     """The table of the run's length (``loss_table``), plus ``FEW_ROUNDS_LOSS`` per 1 / applied
     round when the steps left are known (none applied counts as half a round: worse than one)."""
     costs = loss_table(steps_left)
-    table = sum(costs[knob][getattr(candidate, knob)] for knob in PRIORITY if knob != "overlap")
-    if candidate.overlap:  # a round late costs less the longer the round (measured per H)
-        table += costs["overlap_at_h"].get(candidate.inner_steps, costs["overlap"][True])
+    table = float(sum(costs[knob][getattr(candidate, knob)] for knob in PRIORITY if knob != "overlap"))
+    if candidate.overlap:  # a round late costs less the longer the round (measured per method, per H)
+        at_h = costs["overlap_at_h"][candidate.overlap]
+        table += at_h.get(candidate.inner_steps, costs["overlap"][candidate.overlap])
     if steps_left is None:
         return table
     return table + FEW_ROUNDS_LOSS / max(rounds_applied(candidate, steps_left), 0.5)
@@ -231,7 +268,7 @@ def predict(candidate: Candidate, m: Measurements) -> Prediction:
     compute = candidate.inner_steps * m.step_s
     transfer = transfer_seconds(candidate, m)
     cpu = max(m.comm_cpu_s_per_round, sent_bytes(candidate, m) * m.comm_cpu_s_per_byte)
-    exposed = exposed_seconds(compute=compute, transfer=transfer, cpu=cpu, overlap=candidate.overlap,
+    exposed = exposed_seconds(compute=compute, transfer=transfer, cpu=cpu, overlap=bool(candidate.overlap),
                               shared_cores=m.shared_cores)
     return Prediction(
         compute_s=compute, transfer_s=transfer, comm_cpu_s=cpu, exposed_s=exposed,
@@ -317,22 +354,35 @@ def tune(
 
 
 def _regimes(m: Measurements, target: float, fixed: dict[str, object], min_rounds: int, max_loss: float) -> Tuned:
-    """The priority search once per regime when overlap is free: the cheapest result meeting
-    the target (else the higher utilization), with a last line that names the other."""
+    """The priority search once per regime (blocking, and each overlapped method) when overlap
+    is free: the cheapest result meeting the target (else the higher utilization), with a last
+    line that names where the others end."""
     if "overlap" in fixed:
         return _search(m, target=target, fixed=fixed, min_rounds=min_rounds, max_loss=max_loss)
-    off, on = (_search(m, target=target, fixed={**fixed, "overlap": o}, min_rounds=min_rounds, max_loss=max_loss)
-               for o in (False, True))
-    best, other = (on, off) if _better(on, off, max_loss) else (off, on)
-    p = other.prediction
-    verdict = (f"with overlap {'on' if other.config.overlap else 'off'} the search ends at "
-               f"{other.config.describe()}, utilization {p.utilization:.3f}, expected loss {100 * p.loss_cost:+.1f} %")
-    reason = f"the better regime: {verdict}"
+    results = [_search(m, target=target, fixed={**fixed, "overlap": o}, min_rounds=min_rounds, max_loss=max_loss)
+               for o in _overlaps(fixed)]
+    best = results[0]
+    for result in results[1:]:
+        if _better(result, best, max_loss):
+            best = result
+    verdicts = [
+        f"with overlap {other.config.overlap or 'off'} the search ends at {other.config.describe()}, utilization "
+        f"{other.prediction.utilization:.3f}, expected loss {100 * other.prediction.loss_cost:+.1f} %"
+        for other in results if other is not best
+    ]
+    reason = f"the better regime: {'; '.join(verdicts)}"
     if best.shortfall:
         reason = f"{best.shortfall}; {reason}"
     last = Choice(knob="overlap", value=best.config.overlap, prediction=best.prediction, reason=reason)
     return Tuned(config=best.config, prediction=best.prediction, choices=(*best.choices, last),
                  meets_target=best.meets_target, shortfall=best.shortfall)
+
+
+def _overlaps(fixed: Mapping[str, object]) -> list[object]:
+    """The overlap values a run may take: with a gossip group (``group_size`` fixed above 0)
+    overlap is ``gossip_overlap``, eager's look-ahead — CO2 runs over all-reduce only."""
+    gossip = fixed.get("group_size", 0) != 0
+    return [o for o in OVERLAP_METHODS if not (gossip and o == "co2")]
 
 
 def _better(a: Tuned, b: Tuned, max_loss: float) -> bool:
@@ -353,7 +403,7 @@ def _enough_rounds(hs: list[object], overlaps: list[object], m: Measurements, mi
     if m.steps_left is None:
         return hs
     steps, ints = m.steps_left, [h for h in hs if isinstance(h, int)]
-    allowed = [h for h in ints if all(rounds_applied(Candidate(inner_steps=h, overlap=bool(o)), steps) >= min_rounds
+    allowed = [h for h in ints if all(rounds_applied(Candidate(inner_steps=h, overlap=o), steps) >= min_rounds
                                       for o in overlaps)]
     return list(allowed or [min(ints)])
 
@@ -365,7 +415,8 @@ def _why_unreachable(target: float, hs: list[object], overlaps: list[object], m:
         return f"target {target} not reachable: no value of the knobs the run may change reaches it"
     late = " (an overlapped update lands a round late: one round fewer)" if any(bool(o) for o in overlaps) else ""
     h = max(v for v in hs if isinstance(v, int))
-    if rounds_applied(Candidate(inner_steps=h, overlap=any(bool(o) for o in overlaps)), m.steps_left) < min_rounds:
+    overlapped = next((o for o in overlaps if o), False)
+    if rounds_applied(Candidate(inner_steps=h, overlap=overlapped), m.steps_left) < min_rounds:
         limit = f"even H {h} leaves fewer than {min_rounds} applied rounds in the {m.steps_left} steps left{late}"
     else:
         limit = f"at least {min_rounds} applied rounds in the {m.steps_left} steps left allow H <= {h}{late}"
@@ -383,6 +434,8 @@ def _candidates(values: Mapping[str, list[object]], m: Measurements) -> list[Can
     out = []
     for combo in itertools.product(*(values[k] for k in PRIORITY)):
         base = Candidate(**dict(zip(PRIORITY, combo, strict=True)))  # type: ignore[arg-type]
+        if not runnable(base):
+            continue
         chunk = min(CHUNK_BYTES, key=lambda c: transfer_seconds(replace(base, chunk_bytes=c), m))
         out.append(replace(base, chunk_bytes=chunk))
     return out
@@ -420,7 +473,7 @@ def _search(m: Measurements, *, target: float, fixed: Mapping[str, object], min_
         for knob in PRIORITY:
             if index[knob] + 1 < len(values[knob]):
                 moved = at({**index, knob: index[knob] + 1}, chunk)
-                if (p := predict(moved, m)).loss_cost <= max_loss:
+                if runnable(moved) and (p := predict(moved, m)).loss_cost <= max_loss:
                     moves.append((knob, moved, p))
         if not moves:
             break
@@ -438,7 +491,7 @@ def _search(m: Measurements, *, target: float, fixed: Mapping[str, object], min_
         while index[knob] > 0:
             lighter = at({**index, knob: index[knob] - 1}, chunk)
             prediction = predict(lighter, m)
-            if prediction.utilization < target:
+            if not runnable(lighter) or prediction.utilization < target:
                 break
             index[knob] -= 1
             current = lighter
@@ -483,10 +536,17 @@ def needs_retune(tuned_for_bps: float, measured_bps: float, *, factor: float = 2
     return ratio > factor or ratio < 1 / factor
 
 
+def runnable(candidate: Candidate) -> bool:
+    """Whether a run can take ``candidate``: CO2 runs over all-reduce only (a gossip group
+    overlaps with ``gossip_overlap``, eager's look-ahead)."""
+    return not (candidate.group_size and candidate.overlap == "co2")
+
+
 def run_settings(candidate: Candidate) -> dict[str, object]:
-    """The ``[train]`` settings of ``candidate``: overlap is strategy ``co2`` (all-reduce) or
-    gossip with ``gossip_overlap``; a group smaller than the round is gossip averaging; the codec
-    is the run setting ``codec``. The chunk size is the data plane's own (advisory here)."""
+    """The ``[train]`` settings of ``candidate``: overlap is its method's strategy, ``eager`` or
+    ``co2`` (all-reduce), or gossip with ``gossip_overlap``; a group smaller than the round is
+    gossip averaging; the codec is the run setting ``codec``. The chunk size is the data plane's
+    own (advisory here)."""
     settings: dict[str, object] = {"inner_steps": candidate.inner_steps}
     if candidate.codec != "fp32":
         settings["codec"] = candidate.codec
@@ -495,5 +555,5 @@ def run_settings(candidate: Candidate) -> dict[str, object]:
         if candidate.overlap:
             settings["gossip_overlap"] = True
     else:
-        settings["strategy"] = "co2" if candidate.overlap else "diloco"
+        settings["strategy"] = str(candidate.overlap) if candidate.overlap else "diloco"
     return settings

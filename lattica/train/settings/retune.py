@@ -326,7 +326,7 @@ class Decision:
 
 def fixed_knobs(strategy: str, averaging: str, group_size: int, gossip_overlap: bool) -> dict[str, object]:
     """The knobs a running swarm cannot change, at the run's values (module docstring)."""
-    overlap = strategy == "co2" or gossip_overlap
+    overlap: object = strategy if strategy in ("co2", "eager") else "eager" if gossip_overlap else False
     group = 0 if averaging == "allreduce" else group_size
     fixed: dict[str, object] = {"overlap": overlap, "group_size": group if group in (0, 2, 4) else 2}
     if strategy not in CODEC_STRATEGIES:
@@ -338,7 +338,7 @@ def not_applied(free: Tuned, applied: Tuned, fixed: Mapping[str, object]) -> tup
     """One line per knob the run holds (``fixed``) that the free search sets differently."""
     why = {
         "codec": "the strategy sends a compression of its own, not a codec",
-        "overlap": "overlap is strategy co2 (or gossip_overlap): its outer state differs; restart with it",
+        "overlap": "overlap is strategy eager or co2 (or gossip_overlap): its outer state differs; restart with it",
         "group_size": "a group size is gossip averaging: its outer state differs; restart with it",
     }
     lines = [f"{knob} = {getattr(free.config, knob)}: {reason}" for knob, reason in why.items()

@@ -199,6 +199,19 @@ class OuterStrategy(ABC, Generic[ConfigT]):
     def completed_rounds(self) -> int:
         """Number of outer rounds fully applied on this node."""
 
+    def rounds_landed_late(self) -> int:
+        """How many syncs late a round's mean is applied here (CO2: 1; default 0). A member that
+        many completed rounds behind us is at our round of the all-reduce: it has not landed
+        the means we landed at our last sync yet (``outer_sync.OuterStateSync.not_behind``)."""
+        return 0
+
+    def lands_next_round(self) -> bool:
+        """Whether this replica's next sync completes the next round of the line it is on with a
+        mean it already holds: strategies that apply each round's mean one sync late (CO2) and
+        hold it in flight. A member one round ahead of it then is only faster, not on another
+        line (``outer_sync.OuterStateSync.repair_if_diverged``). Default: False."""
+        return False
+
     @abstractmethod
     def outer_state_dict(self) -> StateDict:
         """Outer weights and outer optimizer state, for checkpoints and joiners."""
@@ -311,6 +324,12 @@ class WrappedStrategy(OuterStrategy[None]):
     @property
     def completed_rounds(self) -> int:
         return self.inner.completed_rounds
+
+    def lands_next_round(self) -> bool:
+        return self.inner.lands_next_round()
+
+    def rounds_landed_late(self) -> int:
+        return self.inner.rounds_landed_late()
 
     def outer_state_dict(self) -> StateDict:
         return self.inner.outer_state_dict()

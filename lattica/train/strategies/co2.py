@@ -12,10 +12,10 @@ outer state — the outer weights φ, the outer momentum m, and φ' (the outer w
 pseudo-gradient in flight was taken) — identical on every member, and its own start point s_m
 (where its current inner phase began). At the end of round t worker m:
 
-1. takes its pseudo-gradient Δ_m^t = s_m − θ_m and launches its all-reduce in the strategy's
-   nursery;
+1. takes its pseudo-gradient Δ_m^t = s_m − θ_m;
 2. waits for the mean Δ^{t−1} of the previous round (it had a whole inner phase to arrive)
-   and applies it to the shared state (``co2_outer_step``):
+   and applies it to the shared state (``co2_outer_step``), then launches the all-reduce of
+   Δ_m^t in the strategy's nursery:
 
    - **staleness gap penalty**: Δ^{t−1} was taken when the shared weights were φ', and φ has
      moved since by the last outer update. Per tensor ℓ, Λ_ℓ = 1 + λ·‖φ_ℓ − φ'_ℓ‖ / ‖φ'_ℓ‖
@@ -53,6 +53,23 @@ clamp is on by default with the reference's threshold of 1.0. The defaults of η
 reference implementation's (1.0, 0.5): heavy momentum on a one-round-late gradient oscillates
 (eager DiLoCo diverged at μ 0.9, ``eager.py``).
 
+Landing before launching: round t's all-reduce starts once round t−1's has ended. Δ_m^t does
+not depend on the landing, so the order changes no value, and the mean of t−1 has normally
+arrived long before; but a member that launched round t first could ask for it while its
+partners had not asked for round t−1 yet — two rounds ahead of them, which the round
+coordinator reads as a partner fetching the run's state, and seals round t without it.
+
+Changing membership: after a sync the shared state still awaits one mean, that of the round
+launched at it (``awaiting`` in the outer state; [] after ``finish``). A member that adopts a
+state (a joiner, a restarted member, a repair) keeps the all-reduce it has in flight: when that
+flight's round is the one the adopted state awaits — it took part in the holders' all-reduce —
+its mean is exactly what the holders land next, and the replicas stay on one line. A member
+without it (a joiner, a member restarted from its checkpoint) cannot land that round: its next
+sync reports it skipped, it owes a catch-up like any member whose round was skipped, and adopts
+the holders' state after their landing, keeping the flight it launched at that sync, which is
+the one their new state awaits. A flight of a replaced state that is not awaited is never
+landed: landing it would apply a round's mean twice or onto a line that never had it.
+
 Failure: the background all-reduce is retried with a fresh group (``max_attempts``); when every
 attempt fails, nothing is applied for that round (φ and m stay, as in a skipped DiLoCo round),
 and the replicas whose attempt succeeded differ from it until repair.
@@ -87,6 +104,7 @@ from lattica.train.strategies.traffic import allreduce_bytes
 log = logging.getLogger(__name__)
 
 FIRST_IN_FLIGHT = "first all-reduce in flight: it lands at the next sync"
+MEAN_NOT_HELD = "the mean this state awaits was in flight before it was adopted: the holders' next state brings it"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -184,6 +202,8 @@ class CO2(EveryHSteps[CO2Config], AccountedStrategy[CO2Config]):
         self._base = clone_like(self._outer)  # φ': the shared weights when the one in flight was taken
         self._start = clone_like(self._outer)  # s: where this worker's inner phase started
         self._in_flight: InFlight | None = None
+        self._awaiting: int | None = None  # the round whose mean the shared state still lacks
+        self._missed = False  # a sync had no mean to land for the state's awaited round
         self._round = 0  # all-reduces launched (the next one's key)
         self._completed = 0  # means landed
         self._step = 0
@@ -204,30 +224,65 @@ class CO2(EveryHSteps[CO2Config], AccountedStrategy[CO2Config]):
     def outer_parameters(self) -> list[torch.Tensor]:
         return self._outer
 
+    def rounds_landed_late(self) -> int:
+        return 1
+
+    def lands_next_round(self) -> bool:
+        """The mean the shared state awaits is in flight here, and no mean of this line is
+        missing (a replica that could not land one is off the line until it adopts)."""
+        return self._awaited_flight() is not None and not self._missed
+
     async def sync_at(self, step: int) -> OuterStepReport:
         if self.nursery is None:
             raise LocalProtocolError("CO2 needs bind_nursery() before the first round")
         started = time.monotonic()
         self._step = step
         fresh = pseudo_gradient(self._start, self._inner)
-        previous, self._in_flight = self._in_flight, self._launch(host_copies(fresh))
-        report = await self._land(previous, started) if previous is not None else None
-        if report is None or report.skipped:  # no outer step: φ' ← φ all the same
+        previous, awaited = self._awaited_flight(), self._awaiting
+        report: OuterStepReport | None = None
+        if previous is not None:  # landed before the next launch: see "Landing before launching"
+            report = await self._land(previous, started)
+        elif awaited is not None:
+            report, self._missed = self._not_held(awaited), True
+        self._in_flight = self._launch(host_copies(fresh))
+        self._awaiting = self._in_flight.round
+        if report is None:
+            report = OuterStepReport(
+                round=self._in_flight.round, key=self._in_flight.key, group=(), bytes_sent=0, seconds=0.0,
+                skipped=True, detail=FIRST_IN_FLIGHT,
+            )
+        if report.skipped:  # no outer step: φ' ← φ all the same
             copy_into(self._base, self._outer)
         self._begin_phase(look_ahead(self._outer, self._momentum, fresh, self.config))
-        return report or OuterStepReport(
-            round=self._in_flight.round, key=self._in_flight.key, group=(), bytes_sent=0, seconds=0.0,
-            skipped=True, detail=FIRST_IN_FLIGHT,
-        )
+        return report
 
     async def finish(self) -> list[OuterStepReport]:
         """Land the all-reduce still in flight and set θ ← φ."""
-        last, self._in_flight = self._in_flight, None
-        if last is None:
+        last, awaited = self._awaited_flight(), self._awaiting
+        self._in_flight, self._awaiting = None, None
+        if last is not None:
+            report = await self._land(last, time.monotonic())
+        elif awaited is not None:
+            report = self._not_held(awaited)
+        else:
             return []
-        report = await self._land(last, time.monotonic())
         self._begin_phase(self._outer)
         return [report]
+
+    def _awaited_flight(self) -> InFlight | None:
+        """The all-reduce in flight when it is the one whose mean the shared state awaits (not
+        one launched on a state since replaced, module docstring "Changing membership")."""
+        flight = self._in_flight
+        return flight if flight is not None and flight.round == self._awaiting else None
+
+    @staticmethod
+    def _not_held(awaited: int) -> OuterStepReport:
+        """The report of a landing whose mean this replica never had: it adopted the state while
+        the mean was in flight among the holders (module docstring "Changing membership")."""
+        return OuterStepReport(
+            round=awaited, key=f"round/{awaited}", group=(), bytes_sent=0, seconds=0.0, skipped=True,
+            detail=MEAN_NOT_HELD,
+        )
 
     def _launch(self, fresh: list[torch.Tensor]) -> InFlight:
         assert self.nursery is not None
@@ -280,9 +335,13 @@ class CO2(EveryHSteps[CO2Config], AccountedStrategy[CO2Config]):
         return {
             "params": named(self._outer), "momentum": named(self._momentum), "base": named(self._base),
             "round": self._round, "step": self._step, "completed_rounds": self._completed,
+            "awaiting": [] if self._awaiting is None else [self._awaiting],
         }
 
     def load_outer_state_dict(self, state: StateDict) -> None:
+        """Take ``state`` as the shared outer state. An all-reduce in flight here is kept: when
+        its round is the one ``state`` awaits, its mean is the one the holders land next
+        (module docstring "Changing membership")."""
         for group in ("params", "momentum", "base"):
             given = state.get(group)
             if not isinstance(given, dict) or set(given) != set(self._names):
@@ -290,12 +349,23 @@ class CO2(EveryHSteps[CO2Config], AccountedStrategy[CO2Config]):
             for name, ref in zip(self._names, self._outer, strict=True):
                 if not isinstance(given[name], torch.Tensor) or given[name].shape != ref.shape:
                     raise ValueError(f"outer state {group}[{name!r}] has the wrong type or shape")
+        rnd = int(state["round"])
+        awaiting = _awaited_round(state.get("awaiting", []), rnd)
         with torch.no_grad():
             for group, tensors in (("params", self._outer), ("momentum", self._momentum), ("base", self._base)):
                 for name, t in zip(self._names, tensors, strict=True):
                     t.copy_(state[group][name])
-        self._round = int(state["round"])
+        self._round, self._awaiting, self._missed = rnd, awaiting, False
         self._completed = int(state.get("completed_rounds", self._round))
         self._step = int(state.get("step", self._round * self.config.inner_steps))
-        self._in_flight = None  # a mean of the replaced state is not landed on the new one
         self._begin_phase(self._outer)
+
+
+def _awaited_round(awaiting: object, rnd: int) -> int | None:
+    """The round a state's ``awaiting`` entry names (None: no mean in flight). Only the last
+    round launched (``round`` − 1) can be in flight."""
+    if awaiting == []:
+        return None
+    if awaiting != [rnd - 1] or rnd < 1:
+        raise ValueError(f"outer state awaiting must be [] or [round - 1] = [{rnd - 1}], got {awaiting!r}")
+    return rnd - 1

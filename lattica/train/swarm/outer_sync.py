@@ -99,6 +99,8 @@ class OuterStateSync:
         self.mine: tuple[int, str | None] = (0, None)  # completed rounds, outer state hash
         self.history: dict[int, str] = {}  # our outer-state hash of recent rounds, on one line
         self.catch_up_owed: float | None = None  # how long to wait for the others' state
+        # a state one round ahead left to our next sync to reach (``_reached_at_next_sync``)
+        self._left_to_next_sync: tuple[int, str] | None = None
         self._next_repair_at = 0.0
         self._served: ServedRounds | None = None
         self._unservable = UnservableClaims()  # (round, hash) claims no holder could serve
@@ -157,9 +159,12 @@ class OuterStateSync:
         return claim[0]
 
     def not_behind(self, peer: str) -> bool:
-        """Whether ``peer`` published at least the rounds we completed: it needs no catching up."""
+        """Whether ``peer`` published at least the rounds we completed: it needs no catching up.
+        Where means land a round late (CO2), one landing fewer is the same round of the
+        all-reduce: it lands at the peer's coming sync (``rounds_landed_late``)."""
         rnd = self.published_round(peer)
-        return rnd is not None and rnd >= self.mine[0] > 0
+        late = self.trainer.strategy.rounds_landed_late() if self.trainer is not None else 0
+        return rnd is not None and rnd >= self.mine[0] - late and self.mine[0] > 0
 
     async def servable(self, agreed: Agreed) -> bool:
         """Whether a holder of ``agreed`` serves its manifest; if none does, the claim is
@@ -225,6 +230,7 @@ class OuterStateSync:
         state is its own, and is published."""
         strategy = self._trainer().strategy
         self.remember(strategy.completed_rounds, state_hash)
+        self._check_reached(strategy.completed_rounds, state_hash)
         return not self.ran_alone(report) or not strategy.replicas_agree
 
     # -- joining, catching up, repairing -----------------------------------------------------
@@ -352,6 +358,8 @@ class OuterStateSync:
             while True:
                 agreed = self.agreed()
                 if agreed is not None and (agreed[0], agreed[1]) != self.mine and agreed[0] >= self.mine[0]:
+                    if self._reached_at_next_sync(agreed):  # a faster member's: ours lands it
+                        return False
                     if await self.adopt(agreed):
                         await self.publish_round()
                         return True
@@ -368,10 +376,30 @@ class OuterStateSync:
         if self.clock() < self._next_repair_at:
             return False
         target = repair_target(self._adoptable_progress(), self.view.live(), self.view.peer_id, self.mine, self.history)
-        if target is None:
+        if target is None or self._reached_at_next_sync(target):
             return False
         log.info("outer state differs from the swarm's round %d: adopting it", target[0])
         return await self._adopt_and_publish(target)
+
+    def _reached_at_next_sync(self, target: Agreed) -> bool:
+        """Whether ``target``, one round ahead of ours, is the state our own next sync reaches:
+        a strategy that lands each round's mean one sync late (CO2) holds that mean in flight,
+        and a faster member published the round it completes before we got there. Adopting it
+        would throw away our inner phase and our part in the all-reduce it awaits. Its hash is
+        kept: our state of that round must match it (``_check_reached``)."""
+        rnd, digest, _ = target
+        if rnd != self.mine[0] + 1 or not self._trainer().strategy.lands_next_round():
+            return False
+        self._left_to_next_sync = (rnd, digest)
+        return True
+
+    def _check_reached(self, rnd: int, digest: str | None) -> None:
+        """After a round: a state left to this sync (``_reached_at_next_sync``) that ours does
+        not match means our line strayed — catch up at once."""
+        expected, self._left_to_next_sync = self._left_to_next_sync, None
+        if expected is not None and expected[0] == rnd and expected[1] != digest:
+            log.info("outer state of round %d differs from the one the swarm published: catching up", rnd)
+            self.catch_up_owed = SKIPPED_WAIT_S
 
     async def adopt_if_behind(self) -> bool:
         """Group averaging: a replica two or more rounds behind the newest published state (it
