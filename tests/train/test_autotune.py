@@ -10,8 +10,6 @@ from lattica.train.settings.autotune import (
     CODEC_BITS,
     DEFAULT_MAX_LOSS,
     FEW_ROUNDS_LOSS,
-    LOSS_COST,
-    LOSS_COST_AT,
     OVERLAP_METHODS,
     PER_CHUNK_OVERHEAD_S,
     PRIORITY,
@@ -19,7 +17,6 @@ from lattica.train.settings.autotune import (
     Measurements,
     comm_cpu_per_byte,
     loss_cost,
-    loss_table,
     needs_retune,
     predict,
     rounds_applied,
@@ -30,6 +27,7 @@ from lattica.train.settings.autotune import (
     transfer_seconds,
     tune,
 )
+from lattica.train.settings.loss_costs import LOSS_COST, LOSS_COST_AT, loss_table
 
 SMALL = Measurements(step_s=0.1, model_bytes=800_000, bandwidth_bps=20e6, rtt_s=0.1, peers=4)
 

@@ -38,18 +38,9 @@ any exchange shorter than the inner phase while the exchange's CPU slows every s
 The CPU term is what makes a longer H or a smaller codec worth its loss cost there — both divide
 the CPU a step pays.
 
-Every choice also has an expected loss cost, a relative loss increase against DiLoCo at H 50,
-fp32, blocking, measured with this project's convergence benchmark (``LOSS_COST_AT``,
-docs/strategies.md "What a choice costs in loss"): a longer H, a lossier codec, overlap (a
-one-round-late update) and a smaller group each cost some quality, and the costs add. They
-depend on the run's length: the same H and overlap cost 3–6× more over 2,000 steps than over
-500, so the table is kept per measured length and read at the steps the run has left
-(``loss_table``: linear in log(steps) between two lengths, the nearest outside them, the
-longest when unknown). And few rounds cost more than the table's sum (CO2 at H 200 on a 400-step
-run, one applied round: +13.6 %), so when the steps left are known (an overlapped update counts
-one round fewer: the last is never applied) an H that leaves fewer than ``min_rounds`` (8)
-applied rounds is no candidate (only the smallest H when none leaves that many), and every
-candidate adds ``FEW_ROUNDS_LOSS`` ÷ applied rounds (fitted to that run).
+Every choice also has an expected loss cost, measured, relative to DiLoCo at H 50, fp32,
+blocking (``loss_costs``: the tables per run length, read at the steps the run has left), and
+few applied rounds cost more than the tables' sum (below).
 
 The tuner wants the least expected loss cost among the configurations whose predicted
 utilization meets the target (default 0.95) and whose loss cost is within the loss budget
@@ -82,44 +73,14 @@ import itertools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+
+from lattica.train.settings.loss_costs import LOSS_COST, cost_of, costs_per_h, loss_table
 
 # bits per value on the wire, per codec (a per-block scale is negligible at these sizes)
 CODEC_BITS = {"fp32": 32, "bf16": 16, "int8": 8, "int4": 4}
-# expected relative loss increase of each choice against DiLoCo H = 50, fp32, blocking, all peers,
-# measured on runs of the keyed length (docs/strategies.md, "What a choice costs in loss")
 # overlap: False (blocking) or the overlapped method — "eager" (eager DiLoCo, strategy ``eager``)
-# or "co2" (strategy ``co2``); its cost is kept per method and per H (``overlap_at_h``)
+# or "co2" (strategy ``co2``); its loss cost is kept per method and per H (``loss_costs``)
 OVERLAP_METHODS: tuple[object, ...] = (False, "eager", "co2")
-LOSS_COST_AT: dict[int, dict[str, dict[object, Any]]] = {  # LossTable per run length
-    500: {
-        "inner_steps": {25: -0.013, 50: 0.0, 100: 0.026, 200: 0.032, 400: 0.05},
-        "codec": {"fp32": 0.0, "bf16": 0.001, "int8": 0.003, "int4": 0.01},
-        "overlap": {False: 0.0, "eager": 0.031, "co2": 0.009},
-        "overlap_at_h": {  # each method's cost at each H
-            # convergence.py --steps 500 … --strategies eager --set eager.inner_steps=H: val loss
-            # 2.2159 / 2.2805 / 2.3529 / 2.5317 at H 25 / 50 / 100 / 200, over DiLoCo at that H
-            # (H 400 not run: H 200's)
-            "eager": {25: 0.015, 50: 0.031, 100: 0.038, 200: 0.112, 400: 0.112},
-            "co2": {25: 0.018, 50: 0.009, 100: 0.01, 200: 0.01, 400: 0.01},
-        },
-        "group_size": {0: 0.0, 4: 0.005, 2: 0.02},  # 0: every member of the round
-    },
-    2000: {
-        "inner_steps": {25: -0.034, 50: 0.0, 100: 0.047, 200: 0.084, 400: 0.15},
-        "codec": {"fp32": 0.0, "bf16": 0.0, "int8": 0.0, "int4": 0.0},  # int4 measured -0.7 %: none
-        "overlap": {False: 0.0, "eager": 0.053, "co2": 0.064},
-        "overlap_at_h": {
-            # convergence.py --steps 2000 --lr 1e-3 --warmup 20 --threads 1 --strategies eager
-            # --set eager.inner_steps=H: 1.8028 / 1.8523 / 1.9339 / 1.9983 at H 25 / 50 / 100 /
-            # 200, over DiLoCo at that H (1.6982 / 1.7586 / 1.8409 / 1.9069; H 400: H 200's)
-            "eager": {25: 0.059, 50: 0.053, 100: 0.053, 200: 0.052, 400: 0.052},
-            "co2": {25: 0.096, 50: 0.064, 100: 0.047, 200: 0.041, 400: 0.041},
-        },
-        "group_size": {0: 0.0, 4: 0.005, 2: 0.02},
-    },
-}
-LOSS_COST = LOSS_COST_AT[max(LOSS_COST_AT)]  # the longest run measured: a run of unknown length
 DEFAULT_MAX_LOSS = 0.03  # the loss budget: expected loss cost a choice may carry (module docstring)
 CHUNK_BYTES = (256 << 10, 1 << 20, 4 << 20, 16 << 20)
 # the data plane's all-reduce (``net/tensors/collectives.py``): a reduce-scatter, then an
@@ -221,35 +182,14 @@ def rounds_applied(candidate: Candidate, steps_left: int) -> int:
     return max(0, steps_left // candidate.inner_steps - int(bool(candidate.overlap)))
 
 
-LossTable = dict[str, dict[object, Any]]  # knob -> value -> cost (``overlap_at_h``: method -> H -> cost)
-
-
-def loss_table(steps: int | None) -> LossTable:
-    """``LOSS_COST_AT`` for a run of ``steps``: the measured table at a measured length, linear in
-    log(steps) between two, the nearest outside them; the longest when ``steps`` is unknown."""
-    lengths = sorted(LOSS_COST_AT)
-    if steps is None or steps >= lengths[-1]:
-        return LOSS_COST_AT[lengths[-1]]
-    if steps <= lengths[0]:
-        return LOSS_COST_AT[lengths[0]]
-    low, high = max(n for n in lengths if n <= steps), min(n for n in lengths if n > steps)
-    w, a, b = math.log(steps / low) / math.log(high / low), LOSS_COST_AT[low], LOSS_COST_AT[high]
-    return {knob: _between(a[knob], b[knob], w) for knob in b}
-
-
-def _between(a: Mapping[object, Any], b: Mapping[object, Any], w: float) -> dict[object, Any]:
-    """(1 − w)·a + w·b, value by value (nested: per method, per H)."""
-    return {v: _between(a[v], b[v], w) if isinstance(b[v], Mapping) else (1 - w) * a[v] + w * b[v] for v in b}
-
-
 def loss_cost(candidate: Candidate, steps_left: int | None = None) -> float:
     """The table of the run's length (``loss_table``), plus ``FEW_ROUNDS_LOSS`` per 1 / applied
     round when the steps left are known (none applied counts as half a round: worse than one)."""
     costs = loss_table(steps_left)
-    table = float(sum(costs[knob][getattr(candidate, knob)] for knob in PRIORITY if knob != "overlap"))
+    table = sum(cost_of(costs[knob][getattr(candidate, knob)]) for knob in PRIORITY if knob != "overlap")
     if candidate.overlap:  # a round late costs less the longer the round (measured per method, per H)
-        at_h = costs["overlap_at_h"][candidate.overlap]
-        table += at_h.get(candidate.inner_steps, costs["overlap"][candidate.overlap])
+        at_h = costs_per_h(costs["overlap_at_h"][candidate.overlap])
+        table += at_h.get(candidate.inner_steps, cost_of(costs["overlap"][candidate.overlap]))
     if steps_left is None:
         return table
     return table + FEW_ROUNDS_LOSS / max(rounds_applied(candidate, steps_left), 0.5)
@@ -310,7 +250,7 @@ def _values(knob: str, fixed: Mapping[str, object], steps: int | None) -> list[o
             raise ValueError(f"{knob} = {fixed[knob]!r} is not one of {sorted(LOSS_COST[knob], key=str)}")
         return [fixed[knob]]
     costs = loss_table(steps)[knob]
-    return sorted(costs, key=lambda v: (costs[v], v if isinstance(v, int) and knob == "inner_steps" else 0))
+    return sorted(costs, key=lambda v: (cost_of(costs[v]), v if isinstance(v, int) and knob == "inner_steps" else 0))
 
 
 def tune(
