@@ -119,15 +119,21 @@ def add_into(total: torch.Tensor, sparse: SparseChunks) -> None:
 # -- values ------------------------------------------------------------------------------------
 
 
+BF16_LEAST = 2.0**-133  # bf16's least positive (subnormal) value
+
+
 def quantize_2bit(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``[chunks, k]`` fp32 values -> (codes ``[chunks, k]`` uint8 in 0..3, scales ``[chunks]``).
 
     s = absmax / 3 per row, rounded to bf16 (the wire's 2 bytes; returned as fp32); bit 0 of a
     code is the sign, bit 1 chooses magnitude 3s over s (threshold 2s). So the row's absmax
     decodes to within 2^-8 of itself, signs are kept, and every value is off by at most s. A
-    row of zeros has scale 0 and decodes to zeros.
+    row of zeros has scale 0 and decodes to zeros; any other row's s is at least bf16's least
+    positive value (``BF16_LEAST``), so a row of tiny values (absmax / 3 under it) does not
+    decode to zeros, signs lost.
     """
-    scales = values.abs().amax(dim=1) / 3 if values.numel() else values.new_zeros(values.shape[0])
+    absmax = values.abs().amax(dim=1) if values.numel() else values.new_zeros(values.shape[0])
+    scales = torch.where(absmax > 0, (absmax / 3).clamp_min(BF16_LEAST), 0.0)
     scales = scales.to(torch.bfloat16).to(torch.float32)
     big = values.abs() >= 2 * scales[:, None]
     codes = (values < 0).to(torch.uint8) | (big.to(torch.uint8) << 1)
