@@ -133,7 +133,7 @@ def quantize_2bit(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     decode to zeros, signs lost.
     """
     absmax = values.abs().amax(dim=1) if values.numel() else values.new_zeros(values.shape[0])
-    scales = torch.where(absmax > 0, (absmax / 3).clamp_min(BF16_LEAST), 0.0)
+    scales = torch.where(absmax == 0, 0.0, (absmax / 3).clamp_min(BF16_LEAST))  # NaN stays NaN
     scales = scales.to(torch.bfloat16).to(torch.float32)
     big = values.abs() >= 2 * scales[:, None]
     codes = (values < 0).to(torch.uint8) | (big.to(torch.uint8) << 1)
