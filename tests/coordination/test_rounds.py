@@ -238,37 +238,24 @@ async def test_a_peer_that_goes_silent_after_asking_is_left_out_of_the_group() -
             nursery.cancel_scope.cancel()
 
 
-async def test_a_coordinator_that_sees_a_lower_one_redirects_its_askers_there() -> None:
+@pytest.mark.parametrize("unheard", ["silent_for", "unlisted_for"])
+async def test_a_coordinator_that_sees_a_lower_one_redirects_its_askers_there(unheard: str) -> None:
+    """The highest peer does not reach the lowest one yet, which the middle one hears. Either
+    it does not hear the lowest (back from a restart: ``silent_for``), and the middle one would
+    otherwise wait for it until the deadline; or it does not list the lowest among its
+    candidates (back from a link cut, the lease looks expired until a renewal arrives:
+    ``unlisted_for``), and must follow the middle one's redirect there rather than ask the
+    middle one again and again until the round is over without it. One group, at once."""
     with trio.fail_after(40):
         async with trio.open_nursery() as nursery:
-            silent_for: dict[str, set[str]] = {}
-            members = await _members(nursery, deadline_s=20.0, silent_for=silent_for)
+            left_out: dict[str, set[str]] = {}
+            members = await _members(nursery, deadline_s=20.0, **{unheard: left_out})
             low, _middle, high = members
-            # the highest does not hear the lowest yet (back from a restart): it asks the middle
-            # one, which hears the lowest and would otherwise wait for it until the deadline
-            silent_for[high.peer_id] = {low.peer_id}
+            left_out[high.peer_id] = {low.peer_id}
             started = trio.current_time()
             groups = await _groups(members, "round/0")
             assert set(groups.values()) == {tuple(m.peer_id for m in members)}
             assert trio.current_time() - started < 10  # one group, not two halves at the deadline
-            nursery.cancel_scope.cancel()
-
-
-async def test_a_redirect_is_followed_to_a_peer_missing_from_our_own_view() -> None:
-    """Back from a link cut, the highest peer does not list the lowest among its candidates yet
-    (its lease looks expired until a renewal arrives), but the middle one hears it and
-    redirects there: the highest must follow, not ask the middle one again and again (it
-    redirects every time) until the round is over without it."""
-    with trio.fail_after(40):
-        async with trio.open_nursery() as nursery:
-            unlisted_for: dict[str, set[str]] = {}
-            members = await _members(nursery, deadline_s=20.0, unlisted_for=unlisted_for)
-            low, _middle, high = members
-            unlisted_for[high.peer_id] = {low.peer_id}
-            started = trio.current_time()
-            groups = await _groups(members, "round/0")
-            assert set(groups.values()) == {tuple(m.peer_id for m in members)}
-            assert trio.current_time() - started < 10  # one group, at once
             nursery.cancel_scope.cancel()
 
 
